@@ -1,0 +1,64 @@
+"""ForwardBatch: everything one forward pass needs, passed explicitly down the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """A flat batch of T new tokens from B sequences (prefill chunks and decodes mixed).
+
+    Tokens of sequence b occupy rows [query_starts[b], query_starts[b] + query_lens[b]).
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute position of each token in its sequence
+    slot_mapping: torch.Tensor  # [T] int64, KV slot (block * block_size + offset) each token writes
+    query_lens: list[int]  # [B] new tokens per sequence
+    context_lens: list[int]  # [B] tokens in the KV cache for the sequence after this step
+    context_slots: list[torch.Tensor]  # [B] x [context_len] int64, KV slots to attend over, in order
+    logits_rows: torch.Tensor  # [S] rows of T whose next-token logits are wanted
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def query_starts(self) -> list[int]:
+        starts, acc = [], 0
+        for n in self.query_lens:
+            starts.append(acc)
+            acc += n
+        return starts
+
+    def to(self, device: torch.device) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids.to(device),
+            positions=self.positions.to(device),
+            slot_mapping=self.slot_mapping.to(device),
+            query_lens=self.query_lens,
+            context_lens=self.context_lens,
+            context_slots=[s.to(device) for s in self.context_slots],
+            logits_rows=self.logits_rows.to(device),
+        )
+
+    @classmethod
+    def single(cls, token_ids: list[int], block_table: list[int], block_size: int, start: int = 0):
+        """One sequence: tokens [start, start+len(token_ids)) written through `block_table`."""
+        n = len(token_ids)
+        positions = torch.arange(start, start + n)
+        table = torch.tensor(block_table, dtype=torch.long)
+        all_pos = torch.arange(start + n)
+        slots = table[all_pos // block_size] * block_size + all_pos % block_size
+        return cls(
+            input_ids=torch.tensor(token_ids, dtype=torch.long),
+            positions=positions,
+            slot_mapping=slots[start:],
+            query_lens=[n],
+            context_lens=[start + n],
+            context_slots=[slots],
+            logits_rows=torch.arange(n),
+        )

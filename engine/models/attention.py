@@ -1,0 +1,78 @@
+"""Grouped-query attention over a paged KV cache, with the per-architecture q/k norms."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        nh, nkv, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(h, nh * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, nkv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, nkv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(nh * d, h, bias=False)
+        if cfg.qk_norm == "per_head":
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "full":
+            self.q_norm = RMSNorm(nh * d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(nkv * d, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(d, cfg.rope_theta)
+        self.scale = d**-0.5
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, H]; k_cache/v_cache [slots, KV, D] (written in place) -> [T, H]."""
+        cfg = self.cfg
+        T = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, NH*D], [T, KV*D] x2
+        if cfg.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.clip_qkv is not None:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q = q.view(T, cfg.num_heads, cfg.head_dim)
+        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self.rotary(batch.positions, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+
+        out = torch.empty_like(q)  # [T, NH, D]
+        for start, q_len, ctx, slots in zip(
+            batch.query_starts, batch.query_lens, batch.context_lens, batch.context_slots, strict=True
+        ):
+            qs = q[start : start + q_len].transpose(0, 1)  # [NH, q, D]
+            ks = k_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [KV, ctx, D]
+            vs = v_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)
+            mask = self._mask(q_len, ctx, q.device)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, is_causal=mask is None and q_len == ctx and q_len > 1,
+                scale=self.scale, enable_gqa=True,
+            )  # [NH, q, D]
+            out[start : start + q_len] = o.transpose(0, 1)
+        return self.o_proj(out.reshape(T, -1))
+
+    def _mask(self, q_len: int, ctx: int, device: torch.device) -> torch.Tensor | None:
+        """Boolean [q, ctx] mask (True = attend), or None where plain causal / full suffices."""
+        window = self.cfg.sliding_window
+        if (q_len == 1 or q_len == ctx) and (window is None or ctx <= window):
+            return None
+        q_pos = torch.arange(ctx - q_len, ctx, device=device)[:, None]
+        k_pos = torch.arange(ctx, device=device)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= q_pos - k_pos < window
+        return mask

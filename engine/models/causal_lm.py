@@ -1,0 +1,55 @@
+"""MoeForCausalLM: one decoder stack for every supported architecture, named as in Hugging Face."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.models.attention import Attention
+from engine.models.layers import GatedMLP, RMSNorm
+from engine.models.moe import SparseMoeBlock
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_moe = cfg.moe_layers[layer_idx]
+        self.mlp = SparseMoeBlock(cfg) if self.is_moe else GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size)
+
+    def forward(self, x, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), batch, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MoeModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MoeForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = MoeModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Runs the stack over the batch's new tokens, writing their KV; returns hidden [T, H]."""
+        x = self.model.embed_tokens(batch.input_ids)  # [T, H]
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, batch, k_cache, v_cache)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, H] -> fp32 logits [S, V]."""
+        return self.lm_head(hidden).float()

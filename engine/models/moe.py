@@ -1,0 +1,87 @@
+"""Sparse MoE block: router, routed experts (pluggable compute) and the optional shared expert.
+
+Shapes: T = tokens, H = hidden, E = experts, I = expert intermediate, K = experts per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.models.layers import GatedMLP
+
+# (x [T, H], topk_ids [T, K] (-1 = skip slot), topk_weights [T, K]) -> [T, H]
+ExpertCompute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.top_k = cfg.top_k
+        self.norm_topk_prob = cfg.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (router logits [T, E], top-k weights [T, K], top-k ids [T, K])."""
+        logits = F.linear(x, self.weight)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights.to(logits.dtype), ids
+
+
+class Experts(nn.Module):
+    """Routed experts in the fused layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+
+    `compute` is replaced by a quantized CPU kernel when the engine packs the experts.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.num_experts, self.intermediate = e, i
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.compute: ExpertCompute | None = None
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.compute is not None:
+            return self.compute(x, topk_ids, topk_weights)
+        return self.reference(x, topk_ids, topk_weights)
+
+    def reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Plain torch: tokens grouped by expert, each expert's weights read once."""
+        out = torch.zeros_like(x)  # [T, H]
+        for e in torch.unique(topk_ids).tolist():
+            if e < 0:
+                continue
+            tok, slot = torch.where(topk_ids == e)  # [n], [n]
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] x2
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, H]
+            out.index_add_(0, tok, (y * topk_weights[tok, slot, None]).to(out.dtype))
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        _, weights, ids = self.gate(x)
+        out = self.experts(x, ids, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
