@@ -1,0 +1,124 @@
+"""AsyncLLM: the engine loop on its own thread, one asyncio stream of RequestOutputs per request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.errors import EngineError
+from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(EngineError):
+    """The engine loop stopped after an internal failure; the server should be restarted."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLM:
+    """Thread-safe front of an LLMEngine. Commands go in through a queue; the loop thread owns the engine."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="moegate-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLM:
+        return cls(LLMEngine(config))
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields incremental outputs until the request finishes; closing the iterator aborts it."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped: {self._dead}")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, prompt_token_ids, params))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout)
+
+    # -- loop thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            block = not self.engine.has_work()
+            try:
+                self._drain(block)
+                if self.engine.has_work():
+                    for out in self.engine.step():
+                        stream = self._streams.get(out.request_id)
+                        if stream is not None:
+                            stream.put(out)
+            except Exception as exc:  # noqa: BLE001 - a broken step must fail its requests, not hang them
+                log.exception("engine step failed")
+                self._fail_all(exc)
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                cmd = self._commands.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if cmd[0] == "add":
+                _, rid, ids, params = cmd
+                try:
+                    self.engine.add_request(rid, ids, params)
+                except Exception as exc:  # noqa: BLE001 - reported to that request only
+                    stream = self._streams.get(rid)
+                    if stream is not None:
+                        stream.put(exc)
+            elif cmd[0] == "abort":
+                self.engine.abort(cmd[1])
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Fails every in-flight request with the error and frees their state; the loop keeps serving."""
+        for rid in self.engine.active_request_ids():
+            self.engine.abort(rid)
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put(EngineError(f"engine step failed: {exc}"))

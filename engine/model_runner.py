@@ -1,0 +1,50 @@
+"""ModelRunner: owns the model and its KV pools on the device; turns scheduled chunks into logits."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+from engine.kv_cache import BlockManager, KVCacheSpec, allocate_kv_cache
+from engine.models.causal_lm import MoeForCausalLM
+from engine.scheduler import ScheduledChunk
+
+
+class ModelRunner:
+    def __init__(self, model: MoeForCausalLM, spec: KVCacheSpec, device: torch.device, kv_dtype: torch.dtype):
+        self.model = model
+        self.device = device
+        self.spec = spec
+        self.kv_caches = allocate_kv_cache(model.config, spec, kv_dtype, device)
+
+    def build_batch(self, chunks: list[ScheduledChunk], blocks: BlockManager) -> ForwardBatch:
+        ids, positions, slot_parts, ctx_slots, rows = [], [], [], [], []
+        row = 0
+        for c in chunks:
+            end = c.start + c.num_tokens
+            ids.extend(c.seq.token_ids[c.start : end])
+            positions.append(torch.arange(c.start, end))
+            slots = blocks.slots(c.seq.block_table, 0, end)  # [end]
+            slot_parts.append(slots[c.start :])
+            ctx_slots.append(slots)
+            row += c.num_tokens
+            if c.samples:
+                rows.append(row - 1)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.cat(positions),
+            slot_mapping=torch.cat(slot_parts),
+            query_lens=[c.num_tokens for c in chunks],
+            context_lens=[c.start + c.num_tokens for c in chunks],
+            context_slots=ctx_slots,
+            logits_rows=torch.tensor(rows, dtype=torch.long),
+        )
+        return batch.to(self.device) if self.device.type != "cpu" else batch
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Runs the batch (writing its KV) -> fp32 logits [S, V] of the rows that sample, on the CPU."""
+        hidden = self.model(batch, self.kv_caches)  # [T, H]
+        if batch.logits_rows.numel() == 0:
+            return torch.empty(0, self.model.config.vocab_size)
+        return self.model.compute_logits(hidden[batch.logits_rows]).cpu()

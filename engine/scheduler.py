@@ -1,0 +1,94 @@
+"""Continuous batching: chunked prefill and decode mixed under a token budget, recompute preemption."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.kv_cache import BlockManager
+from engine.sequence import Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(f"scheduler limits must be >= 1: {self}")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first token position computed this step
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the sequence's last token, so a next token is sampled."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in arrival order
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.blocks.can_allocate(self.blocks.blocks_needed(seq.block_table, seq.num_computed + n)):
+                victim = self.running[-1]  # the latest arrival gives way
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break
+            self.blocks.grow(seq.block_table, seq.num_computed + n)
+            chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self.blocks.can_allocate(self.blocks.blocks_needed(seq.block_table, seq.num_computed + n)):
+                break
+            self.waiting.popleft()
+            self.blocks.grow(seq.block_table, seq.num_computed + n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            budget -= n
+        return chunks
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Frees the sequence's KV; it goes back to the head of the queue and is recomputed."""
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,57 @@
+"""Sequence: one request's tokens, KV blocks, decoding state and streamed text."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_arrival = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # tokens whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    arrival: int = field(default_factory=lambda: next(_arrival))
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    # Text: `text` is the detokenized output so far (stop strings cut off); `emitted` how much of it
+    # has been handed to the caller (text that may still turn out to start a stop string is held back).
+    text: str = ""
+    emitted: int = 0
+    detokenizer: object | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: empty prompt")
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
