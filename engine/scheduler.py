@@ -24,11 +24,12 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first token position computed this step
     num_tokens: int
+    samples: bool  # the chunk reaches the sequence's last token, so a next token is sampled
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the sequence's last token, so a next token is sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        start = seq.num_computed
+        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
 
 
 class Scheduler:
@@ -59,7 +60,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 break
             self.blocks.grow(seq.block_table, seq.num_computed + n)
-            chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            chunks.append(ScheduledChunk.of(seq, n))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -71,7 +72,7 @@ class Scheduler:
             self.blocks.grow(seq.block_table, seq.num_computed + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            chunks.append(ScheduledChunk.of(seq, n))
             budget -= n
         return chunks
 
