@@ -65,7 +65,10 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load tokenizer.json, tokenizer_config.json, generation_config.json and chat_template.jinja."""
+        """Load tokenizer.json, tokenizer_config.json, generation_config.json and chat template files.
+
+        chat_template.jinja and additional_chat_templates/*.jinja override tokenizer_config's
+        chat_template, as in transformers."""
         path = Path(path)
         tj = path / "tokenizer.json"
         if not tj.is_file():
@@ -77,8 +80,8 @@ class Tokenizer:
         templates = {}
         if (path / "chat_template.jinja").is_file():
             templates["default"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
-        if (path / "chat_templates").is_dir():
-            for f in sorted((path / "chat_templates").glob("*.jinja")):
+        if (path / "additional_chat_templates").is_dir():  # transformers' CHAT_TEMPLATE_DIR
+            for f in sorted((path / "additional_chat_templates").glob("*.jinja")):
                 templates[f.stem] = f.read_text(encoding="utf-8")
         if len(templates) == 1 and "default" in templates:
             template = templates["default"]

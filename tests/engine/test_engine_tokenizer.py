@@ -227,3 +227,39 @@ def test_windowed_stream_for_non_byte_level_decoder(tmp_path):
     deltas = _assert_stream_equals_decode(t, ids)
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == "the 株価 market → €"
+
+
+def test_named_templates_pick_tool_use_like_transformers(tmp_path, bpe_dir):
+    from transformers import AutoTokenizer
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(bpe_dir, d)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": "DEFAULT {{ messages[0].content }}"},
+                               {"name": "tool_use", "template": "TOOLS {{ (tools or []) | length }} {{ messages[0].content }}"}]
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [{"role": "user", "content": "q"}]
+    for files in (False, True):
+        if files:  # the files saved by transformers 5 take precedence over tokenizer_config
+            (d / "chat_template.jinja").write_text("FILE-DEFAULT {{ messages[0].content }}")
+            (d / "additional_chat_templates").mkdir()
+            (d / "additional_chat_templates" / "tool_use.jinja").write_text("FILE-TOOLS {{ tools | length }}")
+        ours, theirs = Tokenizer.from_dir(d), AutoTokenizer.from_pretrained(d)
+        for tools in (None, TOOLS):
+            a = ours.apply_chat_template(messages, tools=tools)
+            assert a == theirs.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+            assert a == {(False, False): "DEFAULT q", (False, True): "TOOLS 2 q",
+                         (True, False): "FILE-DEFAULT q", (True, True): "FILE-TOOLS 2"}[files, bool(tools)]
+    assert ours.apply_chat_template(messages, chat_template="default") == "FILE-DEFAULT q"
+
+
+def test_small_bpe_is_deterministic():
+    from engine.bpe_vocab import BPE_ADDED_TOKENS, small_bpe_tokenizer_json
+
+    first = small_bpe_tokenizer_json(512)
+    small_bpe_tokenizer_json.cache_clear()
+    assert small_bpe_tokenizer_json(512) == first
+    data = json.loads(first)
+    assert len(data["model"]["vocab"]) == 512
+    assert [t["content"] for t in data["added_tokens"]] == [c for c, _ in BPE_ADDED_TOKENS]
+    assert [t["id"] for t in data["added_tokens"]] == list(range(512, 512 + len(BPE_ADDED_TOKENS)))
