@@ -9,6 +9,8 @@ import sys
 # Each module exposes `register(subparsers)` that adds its subcommand(s) and sets `func`.
 _SUBCOMMAND_MODULES = [
     "engine.cli",
+    "policies.cli",
+    "gateway.audit_cli",
 ]
 
 
