@@ -57,3 +57,12 @@ def test_hash_key(capsys, monkeypatch):
     assert _run(["policy", "hash-key", "--generate"]) == 0
     key_line, hash_line = capsys.readouterr().out.splitlines()
     assert hash_api_key(key_line.split()[1]) == hash_line.split()[1]
+
+
+def test_committed_schema_is_current(tmp_path):
+    """policies/policy.schema.json (referenced by the examples for editors) matches the model."""
+    out = tmp_path / "schema.json"
+    _run(["policy", "schema", "--out", str(out)])
+    committed = EXAMPLES.parent / "policy.schema.json"
+    assert json.loads(committed.read_text()) == json.loads(out.read_text()), (
+        "regenerate with `moegate policy schema --out policies/policy.schema.json`")
