@@ -122,16 +122,21 @@ return 1
 
 class RedisStore(Store):
     def __init__(self, url: str, on_unavailable: OnUnavailable = "fail_closed", *, prefix: str = "moegate:",
-                 timeout_s: float = 0.5, poll_s: float = 0.02):
+                 timeout_s: float = 0.5, poll_s: float = 0.02, max_connections: int = 64,
+                 pool_wait_s: float = 5.0):
         if on_unavailable not in ("fail_open", "fail_closed"):
             raise ValueError(f"on_unavailable must be fail_open or fail_closed, not {on_unavailable!r}")
         self.url, self.on_unavailable, self.prefix, self.poll_s = url, on_unavailable, prefix, poll_s
         # one quick retry: after a redis restart the pooled connection is dead and the retry reconnects
-        self._redis = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+        # a bounded pool that queues callers: an unbounded one opens a socket per concurrent request and
+        # redis-py then fails bursts with MaxConnectionsError, which would read as "redis unavailable"
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=pool_wait_s,
+            socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             retry=Retry(ConstantBackoff(0.01), 1), retry_on_error=[RedisConnectionError, RedisTimeoutError],
-            health_check_interval=0, decode_responses=False,
         )
+        self._pool = pool
+        self._redis = aioredis.Redis(connection_pool=pool)
         r = self._redis
         self._rate = r.register_script(_RATE_LIMIT)
         self._acquire = r.register_script(_ACQUIRE)
@@ -246,3 +251,4 @@ class RedisStore(Store):
 
     async def close(self) -> None:
         await self._redis.aclose()
+        await self._pool.disconnect()

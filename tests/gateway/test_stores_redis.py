@@ -132,3 +132,13 @@ def test_traffic_survives_outage_fail_open(redis_server):
         await store.close()
 
     asyncio.run(main())
+
+
+def test_burst_larger_than_the_pool_queues_instead_of_failing(redis_server):
+    async def main():
+        store = RedisStore(redis_server.url, "fail_closed", max_connections=4)
+        decisions = await asyncio.gather(*(store.rate_limit("b", rate=0.001, burst=100) for _ in range(300)))
+        assert sum(d.allowed for d in decisions) == 100 and not any(d.degraded for d in decisions)
+        await store.close()
+
+    asyncio.run(main())
