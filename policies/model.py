@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 from sqlglot.dialects.dialect import Dialects
 
+from policies.resolve import ResolvedPolicy, resolve
+
 Mode = Literal["exploration", "execution"]
 ExecutionTrigger = Literal["json_schema", "json_object", "tools_required", "tools_any", "sql", "always"]
 SegmentKind = Literal["json_fence", "sql_fence", "tool_call"]
@@ -250,10 +252,8 @@ class Policy(_Strict):
     def tenant(self, tenant_id: str) -> Tenant | None:
         return next((t for t in self.tenants if t.id == tenant_id), None)
 
-    def resolve(self, tenant: Tenant | str, route: str, model: str):
+    def resolve(self, tenant: Tenant | str, route: str, model: str) -> ResolvedPolicy:
         """Everything the gateway needs for one request; raises PolicyDenied when not allowed."""
-        from policies.resolve import resolve
-
         return resolve(self, tenant, route, model)
 
     @classmethod

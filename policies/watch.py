@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
@@ -96,6 +97,12 @@ class PolicyHolder:
             loop.add_signal_handler(signal.SIGHUP, self.reload)
         else:
             signal.signal(signal.SIGHUP, lambda signum, frame: self.reload())
+
+    async def watch_async(self, interval_s: float = 2.0) -> None:
+        """Poll from an asyncio task (listeners then run on the event loop): create_task(holder.watch_async())."""
+        while True:
+            await asyncio.sleep(interval_s)
+            self.poll()
 
     def start_watching(self, interval_s: float = 2.0) -> None:
         """Poll the file every `interval_s` seconds on a daemon thread until stop()."""

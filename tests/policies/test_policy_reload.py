@@ -1,5 +1,6 @@
 """PolicyHolder: reload on file change and SIGHUP; an invalid file never replaces the last good policy."""
 
+import asyncio
 import os
 import signal
 import time
@@ -72,6 +73,37 @@ def test_watch_thread_picks_up_change(tmp_path):
     finally:
         holder.stop()
     assert holder.current.id == "finance-v2"
+
+
+def test_async_watch_and_loop_sighup(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(FINANCE)
+    holder = PolicyHolder(path)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        holder.install_sighup(loop)
+        task = asyncio.create_task(holder.watch_async(0.02))
+        try:
+            _write(path, FINANCE.replace("id: finance-prod", "id: finance-async", 1))
+            for _ in range(250):
+                if holder.current.id == "finance-async":
+                    break
+                await asyncio.sleep(0.02)
+            assert holder.current.id == "finance-async"
+            task.cancel()  # from here on only the signal can reload
+            path.write_text(FINANCE.replace("id: finance-prod", "id: finance-loop-hup", 1))
+            os.kill(os.getpid(), signal.SIGHUP)
+            for _ in range(250):
+                if holder.current.id == "finance-loop-hup":
+                    break
+                await asyncio.sleep(0.02)
+            assert holder.current.id == "finance-loop-hup"
+        finally:
+            task.cancel()
+            loop.remove_signal_handler(signal.SIGHUP)
+
+    asyncio.run(main())
 
 
 def test_sighup_reloads(tmp_path):
