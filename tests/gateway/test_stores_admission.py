@@ -63,6 +63,7 @@ def test_token_rate_and_daily_budget():
     asyncio.run(main())
 
 
+@pytest.mark.redis
 def test_admission_fail_open_and_closed_with_redis_down(tmp_path):
     server = RedisProcess(tmp_path)
     server.start()

@@ -26,7 +26,7 @@ def redis_server(tmp_path_factory):
     server.kill()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
 def make(request):
     """A factory (called inside the test's event loop) for a fresh store of the given backend."""
     if request.param == "memory":
@@ -179,6 +179,7 @@ def test_abandoned_key_is_taken_over_and_wait_times_out(make):
     run(main())
 
 
+@pytest.mark.redis
 def test_make_store_picks_backend(redis_server, monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
     assert isinstance(make_store(), MemoryStore)

@@ -9,6 +9,8 @@ from redis_process import RedisProcess
 from gateway.stores import IdemState, StoredResponse, StoreUnavailable
 from gateway.stores.redis_store import RedisStore
 
+pytestmark = pytest.mark.redis
+
 
 @pytest.fixture
 def redis_server(tmp_path):
