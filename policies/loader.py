@@ -126,7 +126,8 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
         issues = []
         for err in exc.errors():
             loc = _strip_model_prefix(err["loc"])
-            node = (_key_node(root, loc) if err["type"] == "extra_forbidden" and loc else None) or _node_at(root, loc)
+            on_key = err["type"] == "extra_forbidden" or "[key]" in err["loc"]  # the key itself is wrong
+            node = (_key_node(root, loc) if on_key and loc else None) or _node_at(root, loc)
             message = err["msg"]
             if err["type"] == "extra_forbidden":
                 message = "unknown field (typo?)"

@@ -72,6 +72,14 @@ def test_invalid_field_is_named_with_its_line(old, new, field, needle, words):
     assert f"p.yaml:{issue.line}:" in str(err) and field in str(err)
 
 
+def test_bad_mapping_key_points_at_the_key():
+    text = FINANCE.replace("segments: {json_fence: execution", "segments: {json_fencee: execution", 1)
+    issue = _reject(text).issues[0]
+    assert issue.field == "modes.segments.json_fencee" and "'json_fence', 'sql_fence' or 'tool_call'" in issue.message
+    line = text.splitlines()[issue.line - 1]
+    assert line[issue.column - 1:].startswith("json_fencee")
+
+
 def test_missing_required_field_points_at_parent():
     text = FINANCE.replace("  exploration: {precision: fast, deferral_depth: 2}\n", "", 1)
     err = _reject(text)
