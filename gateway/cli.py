@@ -10,6 +10,9 @@ import sys
 _SUBCOMMAND_MODULES = [
     "engine.cli",
     "engine.model_cli",
+    "engine.plan",
+    "policies.cli",
+    "gateway.audit_cli",
 ]
 
 

@@ -1,0 +1,264 @@
+"""Pydantic v2 policy model: tenants, models, routes, modes, tools, SQL rules, precision, limits, audit."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from functools import cached_property
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+from sqlglot.dialects.dialect import Dialects
+
+from policies.resolve import ResolvedPolicy, resolve
+
+Mode = Literal["exploration", "execution"]
+ExecutionTrigger = Literal["json_schema", "json_object", "tools_required", "tools_any", "sql", "always"]
+SegmentKind = Literal["json_fence", "sql_fence", "tool_call"]
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]*$", max_length=200)]
+KEY_HASH_PATTERN = r"^sha256:[0-9a-f]{64}$"
+SQL_DIALECTS = sorted(d.value for d in Dialects if d.value)
+
+
+def hash_api_key(api_key: str) -> str:
+    """The stored form of an API key: `sha256:<hex>` (keys are high-entropy secrets, so no salt)."""
+    return "sha256:" + hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ApiKey(_Strict):
+    hash: Annotated[str, Field(pattern=KEY_HASH_PATTERN, description="`sha256:<hex>` of the key")]
+    name: str = ""
+
+
+class Limits(_Strict):
+    """Per-tenant limits. `None` means unlimited; fields left out of an override inherit."""
+
+    requests_per_min: Annotated[int, Field(gt=0)] | None = None
+    request_burst: Annotated[int, Field(gt=0)] | None = None
+    tokens_per_min: Annotated[int, Field(gt=0)] | None = None
+    token_burst: Annotated[int, Field(gt=0)] | None = None
+    concurrency: Annotated[int, Field(gt=0)] | None = None
+    max_tokens: Annotated[int, Field(gt=0)] | None = None
+    tokens_per_day: Annotated[int, Field(gt=0)] | None = None
+
+    def overlay(self, override: Limits | None) -> Limits:
+        """Fields explicitly set in `override` (even to null) replace ours."""
+        if override is None:
+            return self
+        values = self.model_dump()
+        values.update({k: getattr(override, k) for k in override.model_fields_set})
+        return Limits(**values)
+
+
+class ModeSettings(_Strict):
+    precision: Annotated[str, Field(description="name of a precision profile")]
+    deferral_depth: Annotated[int, Field(ge=0, le=16)] = 0
+
+
+class ModeRules(_Strict):
+    execution_when: list[ExecutionTrigger] = Field(
+        default_factory=lambda: ["json_schema", "json_object", "tools_required", "sql"],
+        description="request features that make the whole request execution; `always` forces it",
+    )
+    segments: dict[SegmentKind, Mode] = Field(
+        default_factory=lambda: {"json_fence": "execution", "sql_fence": "execution", "tool_call": "execution"},
+        description="mode of a segment detected inside an exploration response",
+    )
+
+
+class Modes(ModeRules):
+    exploration: ModeSettings
+    execution: ModeSettings
+
+    @model_validator(mode="after")
+    def _no_deferral_in_execution(self) -> Modes:
+        if self.execution.deferral_depth != 0:
+            raise ValidationError.from_exception_data("Modes", [InitErrorDetails(
+                type=PydanticCustomError("execution_deferral",
+                                         "execution mode must not defer experts: set deferral_depth to 0"),
+                loc=("execution", "deferral_depth"), input=self.execution.deferral_depth)])
+        return self
+
+
+class PrecisionProfile(_Strict):
+    routed_experts: Literal["int4", "int8", "bf16"] = "int4"
+    formatting_layers: Annotated[int, Field(ge=0, description="last N layers kept at formatting_dtype")] = 0
+    formatting_dtype: Literal["int8", "bf16", "fp32"] = "bf16"
+    lm_head: Literal["int8", "bf16", "fp32"] = "bf16"
+
+
+class SqlRules(_Strict):
+    dialect: str = Field(description=f"sqlglot dialect, one of: {', '.join(SQL_DIALECTS)}")
+    read_only: bool = True
+    allowed_tables: list[str] = Field(default_factory=list, description="lower-cased; `schema.table` allowed")
+    row_limit: Annotated[int, Field(gt=0)] | None = 1000
+
+    @field_validator("dialect")
+    @classmethod
+    def _known_dialect(cls, v: str) -> str:
+        if v not in SQL_DIALECTS:
+            raise PydanticCustomError("sql_dialect", "unknown SQL dialect '{d}'; known: {known}",
+                                      {"d": v, "known": ", ".join(SQL_DIALECTS)})
+        return v
+
+    @field_validator("allowed_tables")
+    @classmethod
+    def _lower_tables(cls, v: list[str]) -> list[str]:
+        return [t.lower() for t in v]
+
+
+class RedactionRule(_Strict):
+    pattern: str
+    replacement: str = "[REDACTED]"
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as exc:
+            raise PydanticCustomError("regex", "invalid regular expression: {err}", {"err": str(exc)}) from None
+        return v
+
+
+class AuditSettings(_Strict):
+    level: Literal["off", "metadata", "full"] = "metadata"
+    redact: list[RedactionRule] = Field(default_factory=list)
+    fsync: Literal["always", "interval", "never"] = "interval"
+    fsync_interval_s: Annotated[float, Field(gt=0)] = 1.0
+
+    def redact_text(self, text: str) -> str:
+        for rule in self.redact:
+            text = re.sub(rule.pattern, rule.replacement, text)
+        return text
+
+
+class StoreSettings(_Strict):
+    on_unavailable: Literal["fail_open", "fail_closed"] = "fail_closed"
+    idempotency_ttl_s: Annotated[int, Field(gt=0)] = 86400
+    idempotency_wait_s: Annotated[float, Field(ge=0)] = 30.0
+
+
+class ModelEntry(_Strict):
+    name: Name
+    source: str | None = Field(None, description="checkpoint directory or `builtin:<name>`")
+    description: str = ""
+
+
+class Route(_Strict):
+    path: Annotated[str, Field(pattern=r"^/")]
+    models: list[str] | None = Field(None, description="models served on this route; null = all")
+    modes: ModeRules | None = None
+    limits: Limits | None = None
+
+
+class Tenant(_Strict):
+    id: Name
+    api_keys: list[ApiKey] = Field(min_length=1)
+    models: list[str] = Field(default_factory=lambda: ["*"], description="model names, or `*`")
+    routes: list[str] = Field(default_factory=lambda: ["*"], description="route paths, or `*`")
+    allowed_tools: list[str] = Field(default_factory=list, description="tool names, or `*`")
+    databases: list[str] = Field(default_factory=list, description="names from `databases`")
+    limits: Limits | None = None
+    audit_level: Literal["off", "metadata", "full"] | None = None
+
+
+class Policy(_Strict):
+    version: Literal[1] = 1
+    id: Name
+    description: str = ""
+    models: list[ModelEntry] = Field(min_length=1)
+    routes: list[Route] = Field(min_length=1)
+    tenants: list[Tenant] = Field(min_length=1)
+    modes: Modes
+    precision_profiles: dict[str, PrecisionProfile] = Field(min_length=1)
+    databases: dict[str, SqlRules] = Field(default_factory=dict)
+    limits: Limits = Field(default_factory=Limits)
+    audit: AuditSettings = Field(default_factory=AuditSettings)
+    stores: StoreSettings = Field(default_factory=StoreSettings)
+
+    @model_validator(mode="after")
+    def _references(self) -> Policy:
+        problems: list[tuple[tuple[str | int, ...], str, Any]] = []
+        model_names = {m.name for m in self.models}
+        route_paths = {r.path for r in self.routes}
+
+        def dup(items: list[str], where: str, field: str) -> None:
+            seen: set[str] = set()
+            for i, item in enumerate(items):
+                if item in seen:
+                    problems.append(((where, i, field), f"duplicate {field} {item!r}", item))
+                seen.add(item)
+
+        dup([m.name for m in self.models], "models", "name")
+        dup([r.path for r in self.routes], "routes", "path")
+        dup([t.id for t in self.tenants], "tenants", "id")
+        key_owner: dict[str, str] = {}
+        for mode in ("exploration", "execution"):
+            name = getattr(self.modes, mode).precision
+            if name not in self.precision_profiles:
+                problems.append((("modes", mode, "precision"),
+                                 f"unknown precision profile {name!r}; defined: {sorted(self.precision_profiles)}",
+                                 name))
+        for ri, route in enumerate(self.routes):
+            for mi, m in enumerate(route.models or []):
+                if m not in model_names:
+                    problems.append((("routes", ri, "models", mi), f"unknown model {m!r}", m))
+        for ti, t in enumerate(self.tenants):
+            for ki, key in enumerate(t.api_keys):
+                if key.hash in key_owner:
+                    problems.append((("tenants", ti, "api_keys", ki, "hash"),
+                                     f"API key already belongs to tenant {key_owner[key.hash]!r}", key.hash))
+                key_owner[key.hash] = t.id
+            for mi, m in enumerate(t.models):
+                if m != "*" and m not in model_names:
+                    problems.append((("tenants", ti, "models", mi), f"unknown model {m!r}", m))
+            for pi, p in enumerate(t.routes):
+                if p != "*" and p not in route_paths:
+                    problems.append((("tenants", ti, "routes", pi), f"unknown route {p!r}", p))
+            for di, d in enumerate(t.databases):
+                if d not in self.databases:
+                    problems.append((("tenants", ti, "databases", di), f"unknown database {d!r}", d))
+        if problems:
+            raise ValidationError.from_exception_data(
+                "Policy",
+                [InitErrorDetails(type=PydanticCustomError("policy_reference", msg), loc=loc, input=value)
+                 for loc, msg, value in problems],
+            )
+        return self
+
+    @cached_property
+    def digest(self) -> str:
+        """sha256 over the canonical JSON of the policy: identifies this exact version in audit and traces."""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+    @cached_property
+    def _tenant_by_key(self) -> dict[str, Tenant]:
+        return {k.hash: t for t in self.tenants for k in t.api_keys}
+
+    def authenticate(self, api_key: str) -> Tenant | None:
+        """The tenant owning `api_key`, or None."""
+        if not api_key:
+            return None
+        return self._tenant_by_key.get(hash_api_key(api_key))
+
+    def tenant(self, tenant_id: str) -> Tenant | None:
+        return next((t for t in self.tenants if t.id == tenant_id), None)
+
+    def resolve(self, tenant: Tenant | str, route: str, model: str) -> ResolvedPolicy:
+        """Everything the gateway needs for one request; raises PolicyDenied when not allowed."""
+        return resolve(self, tenant, route, model)
+
+    @classmethod
+    def json_schema(cls) -> dict[str, Any]:
+        schema = cls.model_json_schema()
+        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        schema["title"] = "moegate policy"
+        return schema
