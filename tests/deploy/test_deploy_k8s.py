@@ -248,26 +248,3 @@ def test_cuda_overlay_requests_a_gpu_and_the_cuda_image():
     assert _by_kind(docs, "ConfigMap")["moegate-config"]["data"]["MOEGATE_DEVICE"] == "cuda"
     base = _gateway(_render(BASE))["spec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in base["resources"]["limits"] and base["image"].endswith("-cpu")
-
-
-def test_affinity_router_hashes_tenant_and_prefix_over_the_headless_replicas():
-    docs = _render(BASE)
-    envoy = yaml.safe_load(_by_kind(docs, "ConfigMap")["moegate-router"]["data"]["envoy.yaml"])
-    (cluster,) = envoy["static_resources"]["clusters"]
-    assert cluster["lb_policy"] in ("RING_HASH", "MAGLEV")
-    assert cluster["type"] == "STRICT_DNS"  # one host per pod IP of the headless service
-    addr = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
-    headless = _by_kind(docs, "Service")[addr["address"]]
-    assert headless["spec"]["clusterIP"] == "None"
-    assert addr["port_value"] in [p["port"] for p in headless["spec"]["ports"]]
-    assert cluster["health_checks"][0]["http_health_check"]["path"] == "/health"
-    hcm = envoy["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
-    assert route["cluster"] == cluster["name"]
-    headers = [h["header"]["header_name"] for h in route["hash_policy"]]
-    assert headers == ["authorization", "x-moegate-affinity"]
-    listen_port = envoy["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
-    router = _by_kind(docs, "Deployment")["moegate-router"]["spec"]["template"]["spec"]["containers"][0]
-    assert {"name": "http", "containerPort": listen_port} in router["ports"]
-    mount = router["volumeMounts"][0]["mountPath"]
-    assert router["args"][router["args"].index("--config-path") + 1] == f"{mount}/envoy.yaml"
