@@ -1,0 +1,300 @@
+"""`moegate plan`: RAM, GPU memory and disk a model needs, and its predicted decode ceiling on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from engine.sizing import (
+    EMBED,
+    LM_HEAD,
+    OTHER,
+    PARTS,
+    ROUTED,
+    ModelShape,
+    SizingError,
+    census,
+    expert_params,
+    params_by_part,
+    weights,
+)
+
+GIB = 2**30
+DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "demo-moe"
+# Process overhead beside the weights (Python, torch, tokenizer, gateway; CUDA context + workspace).
+# Estimates, printed on their own line, never mixed into the weight figures.
+HOST_OVERHEAD_BYTES = int(1.5 * GIB)
+GPU_OVERHEAD_BYTES = 1 * GIB
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A storage format: `bits` per weight plus, when grouped, one fp32 scale per `group_size` inputs."""
+
+    name: str
+    bits: int
+    group_size: int = 0  # 0: plain floats, no scales
+    scale_bytes: int = 4
+
+    def matrix_bytes(self, rows: int, cols: int) -> int:
+        weight = rows * cols * self.bits // 8
+        if not self.group_size:
+            return weight
+        return weight + rows * math.ceil(cols / self.group_size) * self.scale_bytes
+
+
+PRECISIONS = {
+    "fp32": Precision("fp32", 32),
+    "bf16": Precision("bf16", 16),
+    "fp16": Precision("fp16", 16),
+    "int8": Precision("int8", 8, group_size=32),
+    "int4": Precision("int4", 4, group_size=32),
+}
+EXPERT_PRECISIONS = ("int4", "int8", "bf16", "fp32")
+DENSE_PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    experts_precision: str = "int4"
+    dense_precision: str = "bf16"  # dense part, hot experts and KV cache
+    device: str = "cuda"  # where the dense part lives: "cuda" or "cpu"
+    hot_experts: int = 0  # routed experts per MoE layer copied to the GPU
+    kv_tokens: int = 32768  # KV cache capacity, all sequences together
+    context_tokens: int = 0  # context whose KV each decoded token reads (for the ceiling)
+    cache_gb: float = 10.0  # disk prefix-cache tier size, GiB
+
+    def __post_init__(self) -> None:
+        if self.experts_precision not in EXPERT_PRECISIONS:
+            raise SizingError(f"experts precision {self.experts_precision!r}: use one of {EXPERT_PRECISIONS}")
+        if self.dense_precision not in DENSE_PRECISIONS:
+            raise SizingError(f"dense precision {self.dense_precision!r}: use one of {DENSE_PRECISIONS}")
+        if self.device not in ("cuda", "cpu"):
+            raise SizingError(f"device {self.device!r}: use cuda or cpu")
+        if min(self.hot_experts, self.kv_tokens, self.context_tokens) < 0 or self.cache_gb < 0:
+            raise SizingError("hot experts, KV tokens, context tokens and cache size must be >= 0")
+        if self.hot_experts and self.device == "cpu":
+            raise SizingError("--hot-experts needs a GPU: hot experts are GPU copies (use --device cuda)")
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    arch: str
+    options: PlanOptions
+    params: dict[str, int]  # part -> parameters
+    bytes: dict[str, int]  # part -> bytes at the chosen precisions
+    params_total: int
+    params_active: int  # per decoded token
+    dense_bytes: int  # everything but the routed experts
+    experts_bytes: int  # all routed experts
+    hot_experts_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes: int
+    fast_device_bytes: int  # GPU (device cuda) or 0
+    host_ram_bytes: int
+    checkpoint_disk_bytes: int
+    cache_disk_bytes: int
+    cache_tokens: int  # prefix tokens the disk tier holds
+    streamed_bytes_per_token: int  # bytes read from memory per decoded token
+    bandwidth_gbps: float  # host memory bandwidth used for the ceiling
+    decode_ceiling_tok_s: float  # everything streamed from host memory at that bandwidth
+    experts_ceiling_tok_s: float  # only the active routed experts from host memory (dense part on GPU)
+    checkpoint_check: dict[str, object] = field(default_factory=dict)
+
+
+def measure_bandwidth(total_mb: int = 256, repeats: int = 4) -> float:
+    """Host memory bandwidth in GB/s: the lesser of a STREAM-like triad and a read-sum, best of `repeats`."""
+    n = total_mb * 2**20 // (3 * 8)
+    a, b, c = np.empty(n), np.full(n, 1.0), np.full(n, 2.0)  # [n] float64 each, ~total_mb together
+    triad = read = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.multiply(c, 3.0, out=a)  # read c, write a
+        np.add(a, b, out=a)  # read a, b, write a
+        triad = min(triad, time.perf_counter() - t)
+        t = time.perf_counter()
+        float(b.sum()) + float(c.sum())
+        read = min(read, time.perf_counter() - t)
+    return min(5 * n * 8 / triad, 2 * n * 8 / read) / 1e9
+
+
+def _part_bytes(shape: ModelShape, opts: PlanOptions) -> dict[str, int]:
+    dense, experts = PRECISIONS[opts.dense_precision], PRECISIONS[opts.experts_precision]
+    out = dict.fromkeys(PARTS, 0)
+    for w in weights(shape):
+        if w.part == ROUTED:
+            out[w.part] += experts.matrix_bytes(*w.shape) * w.count
+        else:
+            out[w.part] += math.prod(w.shape) * dense.bits // 8 * w.count
+    return out
+
+
+def _checkpoint_check(shape: ModelShape, model_dir: Path) -> tuple[dict[str, object], int]:
+    """Compare config-derived counts with the safetensors headers; returns (report, bytes on disk)."""
+    found = census(model_dir)
+    expected = params_by_part(shape)
+    if found is None:
+        nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(shape.checkpoint_dtype, 2)
+        return {"headers": False}, sum(expected.values()) * nbytes
+    mismatches = {p: {"config": expected.get(p, 0), "checkpoint": found.params[p]}
+                  for p in (*PARTS, OTHER) if expected.get(p, 0) != found.params[p]}
+    report = {"headers": True, "tensors": found.num_tensors, "match": not mismatches,
+              "params_checkpoint": sum(found.params.values()), "mismatches": mismatches}
+    return report, found.file_bytes
+
+
+def build_plan(model_dir: str | Path, opts: PlanOptions, bandwidth_gbps: float) -> Plan:
+    model_dir = Path(model_dir)
+    shape = ModelShape.from_dir(model_dir)
+    params = params_by_part(shape)
+    nbytes = _part_bytes(shape, opts)
+    dense_prec = PRECISIONS[opts.dense_precision]
+    per_expert = expert_params(shape)
+    n_moe = shape.num_moe_layers
+    params_total = sum(params.values())
+    params_active = params_total - params[ROUTED] + shape.top_k * per_expert * n_moe
+
+    dense_bytes = sum(b for p, b in nbytes.items() if p != ROUTED)
+    experts_bytes = nbytes[ROUTED]
+    one_expert = nbytes[ROUTED] // max(1, shape.num_experts * n_moe)
+    hot = min(opts.hot_experts, shape.num_experts)
+    hot_bytes = hot * n_moe * per_expert * dense_prec.bits // 8
+    kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dense_prec.bits // 8
+    kv_bytes = kv_per_token * opts.kv_tokens
+    if opts.device == "cuda":
+        fast, host = dense_bytes + hot_bytes + kv_bytes, experts_bytes
+    else:
+        fast, host = 0, dense_bytes + experts_bytes + kv_bytes
+
+    # Per decoded token: every dense weight but the embedding table (one row), the LM head even when tied,
+    # the top-k experts of every MoE layer, and the KV of the context.
+    lm_head = shape.vocab_size * shape.hidden_size * dense_prec.bits // 8
+    dense_streamed = dense_bytes - nbytes[EMBED] - nbytes[LM_HEAD] + lm_head
+    dense_streamed += shape.hidden_size * dense_prec.bits // 8
+    active_experts = shape.top_k * n_moe * one_expert
+    streamed = dense_streamed + active_experts + kv_per_token * opts.context_tokens
+    check, disk = _checkpoint_check(shape, model_dir)
+    cache_bytes = int(opts.cache_gb * GIB)
+    return Plan(
+        model=str(model_dir), arch=shape.arch, options=opts, params=params, bytes=nbytes,
+        params_total=params_total, params_active=params_active, dense_bytes=dense_bytes,
+        experts_bytes=experts_bytes, hot_experts_bytes=hot_bytes, kv_bytes_per_token=kv_per_token,
+        kv_bytes=kv_bytes, fast_device_bytes=fast, host_ram_bytes=host, checkpoint_disk_bytes=disk,
+        cache_disk_bytes=cache_bytes, cache_tokens=cache_bytes // kv_per_token,
+        streamed_bytes_per_token=streamed, bandwidth_gbps=bandwidth_gbps,
+        decode_ceiling_tok_s=bandwidth_gbps * 1e9 / streamed,
+        experts_ceiling_tok_s=bandwidth_gbps * 1e9 / active_experts,
+        checkpoint_check=check,
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:8.2f} GiB"
+
+
+def format_plan(plan: Plan) -> str:
+    o = plan.options
+    lines = [
+        f"model {plan.model} ({plan.arch}): {plan.params_total / 1e9:.3f} B params, "
+        f"{plan.params_active / 1e9:.3f} B active per token",
+        f"precision: routed experts {o.experts_precision}, dense part + KV {o.dense_precision}; "
+        f"dense part on {o.device}",
+        "",
+        f"{'part':<16}{'params':>16}{'bytes':>14}",
+    ]
+    for part in PARTS:
+        if plan.params[part]:
+            lines.append(f"{part:<16}{plan.params[part]:>16,}{_gib(plan.bytes[part]):>14}")
+    kv = f"KV cache ({o.kv_tokens:,} tokens x {plan.kv_bytes_per_token:,} B)"
+    lines += ["", f"{kv:<44}{_gib(plan.kv_bytes)}"]
+    if o.device == "cuda":
+        lines += [
+            f"{'GPU: dense part + KV + hot experts':<44}{_gib(plan.fast_device_bytes)}"
+            f"   (+ ~{GPU_OVERHEAD_BYTES / GIB:.1f} GiB CUDA context/workspace)",
+        ]
+        if o.hot_experts:
+            lines.append(f"{f'  of which hot experts ({o.hot_experts}/layer, {o.dense_precision})':<44}"
+                         f"{_gib(plan.hot_experts_bytes)}")
+    host_what = "routed experts" if o.device == "cuda" else "all weights + KV"
+    lines += [
+        f"{'RAM: ' + host_what:<44}{_gib(plan.host_ram_bytes)}"
+        f"   (+ ~{HOST_OVERHEAD_BYTES / GIB:.1f} GiB process overhead)",
+        f"{'disk: checkpoint':<44}{_gib(plan.checkpoint_disk_bytes)}",
+        f"{'disk: prefix-cache tier':<44}{_gib(plan.cache_disk_bytes)}   ({plan.cache_tokens:,} tokens of KV)",
+        "",
+        f"streamed per decoded token: {plan.streamed_bytes_per_token / 2**20:.1f} MiB "
+        f"(context {o.context_tokens:,} tokens); host bandwidth {plan.bandwidth_gbps:.1f} GB/s",
+        f"decode ceiling, everything from host memory: {plan.decode_ceiling_tok_s:8.1f} tok/s",
+        f"decode ceiling, active experts from host memory only: {plan.experts_ceiling_tok_s:8.1f} tok/s "
+        "(dense part on GPU)",
+    ]
+    check = plan.checkpoint_check
+    if not check.get("headers"):
+        lines.append("checkpoint: no safetensors found; disk size estimated from config dtype")
+    elif check["match"]:
+        lines.append(f"checkpoint: {check['tensors']} tensors in safetensors headers match the config counts")
+    else:
+        lines.append(f"checkpoint: headers DISAGREE with config.json: {check['mismatches']}")
+    return "\n".join(lines)
+
+
+def _default_device() -> str:
+    wanted = os.environ.get("MOEGATE_DEVICE", "auto")
+    if wanted in ("cpu", "cuda"):
+        return wanted
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run(args: argparse.Namespace) -> int:
+    model = args.model or os.environ.get("MOEGATE_MODEL") or str(DEFAULT_MODEL_DIR)
+    try:
+        opts = PlanOptions(
+            experts_precision=args.experts_precision, dense_precision=args.dense_precision,
+            device=args.device if args.device != "auto" else _default_device(),
+            hot_experts=args.hot_experts, kv_tokens=args.kv_tokens, context_tokens=args.context_tokens,
+            cache_gb=args.cache_gb,
+        )
+        bandwidth = args.bandwidth if args.bandwidth else measure_bandwidth()
+        plan = build_plan(model, opts, bandwidth)
+    except SizingError as exc:
+        print(f"moegate plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(asdict(plan), indent=2))
+    else:
+        print(format_plan(plan))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("plan", help="memory, disk and decode-ceiling plan for a model",
+                              description=__doc__)
+    p.add_argument("--model", help="checkpoint dir (config.json [+ safetensors]); default $MOEGATE_MODEL "
+                   "or the bundled demo model")
+    p.add_argument("--experts-precision", choices=EXPERT_PRECISIONS, default="int4")
+    p.add_argument("--dense-precision", choices=DENSE_PRECISIONS, default="bf16",
+                   help="dense part, hot experts and KV cache")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the dense part goes (auto: $MOEGATE_DEVICE, else CUDA if available)")
+    p.add_argument("--hot-experts", type=int, default=0, help="experts per MoE layer copied to the GPU")
+    p.add_argument("--kv-tokens", type=int, default=32768, help="KV cache capacity in tokens")
+    p.add_argument("--context-tokens", type=int, default=0,
+                   help="context length whose KV each decoded token reads (for the ceiling)")
+    p.add_argument("--cache-gb", type=float, default=10.0, help="disk prefix-cache tier size in GiB")
+    p.add_argument("--bandwidth", type=float, default=0.0,
+                   help="host memory bandwidth in GB/s (default: measure it, ~1 s)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)

@@ -1,0 +1,263 @@
+"""Exact parameter counts of a MoE checkpoint per placement part, from config.json and safetensors headers."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+# Placement parts. Everything but ROUTED lives on the fast device (GPU when present).
+EMBED, LM_HEAD, ATTENTION, NORMS, ROUTER, SHARED, DENSE_MLP, ROUTED, OTHER = (
+    "embed", "lm_head", "attention", "norms", "router", "shared_experts", "dense_mlp", "routed_experts",
+    "other",
+)
+PARTS = (EMBED, LM_HEAD, ATTENTION, NORMS, ROUTER, SHARED, DENSE_MLP, ROUTED)
+
+# safetensors dtype tag -> bytes per element
+_ST_DTYPE_BYTES = {
+    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+    "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
+}
+
+
+class SizingError(ValueError):
+    """A model directory cannot be sized: missing or inconsistent config.json / safetensors."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of config.json that decide memory, normalised across the supported architectures."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    dense_intermediate_size: int  # MLP width of layers without experts
+    shared_expert_intermediate_size: int  # 0: no shared expert
+    attention_bias: bool  # bias on q/k/v (and o for OLMoE/Qwen3 attention_bias)
+    tie_word_embeddings: bool
+    moe_layers: tuple[bool, ...]
+    checkpoint_dtype: str  # "bfloat16", "float32", ... as written in config.json
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise SizingError(f"unsupported model_type {self.arch!r}: moegate sizes {', '.join(ARCHS)}")
+        if self.num_heads % self.num_kv_heads:
+            raise SizingError(f"num_attention_heads {self.num_heads} is not a multiple of "
+                              f"num_key_value_heads {self.num_kv_heads}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise SizingError(f"num_experts_per_tok={self.top_k} must be in 1..{self.num_experts}")
+        if len(self.moe_layers) != self.num_layers:
+            raise SizingError("moe_layers needs one entry per layer")
+        if not any(self.moe_layers):
+            raise SizingError("no layer has routed experts (mlp_only_layers / decoder_sparse_step): "
+                              "this is a dense model, not a MoE")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelShape:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise SizingError(f"{path} not found: `moegate plan --model DIR` needs a checkpoint directory "
+                              "with a config.json")
+        try:
+            return cls.from_hf(json.loads(path.read_text()))
+        except json.JSONDecodeError as exc:
+            raise SizingError(f"{path} is not valid JSON: {exc}") from exc
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelShape:
+        arch = hf.get("model_type", "")
+        if arch not in ARCHS:
+            raise SizingError(f"unsupported model_type {arch!r}: moegate sizes {', '.join(ARCHS)}")
+
+        def need(*names: str) -> Any:
+            for name in names:
+                if hf.get(name) is not None:
+                    return hf[name]
+            raise SizingError(f"config.json of a {arch} model lacks {' / '.join(names)}")
+
+        hidden, heads, layers = need("hidden_size"), need("num_attention_heads"), need("num_hidden_layers")
+        experts = need("num_experts", "num_local_experts")  # transformers 5 writes either name
+        if arch in ("mixtral", "olmoe"):  # no separate expert width: intermediate_size is the expert's
+            moe_inter = dense_inter = need("intermediate_size")
+        else:
+            moe_inter = need("moe_intermediate_size")
+            dense_inter = hf.get("intermediate_size") or moe_inter
+        mlp_only = set(hf.get("mlp_only_layers") or [])
+        step = hf.get("decoder_sparse_step") or 1
+        if arch in ("mixtral", "olmoe"):
+            moe_layers = tuple(True for _ in range(layers))
+        else:
+            moe_layers = tuple(i not in mlp_only and experts > 0 and (i + 1) % step == 0 for i in range(layers))
+        if arch == "qwen2_moe":
+            bias = bool(hf.get("qkv_bias", True))
+        else:
+            bias = bool(hf.get("attention_bias", False))
+        return cls(
+            arch=arch,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hidden // heads,
+            num_experts=experts,
+            top_k=need("num_experts_per_tok"),
+            moe_intermediate_size=moe_inter,
+            dense_intermediate_size=dense_inter,
+            shared_expert_intermediate_size=(hf.get("shared_expert_intermediate_size") or 0)
+            if arch == "qwen2_moe" else 0,
+            attention_bias=bias,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            moe_layers=moe_layers,
+            checkpoint_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"),
+        )
+
+
+@dataclass(frozen=True)
+class Weight:
+    """`count` tensors of one `shape` belonging to one placement part."""
+
+    part: str
+    shape: tuple[int, ...]
+    count: int
+
+    @property
+    def params(self) -> int:
+        return math.prod(self.shape) * self.count
+
+
+def weights(shape: ModelShape) -> list[Weight]:
+    """Every tensor the checkpoint holds, grouped by shape, per part (matches Hugging Face modules)."""
+    h, hd, heads, kv = shape.hidden_size, shape.head_dim, shape.num_heads, shape.num_kv_heads
+    n_moe = shape.num_moe_layers
+    n_dense = shape.num_layers - n_moe
+    layers = shape.num_layers
+    out = [Weight(EMBED, (shape.vocab_size, h), 1), Weight(NORMS, (h,), 2 * layers + 1)]
+    if not shape.tie_word_embeddings:
+        out.append(Weight(LM_HEAD, (shape.vocab_size, h), 1))
+    out += [
+        Weight(ATTENTION, (heads * hd, h), layers),  # q_proj
+        Weight(ATTENTION, (kv * hd, h), 2 * layers),  # k_proj, v_proj
+        Weight(ATTENTION, (h, heads * hd), layers),  # o_proj
+    ]
+    if shape.attention_bias:
+        out += [Weight(ATTENTION, (heads * hd,), layers), Weight(ATTENTION, (kv * hd,), 2 * layers)]
+        if shape.arch in ("qwen3_moe", "olmoe"):  # attention_bias also puts a bias on o_proj there
+            out.append(Weight(ATTENTION, (h,), layers))
+    if shape.arch == "qwen3_moe":  # RMSNorm over head_dim
+        out.append(Weight(NORMS, (hd,), 2 * layers))
+    elif shape.arch == "olmoe":  # RMSNorm over all heads
+        out += [Weight(NORMS, (h,), layers), Weight(NORMS, ((h // heads) * kv,), layers)]
+    e, mi = shape.num_experts, shape.moe_intermediate_size
+    if n_moe:
+        out += [
+            Weight(ROUTER, (e, h), n_moe),
+            Weight(ROUTED, (mi, h), 2 * e * n_moe),  # gate_proj, up_proj of every expert
+            Weight(ROUTED, (h, mi), e * n_moe),  # down_proj
+        ]
+    si = shape.shared_expert_intermediate_size
+    if si and n_moe:
+        out += [Weight(SHARED, (si, h), 2 * n_moe), Weight(SHARED, (h, si), n_moe),
+                Weight(SHARED, (1, h), n_moe)]  # shared_expert_gate
+    if n_dense:
+        di = shape.dense_intermediate_size
+        out += [Weight(DENSE_MLP, (di, h), 2 * n_dense), Weight(DENSE_MLP, (h, di), n_dense)]
+    return out
+
+
+def params_by_part(shape: ModelShape) -> dict[str, int]:
+    counts = dict.fromkeys(PARTS, 0)
+    for w in weights(shape):
+        counts[w.part] += w.params
+    return counts
+
+
+def expert_params(shape: ModelShape) -> int:
+    """Parameters of one routed expert (gate, up, down)."""
+    return 3 * shape.hidden_size * shape.moe_intermediate_size
+
+
+def classify(name: str) -> str:
+    """Placement part of a checkpoint tensor name (Hugging Face hub naming of the four archs)."""
+    if "embed_tokens" in name:
+        return EMBED
+    if name.startswith("lm_head"):
+        return LM_HEAD
+    if "shared_expert" in name:
+        return SHARED
+    if ".experts." in name or name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        return ROUTED
+    if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+        return ROUTER
+    if "norm" in name:
+        return NORMS
+    if ".self_attn." in name:
+        return ATTENTION
+    if ".mlp." in name:
+        return DENSE_MLP
+    return OTHER
+
+
+@dataclass(frozen=True)
+class CheckpointCensus:
+    """What the safetensors headers of a directory declare, without loading a tensor."""
+
+    params: dict[str, int]  # part -> elements
+    bytes: dict[str, int]  # part -> bytes as stored
+    file_bytes: int  # size of the .safetensors files on disk
+    num_tensors: int
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """The JSON header of one .safetensors file (8-byte little-endian length, then JSON)."""
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise SizingError(f"{path} is too short to be a safetensors file")
+        (length,) = struct.unpack("<Q", raw)
+        if length > 100_000_000:
+            raise SizingError(f"{path}: safetensors header of {length} bytes is implausible (corrupt file?)")
+        try:
+            header = json.loads(f.read(length))
+        except json.JSONDecodeError as exc:
+            raise SizingError(f"{path}: unreadable safetensors header: {exc}") from exc
+    header.pop("__metadata__", None)
+    return header
+
+
+def census(model_dir: str | Path) -> CheckpointCensus | None:
+    """Per-part element and byte counts from every *.safetensors header in `model_dir`; None if none."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    params = dict.fromkeys((*PARTS, OTHER), 0)
+    nbytes = dict.fromkeys((*PARTS, OTHER), 0)
+    n = 0
+    for path in files:
+        for name, info in read_header(path).items():
+            part = classify(name)
+            numel = math.prod(info["shape"])
+            dtype = info["dtype"]
+            if dtype not in _ST_DTYPE_BYTES:
+                raise SizingError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+            params[part] += numel
+            nbytes[part] += numel * _ST_DTYPE_BYTES[dtype]
+            n += 1
+    return CheckpointCensus(params=params, bytes=nbytes,
+                            file_bytes=sum(p.stat().st_size for p in files), num_tensors=n)

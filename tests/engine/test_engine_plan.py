@@ -1,0 +1,224 @@
+"""`moegate plan`: exact parameter counts per arch, sizes against a real load, CLI output and errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import plan as plan_mod
+from engine.plan import PRECISIONS, PlanOptions, build_plan, measure_bandwidth
+from engine.sizing import ROUTED, ModelShape, SizingError, census, params_by_part
+
+transformers = pytest.importorskip("transformers")
+
+QWEN3_30B_A3B = {  # numbers of Qwen/Qwen3-30B-A3B config.json
+    "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768, "intermediate_size": 6144, "vocab_size": 151936,
+    "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "bfloat16",
+}
+
+
+def _tiny_configs():
+    t = transformers
+    common = dict(vocab_size=1000, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    return {
+        # attention_bias + a dense layer + explicit head_dim exercise the optional Qwen3 parts
+        "qwen3_moe": t.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32,
+                                      num_hidden_layers=4, head_dim=24, num_experts=8, num_experts_per_tok=2,
+                                      mlp_only_layers=[1], attention_bias=True),
+        # shared expert, qkv bias, sparse every 2nd layer, tied embeddings
+        "qwen2_moe": t.Qwen2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=80, num_hidden_layers=4, num_experts=8,
+                                      num_experts_per_tok=2, decoder_sparse_step=2, tie_word_embeddings=True),
+        "mixtral": t.MixtralConfig(**common, intermediate_size=32, num_hidden_layers=3, num_local_experts=8,
+                                   num_experts_per_tok=2),
+        "olmoe": t.OlmoeConfig(**common, intermediate_size=32, num_hidden_layers=3, num_experts=8,
+                               num_experts_per_tok=2, eos_token_id=0, pad_token_id=1),
+    }
+
+
+def _save(config, path: Path, dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+def test_param_counts_match_transformers_and_headers_per_part(arch, tmp_path):
+    model = _save(_tiny_configs()[arch], tmp_path)
+    shape = ModelShape.from_dir(tmp_path)
+    counts = params_by_part(shape)
+    found = census(tmp_path)
+    assert shape.arch == arch
+    assert sum(counts.values()) == sum(p.numel() for p in model.parameters())
+    assert found is not None and found.params["other"] == 0
+    assert {p: found.params[p] for p in counts} == counts
+    expert_sizes = {n: p.numel() for n, p in model.named_parameters() if "experts" in n and "shared" not in n}
+    assert counts[ROUTED] == sum(expert_sizes.values())
+
+
+def test_qwen3_30b_a3b_figures_from_config_numbers(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    p = build_plan(tmp_path, PlanOptions(experts_precision="int4", kv_tokens=1000), bandwidth_gbps=20.0)
+    assert 30.4e9 < p.params_total < 30.6e9  # published: 30.5B total
+    assert 3.3e9 < p.params_active < 3.4e9  # published: 3.3B activated
+    assert p.kv_bytes_per_token == 2 * 48 * 4 * 128 * 2
+    assert p.kv_bytes == 1000 * p.kv_bytes_per_token
+    # int4 + one fp32 scale per 32 weights = 0.625 bytes per expert weight
+    assert p.experts_bytes == pytest.approx(p.params[ROUTED] * 0.625, rel=1e-9)
+    assert p.host_ram_bytes == p.experts_bytes and p.fast_device_bytes == p.dense_bytes + p.kv_bytes
+    assert p.checkpoint_check == {"headers": False}
+    assert p.checkpoint_disk_bytes == p.params_total * 2
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoints(tmp_path_factory):
+    """The random Qwen3-MoE of the brief (hidden 256, 4 layers, 16 experts) saved in fp32 and bf16."""
+    cfg = transformers.Qwen3MoeConfig(vocab_size=8192, hidden_size=256, intermediate_size=512,
+                                      moe_intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
+                                      num_key_value_heads=2, num_experts=16, num_experts_per_tok=4)
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        out[name] = tmp_path_factory.mktemp(f"qwen3-{name}")
+        _save(cfg, out[name], dtype)
+    return out
+
+
+_LOAD_AND_MEASURE = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from safetensors.torch import load_file
+    def rss_anon():
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    before = rss_anon()
+    tensors = {}
+    for f in sorted(Path(sys.argv[1]).glob("*.safetensors")):
+        tensors.update({k: v.clone() for k, v in load_file(f).items()})  # owned copies, not the mmap
+    grown = rss_anon() - before
+    print(json.dumps({"rss_growth": grown,
+                      "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}))
+""")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_plan_bytes_match_a_real_load_within_10_percent(qwen3_checkpoints, precision):
+    path = qwen3_checkpoints[precision]
+    opts = PlanOptions(experts_precision=precision, dense_precision=precision, device="cpu", kv_tokens=0)
+    p = build_plan(path, opts, bandwidth_gbps=10.0)
+    out = subprocess.run([sys.executable, "-c", _LOAD_AND_MEASURE, str(path)], capture_output=True,
+                         text=True, check=True, timeout=120)
+    real = json.loads(out.stdout)
+    predicted = sum(p.bytes.values())
+    assert predicted == p.host_ram_bytes  # device cpu, no KV: RAM holds exactly the weights
+    assert abs(predicted - real["tensor_bytes"]) <= 0.10 * real["tensor_bytes"]
+    assert abs(predicted - real["rss_growth"]) <= 0.10 * real["rss_growth"]
+    assert p.checkpoint_check["match"] is True
+    assert abs(p.checkpoint_disk_bytes - predicted) <= 0.10 * predicted
+
+
+def _pack_grouped(w: np.ndarray, bits: int, group: int) -> list[np.ndarray]:
+    """Reference symmetric group quantizer: packed integer codes + one fp32 scale per group."""
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // group, group)  # [R, G, group]
+    qmax = 2 ** (bits - 1) - 1
+    scales = (np.abs(g).max(axis=-1) / qmax).astype(np.float32)  # [R, G]
+    q = np.clip(np.round(g / np.maximum(scales[..., None], 1e-12)), -qmax - 1, qmax).astype(np.int8)
+    codes = q.reshape(rows, cols)
+    if bits == 4:  # two signed nibbles per byte
+        nib = (codes & 0x0F).astype(np.uint8)
+        codes = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
+    return [codes, scales]
+
+
+@pytest.mark.parametrize("name", ["int4", "int8"])
+def test_quantized_matrix_bytes_equal_a_reference_packing(name):
+    w = np.random.default_rng(0).standard_normal((96, 256)).astype(np.float32)
+    prec = PRECISIONS[name]
+    packed = _pack_grouped(w, prec.bits, prec.group_size)
+    assert prec.matrix_bytes(*w.shape) == sum(a.nbytes for a in packed)
+    assert PRECISIONS["bf16"].matrix_bytes(*w.shape) == w.size * 2
+
+
+def _run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="moegate")
+    plan_mod.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    code = args.func(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_cli_json_ceiling_and_hot_experts(qwen3_checkpoints, capsys):
+    path = str(qwen3_checkpoints["bf16"])
+    code, out, _ = _run_cli(["plan", "--model", path, "--json", "--bandwidth", "12.5", "--device", "cuda",
+                             "--hot-experts", "2", "--kv-tokens", "4096", "--experts-precision", "int8"], capsys)
+    assert code == 0
+    p = json.loads(out)
+    assert p["options"]["experts_precision"] == "int8" and p["options"]["hot_experts"] == 2
+    assert p["decode_ceiling_tok_s"] == pytest.approx(12.5e9 / p["streamed_bytes_per_token"])
+    expert_params = 3 * 256 * 256
+    assert p["hot_experts_bytes"] == 2 * 4 * expert_params * 2
+    active = 4 * 4 * PRECISIONS["int8"].matrix_bytes(256, 256) * 3
+    assert p["experts_ceiling_tok_s"] == pytest.approx(12.5e9 / active)
+    assert p["fast_device_bytes"] == p["dense_bytes"] + p["hot_experts_bytes"] + p["kv_bytes"]
+    assert p["kv_bytes"] == 4096 * 2 * 4 * 2 * 32 * 2  # layers * kv heads * head_dim(256/8) * bf16
+
+
+def test_cli_text_output_measures_bandwidth(qwen3_checkpoints, capsys):
+    code, out, _ = _run_cli(["plan", "--model", str(qwen3_checkpoints["fp32"]), "--device", "cpu"], capsys)
+    assert code == 0
+    assert "decode ceiling" in out and "routed_experts" in out and "match the config counts" in out
+    gbps = float(out.split("host bandwidth ")[1].split(" GB/s")[0])
+    assert 0.5 < gbps < 5000
+
+
+def test_measure_bandwidth_is_quick_and_plausible():
+    import time
+
+    t = time.perf_counter()
+    gbps = measure_bandwidth(total_mb=64, repeats=2)
+    assert time.perf_counter() - t < 5
+    assert 0.5 < gbps < 5000 and math.isfinite(gbps)
+
+
+def test_headers_that_disagree_with_config_are_reported(qwen3_checkpoints, tmp_path, capsys):
+    src = qwen3_checkpoints["bf16"]
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_experts"] = cfg.pop("num_local_experts", cfg.get("num_experts")) * 2
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    code, out, _ = _run_cli(["plan", "--model", str(tmp_path), "--bandwidth", "10", "--device", "cpu"], capsys)
+    assert code == 0 and "DISAGREE" in out and "routed_experts" in out
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"model_type": "llama", "hidden_size": 8}, "unsupported model_type 'llama'"),
+    ({"model_type": "mixtral", "hidden_size": 64}, "lacks num_attention_heads"),
+])
+def test_bad_configs_exit_2_with_a_message(tmp_path, capsys, bad, message):
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    code, _, err = _run_cli(["plan", "--model", str(tmp_path), "--bandwidth", "1"], capsys)
+    assert code == 2 and message in err
+
+
+def test_missing_dir_and_bad_options_are_typed_errors(tmp_path):
+    with pytest.raises(SizingError, match="needs a checkpoint directory"):
+        ModelShape.from_dir(tmp_path / "nope")
+    with pytest.raises(SizingError, match="needs a GPU"):
+        PlanOptions(device="cpu", hot_experts=2)
+    with pytest.raises(SizingError, match="dense model"):
+        ModelShape.from_hf({**QWEN3_30B_A3B, "mlp_only_layers": list(range(48))})
