@@ -229,7 +229,7 @@ def pack_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, fmt: str, group_
                  progress: bool = True, expert_ids: tuple[int, ...] | None = None,
                  chunk: int = 8) -> PackedExperts:
     """Pack w_gate_up [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up) and w_down [E, H, I] into ``fmt``."""
-    gs = check_format(fmt, DEFAULT_GROUP_SIZE[fmt] if group_size is None else group_size)
+    gs = check_format(fmt, DEFAULT_GROUP_SIZE.get(fmt, 0) if group_size is None else group_size)
     e, two_i, h = w_gate_up.shape
     if two_i % 2 or w_down.shape != (e, h, two_i // 2):
         raise FormatError(f"expected w_gate_up [E, 2I, H] and w_down [E, H, I]; got {tuple(w_gate_up.shape)} "

@@ -239,7 +239,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
     float* orow[kMaxMT * 64];
     float tmp[kMaxMT * 64][16];
     // Phase 1: gate+up tiles, SiLU(gate) * up into H.
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 8)
     for (int64_t it = 0; it < n1; ++it) {
       const int64_t e = active[it / P.i8], tile = it % P.i8;
       for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += kMaxMT * 64) {
@@ -263,7 +263,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       for (int64_t r = 0; r < S; ++r) group_sums(&hb[r * hbuf], ip, P.gs, &hs[r * ngi]);
     }
     // Phase 2: down tiles into Y.
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 8)
     for (int64_t it = 0; it < n2; ++it) {
       const int64_t e = active[it / P.h8], tile = it % P.h8;
       for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += kMaxMT * 64) {
