@@ -109,13 +109,13 @@ def assign_to_nodes(topology: NumaTopology, expert_bytes: list[list[int]],
         freq = counts[layer] if counts is not None else [1.0] * len(row)
         total_freq = sum(freq) or 1.0
         work = [b * (f / total_freq + 1e-9) for b, f in zip(row, freq, strict=True)]
-        load = [0.0] * len(nodes)
+        raw = [0.0] * len(nodes)
         owner = [0] * len(row)
         for e in sorted(range(len(row)), key=lambda e: (-work[e], e)):
-            best = min(range(len(nodes)), key=lambda i: ((load[i] + work[e]) / len(nodes[i].cpus), i))
-            load[best] += work[e] / len(nodes[best].cpus)
+            best = min(range(len(nodes)), key=lambda i: ((raw[i] + work[e]) / len(nodes[i].cpus), i))
+            raw[best] += work[e]
             owner[e] = nodes[best].node_id
         expert_node.append(tuple(owner))
-        loads.append(tuple(load))
+        loads.append(tuple(r / len(n.cpus) for r, n in zip(raw, nodes, strict=True)))
     threads = {n.node_id: n.cpus for n in nodes}
     return NumaPlan(tuple(expert_node), threads, tuple(loads))

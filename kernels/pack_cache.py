@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
-from safetensors import SafetensorsError
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kernels.formats import DEFAULT_GROUP_SIZE, LAYOUT_VERSION, FormatError, PackedExperts, pack_experts
@@ -78,7 +78,7 @@ class PackCache:
             if self.verify and meta.get("checksum") != _packed_checksum(sd):
                 raise FormatError("checksum mismatch")
             return PackedExperts.from_state_dict(sd)
-        except (SafetensorsError, FormatError, OSError, ValueError, KeyError) as exc:
+        except (SafetensorError, FormatError, OSError, ValueError, KeyError) as exc:
             log.warning("dropping bad pack-cache entry %s (%s); repacking", path, exc)
             self.rejected += 1
             path.unlink(missing_ok=True)
