@@ -9,6 +9,7 @@ import sys
 # Each module exposes `register(subparsers)` that adds its subcommand(s) and sets `func`.
 _SUBCOMMAND_MODULES = [
     "engine.cli",
+    "kernels.cli",
 ]
 
 

@@ -56,9 +56,9 @@ class PackCache:
         self.verify = verify
         self.hits = self.misses = self.rejected = 0
 
-    def key(self, name: str, source: str, fmt: str, group_size: int | None) -> str:
+    def key(self, name: str, source: str, fmt: str, group_size: int | None, shapes: str = "") -> str:
         gs = DEFAULT_GROUP_SIZE.get(fmt, 0) if group_size is None else group_size
-        return f"{name}|{source}|{fmt}|g{gs}|layout{LAYOUT_VERSION}"
+        return f"{name}|{shapes}|{source}|{fmt}|g{gs}|layout{LAYOUT_VERSION}"
 
     def path_for(self, key: str, name: str) -> Path:
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:80]
@@ -110,7 +110,8 @@ class PackCache:
         ``source`` identifies the source weights (see ``file_identity``); by default their bytes are hashed.
         """
         source = source if source is not None else tensor_digest(w_gate_up, w_down)
-        key = self.key(name, source, fmt, group_size)
+        shapes = f"{tuple(w_gate_up.shape)}x{tuple(w_down.shape)}"
+        key = self.key(name, source, fmt, group_size, shapes)
         cached = self.load(key, name)
         if cached is not None:
             self.hits += 1

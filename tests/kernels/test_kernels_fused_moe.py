@@ -105,6 +105,8 @@ def test_all_slots_skipped_gives_zero() -> None:
     packed = pack_experts(*random_experts(NUM_EXPERTS, 64, 32), "int8", progress=False)
     out = fused_moe(torch.randn(3, 64), torch.full((3, 2), -1), torch.ones(3, 2), packed)
     assert torch.equal(out, torch.zeros(3, 64))
+    empty = fused_moe(torch.randn(0, 64), torch.zeros(0, 2, dtype=torch.long), torch.ones(0, 2), packed)
+    assert empty.shape == (0, 64)
 
 
 def test_disabled_cpp_uses_reference(monkeypatch: pytest.MonkeyPatch) -> None:

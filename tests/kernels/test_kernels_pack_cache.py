@@ -56,6 +56,8 @@ def test_file_identity_source(tmp_path) -> None:
     os.utime(ckpt, ns=(1, 1))  # a rewritten checkpoint (new mtime) is a different source
     cache.get_or_pack("l0", w_gu, w_dn, "bf16", source=file_identity(ckpt), progress=False)
     assert cache.misses == 2
+    cache.get_or_pack("l0", w_gu[:1], w_dn[:1], "bf16", source=file_identity(ckpt), progress=False)
+    assert cache.misses == 3  # same source string, different shapes: never served
 
 
 def test_corrupt_entry_is_dropped_and_repacked(tmp_path) -> None:
@@ -72,7 +74,7 @@ def test_corrupt_entry_is_dropped_and_repacked(tmp_path) -> None:
     entry.write_bytes(b"garbage")  # unparseable file
     cache.get_or_pack("l1", w_gu, w_dn, "int8", progress=False)
     assert cache.rejected == 2
-    assert PackCache(tmp_path).load(cache.key("l1", pack_cache.tensor_digest(w_gu, w_dn), "int8", None), "l1")
+    assert PackCache(tmp_path).get_or_pack("l1", w_gu, w_dn, "int8", progress=False) is not None
 
 
 def test_stale_entry_under_the_expected_name_is_rejected(tmp_path) -> None:
