@@ -9,8 +9,12 @@ scale, so ``dequantize`` is exactly what the kernel multiplies by.
 Tiled layout (LAYOUT_VERSION): a projection [N, K] is padded to N8 * 8 rows and Kp columns (Kp = K
 rounded up to G for quantized formats) and stored as [N8, Kp, R, 8] — for each tile of 8 output rows
 and each k, R * 8 contiguous values. gate_up uses R = 2 (8 gate rows, then the matching 8 up rows),
-down uses R = 1. int4 packs k pairs into one byte: [N8, Kp / 2, R, 8], low nibble = even k.
+down uses R = 1. int4 packs blocks of 8 k as one dword per row: [N8, Kp / 8, R, 8, 4] uint8, byte c
+holding k0 + c (low nibble) and k0 + 4 + c (high nibble), the operand order of AVX2 maddubs.
 Scales (and mins) are [N8, Kp / G, R, 8].
+
+int4 gate_up runs W4A8 (kernels/csrc/moe_cpu.cpp): the layer input is quantized per token and group
+of G to int8 (``quantize_activations``), so the torch reference applies the same quantization.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 FORMATS = ("fp32", "bf16", "int8", "int4", "int4_asym")
 FORMAT_CODE = {name: code for code, name in enumerate(FORMATS)}
 DEFAULT_GROUP_SIZE = {"fp32": 0, "bf16": 0, "int8": 64, "int4": 32, "int4_asym": 32}
@@ -41,8 +45,9 @@ def check_format(fmt: str, group_size: int) -> int:
         raise FormatError(f"unknown expert weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if not is_quantized(fmt):
         return 0
-    if group_size <= 0 or group_size % 2 or group_size > 4096:
-        raise FormatError(f"group_size must be an even number in 2..4096 for {fmt}, got {group_size}")
+    step = 8 if fmt.startswith("int4") else 2
+    if group_size <= 0 or group_size % step or group_size > 4096:
+        raise FormatError(f"group_size must be a multiple of {step} in {step}..4096 for {fmt}, got {group_size}")
     return group_size
 
 
@@ -74,6 +79,19 @@ def _quantize(w: torch.Tensor, fmt: str, gs: int) -> tuple[torch.Tensor, torch.T
     return q.to(torch.int16).flatten(-2), scale, mins
 
 
+def quantize_activations(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Fake-quantize x [T, K] per token and group of G to int8 (symmetric, half-to-even) -> fp32 [T, K].
+
+    Bit-for-bit the kernel's W4A8 input: s = amax / 127, q = round(x / s), returned as q * s.
+    """
+    t, k = x.shape
+    kp = _round_up(k, group_size)
+    g = _pad(x.float(), t, kp).unflatten(-1, (-1, group_size))  # [T, Kp/G, G]
+    s = g.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.where(s > 0, torch.round(g / torch.where(s > 0, s, 1.0)), 0.0).clamp(-127, 127)
+    return (q * s).flatten(-2)[:, :k]
+
+
 def _tile(q: torch.Tensor, fmt: str) -> torch.Tensor:
     """q [E, R, N8*8, Kp] -> [E, N8, Kp, R, 8] (int4: [E, N8, Kp/2, R, 8] uint8)."""
     e, r, n, kp = q.shape
@@ -81,16 +99,17 @@ def _tile(q: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "int8":
         return t.to(torch.int8).contiguous()
     if fmt in ("int4", "int4_asym"):
-        t = t.to(torch.uint8)
-        return (t[:, :, 0::2] | (t[:, :, 1::2] << 4)).contiguous()
+        t = q.to(torch.uint8).reshape(e, r, n // 8, 8, kp // 8, 2, 4).permute(0, 2, 4, 1, 3, 5, 6)
+        return (t[..., 0, :] | (t[..., 1, :] << 4)).contiguous()  # [E, N8, Kp/8, R, 8, 4]
     return t.contiguous()
 
 
 def _untile(t: torch.Tensor, fmt: str) -> torch.Tensor:
     """Inverse of _tile for one expert: [N8, Kp(/2), R, 8] -> [R, N8*8, Kp] int/float."""
     if fmt in ("int4", "int4_asym"):
-        lo, hi = (t & 15).to(torch.int16), (t >> 4).to(torch.int16)
-        t = torch.stack((lo, hi), dim=2).flatten(1, 2)  # [N8, Kp, R, 8]
+        lo, hi = (t & 15).to(torch.int16), (t >> 4).to(torch.int16)  # [N8, Kp/8, R, 8, 4]
+        t = torch.stack((lo, hi), dim=-2).permute(0, 1, 4, 5, 2, 3)  # [N8, Kp/8, 2, 4, R, 8]
+        t = t.flatten(1, 3)  # [N8, Kp, R, 8]
     n8, kp, r, _ = t.shape
     return t.permute(2, 0, 3, 1).reshape(r, n8 * 8, kp)
 
@@ -195,8 +214,7 @@ class PackedExperts:
         e, r_i, r_h = self.num_experts, _round_up(self.intermediate, 8), _round_up(self.hidden, 8)
         for name, n, kp in (("gate_up", r_i, self.padded_hidden), ("down", r_h, self.padded_intermediate)):
             r = 2 if name == "gate_up" else 1
-            k_store = kp // 2 if self.fmt in ("int4", "int4_asym") else kp
-            expect = (e, n // 8, k_store, r, 8)
+            expect = (e, n // 8, kp // 8, r, 8, 4) if self.fmt.startswith("int4") else (e, n // 8, kp, r, 8)
             t = self.tensors[name]
             if tuple(t.shape) != expect or t.dtype != _WEIGHT_DTYPE[self.fmt]:
                 raise FormatError(f"{name}: got {tuple(t.shape)} {t.dtype}, expected {expect} "

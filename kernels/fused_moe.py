@@ -5,7 +5,8 @@ out[t] = sum over slots s (in slot order) of w[t, s] * down(SiLU(gate(x[t])) * u
 topk_ids[t, s]; a slot with id -1 is skipped. Tokens sharing an expert read its weights once.
 
 Tolerance vs the reference (tests/kernels): the kernel multiplies by exactly the dequantized weights
-the reference uses and only the fp32 summation order differs, so
+the reference uses (and, for int4 gate_up, exactly the same int8-quantized input: W4A8), and only
+the fp32 summation order differs, so
 |kernel - reference| <= 1e-4 * max|reference| + 1e-5 for every format.
 Determinism: a row's output is bitwise identical whatever else is in the batch, for any thread count.
 """
@@ -20,7 +21,7 @@ import torch
 
 from kernels import build
 from kernels.cpu_features import detect, select_variant
-from kernels.formats import FORMAT_CODE, PackedExperts
+from kernels.formats import FORMAT_CODE, PackedExperts, quantize_activations
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +102,12 @@ def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     w = topk_weights.float()
     out = torch.zeros_like(x)
     inter = experts.intermediate
+    # int4 gate_up is W4A8: its input is quantized exactly as the kernel does (kernels/formats.py).
+    x_gu = quantize_activations(x, experts.group_size) if experts.fmt.startswith("int4") else x
     for e in torch.unique(local[local >= 0]).tolist():
         tok, slot = (local == e).nonzero(as_tuple=True)
         w_gu, w_dn = (t.to(x.device) for t in experts.dequantize(e))  # [2I, H], [H, I]
-        gu = x[tok] @ w_gu.T  # [n, 2I]
+        gu = x_gu[tok] @ w_gu.T  # [n, 2I]
         h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]  # [n, I]
         out.index_add_(0, tok, (h @ w_dn.T) * w[tok, slot, None])  # [n, H]
     return out

@@ -106,6 +106,13 @@ def torch_layers(w_gu: torch.Tensor, w_dn: torch.Tensor, kind: str) -> tuple[lis
     return experts, nbytes
 
 
+def clone_tree(obj):
+    """Deep copy of nested lists/tuples of tensors (a distinct copy of a layer's weights)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    return type(obj)(clone_tree(o) for o in obj)
+
+
 def torch_moe(kind: str, experts: list, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Routed MoE with per-expert torch ops (the baseline kernels, same routing and grouping)."""
     out = torch.zeros(x.shape[0], H)
@@ -163,8 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                                for _ in range(max(1, WORKING_SET // base.nbytes) - 1)]
         else:
             experts, per_expert = torch_layers(w_gu, w_dn, fmt)
-            layers = [experts] + [
-                torch_layers(w_gu, w_dn, fmt)[0] for _ in range(max(1, WORKING_SET // (per_expert * E)) - 1)]
+            layers = [experts] + [clone_tree(experts) for _ in range(max(1, WORKING_SET // (per_expert * E)) - 1)]
         for m in ms:
             ids_list = routings(m, 16, seed=m)
             x = torch.randn(m, H, generator=g)

@@ -11,6 +11,11 @@
 // inner loop streams one contiguous block per tile and needs no horizontal reductions.
 // Quantized formats: per (row, group of gs along K) an fp16 scale s (and for int4_asym an fp16
 // min m); w = q * s (int8), w = (u - 8) * s (int4), w = u * s + m (int4_asym), u in [0, 15].
+// int4 tiles hold blocks of 8 k: per row one dword whose nibble 2c is k0 + c and nibble 2c+1 is
+// k0 + 4 + c (c = 0..3). The int4 gate_up projection is W4A8: the layer input is quantized per
+// token and group to int8 (symmetric, round half to even), integer dot products via maddubs are
+// exact, and the group result is s*sx*sum(u*q) + b*sx*sum(q) (b = -8s or the min). The int4 down
+// projection and every other format use fp32 activations with weights dequantized in registers.
 
 #include <omp.h>
 
@@ -49,10 +54,38 @@ inline V8 load_i8(const int8_t* p) {
   __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))};
 }
-inline void load_u4x2(const uint8_t* p, V8& lo, V8& hi) {
-  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  lo = {_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)))};
-  hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
+struct U4 {  // 8 rows x 8 k of int4 (one dword per row)
+  __m256i v;
+};
+inline U4 load_u4(const uint8_t* p) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))}; }
+template <int J>
+inline V8 u4_nibble(U4 b) {  // nibble J of every row dword, as float
+  return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b.v, 4 * J), _mm256_set1_epi32(15)))};
+}
+struct I8 {  // 8 int32 lanes
+  __m256i v;
+};
+inline I8 i_zero() { return {_mm256_setzero_si256()}; }
+inline V8 i_cvt(I8 a) { return {_mm256_cvtepi32_ps(a.v)}; }
+// acc[row] += sum over the 8 k of u[row][k] * q[k]; q = 8 int8 activations for this k block.
+template <int R8, int MT>
+inline void w4a8_block(const U4* w, const int8_t* const* q, int64_t off, I8 (*acc)[R8]) {
+  const __m256i m15 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256i lo[R8], hi[R8];
+  for (int r = 0; r < R8; ++r) {
+    lo[r] = _mm256_and_si256(w[r].v, m15);
+    hi[r] = _mm256_and_si256(_mm256_srli_epi16(w[r].v, 4), m15);
+  }
+  for (int m = 0; m < MT; ++m) {
+    int32_t a, b;
+    std::memcpy(&a, q[m] + off, 4);
+    std::memcpy(&b, q[m] + off + 4, 4);
+    const __m256i xa = _mm256_set1_epi32(a), xb = _mm256_set1_epi32(b);
+    for (int r = 0; r < R8; ++r) {
+      __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xa), _mm256_maddubs_epi16(hi[r], xb));
+      acc[m][r].v = _mm256_add_epi32(acc[m][r].v, _mm256_madd_epi16(p, ones));
+    }
+  }
 }
 inline V8 load_f16(const uint16_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
@@ -86,8 +119,33 @@ inline V8 load_bf16(const uint16_t* p) {
   V8 r; for (int i = 0; i < 8; ++i) r.v[i] = bits_to_f32((uint32_t)p[i] << 16); return r;
 }
 inline V8 load_i8(const int8_t* p) { V8 r; for (int i = 0; i < 8; ++i) r.v[i] = (float)p[i]; return r; }
-inline void load_u4x2(const uint8_t* p, V8& lo, V8& hi) {
-  for (int i = 0; i < 8; ++i) { lo.v[i] = (float)(p[i] & 15); hi.v[i] = (float)(p[i] >> 4); }
+struct U4 {
+  const uint8_t* p;
+};
+inline U4 load_u4(const uint8_t* p) { return {p}; }
+template <int J>
+inline V8 u4_nibble(U4 b) {
+  V8 r;
+  for (int i = 0; i < 8; ++i) r.v[i] = (float)((b.p[4 * i + J / 2] >> (4 * (J & 1))) & 15);
+  return r;
+}
+struct I8 {
+  int32_t v[8];
+};
+inline I8 i_zero() { I8 r; for (int i = 0; i < 8; ++i) r.v[i] = 0; return r; }
+inline V8 i_cvt(I8 a) { V8 r; for (int i = 0; i < 8; ++i) r.v[i] = (float)a.v[i]; return r; }
+template <int R8, int MT>
+inline void w4a8_block(const U4* w, const int8_t* const* q, int64_t off, I8 (*acc)[R8]) {
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R8; ++r)
+      for (int i = 0; i < 8; ++i) {
+        int32_t sum = 0;
+        for (int c = 0; c < 4; ++c) {
+          const uint8_t b = w[r].p[4 * i + c];
+          sum += (b & 15) * q[m][off + c] + (b >> 4) * q[m][off + 4 + c];
+        }
+        acc[m][r].v[i] += sum;
+      }
 }
 inline V8 load_f16(const uint16_t* p) { V8 r; for (int i = 0; i < 8; ++i) r.v[i] = f16_to_f32(p[i]); return r; }
 #endif
@@ -127,7 +185,7 @@ void tile_dot(const Mat& A, int64_t tile, const float* const* X, const float* co
     const uint16_t* sc = A.scales + tile * ng * R8 * 8;
     const uint16_t* mn = FMT == INT4A ? A.mins + tile * ng * R8 * 8 : nullptr;
     const int8_t* w8 = static_cast<const int8_t*>(A.w) + tile * kp * R8 * 8;
-    const uint8_t* w4 = static_cast<const uint8_t*>(A.w) + tile * (kp / 2) * R8 * 8;
+    const uint8_t* w4 = static_cast<const uint8_t*>(A.w) + tile * (kp / 8) * R8 * 32;
     for (int64_t g = 0; g < ng; ++g) {
       V8 gacc[MT][R8];
       for (int m = 0; m < MT; ++m)
@@ -142,13 +200,22 @@ void tile_dot(const Mat& A, int64_t tile, const float* const* X, const float* co
           }
         }
       } else {
-        for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
-          V8 lo[R8], hi[R8];
-          for (int r = 0; r < R8; ++r) load_u4x2(w4 + ((k / 2) * R8 + r) * 8, lo[r], hi[r]);
-          for (int m = 0; m < MT; ++m) {
-            V8 x0 = v_bcast(X[m] + k), x1 = v_bcast(X[m] + k + 1);
-            for (int r = 0; r < R8; ++r) gacc[m][r] = v_fma(hi[r], x1, v_fma(lo[r], x0, gacc[m][r]));
-          }
+        for (int64_t kb = g * gs / 8; kb < (g + 1) * gs / 8; ++kb) {
+          U4 b[R8];
+          for (int r = 0; r < R8; ++r) b[r] = load_u4(w4 + (kb * R8 + r) * 32);
+          // nibble J holds k = 8kb + J/2 (J even) or 8kb + 4 + J/2 (J odd)
+#define MOEGATE_NIBBLE(J)                                                                  \
+  {                                                                                        \
+    V8 wv[R8];                                                                             \
+    for (int r = 0; r < R8; ++r) wv[r] = u4_nibble<J>(b[r]);                              \
+    for (int m = 0; m < MT; ++m) {                                                         \
+      V8 xb = v_bcast(X[m] + kb * 8 + ((J)&1) * 4 + (J) / 2);                              \
+      for (int r = 0; r < R8; ++r) gacc[m][r] = v_fma(wv[r], xb, gacc[m][r]);             \
+    }                                                                                      \
+  }
+          MOEGATE_NIBBLE(0) MOEGATE_NIBBLE(1) MOEGATE_NIBBLE(2) MOEGATE_NIBBLE(3)
+          MOEGATE_NIBBLE(4) MOEGATE_NIBBLE(5) MOEGATE_NIBBLE(6) MOEGATE_NIBBLE(7)
+#undef MOEGATE_NIBBLE
         }
       }
       for (int r = 0; r < R8; ++r) {
@@ -165,6 +232,71 @@ void tile_dot(const Mat& A, int64_t tile, const float* const* X, const float* co
   }
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R8; ++r) v_store(out[m] + r * 8, acc[m][r]);
+}
+
+// W4A8: out[m] = tile rows . dequant(q[m]) with q[m] int8 activations, sx[m] / qs[m] per-group
+// activation scales and sums of q (as float).
+template <int FMT, int R8, int MT>
+void tile_dot_w4a8(const Mat& A, int64_t tile, const int8_t* const* q, const float* const* sx,
+                   const float* const* qs, float* const* out) {
+  V8 acc[MT][R8];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R8; ++r) acc[m][r] = v_zero();
+  const int64_t kp = A.kp, gs = A.gs, ng = kp / gs;
+  const uint16_t* sc = A.scales + tile * ng * R8 * 8;
+  const uint16_t* mn = FMT == INT4A ? A.mins + tile * ng * R8 * 8 : nullptr;
+  const uint8_t* w4 = static_cast<const uint8_t*>(A.w) + tile * (kp / 8) * R8 * 32;
+  for (int64_t g = 0; g < ng; ++g) {
+    I8 isum[MT][R8];
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < R8; ++r) isum[m][r] = i_zero();
+    for (int64_t kb = g * gs / 8; kb < (g + 1) * gs / 8; ++kb) {
+      U4 b[R8];
+      for (int r = 0; r < R8; ++r) b[r] = load_u4(w4 + (kb * R8 + r) * 32);
+      w4a8_block<R8, MT>(b, q, kb * 8, isum);
+    }
+    for (int r = 0; r < R8; ++r) {
+      V8 s = load_f16(sc + (g * R8 + r) * 8);
+      V8 b = FMT == INT4A ? load_f16(mn + (g * R8 + r) * 8) : v_mul(s, v_set1(-8.f));
+      for (int m = 0; m < MT; ++m) {
+        V8 sxv = v_bcast(sx[m] + g);
+        acc[m][r] = v_fma(v_mul(s, sxv), i_cvt(isum[m][r]), acc[m][r]);
+        acc[m][r] = v_fma(v_mul(b, sxv), v_bcast(qs[m] + g), acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R8; ++r) v_store(out[m] + r * 8, acc[m][r]);
+}
+
+template <int FMT, int R8>
+void tile_rows_w4a8(const Mat& A, int64_t tile, const int8_t* const* q, const float* const* sx,
+                    const float* const* qs, float* const* out, int n) {
+  int i = 0;
+  for (; i + 4 <= n; i += 4) tile_dot_w4a8<FMT, R8, 4>(A, tile, q + i, sx + i, qs + i, out + i);
+  switch (n - i) {
+    case 3: tile_dot_w4a8<FMT, R8, 3>(A, tile, q + i, sx + i, qs + i, out + i); break;
+    case 2: tile_dot_w4a8<FMT, R8, 2>(A, tile, q + i, sx + i, qs + i, out + i); break;
+    case 1: tile_dot_w4a8<FMT, R8, 1>(A, tile, q + i, sx + i, qs + i, out + i); break;
+    default: break;
+  }
+}
+
+// Symmetric per-group int8 quantization of a padded row: s = amax / 127, q = round_half_even(x / s).
+void quantize_row(const float* x, int64_t kp, int64_t gs, int8_t* q, float* sx, float* qs) {
+  for (int64_t g = 0; g < kp / gs; ++g) {
+    float amax = 0.f;
+    for (int64_t k = g * gs; k < (g + 1) * gs; ++k) amax = std::max(amax, std::fabs(x[k]));
+    const float s = amax / 127.f;
+    int32_t sum = 0;
+    for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+      const float v = s > 0.f ? std::nearbyint(x[k] / s) : 0.f;
+      q[k] = (int8_t)std::min(127.f, std::max(-127.f, v));
+      sum += q[k];
+    }
+    sx[g] = s;
+    qs[g] = (float)sum;
+  }
 }
 
 constexpr int kMaxMT = 4;
@@ -227,15 +359,19 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   const int64_t ngh = quant ? hp / P.gs : 0, ngi = quant ? ip / P.gs : 0;
   // Padded copies: per token X [T, hp], per row H [S, hbuf], Y [S, h8*8].
   std::vector<float> xp(T * hp, 0.f), xs(T * ngh + 1), hb(S * hbuf + 1, 0.f), hs(S * ngi + 1), y(S * ldy + 1);
+  std::vector<int8_t> xq(need_xs ? T * hp : 1);  // int4: W4A8 gate_up input; xs = scales, xqs = sums
+  std::vector<float> xqs(T * ngh + 1);
   for (int64_t t = 0; t < T; ++t) {
     std::memcpy(&xp[t * hp], x + t * P.H, sizeof(float) * P.H);
-    if (need_xs) group_sums(&xp[t * hp], hp, P.gs, &xs[t * ngh]);
+    if (need_xs) quantize_row(&xp[t * hp], hp, P.gs, &xq[t * hp], &xs[t * ngh], &xqs[t * ngh]);
   }
   const int64_t n1 = na * P.i8, n2 = na * P.h8;
 #pragma omp parallel num_threads(nthreads)
   {
     const float* xr[kMaxMT * 64];
     const float* sr[kMaxMT * 64];
+    const int8_t* qr[kMaxMT * 64];
+    const float* qsr[kMaxMT * 64];
     float* orow[kMaxMT * 64];
     float tmp[kMaxMT * 64][16];
     // Phase 1: gate+up tiles, SiLU(gate) * up into H.
@@ -248,9 +384,13 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
           const int64_t t = src_token[r0 + i];
           xr[i] = &xp[t * hp];
           sr[i] = need_xs ? &xs[t * ngh] : nullptr;
+          qr[i] = need_xs ? &xq[t * hp] : nullptr;
+          qsr[i] = need_xs ? &xqs[t * ngh] : nullptr;
           orow[i] = tmp[i];
         }
-        tile_rows<FMT, 2>(P.gu, e * P.i8 + tile, xr, sr, orow, n);  // experts are contiguous tiles
+        // experts are contiguous runs of tiles: global tile = e * i8 + tile
+        if constexpr (FMT == INT4 || FMT == INT4A) tile_rows_w4a8<FMT, 2>(P.gu, e * P.i8 + tile, qr, sr, qsr, orow, n);
+        else tile_rows<FMT, 2>(P.gu, e * P.i8 + tile, xr, sr, orow, n);
         for (int i = 0; i < n; ++i) {
           float* hrow = &hb[(r0 + i) * hbuf + tile * 8];
           for (int c = 0; c < 8; ++c) hrow[c] = silu(tmp[i][c]) * tmp[i][8 + c];

@@ -15,6 +15,7 @@ from conftest import random_experts, random_routing
 
 from kernels import ExpertIdError, build, fused_moe, fused_moe_reference, kernel_available, pack_experts
 from kernels.cpu_features import detect, select_variant
+from kernels.formats import quantize_activations
 
 CONFIGS = [("fp32", None), ("bf16", None), ("int8", 32), ("int8", 128), ("int4", 32), ("int4", 64),
            ("int4_asym", 32), ("int4_asym", 128)]
@@ -148,3 +149,36 @@ def test_rejects_bad_arguments() -> None:
         fused_moe(torch.randn(2, 64), ids, w, packed, act="gelu")
     with pytest.raises(ValueError, match=r"\[T, 64\]"):
         fused_moe(torch.randn(2, 32), ids, w, packed)
+
+
+def test_activation_quantization_is_exact_int8_grid() -> None:
+    x = torch.tensor([[1.0, -0.5, 0.25, 127.0, 0.0, 0.0, 0.0, 0.0], [0.0] * 8])
+    xq = quantize_activations(x, 8)
+    assert torch.equal(xq[1], torch.zeros(8))  # all-zero group: scale 0, no division
+    s = 127.0 / 127.0
+    assert torch.equal(xq[0], torch.round(x[0] / s) * s)  # 0.25 -> 0, -0.5 -> -0 (half to even)
+    y = torch.randn(3, 200)
+    q = quantize_activations(y, 32)
+    assert q.shape == y.shape
+    groups = torch.nn.functional.pad(y, (0, 24)).unflatten(1, (-1, 32))
+    step = (groups.abs().amax(-1, keepdim=True) / 127).expand(-1, -1, 32).flatten(1)[:, :200]
+    assert bool(((q - y).abs() <= step / 2 * (1 + 1e-6)).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["int4", "int4_asym"])
+def test_int4_gate_up_is_w4a8(fmt: str) -> None:
+    """The int4 kernel matches the activation-quantized reference, not the fp32-input one."""
+    packed = pack_experts(*random_experts(NUM_EXPERTS, 96, 48), fmt, progress=False)
+    x = torch.randn(8, 96, generator=torch.Generator().manual_seed(5))
+    ids, w = random_routing(8, 4, NUM_EXPERTS, seed=5)
+    out = fused_moe(x, ids, w, packed)
+    assert_close(out, fused_moe_reference(x, ids, w, packed))
+    fp32_input = torch.zeros_like(out)
+    for t in range(8):
+        for s in range(4):
+            w_gu, w_dn = packed.dequantize(int(ids[t, s]))
+            gu = w_gu @ x[t]
+            fp32_input[t] += w[t, s] * (w_dn @ (torch.nn.functional.silu(gu[:48]) * gu[48:]))
+    assert (out - fp32_input).abs().max() > 1e-4 * fp32_input.abs().max() + 1e-5
+    assert (out - fp32_input).abs().max() < 0.05 * fp32_input.abs().max()
