@@ -11,6 +11,7 @@ _SUBCOMMAND_MODULES = [
     "engine.cli",
     "engine.model_cli",
     "engine.plan",
+    "kernels.cli",
     "policies.cli",
     "gateway.audit_cli",
 ]
