@@ -9,14 +9,14 @@ are both just more shards. Everything is packed once at load, so switching profi
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from kernels import PackCache, PackedExperts, file_identity, fused_moe
+from kernels import PackCache, PackedExperts, file_identity, fused_moe, load_stats, save_stats
+from kernels.placement import plan_frequency, plan_uniform
 
 log = logging.getLogger(__name__)
 
@@ -119,19 +119,26 @@ def build_layer_experts(
 
     cache = PackCache(placement.pack_cache_dir) if placement.pack_cache_dir else None
     source = ";".join(file_identity(p) for p in sorted(model_dir.glob("*.safetensors")))
-    stats = load_routing_stats(placement.stats_file) if placement.stats_file else None
+    stats = load_stats(placement.stats_file) if placement.stats_file else None
     moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
+    n = cfg.num_experts
+    if stats is not None and (len(stats) != len(moe_layers) or any(len(r) != n for r in stats)):
+        raise ValueError(f"{placement.stats_file}: expected counts for {len(moe_layers)} MoE layers x {n} experts")
     formatting = set(moe_layers[len(moe_layers) - placement.formatting_layers :]) if placement.formatting_layers else set()
     hot_on_device = placement.hot_experts if fast_device.type == "cuda" else 0
     if placement.hot_experts and not hot_on_device:
         log.info("hot experts requested but the fast device is the CPU: all experts stay in CPU memory")
+    hot_plan = (
+        plan_frequency(stats, per_layer=hot_on_device) if placement.hot_strategy == "frequency" and stats
+        else plan_uniform(len(moe_layers), n, hot_on_device)
+    )
+    n_mixed = round(placement.mixed_hot_fraction * n)
+    mixed_plan = plan_frequency(stats, per_layer=n_mixed) if n_mixed else None
     layers: dict[int, LayerExperts] = {}
-    for i in tqdm(moe_layers, desc="pack experts", unit="layer", disable=not progress):
+    for j, i in enumerate(tqdm(moe_layers, desc="pack experts", unit="layer", disable=not progress)):
         experts = model.model.layers[i].mlp.experts
         gu, dn = experts.gate_up_proj.data, experts.down_proj.data
-        n = cfg.num_experts
-        ranked = _ranked_experts(stats, i, n) if stats else list(range(n))
-        hot = ranked[:hot_on_device] if placement.hot_strategy == "frequency" else list(range(hot_on_device))
+        hot = list(hot_plan.hot[j])
         cold = [e for e in range(n) if e not in hot]
 
         def shards(fmt: str, high: list[int], high_fmt: str, cold=cold, hot=hot, i=i, gu=gu, dn=dn) -> list[ExpertShard]:
@@ -147,8 +154,8 @@ def build_layer_experts(
                     out.append(ExpertShard(p, torch.device("cpu")))
             return out
 
-        n_mixed = round(placement.mixed_hot_fraction * n)
-        fast = shards(placement.fast_format, ranked[:n_mixed], placement.exact_format)
+        high = list(mixed_plan.hot[j]) if mixed_plan else []
+        fast = shards(placement.fast_format, high, placement.exact_format)
         exact = shards(placement.exact_format, [], placement.exact_format) if i in formatting else fast
         layers[i] = LayerExperts(fast, exact, counts=torch.zeros(n, dtype=torch.long))
         # The raw weights are no longer needed: the shards hold (quantized) copies.
@@ -157,18 +164,6 @@ def build_layer_experts(
     return layers
 
 
-def _ranked_experts(stats: dict[int, list[int]], layer: int, n: int) -> list[int]:
-    counts = stats.get(layer)
-    if counts is None or len(counts) != n:
-        raise ValueError(f"routing stats have no counts for layer {layer} with {n} experts")
-    return sorted(range(n), key=lambda e: (-counts[e], e))
-
-
-def load_routing_stats(path: str | Path) -> dict[int, list[int]]:
-    data = json.loads(Path(path).read_text())
-    return {int(k): list(v) for k, v in data["layers"].items()}
-
-
 def save_routing_stats(path: str | Path, layers: dict[int, LayerExperts]) -> None:
-    data = {"layers": {str(i): le.counts.tolist() for i, le in layers.items()}}
-    Path(path).write_text(json.dumps(data))
+    """Writes the observed routing counts (one row per MoE layer) in the kernels' stats format."""
+    save_stats(path, [layers[i].counts.tolist() for i in sorted(layers)])

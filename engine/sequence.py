@@ -31,6 +31,8 @@ class Sequence:
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrival))
     num_preemptions: int = 0
+    mode: str = "exploration"  # exploration | execution (strict: exact profile, no deferral, batch-invariant)
+    mode_switches: list[tuple[int, str]] = field(default_factory=list)  # (output token index, new mode)
     generator: torch.Generator | None = None
     # Text: `text` is the detokenized output so far (stop strings cut off); `emitted` how much of it
     # has been handed to the caller (text that may still turn out to start a stop string is held back).

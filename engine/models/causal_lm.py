@@ -55,6 +55,7 @@ class MoeForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.exact_lm_head: torch.Tensor | None = None  # fp32 copy used in execution mode, if set
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Runs the stack over the batch's new tokens, writing their KV; returns hidden [T, H]."""
@@ -65,6 +66,8 @@ class MoeForCausalLM(nn.Module):
         assert pending is None, "the last MoE layer must not defer"
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, H] -> fp32 logits [S, V]."""
+    def compute_logits(self, hidden: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """hidden [S, H] -> fp32 logits [S, V] (execution mode may use a higher-precision lm_head)."""
+        if exact and self.exact_lm_head is not None:
+            return torch.nn.functional.linear(hidden.float(), self.exact_lm_head)
         return self.lm_head(hidden).float()
