@@ -38,9 +38,15 @@ OUTLINES_KEYWORDS = frozenset({
     "maxItems", "minLength", "maxLength", "pattern", "format",
 })
 OUTLINES_FORMATS = frozenset({"date-time", "date", "time", "uuid", "uri"})
-# Keywords we can see are non-standard extensions in the wild; jsonschema ignores them too, so they
-# carry no constraint. Any other unknown key is rejected: we cannot tell what the caller meant.
-KNOWN_EXTENSIONS = frozenset({"nullable", "discriminator", "externalDocs", "xml", "tags", "$ref_name"})
+# The JSON Schema vocabulary (drafts 4 to 2020-12). A vocabulary keyword the backend does not
+# enforce is rejected; keys outside the vocabulary are not keywords (the spec and every validator
+# ignore them: `javaType`, `_comment`, typos...) so they constrain nothing and are skipped.
+VOCABULARY = LLGUIDANCE_KEYWORDS | ANNOTATIONS | frozenset({
+    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+    "propertyNames", "unevaluatedProperties", "unevaluatedItems", "contains", "minContains",
+    "maxContains", "uniqueItems", "$dynamicRef", "$dynamicAnchor", "$recursiveRef",
+    "$recursiveAnchor", "$vocabulary", "extends", "disallow", "divisibleBy",
+})
 
 
 def parse_schema(schema: str | dict | bool) -> dict | bool:
@@ -78,8 +84,10 @@ def audit(schema: dict | bool, keywords: frozenset[str], formats: frozenset[str]
     """Raise UnsupportedSchemaError for the first keyword or format the backend would not enforce."""
     for path, sub in walk(schema):
         for key, value in sub.items():
-            if key in ANNOTATIONS or key in KNOWN_EXTENSIONS or key.startswith("x-"):
+            if key in ANNOTATIONS or key not in VOCABULARY:
                 continue
+            if key == "uniqueItems" and value is False:
+                continue  # asserts nothing
             if key not in keywords:
                 raise UnsupportedSchemaError(key, path, backend=backend)
             if key == "format" and value not in formats:

@@ -1,7 +1,8 @@
 """A Lark grammar (llguidance dialect) for read-only SELECT over one caller's database schema.
 
 Tables and columns are literal terminals, so only real names can be produced; aliases and CTE
-names are new identifiers. Keywords and unquoted names are case-insensitive; whitespace between
+names are new identifiers; a CTE is named `cte_*` so that FROM can name it without letting
+the model invent table names (sqlglot then checks it is bound). Keywords and unquoted names are case-insensitive; whitespace between
 tokens is free in the grammar and bounded at decode time by the Constraint's whitespace limit.
 """
 
@@ -40,14 +41,14 @@ _RULES = r"""
 start: query ";"?
 query: with_clause? compound order_by? limit_clause?
 with_clause: WITH cte ("," cte)*
-cte: NEW_NAME AS "(" query ")"
+cte: CTE_NAME AS "(" query ")"
 compound: select_core (set_op select_core)*
 set_op: UNION ALL? | INTERSECT | EXCEPT
 select_core: SELECT DISTINCT? select_list from_clause? where_clause? group_by? having?
 select_list: select_item ("," select_item)*
 select_item: "*" | qualifier "." "*" | expr (AS? NEW_NAME)?
 from_clause: FROM source (join | "," source)*
-source: table (AS? NEW_NAME)? | "(" query ")" (AS? NEW_NAME)?
+source: (table | CTE_NAME) (AS? NEW_NAME)? | "(" query ")" (AS? NEW_NAME)?
 join: join_kind? JOIN source (ON expr | USING "(" column ("," column)* ")")?
 join_kind: INNER | CROSS | LEFT OUTER? | RIGHT OUTER? | FULL OUTER?
 where_clause: WHERE expr
@@ -86,6 +87,7 @@ INT: /[0-9]+/
 NUMBER: /[0-9]+(\.[0-9]+)?/ | /\.[0-9]+/
 TYPE_NAME: "integer"i | "int"i | "real"i | "float"i | "text"i | "numeric"i | "date"i | "varchar"i
 NEW_NAME: /[A-Za-z_][A-Za-z0-9_]*/
+CTE_NAME: /cte_[A-Za-z0-9_]*/
 %ignore /[ \t\r\n]+/
 """
 

@@ -22,7 +22,7 @@ _FORBIDDEN_NAMES = (
     "Refresh", "Describe", "Kill", "Summarize", "Export", "Declare", "Execute", "Replace", "Vacuum",
 )
 _FORBIDDEN = tuple(getattr(exp, n) for n in _FORBIDDEN_NAMES if hasattr(exp, n))
-_SYNTAX_FUNCS = (exp.Cast, exp.TryCast, exp.Case, exp.If, exp.Paren)
+_SYNTAX_FUNCS = (exp.Cast, exp.TryCast, exp.Case, exp.If, exp.Paren, exp.Connector, exp.Binary, exp.Unary, exp.Predicate)
 
 
 @dataclass
