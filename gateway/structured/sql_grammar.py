@@ -1,9 +1,10 @@
 """A Lark grammar (llguidance dialect) for read-only SELECT over one caller's database schema.
 
 Tables and columns are literal terminals, so only real names can be produced; aliases and CTE
-names are new identifiers; a CTE is named `cte_*` so that FROM can name it without letting
-the model invent table names (sqlglot then checks it is bound). Keywords and unquoted names are case-insensitive; whitespace between
-tokens is free in the grammar and bounded at decode time by the Constraint's whitespace limit.
+names are new identifiers that are not keywords; a CTE is named `cte_*` so that FROM can name it
+without letting the model invent table names (sqlglot then checks it is bound). Keywords and
+unquoted names are case-insensitive. Whitespace is explicit and bounded: two word tokens never
+touch, and each gap holds 1-4 whitespace bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _STRINGS = {
     "mysql": r"""/'([^'\\\n]|''|\\.)*'/ | /"[^"\\\n]*"/""",
 }
 _DEFAULT_STRING = r"""/'([^'\n]|'')*'/"""
+_TYPES = ("integer", "int", "real", "float", "text", "numeric", "date", "varchar")
 _PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 _KEYWORDS = (
@@ -38,62 +40,111 @@ _KEYWORDS = (
 )
 
 _RULES = r"""
-start: query ";"?
-query: with_clause? compound order_by? limit_clause?
-with_clause: WITH cte ("," cte)*
-cte: CTE_NAME AS "(" query ")"
-compound: select_core (set_op select_core)*
-set_op: UNION ALL? | INTERSECT | EXCEPT
-select_core: SELECT DISTINCT? select_list from_clause? where_clause? group_by? having?
-select_list: select_item ("," select_item)*
-select_item: "*" | qualifier "." "*" | expr (AS? NEW_NAME)?
-from_clause: FROM source (join | "," source)*
-source: (table | CTE_NAME) (AS? NEW_NAME)? | "(" query ")" (AS? NEW_NAME)?
-join: join_kind? JOIN source (ON expr | USING "(" column ("," column)* ")")?
-join_kind: INNER | CROSS | LEFT OUTER? | RIGHT OUTER? | FULL OUTER?
-where_clause: WHERE expr
-group_by: GROUP BY expr ("," expr)*
-having: HAVING expr
-order_by: ORDER BY order_item ("," order_item)*
-order_item: expr (ASC | DESC)?
-limit_clause: LIMIT INT (OFFSET INT)?
+start: query (_O? ";")?
+query: (with_clause _O?)? compound (_S order_by)? (_S limit_clause)?
+with_clause: WITH _S cte (_O? "," _O? cte)*
+cte: CTE_NAME _S AS _O? "(" _O? query _O? ")"
+compound: select_core (_S set_op _S select_core)*
+set_op: UNION (_S ALL)? | INTERSECT | EXCEPT
+select_core: SELECT (_S DISTINCT)? _S select_list (_S from_clause)? (_S where_clause)? (_S group_by)? (_S having)?
+select_list: select_item (_O? "," _O? select_item)*
+select_item: "*" | qualifier _O? "." _O? "*" | expr (_S (AS _S)? NEW_NAME)?
+from_clause: FROM _S source (_S join | _O? "," _O? source)*
+source: (table | CTE_NAME) (_S (AS _S)? NEW_NAME)? | "(" _O? query _O? ")" (_O? (AS _S)? NEW_NAME)?
+join: (join_kind _S)? JOIN _S source (_S ON _S expr | _S USING _O? "(" _O? column (_O? "," _O? column)* _O? ")")?
+join_kind: INNER | CROSS | LEFT (_S OUTER)? | RIGHT (_S OUTER)? | FULL (_S OUTER)?
+where_clause: WHERE _S expr
+group_by: GROUP _S BY _S expr (_O? "," _O? expr)*
+having: HAVING _S expr
+order_by: ORDER _S BY _S order_item (_O? "," _O? order_item)*
+order_item: expr (_S (ASC | DESC))?
+limit_clause: LIMIT _S INT (_S OFFSET _S INT)?
 
-expr: and_expr (OR and_expr)*
-and_expr: not_expr (AND not_expr)*
-not_expr: NOT not_expr | predicate
+expr: and_expr (_S OR _S and_expr)*
+and_expr: not_expr (_S AND _S not_expr)*
+not_expr: NOT _S not_expr | predicate
 predicate: sum_expr
-    | sum_expr COMP sum_expr
-    | sum_expr NOT? IN "(" (query | expr_list) ")"
-    | sum_expr NOT? BETWEEN sum_expr AND sum_expr
-    | sum_expr NOT? LIKE sum_expr
-    | sum_expr IS NOT? NULL
-    | EXISTS "(" query ")"
-sum_expr: term (ADD_OP term)*
-term: factor (MUL_OP factor)*
-factor: "-" factor | primary
-primary: literal | column_ref | call | "(" expr ")" | "(" query ")" | case_expr
-    | CAST "(" expr AS TYPE_NAME ")"
-case_expr: CASE expr? (WHEN expr THEN expr)+ (ELSE expr)? END
-expr_list: expr ("," expr)*
-call: (AGG | COUNT) "(" DISTINCT? expr ")" | COUNT "(" "*" ")" | FUNC "(" expr_list? ")"
-column_ref: column | qualifier "." column
+    | sum_expr _O? COMP _O? sum_expr
+    | sum_expr (_S NOT)? _S IN _O? "(" _O? (query | expr_list) _O? ")"
+    | sum_expr (_S NOT)? _S BETWEEN _S sum_expr _S AND _S sum_expr
+    | sum_expr (_S NOT)? _S LIKE _S sum_expr
+    | sum_expr _S IS (_S NOT)? _S NULL
+    | EXISTS _O? "(" _O? query _O? ")"
+sum_expr: term (_O? ADD_OP _O? term)*
+term: factor (_O? MUL_OP _O? factor)*
+factor: "-" _O? factor | primary
+primary: literal | column_ref | call | "(" _O? expr _O? ")" | "(" _O? query _O? ")" | case_expr
+    | CAST _O? "(" _O? expr _S AS _S TYPE_NAME _O? ")"
+case_expr: CASE (_S expr)? (_S WHEN _S expr _S THEN _S expr)+ (_S ELSE _S expr)? _S END
+expr_list: expr (_O? "," _O? expr)*
+call: (AGG | COUNT) _O? "(" _O? (DISTINCT _S)? expr _O? ")" | COUNT _O? "(" _O? "*" _O? ")"
+    | FUNC _O? "(" _O? expr_list? _O? ")"
+column_ref: column | qualifier _O? "." _O? column
 qualifier: table | NEW_NAME
 literal: NUMBER | STRING | NULL | TRUE | FALSE
 
+// Whitespace is explicit: _S between two tokens that may both be words (so words never touch),
+// _O where one side is punctuation. Each gap holds at most 4 whitespace bytes.
+_S: /[ \t\r\n]{1,4}/
+_O: /[ \t\r\n]{1,4}/
 COMP: "=" | "!=" | "<>" | "<" | ">" | "<=" | ">="
 ADD_OP: "+" | "-" | "||"
 MUL_OP: "*" | "/" | "%"
 INT: /[0-9]+/
 NUMBER: /[0-9]+(\.[0-9]+)?/ | /\.[0-9]+/
-TYPE_NAME: "integer"i | "int"i | "real"i | "float"i | "text"i | "numeric"i | "date"i | "varchar"i
-NEW_NAME: /[A-Za-z_][A-Za-z0-9_]*/
 CTE_NAME: /cte_[A-Za-z0-9_]*/
-%ignore /[ \t\r\n]+/
 """
 
 
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+_ID_FIRST = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_")
+
+
+def _char_class(chars: set[str] | frozenset[str]) -> str:
+    """A regex class listing exactly `chars` (alnum and _ only), as ranges where possible."""
+    codes = sorted(ord(c) for c in chars)
+    parts, i = [], 0
+    while i < len(codes):
+        j = i
+        while j + 1 < len(codes) and codes[j + 1] == codes[j] + 1:
+            j += 1
+        parts.append(chr(codes[i]) if i == j else f"{chr(codes[i])}-{chr(codes[j])}")
+        i = j + 1
+    return "[" + "".join(parts) + "]"
+
+
+def _identifier_except(words: tuple[str, ...], max_len: int = 32) -> str:
+    """Regex of identifiers ([A-Za-z_][A-Za-z0-9_]{0,max_len-1}) whose lower case is not in `words`."""
+    trie: dict = {}
+    for w in words:
+        node = trie
+        for ch in w.lower():
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def below(node: dict, depth: int) -> str:
+        alts = []
+        if depth and "" not in node:
+            alts.append("")  # a proper prefix of a keyword is an identifier
+        kids = [c for c in node if c]
+        for c in kids:
+            cls = _char_class({c, c.upper()}) if c.isalpha() else c
+            alts.append(cls + below(node[c], depth + 1))
+        pool = (_ID_FIRST if depth == 0 else _ID_CHARS) - {k for c in kids for k in (c, c.upper())}
+        alts.append(_char_class(pool) + _char_class(_ID_CHARS) + f"{{0,{max_len - depth - 1}}}")
+        return "(" + "|".join(alts) + ")"
+
+    return below(trie, 0)
+
+
 def _lit(text: str, insensitive: bool = True) -> str:
-    return json.dumps(text) + ("i" if insensitive else "")
+    """A terminal for `text`; case-insensitive over ASCII only (a Unicode-folding `"..."i` would
+    let e.g. U+017F 'ſ' stand for 's')."""
+    if not insensitive or not any(c.isalpha() for c in text):
+        return json.dumps(text)
+    body = "".join(_char_class({c.lower(), c.upper()}) if c.isascii() and c.isalpha() else re.escape(c)
+                   for c in text)
+    return "/" + body.replace("/", "\\/") + "/"
 
 
 def _name_alternatives(name: str, dialect: str) -> list[str]:
@@ -118,6 +169,8 @@ def sql_grammar(schema: DatabaseSchema, policy: SQLPolicy | None = None) -> str:
     funcs = [f for f in policy.allowed_functions if f.lower() not in AGGREGATES]
     aggs = [f for f in policy.allowed_functions if f.lower() in AGGREGATES and f.lower() != "count"]
     lines = [_RULES,
+             f"NEW_NAME: /{_identifier_except(_KEYWORDS)}/",
+             "TYPE_NAME: " + " | ".join(_lit(t) for t in _TYPES),
              "table: TABLE", "column: COLUMN",
              "TABLE: " + " | ".join(table_alts),
              "COLUMN: " + " | ".join(column_alts),

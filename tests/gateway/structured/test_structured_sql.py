@@ -102,17 +102,17 @@ def test_grammar_accepts_select_language_and_only_real_names(tokinfo):
         assert not _accepts(compiled, tokinfo, sql), sql
 
 
-def test_random_model_sql_is_validated_before_it_leaves(tokinfo):
-    """Grammar-valid random SQL either passes every sqlglot rule or is rejected with a typed rule.
+def test_random_model_sql_always_parses_and_names_only_real_tables(tokinfo):
+    """Random-logit SQL from the grammar is always one parseable read-only SELECT over real tables.
 
-    Known gap: the lexer lets two word tokens touch ("SELECTname"), which the grammar accepts and
-    sqlglot then rejects, so such an output never leaves (see the report)."""
+    The grammar cannot bind aliases (context-sensitive), so a random qualifier can be unbound:
+    sqlglot rejects that as unknown_column before anything leaves."""
     spec = sql_spec(DB)
     cache = ConstraintCache()
-    done = passed = 0
-    for seed in range(6):
-        c = build_constraint(spec, tokinfo, max_tokens=96, cache=cache)
-        out = decode(c, random_logits(tokinfo.vocab_size, seed), max_tokens=96)
+    done = 0
+    for seed in range(8):
+        c = build_constraint(spec, tokinfo, max_tokens=128, cache=cache)
+        out = decode(c, random_logits(tokinfo.vocab_size, seed), max_tokens=128)
         if not out.finished:
             continue  # a CFG need not close within a budget; what closes must be checked
         done += 1
@@ -120,8 +120,7 @@ def test_random_model_sql_is_validated_before_it_leaves(tokinfo):
         try:
             result = check_sql(sql, DB, SQLPolicy())
         except SQLPolicyViolation as e:
-            assert e.rule and e.http_status == 400
+            assert e.rule == "unknown_column", (e.rule, sql)
             continue
-        passed += 1
         assert result.tables <= set(DB.tables)
     assert done >= 3
