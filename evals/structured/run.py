@@ -310,8 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         results["bfcl"] = eval_bfcl(tok, args)
     if "outlines" in parts:
         results["outlines_core"] = eval_outlines(tok, args)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    if {"json", "sql", "bfcl"} <= parts:
+    path = args.out / "results.json"
+    if path.exists() and parts != {"json", "sql", "bfcl", "outlines"}:  # partial run: update those parts
+        results = {**json.loads(path.read_text()), **results}
+    path.write_text(json.dumps(results, indent=2, default=str))
+    if {"json_schema", "sql", "bfcl"} <= results.keys():
         plot(results, args.out / "results.png")
     print(json.dumps(results.get("overhead", {}), indent=2))
     return 0

@@ -61,6 +61,10 @@ def check_sql(sql: str, schema: DatabaseSchema, policy: SQLPolicy | None = None)
         if isinstance(node, _FORBIDDEN):
             raise SQLPolicyViolation("read_only", f"{node.key.upper()} is not allowed in a read-only query")
 
+    rewrites: list[str] = []
+    if dialect == "sqlite":
+        _sqlite_double_quoted_strings(tree, schema, rewrites)
+
     allowed_funcs = {f.lower() for f in policy.allowed_functions}
     for fn in tree.find_all(exp.Func):
         if isinstance(fn, _SYNTAX_FUNCS):
@@ -94,11 +98,20 @@ def check_sql(sql: str, schema: DatabaseSchema, policy: SQLPolicy | None = None)
     columns = {f"{alias_to_table[c.table.lower()]}.{c.name.lower()}" for c in qualified.find_all(exp.Column)
                if c.table and c.table.lower() in alias_to_table}
 
-    rewrites: list[str] = []
     if policy.max_limit is not None:
         tree = _enforce_limit(tree, policy.max_limit, rewrites)
     target = policy.target_dialect or dialect
     return SQLCheckResult(tree.sql(dialect=target), tables, columns, rewrites)
+
+
+def _sqlite_double_quoted_strings(tree: exp.Expression, schema: DatabaseSchema, rewrites: list[str]) -> None:
+    """SQLite reads a double-quoted token that names no column as a string literal; do the same."""
+    columns = {c.lower() for cols in schema.tables.values() for c in cols}
+    for col in list(tree.find_all(exp.Column)):
+        ident = col.this
+        if not col.table and isinstance(ident, exp.Identifier) and ident.quoted and ident.name.lower() not in columns:
+            col.replace(exp.Literal.string(ident.name))
+            rewrites.append(f'read "{ident.name}" as a string literal (SQLite rule for unknown quoted names)')
 
 
 def _enforce_limit(tree: exp.Expression, max_limit: int, rewrites: list[str]) -> exp.Expression:
