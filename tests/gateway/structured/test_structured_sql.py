@@ -73,6 +73,12 @@ def test_limit_enforced_and_transpiled():
     assert r.sql == "SELECT `Market Value` FROM positions LIMIT 10" and r.rewrites == ["added LIMIT 10"]
 
 
+def test_sqlite_double_quoted_unknown_name_is_a_string():
+    r = check_sql('SELECT id FROM accounts WHERE region = "EU"', DB, SQLPolicy(target_dialect="postgres"))
+    assert r.sql == "SELECT id FROM accounts WHERE region = 'EU' LIMIT 1000"
+    assert any("string literal" in w for w in r.rewrites)
+
+
 GOOD = [
     "SELECT * FROM trades",
     "select symbol, count(*) from trades group by symbol having count(*) > 2 order by 2 desc limit 3",
