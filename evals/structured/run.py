@@ -160,6 +160,48 @@ def eval_outlines(tok: TokenizerInfo, args) -> dict:
     return out
 
 
+def eval_regex(tok: TokenizerInfo, args) -> dict:
+    """Regex kind, both backends, on `pattern` values taken from the JSONSchemaBench schemas."""
+    import re
+
+    from gateway.structured.build import regex_spec
+    from gateway.structured.json_schema import walk
+
+    patterns: list[str] = []
+    for split in SPLITS:
+        for line in open(DATA / "jsonschemabench" / f"{split}.jsonl"):
+            for _, sub in walk(json.loads(line)["schema"]):
+                p = sub.get("pattern")
+                if isinstance(p, str) and p.startswith("^") and p.endswith("$") and p not in patterns:
+                    patterns.append(p)
+    patterns = patterns[: args.regex_patterns]
+    out = {"patterns": len(patterns)}
+    for backend in ("llguidance", "outlines-core"):
+        times, fill, errors, valid, finished = [], [], Counter(), 0, 0
+        for i, pattern in enumerate(tqdm(patterns, desc=f"regex {backend}")):
+            body = pattern[1:-1]  # whole-output match; anchors are implicit
+            try:
+                c, dt = compile_timed(regex_spec(body), tok, backend, args.outlines_timeout)
+            except StructuredOutputError as e:
+                errors[type(e).__name__] += 1
+                continue
+            times.append(dt)
+            stats = {"fill_us": [], "apply_us": []}
+            ids, done = generate(c, random_logits(QWEN_MODEL_VOCAB, i), QWEN_MODEL_VOCAB, 96, stats)
+            fill += stats["fill_us"]
+            finished += done
+            text = tok.decode(ids[:-1] if done else ids)
+            try:
+                valid += done and re.fullmatch(body, text) is not None
+            except re.error:
+                errors["python_re_cannot_check"] += 1
+        out[backend] = {"compiled": len(times), "errors": dict(errors), "compile_ms_p50": 1e3 * pct(times, 0.5),
+                        "compile_ms_max": 1e3 * max(times) if times else None, "mask_fill_us_p50": pct(fill, 0.5),
+                        "finished": finished, "valid_fullmatch": valid}
+        print("regex", backend, out[backend])
+    return out
+
+
 def eval_sql(tok: TokenizerInfo, args) -> dict:
     tables = {t["db_id"]: t for t in json.load(open(DATA / "sql" / "spider_tables.json"))}
     dev = json.load(open(DATA / "sql" / "spider_dev.json"))
@@ -279,9 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--outlines-sample", type=int, default=3)
     p.add_argument("--outlines-timeout", type=float, default=120.0)
     p.add_argument("--bfcl-limit", type=int, default=0)
+    p.add_argument("--regex-patterns", type=int, default=20)
     p.add_argument("--decode-step-ms", type=float, default=11.5,
                    help="reference decode step (DESIGN.md: llama.cpp Q4_0 tg 86.6 tok/s, random Qwen3-MoE)")
-    p.add_argument("--parts", default="json,sql,bfcl,outlines")
+    p.add_argument("--parts", default="json,sql,bfcl,outlines,regex")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # small ops: thread hand-off costs more than it saves on a shared CPU
     tok = TokenizerInfo.from_file(qwen_tokenizer_json(), QWEN_EOS_IDS)
@@ -310,8 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         results["bfcl"] = eval_bfcl(tok, args)
     if "outlines" in parts:
         results["outlines_core"] = eval_outlines(tok, args)
+    if "regex" in parts:
+        results["regex"] = eval_regex(tok, args)
     path = args.out / "results.json"
-    if path.exists() and parts != {"json", "sql", "bfcl", "outlines"}:  # partial run: update those parts
+    if path.exists() and parts != {"json", "sql", "bfcl", "outlines", "regex"}:  # partial run: update those parts
         results = {**json.loads(path.read_text()), **results}
     path.write_text(json.dumps(results, indent=2, default=str))
     if {"json_schema", "sql", "bfcl"} <= results.keys():
