@@ -288,26 +288,39 @@ def plot(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     js = results["json_schema"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].bar(SPLITS, [js[s]["compiled_pct"] for s in SPLITS], label="compiled %")
-    axes[0].bar(SPLITS, [js[s]["valid_pct_of_generated"] for s in SPLITS], alpha=0.5, label="valid % of generated")
-    axes[0].axhline(90, color="r", ls="--", lw=1)
-    axes[0].set_title("JSONSchemaBench (llguidance)")
-    axes[0].legend(loc="lower left")
-    axes[0].tick_params(axis="x", rotation=20)
-    axes[1].bar(SPLITS, [js[s]["mask_fill_us_per_token_p50"] for s in SPLITS], label="fill p50")
-    axes[1].bar(SPLITS, [js[s]["mask_apply_us_per_token_p50"] for s in SPLITS], alpha=0.6, label="apply p50")
-    axes[1].set_title("mask µs / token (151,936 logits)")
-    axes[1].legend()
-    axes[1].tick_params(axis="x", rotation=20)
+    x, w = np.arange(len(SPLITS)), 0.38
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+    ax = axes[0]
+    ax.bar(x - w / 2, [js[s]["compiled_pct"] for s in SPLITS], w, label="compiled %")
+    ax.bar(x + w / 2, [js[s]["valid_pct_of_generated"] for s in SPLITS], w, label="valid % of generated")
+    ax.axhline(90, color="r", ls="--", lw=1)
+    ax.set(title="JSONSchemaBench (llguidance)", xticks=x, xticklabels=SPLITS, ylim=(0, 105))
+    ax.legend(loc="lower left")
+    ax = axes[1]
+    ax.bar(x - w / 2, [js[s]["mask_fill_us_per_token_p50"] for s in SPLITS], w, label="fill p50")
+    ax.bar(x + w / 2, [js[s]["mask_apply_us_per_token_p50"] for s in SPLITS], w, label="apply p50")
+    ax.set(title="mask µs / token (151,936 logits)", xticks=x, xticklabels=SPLITS)
+    ax.legend()
     sql, bf = results["sql"], results["bfcl"]
-    names = ["Spider grammar"] + [f"BFCL {k}" for k in bf]
-    vals = [sql["grammar_accepts_pct"]] + [bf[k]["valid_pct_of_compiled"] for k in bf]
+    names = ["Spider grammar", "Spider sqlglot"] + [f"BFCL {k}" for k in bf]
+    vals = [sql["grammar_accepts_pct"], 100 * sql["sqlglot_policy_pass"] / sql["queries"]]
+    vals += [bf[k]["valid_pct_of_compiled"] for k in bf]
     axes[2].bar(names, vals)
     axes[2].axhline(95, color="r", ls="--", lw=1)
-    axes[2].set_title("SQL gold accepted % / tool calls valid %")
+    axes[2].set(title="SQL gold accepted % / tool calls valid %", ylim=(0, 105))
+    axes[2].tick_params(axis="x", rotation=15)
+    ax = axes[3]
+    ol = results.get("outlines_core")
+    if ol:
+        ax.bar(x - w / 2, [js[s]["compile_ms_p50"] for s in SPLITS], w, label="llguidance")
+        ax.bar(x + w / 2, [1e3 * (ol[s]["compile_s_p50"] or float("nan")) for s in SPLITS], w, label="outlines-core")
+        ax.set(yscale="log", title="JSON compile ms p50 (log)", xticks=x, xticklabels=SPLITS)
+        ax.legend()
+    for a in (axes[0], axes[1], axes[3]):
+        a.tick_params(axis="x", rotation=15)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -46,8 +46,9 @@ class Constraint:
 
     EOS ids are allowed only when the constraint accepts; once it is terminated only EOS is.
     Whitespace is bounded: after `max_whitespace_run` consecutive whitespace bytes, whitespace-only
-    tokens are masked out (so a grammar with free whitespace cannot loop on it). With `max_tokens`, the last `closing_window` steps prefer closing tokens (`"`, `}`, `]`, `)`)
-    and EOS as soon as the output is complete, so output closes inside the budget when it can.
+    tokens are masked out (so a grammar with free whitespace cannot loop on it). With `max_tokens`,
+    the last `closing_window` steps prefer closing tokens (CLOSING_TIERS) and EOS as soon as the
+    output is complete, so output closes inside the budget when it can.
     """
 
     def __init__(
