@@ -250,18 +250,21 @@ def bfcl_to_json_schema(s):
 
 
 def eval_bfcl(tok: TokenizerInfo, args) -> dict:
-    out = {}
-    for name in ("simple_python", "multiple"):
+    out = dict(json.loads((args.out / "results.json").read_text()).get("bfcl", {})) if (
+        args.out / "results.json").exists() else {}
+    for name in args.bfcl_sets.split(","):
+        # irrelevance: no tool fits the question, so the call is optional (tool_choice auto)
+        choice = "auto" if name == "irrelevance" else "required"
         rows = [json.loads(line) for line in open(DATA / "bfcl" / f"BFCL_v4_{name}.jsonl")]
         rows = rows[: args.bfcl_limit] if args.bfcl_limit else rows
-        compiled_n = valid = 0
+        compiled_n = valid = with_calls = 0
         errors: Counter = Counter()
         stats = {"fill_us": [], "apply_us": []}
         for i, row in enumerate(tqdm(rows, desc=f"bfcl {name}")):
             tools = [{"type": "function", "function": {**fn, "parameters": bfcl_to_json_schema(fn["parameters"])}}
                      for fn in row["function"]]
             try:
-                spec = tool_call_spec(tools, tok, "required", parallel_tool_calls=True)
+                spec = tool_call_spec(tools, tok, choice, parallel_tool_calls=True)
                 c, _ = compile_timed(spec, tok, "llguidance", args.compile_timeout)
             except UnsupportedSchemaError as e:
                 errors[f"unsupported:{e.keyword}"] += 1
@@ -272,11 +275,13 @@ def eval_bfcl(tok: TokenizerInfo, args) -> dict:
             compiled_n += 1
             ids, done = generate(c, random_logits(QWEN_MODEL_VOCAB, i), QWEN_MODEL_VOCAB, args.max_tokens, stats)
             try:
-                validate_tool_calls(tok.decode(ids[:-1] if done else ids), tools, "required")
+                calls = validate_tool_calls(tok.decode(ids[:-1] if done else ids), tools, choice)
                 valid += 1
+                with_calls += bool(calls)
             except StructuredOutputError as e:
                 errors[f"invalid:{type(e).__name__}"] += 1
-        out[name] = {"entries": len(rows), "compiled": compiled_n, "valid": valid,
+        out[name] = {"entries": len(rows), "tool_choice": choice, "compiled": compiled_n, "valid": valid,
+                     "outputs_with_calls": with_calls,
                      "valid_pct_of_compiled": 100 * valid / max(1, compiled_n), "errors": dict(errors),
                      "mask_fill_us_p50": pct(stats["fill_us"], 0.5)}
         print("bfcl", name, out[name])
@@ -335,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--outlines-timeout", type=float, default=120.0)
     p.add_argument("--bfcl-limit", type=int, default=0)
     p.add_argument("--regex-patterns", type=int, default=20)
+    p.add_argument("--bfcl-sets", default="simple_python,multiple,irrelevance")
     p.add_argument("--decode-step-ms", type=float, default=11.5,
                    help="reference decode step (DESIGN.md: llama.cpp Q4_0 tg 86.6 tok/s, random Qwen3-MoE)")
     p.add_argument("--parts", default="json,sql,bfcl,outlines,regex")
