@@ -145,6 +145,9 @@ class Constraint:
                     break
         if accepting:
             out |= eos_row
+        if not out.any():  # dead end (matcher error): end the sequence; validation reports it
+            self.error = self.error or self.matcher.error() or "no token can continue the output"
+            out[:] = eos_row
 
     def __call__(self, token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """Logits-processor form: advance by the new ids, then mask logits [V] in place."""
