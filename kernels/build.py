@@ -21,7 +21,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "moe_cpu.cpp"
-_COMMON_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
+_COMMON_FLAGS = ["-O3", "-std=c++17", "-pthread", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
 VARIANT_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "generic": [],
@@ -45,7 +45,9 @@ def _compiler() -> str | None:
 
 def _build_key(cxx: str, flags: list[str]) -> str:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for path in [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]:  # the source and its headers
+        h.update(path.read_bytes())
     h.update("\0".join([*flags, version]).encode())
     return h.hexdigest()[:16]
 

@@ -3,7 +3,8 @@
 // Compiled twice by kernels/build.py: with -mavx2 -mfma -mf16c (AVX2 path, intrinsics) and without
 // (generic path, plain loops the compiler may auto-vectorize). Always -ffp-contract=off so each
 // output row's arithmetic is a fixed sequence of operations: a row's result does not depend on
-// which other rows share the batch, on thread count, or on scheduling.
+// which other rows share the batch, on thread count, or on scheduling. Threads: work_pool.h (tiles
+// of active experts are claimed dynamically; OpenMP is used only by the STREAM triad helper).
 //
 // Weight layout (see kernels/formats.py): a projection [N, K] is cut into tiles of 8 output rows;
 // gate_up tiles hold 8 gate rows and the matching 8 up rows (R8 = 2), down tiles 8 rows (R8 = 1).
@@ -19,10 +20,14 @@
 
 #include <omp.h>
 
+#include "work_pool.h"
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -366,70 +371,84 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
     if (need_xs) quantize_row(&xp[t * hp], hp, P.gs, &xq[t * hp], &xs[t * ngh], &xqs[t * ngh]);
   }
   const int64_t n1 = na * P.i8, n2 = na * P.h8;
-#pragma omp parallel num_threads(nthreads)
-  {
-    const float* xr[kMaxMT * 64];
-    const float* sr[kMaxMT * 64];
-    const int8_t* qr[kMaxMT * 64];
-    const float* qsr[kMaxMT * 64];
-    float* orow[kMaxMT * 64];
-    float tmp[kMaxMT * 64][16];
-    // Phase 1: gate+up tiles, SiLU(gate) * up into H.
-#pragma omp for schedule(dynamic, 8)
-    for (int64_t it = 0; it < n1; ++it) {
-      const int64_t e = active[it / P.i8], tile = it % P.i8;
-      for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += kMaxMT * 64) {
-        const int n = (int)std::min<int64_t>(kMaxMT * 64, count[e + 1] - r0);
-        for (int i = 0; i < n; ++i) {
-          const int64_t t = src_token[r0 + i];
-          xr[i] = &xp[t * hp];
-          sr[i] = need_xs ? &xs[t * ngh] : nullptr;
-          qr[i] = need_xs ? &xq[t * hp] : nullptr;
-          qsr[i] = need_xs ? &xqs[t * ngh] : nullptr;
-          orow[i] = tmp[i];
-        }
-        // experts are contiguous runs of tiles: global tile = e * i8 + tile
-        if constexpr (FMT == INT4 || FMT == INT4A) tile_rows_w4a8<FMT, 2>(P.gu, e * P.i8 + tile, qr, sr, qsr, orow, n);
-        else tile_rows<FMT, 2>(P.gu, e * P.i8 + tile, xr, sr, orow, n);
-        for (int i = 0; i < n; ++i) {
-          float* hrow = &hb[(r0 + i) * hbuf + tile * 8];
-          for (int c = 0; c < 8; ++c) hrow[c] = silu(tmp[i][c]) * tmp[i][8 + c];
-        }
-      }
-    }
-    // Padding columns (tiles past I produce silu(0)*0 = 0; columns past i8*8 stay 0); group sums.
-    if (need_xs) {
-#pragma omp for schedule(static)
-      for (int64_t r = 0; r < S; ++r) group_sums(&hb[r * hbuf], ip, P.gs, &hs[r * ngi]);
-    }
-    // Phase 2: down tiles into Y.
-#pragma omp for schedule(dynamic, 8)
-    for (int64_t it = 0; it < n2; ++it) {
-      const int64_t e = active[it / P.h8], tile = it % P.h8;
-      for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += kMaxMT * 64) {
-        const int n = (int)std::min<int64_t>(kMaxMT * 64, count[e + 1] - r0);
-        for (int i = 0; i < n; ++i) {
-          xr[i] = &hb[(r0 + i) * hbuf];
-          sr[i] = need_xs ? &hs[(r0 + i) * ngi] : nullptr;
-          orow[i] = &y[(r0 + i) * ldy + tile * 8];
-        }
-        tile_rows<FMT, 1>(P.dn, e * P.h8 + tile, xr, sr, orow, n);
-      }
-    }
-    // Phase 3: out[t] = sum over slots in slot order of weight * Y[row(t, slot)].
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      float* o = out + t * ldy;
-      for (int64_t c = 0; c < ldy; c += 8) {
-        V8 acc = v_zero();
-        for (int64_t s = 0; s < K; ++s) {
-          const int64_t r = row_of[t * K + s];
-          if (r >= 0) acc = v_fma(v_set1(wts[t * K + s]), v_load(&y[r * ldy + c]), acc);
-        }
-        v_store(o + c, acc);
-      }
-    }
+  // One job: items [0, n1) are gate_up tiles, [n1, n1 + n2) down tiles. A down item of expert e
+  // waits until every gate_up item of e is done (they were all claimed earlier, so this terminates).
+  std::vector<int64_t> slot_of(E, 0);
+  for (int64_t a = 0; a < na; ++a) slot_of[active[a]] = a;
+  std::unique_ptr<std::atomic<int64_t>[]> p1_left(new std::atomic<int64_t>[na]);
+  std::unique_ptr<std::atomic<int>[]> ready(new std::atomic<int>[na]);
+  for (int64_t a = 0; a < na; ++a) {
+    p1_left[a].store(P.i8, std::memory_order_relaxed);
+    ready[a].store(0, std::memory_order_relaxed);
   }
+  constexpr int kRows = kMaxMT * 64;
+  auto gate_up_item = [&](int64_t it) {
+    const int64_t a = it / P.i8, e = active[a], tile = it % P.i8;
+    const float* xr[kRows];
+    const float* sr[kRows];
+    const int8_t* qr[kRows];
+    const float* qsr[kRows];
+    float* orow[kRows];
+    float tmp[kRows][16];
+    for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += kRows) {
+      const int n = (int)std::min<int64_t>(kRows, count[e + 1] - r0);
+      for (int i = 0; i < n; ++i) {
+        const int64_t t = src_token[r0 + i];
+        xr[i] = &xp[t * hp];
+        sr[i] = need_xs ? &xs[t * ngh] : nullptr;
+        qr[i] = need_xs ? &xq[t * hp] : nullptr;
+        qsr[i] = need_xs ? &xqs[t * ngh] : nullptr;
+        orow[i] = tmp[i];
+      }
+      // experts are contiguous runs of tiles: global tile = e * i8 + tile
+      if constexpr (FMT == INT4 || FMT == INT4A) tile_rows_w4a8<FMT, 2>(P.gu, e * P.i8 + tile, qr, sr, qsr, orow, n);
+      else tile_rows<FMT, 2>(P.gu, e * P.i8 + tile, xr, sr, orow, n);
+      for (int i = 0; i < n; ++i) {
+        float* hrow = &hb[(r0 + i) * hbuf + tile * 8];
+        for (int c = 0; c < 8; ++c) hrow[c] = silu(tmp[i][c]) * tmp[i][8 + c];
+      }
+    }
+    if (p1_left[a].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      // Last gate_up tile of e: H rows are complete (padding tiles give silu(0)*0 = 0, columns past
+      // i8*8 stay 0); int4 down needs their per-group sums.
+      if (need_xs)
+        for (int64_t r = count[e]; r < count[e + 1]; ++r) group_sums(&hb[r * hbuf], ip, P.gs, &hs[r * ngi]);
+      ready[a].store(1, std::memory_order_release);
+    }
+  };
+  auto down_item = [&](int64_t it) {
+    const int64_t a = it / P.h8, e = active[a], tile = it % P.h8;
+    moegate::spin_until([&] { return ready[a].load(std::memory_order_acquire) != 0; });
+    const float* xr[kRows];
+    const float* sr[kRows];
+    float* orow[kRows];
+    for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += kRows) {
+      const int n = (int)std::min<int64_t>(kRows, count[e + 1] - r0);
+      for (int i = 0; i < n; ++i) {
+        xr[i] = &hb[(r0 + i) * hbuf];
+        sr[i] = need_xs ? &hs[(r0 + i) * ngi] : nullptr;
+        orow[i] = &y[(r0 + i) * ldy + tile * 8];
+      }
+      tile_rows<FMT, 1>(P.dn, e * P.h8 + tile, xr, sr, orow, n);
+    }
+  };
+  auto& pool = moegate::WorkPool::instance();
+  pool.parallel_for(n1 + n2, 4, nthreads, [&](int64_t it) {
+    if (it < n1) gate_up_item(it);
+    else down_item(it - n1);
+  });
+  // out[t] = sum over slots in slot order of weight * Y[row(t, slot)].
+  pool.parallel_for(T, 8, nthreads, [&](int64_t t) {
+    float* o = out + t * ldy;
+    for (int64_t c = 0; c < ldy; c += 8) {
+      V8 acc = v_zero();
+      for (int64_t s = 0; s < K; ++s) {
+        const int64_t r = row_of[t * K + s];
+        if (r >= 0) acc = v_fma(v_set1(wts[t * K + s]), v_load(&y[r * ldy + c]), acc);
+      }
+      v_store(o + c, acc);
+    }
+  });
   return 0;
 }
 

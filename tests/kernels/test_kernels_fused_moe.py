@@ -8,6 +8,9 @@ summation order differs.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -182,3 +185,26 @@ def test_int4_gate_up_is_w4a8(fmt: str) -> None:
             fp32_input[t] += w[t, s] * (w_dn @ (torch.nn.functional.silu(gu[:48]) * gu[48:]))
     assert (out - fp32_input).abs().max() > 1e-4 * fp32_input.abs().max() + 1e-5
     assert (out - fp32_input).abs().max() < 0.05 * fp32_input.abs().max()
+
+
+@needs_kernel
+def test_thread_pool_survives_fork_and_many_calls() -> None:
+    """Helpers are per process: a forked child computes the same bytes (no deadlock on the pool)."""
+    packed = pack_experts(*random_experts(NUM_EXPERTS, 96, 48), "int8", progress=False)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(7))
+    ids, w = random_routing(9, 3, NUM_EXPERTS, seed=7)
+    want = fused_moe(x, ids, w, packed, num_threads=2)
+    for threads in (1, 2, 3, 2, 1, 4):
+        assert torch.equal(fused_moe(x, ids, w, packed, num_threads=threads), want)
+    pid = os.fork()
+    if pid == 0:  # child: exit code says whether the result matched
+        ok = all(torch.equal(fused_moe(x, ids, w, packed, num_threads=2), want) for _ in range(3))
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("forked child hung in fused_moe")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
