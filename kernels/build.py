@@ -60,10 +60,17 @@ def build(variant: str) -> Path:
     if cxx is None:
         raise KernelBuildError("no C++ compiler found (set CXX or install g++)")
     flags = _COMMON_FLAGS + VARIANT_FLAGS[variant]
-    out = cache_dir() / f"moe_cpu-{variant}-{_build_key(cxx, flags)}.so"
+    name = f"moe_cpu-{variant}-{_build_key(cxx, flags)}.so"
+    out = cache_dir() / name
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # read-only home (containers): build under the temp dir instead
+        out = Path(tempfile.gettempdir()) / "moegate-kernels" / name
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
