@@ -45,9 +45,9 @@ struct Mat {
   int64_t gs;              // group size along K (quantized formats)
 };
 
-// out[m][0 .. R8*8) = tile rows . X[m] for MT activation rows. xs[m] holds per-group sums of X[m].
+// out[m][0 .. R8*8) = tile rows . X[m] for MT activation rows (fp32, bf16, int8 weights).
 template <int FMT, int R8, int MT>
-void tile_dot(const Mat& A, int64_t tile, const float* const* X, const float* const* xs, float* const* out) {
+void tile_dot(const Mat& A, int64_t tile, const float* const* X, float* const* out) {
   V8 acc[MT][R8];
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R8; ++r) acc[m][r] = v_zero();
@@ -67,52 +67,25 @@ void tile_dot(const Mat& A, int64_t tile, const float* const* X, const float* co
       }
     }
   } else {
+    static_assert(FMT == INT8, "int4 formats use tile_dot_w4a8");
     const int64_t gs = A.gs, ng = kp / gs;
     const uint16_t* sc = A.scales + tile * ng * R8 * 8;
-    const uint16_t* mn = FMT == INT4A ? A.mins + tile * ng * R8 * 8 : nullptr;
     const int8_t* w8 = static_cast<const int8_t*>(A.w) + tile * kp * R8 * 8;
-    const uint8_t* w4 = static_cast<const uint8_t*>(A.w) + tile * (kp / 8) * R8 * 32;
     for (int64_t g = 0; g < ng; ++g) {
       V8 gacc[MT][R8];
       for (int m = 0; m < MT; ++m)
         for (int r = 0; r < R8; ++r) gacc[m][r] = v_zero();
-      if constexpr (FMT == INT8) {
-        for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
-          V8 wv[R8];
-          for (int r = 0; r < R8; ++r) wv[r] = load_i8(w8 + (k * R8 + r) * 8);
-          for (int m = 0; m < MT; ++m) {
-            V8 xb = v_bcast(X[m] + k);
-            for (int r = 0; r < R8; ++r) gacc[m][r] = v_fma(wv[r], xb, gacc[m][r]);
-          }
-        }
-      } else {
-        for (int64_t kb = g * gs / 8; kb < (g + 1) * gs / 8; ++kb) {
-          U4 b[R8];
-          for (int r = 0; r < R8; ++r) b[r] = load_u4(w4 + (kb * R8 + r) * 32);
-          // nibble J holds k = 8kb + J/2 (J even) or 8kb + 4 + J/2 (J odd)
-#define MOEGATE_NIBBLE(J)                                                                  \
-  {                                                                                        \
-    V8 wv[R8];                                                                             \
-    for (int r = 0; r < R8; ++r) wv[r] = u4_nibble<J>(b[r]);                              \
-    for (int m = 0; m < MT; ++m) {                                                         \
-      V8 xb = v_bcast(X[m] + kb * 8 + ((J)&1) * 4 + (J) / 2);                              \
-      for (int r = 0; r < R8; ++r) gacc[m][r] = v_fma(wv[r], xb, gacc[m][r]);             \
-    }                                                                                      \
-  }
-          MOEGATE_NIBBLE(0) MOEGATE_NIBBLE(1) MOEGATE_NIBBLE(2) MOEGATE_NIBBLE(3)
-          MOEGATE_NIBBLE(4) MOEGATE_NIBBLE(5) MOEGATE_NIBBLE(6) MOEGATE_NIBBLE(7)
-#undef MOEGATE_NIBBLE
+      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+        V8 wv[R8];
+        for (int r = 0; r < R8; ++r) wv[r] = load_i8(w8 + (k * R8 + r) * 8);
+        for (int m = 0; m < MT; ++m) {
+          V8 xb = v_bcast(X[m] + k);
+          for (int r = 0; r < R8; ++r) gacc[m][r] = v_fma(wv[r], xb, gacc[m][r]);
         }
       }
       for (int r = 0; r < R8; ++r) {
-        V8 s = load_f16(sc + (g * R8 + r) * 8);
-        V8 b = s;
-        if constexpr (FMT == INT4) b = v_mul(s, v_set1(-8.f));  // exact: power-of-two multiple
-        if constexpr (FMT == INT4A) b = load_f16(mn + (g * R8 + r) * 8);
-        for (int m = 0; m < MT; ++m) {
-          acc[m][r] = v_fma(s, gacc[m][r], acc[m][r]);
-          if constexpr (FMT == INT4 || FMT == INT4A) acc[m][r] = v_fma(b, v_bcast(xs[m] + g), acc[m][r]);
-        }
+        V8 sv = load_f16(sc + (g * R8 + r) * 8);
+        for (int m = 0; m < MT; ++m) acc[m][r] = v_fma(sv, gacc[m][r], acc[m][r]);
       }
     }
   }
@@ -146,8 +119,8 @@ void tile_dot_w4a8(const Mat& A, int64_t tile, const int8_t* const* q, const flo
       V8 b = FMT == INT4A ? load_f16(mn + (g * R8 + r) * 8) : v_mul(s, v_set1(-8.f));
       for (int m = 0; m < MT; ++m) {
         V8 sxv = v_bcast(sx[m] + g);
-        acc[m][r] = v_fma(v_mul(s, sxv), i_cvt(isum[m][r]), acc[m][r]);
-        acc[m][r] = v_fma(v_mul(b, sxv), v_bcast(qs[m] + g), acc[m][r]);
+        acc[m][r] = v_fma_exact(v_mul(s, sxv), i_cvt(isum[m][r]), acc[m][r]);
+        acc[m][r] = v_fma_exact(v_mul(b, sxv), v_bcast(qs[m] + g), acc[m][r]);
       }
     }
   }
@@ -189,27 +162,19 @@ constexpr int kMaxMT = 4;
 
 // Rows rows[0..n) of one expert through one tile, in chunks of up to kMaxMT activation rows.
 template <int FMT, int R8>
-void tile_rows(const Mat& A, int64_t tile, const float* const* X, const float* const* xs, float* const* out, int n) {
+void tile_rows(const Mat& A, int64_t tile, const float* const* X, float* const* out, int n) {
   int i = 0;
-  for (; i + 4 <= n; i += 4) tile_dot<FMT, R8, 4>(A, tile, X + i, xs + i, out + i);
+  for (; i + 4 <= n; i += 4) tile_dot<FMT, R8, 4>(A, tile, X + i, out + i);
   switch (n - i) {
-    case 3: tile_dot<FMT, R8, 3>(A, tile, X + i, xs + i, out + i); break;
-    case 2: tile_dot<FMT, R8, 2>(A, tile, X + i, xs + i, out + i); break;
-    case 1: tile_dot<FMT, R8, 1>(A, tile, X + i, xs + i, out + i); break;
+    case 3: tile_dot<FMT, R8, 3>(A, tile, X + i, out + i); break;
+    case 2: tile_dot<FMT, R8, 2>(A, tile, X + i, out + i); break;
+    case 1: tile_dot<FMT, R8, 1>(A, tile, X + i, out + i); break;
     default: break;
   }
 }
 
-inline float silu(float g) { return g / (1.f + std::exp(-g)); }
-
-// Per-group sums of a padded activation row (int4 zero-point correction); fixed left-to-right order.
-void group_sums(const float* x, int64_t kp, int64_t gs, float* out) {
-  for (int64_t g = 0; g < kp / gs; ++g) {
-    float s = 0.f;
-    for (int64_t k = g * gs; k < (g + 1) * gs; ++k) s += x[k];
-    out[g] = s;
-  }
-}
+// SiLU in double, rounded once to float (reproducible by the torch reference to the last bit).
+inline float silu(float g) { return (float)((double)g / (1.0 + std::exp(-(double)g))); }
 
 struct Problem {
   int64_t T, K, E, H, I, gs, h8, i8, hp, ip, hbuf;
@@ -239,23 +204,21 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   for (int64_t e = 0; e < E; ++e)
     if (count[e + 1] > count[e]) active.push_back(e);
   const int64_t na = (int64_t)active.size();
-  const bool quant = FMT != FP32 && FMT != BF16;
-  const bool need_xs = FMT == INT4 || FMT == INT4A;
+  constexpr bool w4a8 = FMT == INT4 || FMT == INT4A;
   const int64_t hp = P.hp, ip = P.ip, hbuf = P.hbuf, ldy = P.h8 * 8;
-  const int64_t ngh = quant ? hp / P.gs : 0, ngi = quant ? ip / P.gs : 0;
-  // Padded copies: per token X [T, hp], per row H [S, hbuf], Y [S, h8*8].
-  std::vector<float> xp(T * hp, 0.f), xs(T * ngh + 1), hb(S * hbuf + 1, 0.f), hs(S * ngi + 1), y(S * ldy + 1);
-  std::vector<int8_t> xq(need_xs ? T * hp : 1);  // int4: W4A8 gate_up input; xs = scales, xqs = sums
-  std::vector<float> xqs(T * ngh + 1);
+  const int64_t ngh = w4a8 ? hp / P.gs : 0, ngi = w4a8 ? ip / P.gs : 0;
+  // Padded copies: per token X [T, hp], per row H [S, hbuf], Y [S, h8*8]; for W4A8 also the int8
+  // activations with their per-group scales and sums (xq / xsx / xqs, hq / hsx / hqs).
+  std::vector<float> xp(T * hp, 0.f), hb(S * hbuf + 1, 0.f), y(S * ldy + 1);
+  std::vector<int8_t> xq(w4a8 ? T * hp : 1), hq(w4a8 ? S * hbuf : 1);
+  std::vector<float> xsx(T * ngh + 1), xqs(T * ngh + 1), hsx(S * ngi + 1), hqs(S * ngi + 1);
   for (int64_t t = 0; t < T; ++t) {
     std::memcpy(&xp[t * hp], x + t * P.H, sizeof(float) * P.H);
-    if (need_xs) quantize_row(&xp[t * hp], hp, P.gs, &xq[t * hp], &xs[t * ngh], &xqs[t * ngh]);
+    if (w4a8) quantize_row(&xp[t * hp], hp, P.gs, &xq[t * hp], &xsx[t * ngh], &xqs[t * ngh]);
   }
   const int64_t n1 = na * P.i8, n2 = na * P.h8;
   // One job: items [0, n1) are gate_up tiles, [n1, n1 + n2) down tiles. A down item of expert e
   // waits until every gate_up item of e is done (they were all claimed earlier, so this terminates).
-  std::vector<int64_t> slot_of(E, 0);
-  for (int64_t a = 0; a < na; ++a) slot_of[active[a]] = a;
   std::unique_ptr<std::atomic<int64_t>[]> p1_left(new std::atomic<int64_t>[na]);
   std::unique_ptr<std::atomic<int>[]> ready(new std::atomic<int>[na]);
   for (int64_t a = 0; a < na; ++a) {
@@ -266,8 +229,8 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   auto gate_up_item = [&](int64_t it) {
     const int64_t a = it / P.i8, e = active[a], tile = it % P.i8;
     const float* xr[kRows];
-    const float* sr[kRows];
     const int8_t* qr[kRows];
+    const float* sxr[kRows];
     const float* qsr[kRows];
     float* orow[kRows];
     float tmp[kRows][16];
@@ -276,24 +239,25 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       for (int i = 0; i < n; ++i) {
         const int64_t t = src_token[r0 + i];
         xr[i] = &xp[t * hp];
-        sr[i] = need_xs ? &xs[t * ngh] : nullptr;
-        qr[i] = need_xs ? &xq[t * hp] : nullptr;
-        qsr[i] = need_xs ? &xqs[t * ngh] : nullptr;
+        qr[i] = &xq[w4a8 ? t * hp : 0];
+        sxr[i] = &xsx[t * ngh];
+        qsr[i] = &xqs[t * ngh];
         orow[i] = tmp[i];
       }
       // experts are contiguous runs of tiles: global tile = e * i8 + tile
-      if constexpr (FMT == INT4 || FMT == INT4A) tile_rows_w4a8<FMT, 2>(P.gu, e * P.i8 + tile, qr, sr, qsr, orow, n);
-      else tile_rows<FMT, 2>(P.gu, e * P.i8 + tile, xr, sr, orow, n);
+      if constexpr (w4a8) tile_rows_w4a8<FMT, 2>(P.gu, e * P.i8 + tile, qr, sxr, qsr, orow, n);
+      else tile_rows<FMT, 2>(P.gu, e * P.i8 + tile, xr, orow, n);
       for (int i = 0; i < n; ++i) {
         float* hrow = &hb[(r0 + i) * hbuf + tile * 8];
         for (int c = 0; c < 8; ++c) hrow[c] = silu(tmp[i][c]) * tmp[i][8 + c];
       }
     }
     if (p1_left[a].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      // Last gate_up tile of e: H rows are complete (padding tiles give silu(0)*0 = 0, columns past
-      // i8*8 stay 0); int4 down needs their per-group sums.
-      if (need_xs)
-        for (int64_t r = count[e]; r < count[e + 1]; ++r) group_sums(&hb[r * hbuf], ip, P.gs, &hs[r * ngi]);
+      // Last gate_up tile of e: its H rows are complete (padding tiles give silu(0)*0 = 0, columns
+      // past i8*8 stay 0). W4A8 down quantizes them once here.
+      if constexpr (w4a8)
+        for (int64_t r = count[e]; r < count[e + 1]; ++r)
+          quantize_row(&hb[r * hbuf], ip, P.gs, &hq[r * hbuf], &hsx[r * ngi], &hqs[r * ngi]);
       ready[a].store(1, std::memory_order_release);
     }
   };
@@ -301,16 +265,22 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
     const int64_t a = it / P.h8, e = active[a], tile = it % P.h8;
     moegate::spin_until([&] { return ready[a].load(std::memory_order_acquire) != 0; });
     const float* xr[kRows];
-    const float* sr[kRows];
+    const int8_t* qr[kRows];
+    const float* sxr[kRows];
+    const float* qsr[kRows];
     float* orow[kRows];
     for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += kRows) {
       const int n = (int)std::min<int64_t>(kRows, count[e + 1] - r0);
       for (int i = 0; i < n; ++i) {
-        xr[i] = &hb[(r0 + i) * hbuf];
-        sr[i] = need_xs ? &hs[(r0 + i) * ngi] : nullptr;
-        orow[i] = &y[(r0 + i) * ldy + tile * 8];
+        const int64_t r = r0 + i;
+        xr[i] = &hb[r * hbuf];
+        qr[i] = &hq[w4a8 ? r * hbuf : 0];
+        sxr[i] = &hsx[r * ngi];
+        qsr[i] = &hqs[r * ngi];
+        orow[i] = &y[r * ldy + tile * 8];
       }
-      tile_rows<FMT, 1>(P.dn, e * P.h8 + tile, xr, sr, orow, n);
+      if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(P.dn, e * P.h8 + tile, qr, sxr, qsr, orow, n);
+      else tile_rows<FMT, 1>(P.dn, e * P.h8 + tile, xr, orow, n);
     }
   };
   auto& pool = moegate::WorkPool::instance();
@@ -325,7 +295,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       V8 acc = v_zero();
       for (int64_t s = 0; s < K; ++s) {
         const int64_t r = row_of[t * K + s];
-        if (r >= 0) acc = v_fma(v_set1(wts[t * K + s]), v_load(&y[r * ldy + c]), acc);
+        if (r >= 0) acc = v_fma_exact(v_set1(wts[t * K + s]), v_load(&y[r * ldy + c]), acc);
       }
       v_store(o + c, acc);
     }

@@ -3,6 +3,7 @@
 // compute the same values (the generic fma is a*b+c, not contracted: -ffp-contract=off).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -24,6 +25,7 @@ inline V8 v_bcast(const float* p) { return {_mm256_broadcast_ss(p)}; }
 inline V8 v_set1(float f) { return {_mm256_set1_ps(f)}; }
 inline V8 v_mul(V8 a, V8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline V8 v_fma(V8 a, V8 b, V8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline V8 v_fma_exact(V8 a, V8 b, V8 c) { return v_fma(a, b, c); }  // single rounding
 inline V8 load_bf16(const uint16_t* p) {
   __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
@@ -81,6 +83,11 @@ inline V8 v_mul(V8 a, V8 b) { V8 r; for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] 
 inline V8 v_fma(V8 a, V8 b, V8 c) {
   V8 r;
   for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];  // not contracted: -ffp-contract=off
+  return r;
+}
+inline V8 v_fma_exact(V8 a, V8 b, V8 c) {  // single rounding, bitwise equal to the AVX2 fma
+  V8 r;
+  for (int i = 0; i < 8; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
   return r;
 }
 inline float bits_to_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
