@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import random_experts, random_routing
+from kernel_cases import random_experts, random_routing
 
 from kernels import ExpertIdError, build, fused_moe, fused_moe_reference, kernel_available, pack_experts
 from kernels.cpu_features import detect, select_variant

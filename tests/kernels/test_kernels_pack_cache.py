@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import random_experts
+from kernel_cases import random_experts
 
 from kernels import pack_cache
 from kernels.pack_cache import PackCache, file_identity
