@@ -108,3 +108,10 @@ def test_sliding_window_matches_transformers(hf_checkpoint, prompt):
     tokens, ref = _hf_greedy(path, prompt, torch.float32)
     ours = _our_logits(path, prompt, tokens, torch.float32)
     assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def test_tied_embeddings_match_transformers(hf_checkpoint, prompt):
+    path = hf_checkpoint("qwen3_moe", tie_word_embeddings=True)
+    tokens, ref = _hf_greedy(path, prompt, torch.float32)
+    ours = _our_logits(path, prompt, tokens, torch.float32)
+    assert (ours - ref).abs().max().item() <= 1e-4
