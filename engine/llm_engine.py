@@ -95,6 +95,7 @@ class LLMEngine:
                 model, cfg, config.placement, model_dir, self.device, progress=config.progress
             )
             for i, le in self.layer_experts.items():
+                le.num_threads = torch.get_num_threads()  # the kernel's own pool, whatever torch uses
                 model.model.layers[i].mlp.experts.packed = le
         if config.exact_lm_head:
             model.exact_lm_head = model.lm_head.weight.detach().float().clone()

@@ -16,6 +16,11 @@ from engine.kv_cache import BlockManager, KVCacheSpec, allocate_kv_cache
 from engine.models.causal_lm import MoeForCausalLM
 from engine.scheduler import ScheduledChunk
 
+# Forwards of at most this many tokens run the dense path on one torch thread: their matmuls are
+# small and memory-bound, and torch's OpenMP pool costs more than it gains there (17x slower decode
+# measured on a 2-core machine under load; the expert kernel has its own work-claiming pool).
+SMALL_FORWARD_TOKENS = 16
+
 
 class ModelRunner:
     def __init__(
@@ -28,6 +33,7 @@ class ModelRunner:
         self.defer = defer
         self.kv_caches = allocate_kv_cache(model.config, spec, kv_dtype, device)
         self.expert_worker = ThreadPoolExecutor(1, thread_name_prefix="moegate-experts") if defer else None
+        self.max_threads = torch.get_num_threads()
 
     def build_batch(self, chunks: list[ScheduledChunk], blocks: BlockManager, exact: bool = False) -> ForwardBatch:
         ids, positions, slot_parts, ctx_slots, rows = [], [], [], [], []
@@ -71,6 +77,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the batch (writing its KV) -> fp32 logits [S, V] of the rows that sample, on the CPU."""
+        if self.device.type == "cpu":
+            want = 1 if batch.num_tokens <= SMALL_FORWARD_TOKENS else self.max_threads
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)
         hidden = self.model(batch, self.kv_caches)  # [T, H]
         if batch.logits_rows.numel() == 0:
             return torch.empty(0, self.model.config.vocab_size)
