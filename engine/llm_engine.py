@@ -16,10 +16,12 @@ from engine.errors import RequestError
 from engine.kv_cache import BlockManager, KVCacheSpec
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
+from engine.prefix_cache import BlockHasher, PrefixCacheConfig, PrefixCacheManager, model_fingerprint
+from engine.prefix_cache.entry import EntryCodec
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +41,24 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     mask_unused_vocab: bool = True  # never sample embedding rows the tokenizer has no token for
     progress: bool = True
+    # Prefix cache. The device tier (the KV pool) is on unless prefix_cache=False; RAM, disk and redis
+    # hold demoted blocks. The library writes no disk cache unless told where (`moegate serve` passes
+    # engine.prefix_cache.default_disk_cache_dir()).
+    prefix_cache: bool = True
+    ram_cache_gib: float = 1.0
+    disk_cache_dir: str | None = None
+    disk_cache_gib: float = 8.0
+    redis_url: str | None = None
+    redis_cache_ttl_s: int = 24 * 3600
+    numerics: str = ""  # engine settings that change KV bits (precision profile, deferral): in the fingerprint
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if min(self.ram_cache_gib, self.disk_cache_gib) < 0:
+            raise ValueError("ram_cache_gib and disk_cache_gib must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -66,6 +80,8 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: str | None  # stop | length | abort
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    cache_hits: dict[str, int] | None = None  # blocks served per tier (device, ram, disk, redis)
 
 
 class LLMEngine:
@@ -85,8 +101,10 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, spec.num_blocks * spec.block_size)
         self.runner = ModelRunner(model, spec, self.device, config.torch_dtype)
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
+        self._fingerprint = model_fingerprint(model_dir, config.dtype, self._numerics())
+        self.prefix_cache = self._build_prefix_cache(spec) if config.prefix_cache else None
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks, self.prefix_cache
         )
         self.eos_token_ids = set(cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.vocab_limit = (
@@ -98,8 +116,48 @@ class LLMEngine:
             model_dir, cfg.arch, self.device, config.dtype, spec.num_blocks, spec.block_size, self.max_model_len,
         )
 
+    def _numerics(self) -> str:
+        c = self.config
+        return f"kv_dtype={c.dtype};block_size={c.block_size};experts=reference;{c.numerics}"
+
+    def _build_prefix_cache(self, spec: KVCacheSpec) -> PrefixCacheManager:
+        c, m = self.config, self.model_config
+        shape = (m.num_layers, 2, spec.block_size, m.num_kv_heads, m.head_dim)
+        return PrefixCacheManager(
+            PrefixCacheConfig(
+                ram_bytes=int(c.ram_cache_gib * 2**30), disk_dir=c.disk_cache_dir,
+                disk_bytes=int(c.disk_cache_gib * 2**30), redis_url=c.redis_url, redis_ttl_s=c.redis_cache_ttl_s,
+                exact_chunk=c.max_num_batched_tokens,
+            ),
+            self.blocks, self.runner, BlockHasher(self._fingerprint, spec.block_size),
+            EntryCodec(self._fingerprint, shape, c.torch_dtype),
+        )
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of what makes KV bits: checkpoint identity, dtype, numerics settings. Salts every cache key."""
+        return self._fingerprint
+
+    def cache_stats(self) -> dict[str, dict[str, int]]:
+        """Per-tier prefix cache counters (hits, misses, bytes, entries, evictions, writes, corrupt, errors)."""
+        return self.prefix_cache.stats() if self.prefix_cache is not None else {}
+
+    def close(self) -> None:
+        """Writes the cached blocks to the durable tiers (disk, redis) and stops the writer."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
+            self.prefix_cache.close()
+            self.prefix_cache = self.scheduler.prefix = None
+
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+        cache_salt: str = "", exact: bool = False,
+    ) -> None:
+        """Queues a request. `cache_salt` is set by the server (tenant, request mode), never by a client:
+        blocks are only reused between requests with the same salt. `exact` (execution mode) makes a
+        prefix-cache hit bit-identical to a miss by reusing whole prefill chunks only; it is part of the salt.
+        """
         if request_id in self._seqs:
             raise RequestError(f"request id {request_id!r} is already in flight")
         if not prompt_token_ids:
@@ -116,6 +174,9 @@ class LLMEngine:
         if total > self.max_model_len:
             params = _with_max_tokens(params, self.max_model_len - len(prompt_token_ids))
         seq = Sequence(request_id, list(prompt_token_ids), params)
+        if self.prefix_cache is not None:
+            seq.cache_root = self.prefix_cache.salt_root(cache_salt, exact)
+            seq.cache_exact = exact
         if self.tokenizer is not None:
             seq.detokenizer = self.tokenizer.stream()
         self._seqs[request_id] = seq
@@ -143,6 +204,8 @@ class LLMEngine:
         logits = self.runner.forward(batch)  # [S, V]
         for c in chunks:
             c.seq.num_computed = c.start + c.num_tokens
+            if self.prefix_cache is not None:
+                self.prefix_cache.register(c.seq, c.start, c.num_tokens, alone=len(chunks) == 1)
         sampling = [c.seq for c in chunks if c.samples]
         tokens = sample(logits, sampling, self.vocab_limit) if sampling else []
         outputs = []
@@ -189,6 +252,8 @@ class LLMEngine:
             new_text=new_text,
             finished=finished,
             finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            cache_hits=dict(seq.cache_hits),
         )
 
 
