@@ -1,6 +1,13 @@
-"""ModelRunner: owns the model and its KV pools on the device; turns scheduled chunks into logits."""
+"""ModelRunner: owns the model and its KV pools on the device; turns scheduled chunks into logits.
+
+Exploration chunks share one batched forward (with expert deferral when configured). Each
+execution chunk runs in a forward of its own with the exact profile and no deferral, so its bytes
+never depend on what else is in flight (batch invariance by construction).
+"""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -11,13 +18,18 @@ from engine.scheduler import ScheduledChunk
 
 
 class ModelRunner:
-    def __init__(self, model: MoeForCausalLM, spec: KVCacheSpec, device: torch.device, kv_dtype: torch.dtype):
+    def __init__(
+        self, model: MoeForCausalLM, spec: KVCacheSpec, device: torch.device, kv_dtype: torch.dtype,
+        defer: int = 0,
+    ):
         self.model = model
         self.device = device
         self.spec = spec
+        self.defer = defer
         self.kv_caches = allocate_kv_cache(model.config, spec, kv_dtype, device)
+        self.expert_worker = ThreadPoolExecutor(1, thread_name_prefix="moegate-experts") if defer else None
 
-    def build_batch(self, chunks: list[ScheduledChunk], blocks: BlockManager) -> ForwardBatch:
+    def build_batch(self, chunks: list[ScheduledChunk], blocks: BlockManager, exact: bool = False) -> ForwardBatch:
         ids, positions, slot_parts, ctx_slots, rows = [], [], [], [], []
         row = 0
         for c in chunks:
@@ -38,8 +50,23 @@ class ModelRunner:
             context_lens=[c.start + c.num_tokens for c in chunks],
             context_slots=ctx_slots,
             logits_rows=torch.tensor(rows, dtype=torch.long),
+            exact=exact,
+            defer=0 if exact else self.defer,
+            expert_worker=None if exact else self.expert_worker,
         )
         return batch.to(self.device) if self.device.type != "cpu" else batch
+
+    def run(self, chunks: list[ScheduledChunk], blocks: BlockManager) -> torch.Tensor:
+        """All scheduled chunks -> fp32 logits [S, V] for the chunks that sample, in chunk order."""
+        explore = [c for c in chunks if c.seq.mode != "execution"]
+        groups = ([(explore, False)] if explore else []) + [([c], True) for c in chunks if c.seq.mode == "execution"]
+        logits: dict[int, torch.Tensor] = {}
+        for group, exact in groups:
+            out = self.forward(self.build_batch(group, blocks, exact))
+            for c, row in zip([c for c in group if c.samples], out, strict=True):
+                logits[id(c)] = row
+        sampled = [logits[id(c)] for c in chunks if c.samples]
+        return torch.stack(sampled) if sampled else torch.empty(0, self.model.config.vocab_size)
 
     @torch.inference_mode()
     def read_block(self, block: int) -> torch.Tensor:
@@ -62,4 +89,8 @@ class ModelRunner:
         hidden = self.model(batch, self.kv_caches)  # [T, H]
         if batch.logits_rows.numel() == 0:
             return torch.empty(0, self.model.config.vocab_size)
-        return self.model.compute_logits(hidden[batch.logits_rows]).cpu()
+        return self.model.compute_logits(hidden[batch.logits_rows], exact=batch.exact).cpu()
+
+    def shutdown(self) -> None:
+        if self.expert_worker is not None:
+            self.expert_worker.shutdown(wait=True)

@@ -55,13 +55,29 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+        """Tokens to compute for `seq` this step.
+
+        Execution sequences run alone in fixed chunks aligned to multiples of the step budget, so
+        their chunking (and so their numerics) never depends on what else is running; they are
+        not charged to the shared budget.
+        """
+        remaining = seq.num_tokens - seq.num_computed
+        if seq.mode == "execution":
+            align = self.config.max_num_batched_tokens
+            return min(remaining, align - seq.num_computed % align)
+        return min(remaining, budget)
+
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running):
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._chunk_len(seq, budget)
+            if n == 0:
+                i += 1
+                continue
             while not self.blocks.can_allocate(self.blocks.blocks_needed(seq.block_table, seq.num_computed + n)):
                 victim = self.running[-1]  # the latest arrival gives way
                 self._preempt(victim)
@@ -71,15 +87,17 @@ class Scheduler:
                 break
             self.blocks.grow(seq.block_table, seq.num_computed + n)
             chunks.append(ScheduledChunk.of(seq, n))
-            budget -= n
+            budget -= 0 if seq.mode == "execution" else n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             attached = self.prefix is not None and not seq.block_table
             if attached:
                 self.prefix.attach(seq)
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.blocks.can_allocate(self.blocks.blocks_needed(seq.block_table, seq.num_computed + n)):
+            n = self._chunk_len(seq, budget)
+            if n == 0 or not self.blocks.can_allocate(
+                self.blocks.blocks_needed(seq.block_table, seq.num_computed + n)
+            ):
                 if attached:
                     self.prefix.detach(seq)
                 break
@@ -88,8 +106,13 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk.of(seq, n))
-            budget -= n
+            budget -= 0 if seq.mode == "execution" else n
         return chunks
+
+    def drop_kv(self, seq: Sequence) -> None:
+        """Forgets a running sequence's KV so it is recomputed from its first token (resync)."""
+        self.blocks.free(seq.block_table)
+        seq.num_computed = seq.num_cache_checked = 0
 
     def _preempt(self, seq: Sequence) -> None:
         """Frees the sequence's KV; it goes back to the head of the queue and is recomputed."""

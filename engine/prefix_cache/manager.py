@@ -77,8 +77,9 @@ class PrefixCacheManager:
     def tier(self, name: str) -> CacheTier | None:
         return next((t for t in self.tiers if t.name == name), None)
 
-    def salt_root(self, salt: str, exact: bool) -> bytes:
-        return self.hasher.root(f"{salt}\x00exact={int(exact)}")
+    def salt_root(self, salt: str, mode_fingerprint: str, exact: bool) -> bytes:
+        """Chain root of a request: tenant salt, the numerics of its mode, and exact (whole-chunk) reuse."""
+        return self.hasher.root(f"{salt}\x00{mode_fingerprint}\x00exact={int(exact)}")
 
     # -- admission -----------------------------------------------------------------------------
     def attach(self, seq: Sequence) -> None:

@@ -43,14 +43,14 @@ def test_exact_hit_is_bit_identical_to_a_cold_run(hf_checkpoint):
     prompt = _prompt(100, 0)
     sibling = prompt[:70] + _prompt(30, 1)  # shares two whole chunks of 32 and a bit more
     cold = _engine(path, prefix_cache=False)
-    want = {name: _run(cold, name, p, exact=True) for name, p in (("p", prompt), ("s", sibling))}
+    want = {name: _run(cold, name, p, mode="execution") for name, p in (("p", prompt), ("s", sibling))}
     eng = _engine(path)
-    first, first_rows = _run(eng, "a", prompt, exact=True)
+    first, first_rows = _run(eng, "a", prompt, mode="execution")
     assert first.num_cached_tokens == 0 and first_rows == want["p"][1]
-    hit, rows = _run(eng, "b", prompt, exact=True)
+    hit, rows = _run(eng, "b", prompt, mode="execution")
     assert hit.num_cached_tokens == 96  # whole chunks only: [96, 100) is the cold run's last chunk
     assert rows == want["p"][1] and hit.token_ids == want["p"][0].token_ids
-    sib, sib_rows = _run(eng, "c", sibling, exact=True)
+    sib, sib_rows = _run(eng, "c", sibling, mode="execution")
     assert sib.num_cached_tokens == 64
     assert sib_rows == want["s"][1] and sib.token_ids == want["s"][0].token_ids
 
@@ -89,7 +89,7 @@ def test_exploration_kv_never_serves_an_execution_request(hf_checkpoint):
     prompt = _prompt(80, 5)
     _run(eng, "explore", prompt, cache_salt="t")
     hits_before = eng.cache_stats()["device"]["hits"]
-    out = _run(eng, "execute", prompt, cache_salt="t", exact=True)[0]
+    out = _run(eng, "execute", prompt, cache_salt="t", mode="execution")[0]
     assert out.num_cached_tokens == 0 and eng.cache_stats()["device"]["hits"] == hits_before
     assert _run(eng, "explore2", prompt, cache_salt="t")[0].num_cached_tokens == 76  # its own mode still hits
 
@@ -141,7 +141,7 @@ def test_corrupt_disk_entry_is_recomputed_and_disk_survives_restart(hf_checkpoin
 def _block_keys(engine: LLMEngine, prompt: list[int], salt: str) -> list[str]:
     keys: list[str] = []
     pc = engine.prefix_cache
-    pc.hasher.extend(keys, pc.salt_root(salt, False), prompt, len(prompt) // BLOCK)
+    pc.hasher.extend(keys, pc.salt_root(salt, engine.numerics_fingerprint("exploration"), False), prompt, len(prompt) // BLOCK)
     return keys
 
 
