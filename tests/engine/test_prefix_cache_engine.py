@@ -33,7 +33,7 @@ def _run(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int = 6, **
     final = None
     while engine.has_work():
         for out in engine.step():
-            if out.finished:
+            if out.finished and out.request_id == rid:
                 final = out
     return final, rows
 
@@ -53,6 +53,40 @@ def test_exact_hit_is_bit_identical_to_a_cold_run(hf_checkpoint):
     sib, sib_rows = _run(eng, "c", sibling, mode="execution")
     assert sib.num_cached_tokens == 64
     assert sib_rows == want["s"][1] and sib.token_ids == want["s"][0].token_ids
+
+
+def test_execution_hit_under_load_is_bit_identical(hf_checkpoint):
+    path = hf_checkpoint("qwen3_moe")
+    prompt = _prompt(70, 11)
+    _, want = _run(_engine(path, prefix_cache=False), "cold", prompt, mode="execution")
+    eng = _engine(path)
+    _run(eng, "warm", prompt, mode="execution")
+    for i in range(3):  # exploration traffic in flight while the execution request hits
+        eng.add_request(f"x{i}", _prompt(20 + 7 * i, 50 + i), SamplingParams(max_tokens=12, ignore_eos=True))
+    eng.step()
+    hit, rows = _run(eng, "hit", prompt, mode="execution")
+    assert hit.num_cached_tokens == 64 and rows == want
+
+
+def test_mode_switch_reroots_or_stops_caching(hf_checkpoint):
+    eng = _engine(hf_checkpoint("qwen3_moe"))
+    prompt = _prompt(40, 12)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    eng.add_request("keep", prompt, params)
+    eng.step()
+    eng.step()
+    seq = eng._seqs["keep"]
+    eng.set_mode("keep", "execution", resync="keep")  # KV of both modes: nothing more is cached
+    assert seq.cache_root is None
+    eng.add_request("recompute", _prompt(40, 13), params)
+    eng.step()
+    eng.set_mode("recompute", "execution", resync="recompute")  # all recomputed strictly: cached as execution
+    while eng.has_work():
+        eng.step()
+    out, _ = _run(eng, "again", _prompt(40, 13), mode="execution")
+    assert out.num_cached_tokens == 32  # whole chunks of the recomputed execution KV
+    out, _ = _run(eng, "explore", _prompt(40, 13))
+    assert out.num_cached_tokens == 32  # only the chunk it computed in exploration, before the switch
 
 
 def test_default_hit_gives_the_same_greedy_tokens(hf_checkpoint):
