@@ -124,6 +124,7 @@ class LLMEngine:
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
         self._fingerprint = model_fingerprint(model_dir, config.dtype, self._numerics())
         self.prefix_cache = self._build_prefix_cache(spec) if config.prefix_cache else None
+        self._closed_cache_stats: dict[str, dict[str, int]] = {}
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks, self.prefix_cache
         )
@@ -168,13 +169,14 @@ class LLMEngine:
 
     def cache_stats(self) -> dict[str, dict[str, int]]:
         """Per-tier prefix cache counters (hits, misses, bytes, entries, evictions, writes, corrupt, errors)."""
-        return self.prefix_cache.stats() if self.prefix_cache is not None else {}
+        return self.prefix_cache.stats() if self.prefix_cache is not None else self._closed_cache_stats
 
     def close(self) -> None:
         """Writes the cached blocks to the durable tiers (disk, redis) and stops the writer."""
         if self.prefix_cache is not None:
             self.prefix_cache.flush()
             self.prefix_cache.close()
+            self._closed_cache_stats = self.prefix_cache.stats()
             self.prefix_cache = self.scheduler.prefix = None
 
     # -- numerics ------------------------------------------------------------------------------

@@ -14,17 +14,22 @@ log = logging.getLogger(__name__)
 
 
 class BackgroundWriter:
-    def __init__(self, max_pending: int = 4096) -> None:
+    def __init__(self, max_pending_bytes: int = 256 * 2**20) -> None:
         self._queue: queue.Queue[tuple[CacheTier, str, torch.Tensor] | None] = queue.Queue()
-        self.max_pending = max_pending
-        self.dropped = 0  # writes skipped because the queue was full (the cache is best effort)
+        self.max_pending_bytes = max_pending_bytes
+        self.pending_bytes = 0
+        self.dropped = 0  # writes skipped because too much was pending (the cache is best effort)
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="prefix-cache-writer", daemon=True)
         self._thread.start()
 
     def submit(self, tier: CacheTier, key: str, kv: torch.Tensor) -> None:
-        if self._queue.qsize() >= self.max_pending:
-            self.dropped += 1
-            return
+        size = kv.numel() * kv.element_size()
+        with self._lock:
+            if self.pending_bytes + size > self.max_pending_bytes:
+                self.dropped += 1
+                return
+            self.pending_bytes += size
         self._queue.put((tier, key, kv))
 
     def flush(self) -> None:
@@ -42,7 +47,11 @@ class BackgroundWriter:
                 if job is None:
                     return
                 tier, key, kv = job
-                tier.put(key, kv)
+                try:
+                    tier.put(key, kv)
+                finally:
+                    with self._lock:
+                        self.pending_bytes -= kv.numel() * kv.element_size()
             except Exception:  # a failed write must not kill the writer: the entry is simply not cached
                 log.exception("prefix cache write-back failed")
             finally:

@@ -129,4 +129,10 @@ def test_background_writer_writes_off_thread_and_flushes(tmp_path):
         writer.submit(disk, f"{i:064x}", _kv(i))
     writer.flush()
     assert disk.stats.writes == 4 and torch.equal(disk.get(f"{3:064x}"), _kv(3))
+    assert writer.pending_bytes == 0 and writer.dropped == 0
     writer.close()
+    small = BackgroundWriter(max_pending_bytes=_kv(0).numel() * 4 - 1)  # nothing fits: dropped, never blocks
+    small.submit(disk, f"{9:064x}", _kv(9))
+    small.flush()
+    assert small.dropped == 1 and f"{9:064x}" not in disk
+    small.close()
