@@ -288,6 +288,8 @@ class LLMEngine:
         for seq, token in zip(sampling, tokens, strict=True):
             seq.output_token_ids.append(token)
             reason = self._check_stop(seq, token)
+            if reason is None and token in seq.params.mode_triggers:
+                self.set_mode(seq.request_id, seq.params.mode_triggers[token], seq.params.resync)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)

@@ -21,7 +21,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "moe_cpu.cpp"
-_COMMON_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
+_COMMON_FLAGS = ["-O3", "-std=c++17", "-pthread", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
 VARIANT_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "generic": [],
@@ -45,7 +45,9 @@ def _compiler() -> str | None:
 
 def _build_key(cxx: str, flags: list[str]) -> str:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for path in [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]:  # the source and its headers
+        h.update(path.read_bytes())
     h.update("\0".join([*flags, version]).encode())
     return h.hexdigest()[:16]
 
@@ -58,10 +60,17 @@ def build(variant: str) -> Path:
     if cxx is None:
         raise KernelBuildError("no C++ compiler found (set CXX or install g++)")
     flags = _COMMON_FLAGS + VARIANT_FLAGS[variant]
-    out = cache_dir() / f"moe_cpu-{variant}-{_build_key(cxx, flags)}.so"
+    name = f"moe_cpu-{variant}-{_build_key(cxx, flags)}.so"
+    out = cache_dir() / name
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # read-only home (containers): build under the temp dir instead
+        out = Path(tempfile.gettempdir()) / "moegate-kernels" / name
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:

@@ -125,7 +125,7 @@ def _pad(w: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return torch.nn.functional.pad(w, (0, k - w.shape[-1], 0, n - w.shape[-2]))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PackedExperts:
     """Routed experts of one MoE layer in a kernel layout; ``expert_ids`` are the global ids held."""
 

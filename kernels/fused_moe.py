@@ -4,9 +4,10 @@ T = tokens, k = experts per token, H = hidden, I = expert intermediate.
 out[t] = sum over slots s (in slot order) of w[t, s] * down(SiLU(gate(x[t])) * up(x[t])) for expert
 topk_ids[t, s]; a slot with id -1 is skipped. Tokens sharing an expert read its weights once.
 
-Tolerance vs the reference (tests/kernels): the kernel multiplies by exactly the dequantized weights
-the reference uses (and, for int4 gate_up, exactly the same int8-quantized input: W4A8), and only
-the fp32 summation order differs, so
+Tolerance vs the reference (tests/kernels): fp32 / bf16 / int8 multiply by exactly the dequantized
+weights the reference uses and only the fp32 summation order differs; int4 formats are W4A8 (both
+projections' inputs quantized per token and group to int8) and their reference (kernels/w4a8.py)
+replays the kernel's arithmetic, so they agree to the last bit but for ~2^-29-rare double roundings.
 |kernel - reference| <= 1e-4 * max|reference| + 1e-5 for every format.
 Determinism: a row's output is bitwise identical whatever else is in the batch, for any thread count.
 """
@@ -22,6 +23,7 @@ import torch
 from kernels import build
 from kernels.cpu_features import detect, select_variant
 from kernels.formats import FORMAT_CODE, PackedExperts, quantize_activations
+from kernels.w4a8 import w4a8_moe
 
 log = logging.getLogger(__name__)
 
@@ -100,16 +102,35 @@ def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     if bool((local >= experts.num_experts).any()) or bool((local < -1).any()):
         raise ExpertIdError(f"topk_ids must lie in [-1, {experts.num_experts}) for this PackedExperts")
     w = topk_weights.float()
+    if experts.fmt.startswith("int4"):  # W4A8: the kernel's integer + fp32 arithmetic, step by step
+        return w4a8_moe(x.cpu(), local.cpu(), w.cpu(), experts.to("cpu")).to(x.device)
     out = torch.zeros_like(x)
     inter = experts.intermediate
-    # int4 gate_up is W4A8: its input is quantized exactly as the kernel does (kernels/formats.py).
-    x_gu = quantize_activations(x, experts.group_size) if experts.fmt.startswith("int4") else x
     for e in torch.unique(local[local >= 0]).tolist():
         tok, slot = (local == e).nonzero(as_tuple=True)
         w_gu, w_dn = (t.to(x.device) for t in experts.dequantize(e))  # [2I, H], [H, I]
-        gu = x_gu[tok] @ w_gu.T  # [n, 2I]
+        gu = x[tok] @ w_gu.T  # [n, 2I]
         h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]  # [n, I]
         out.index_add_(0, tok, (h @ w_dn.T) * w[tok, slot, None])  # [n, H]
+    return out
+
+
+def fused_moe_fake_quant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                         experts: PackedExperts) -> torch.Tensor:
+    """int4 semantics without the kernel's summation order: dequantized weights times int8-quantized
+    inputs of both projections (``quantize_activations``), fp32 matmuls. Differs from the kernel by
+    fp32 rounding and, rarely, by one int8 step of an intermediate activation."""
+    x = x.float()  # [T, H]
+    local = _local_ids(topk_ids.cpu(), experts, False)
+    out = torch.zeros_like(x)
+    inter, gs = experts.intermediate, experts.group_size
+    xq = quantize_activations(x, gs)
+    for e in torch.unique(local[local >= 0]).tolist():
+        tok, slot = (local == e).nonzero(as_tuple=True)
+        w_gu, w_dn = experts.dequantize(e)  # [2I, H], [H, I]
+        gu = xq[tok] @ w_gu.T  # [n, 2I]
+        h = quantize_activations(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:], gs)  # [n, I]
+        out.index_add_(0, tok, (h @ w_dn.T) * topk_weights.float()[tok, slot, None])
     return out
 
 

@@ -111,6 +111,8 @@ class PackCache:
         """
         source = source if source is not None else tensor_digest(w_gate_up, w_down)
         shapes = f"{tuple(w_gate_up.shape)}x{tuple(w_down.shape)}"
+        if expert_ids is not None:  # the same weights under other global ids are another entry
+            shapes += "|ids" + hashlib.sha256(repr(tuple(expert_ids)).encode()).hexdigest()[:12]
         key = self.key(name, source, fmt, group_size, shapes)
         cached = self.load(key, name)
         if cached is not None:

@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--baselines", default="fp32,bf16,int8,int4", help="torch baselines ('' for none)")
     ap.add_argument("--quick", action="store_true", help="short run: 0.3 s per point, M=1,8")
+    ap.add_argument("--idle-triad", type=float, default=16.0,
+                    help="STREAM triad GB/s of this machine when idle (DESIGN.md: 15.6-16.5), a second yardstick "
+                         "when other processes share the cores")
     args = ap.parse_args(argv)
     if args.quick:
         args.seconds, args.ms = 0.3, "1,8"
@@ -185,19 +188,25 @@ def main(argv: list[str] | None = None) -> int:
                     torch_moe(fmt, layer, x, ids, w)
 
             res = time_calls(call, lambda i, uniq=uniq, pe=per_expert: uniq[i % len(uniq)] * pe, args.seconds)
-            res.update(impl=impl, fmt=fmt, M=m, bytes_per_expert=per_expert, pct_stream=100 * res["gbps_median"] / triad)
+            res.update(impl=impl, fmt=fmt, M=m, bytes_per_expert=per_expert,
+                       pct_stream=100 * res["gbps_median"] / triad,
+                       pct_idle_triad_best=100 * res["gbps_best"] / args.idle_triad)
             results.append(res)
             bar.set_postfix_str(f"{impl} {fmt} M={m}: {res['gbps_median']:.1f} GB/s")
             bar.update()
         del layers
     bar.close()
-    report.update(results=results, loadavg_after=os.getloadavg(), busy_after=cpu_busy_fraction())
+    report.update(results=results, loadavg_after=os.getloadavg(), busy_after=cpu_busy_fraction(),
+                  stream_after=stream_triad(args.threads), idle_triad=args.idle_triad)
     (out_dir / "kernel_bench.json").write_text(json.dumps(report, indent=2))
     plot(report, out_dir / "kernel_bench.png")
     print(f"STREAM triad {triad:.1f} GB/s ({args.threads} threads); loadavg before {report['loadavg_before']}")
     for r in results:
         print(f"{r['impl']:8s} {r['fmt']:9s} M={r['M']:3d}  {r['gbps_median']:6.2f} GB/s median "
-              f"({r['gbps_best']:6.2f} best)  {r['pct_stream']:5.1f}% of triad  {r['ms_median']:.3f} ms/call")
+              f"({r['gbps_best']:6.2f} best)  {r['pct_stream']:5.1f}% of this run's triad (median), "
+              f"{r['pct_idle_triad_best']:5.1f}% of idle triad (best)  {r['ms_median']:.3f} ms/call")
+    print(f"STREAM triad after: {report['stream_after']}; loadavg after {report['loadavg_after']}; "
+          f"busy {report['busy_before']:.2f} before / {report['busy_after']:.2f} after")
     return 0
 
 
@@ -217,6 +226,7 @@ def plot(report: dict, path: Path) -> None:
                 label=f"{impl} {fmt}")
     ax.axhline(triad, color="k", linewidth=1, label=f"STREAM triad {triad:.1f} GB/s")
     ax.axhline(0.8 * triad, color="k", linewidth=1, linestyle=":", label="80% of triad")
+    ax.axhline(report["idle_triad"], color="grey", linewidth=1, label=f"idle triad {report['idle_triad']:.0f} GB/s")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per call (M)")
     ax.set_ylabel("weight GB/s (distinct experts' bytes / time)")

@@ -158,3 +158,19 @@ def test_fingerprint_tracks_profile_and_deferral(ckpt):
     assert a.numerics_fingerprint("execution") == b.numerics_fingerprint("execution")
     assert a.numerics_fingerprint("exploration") != b.numerics_fingerprint("exploration")
     assert a.numerics_fingerprint("exploration") != a.numerics_fingerprint("execution")
+
+
+def test_mode_triggers_switch_at_the_token_boundary(ckpt):
+    llm = _llm(ckpt, defer=1)
+    engine = llm.engine
+    prompt = _prompts(1, 11)[0]
+    free = _run(llm, [("f", prompt, SamplingParams(max_tokens=12, ignore_eos=True), "exploration")])["f"]
+    opener, closer = free[3], free[7]
+    engine.add_request("s", prompt, SamplingParams(max_tokens=12, ignore_eos=True,
+                                                   mode_triggers={opener: "execution", closer: "exploration"}))
+    seq = engine._seqs["s"]
+    while engine.has_work():
+        engine.step()
+    # switched right after the opener was sampled; back once the closer was sampled (if it still is)
+    assert seq.mode_switches[0] == (free.index(opener) + 1, "execution")
+    assert all(m in ("execution", "exploration") for _, m in seq.mode_switches)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_experts
+from kernel_cases import random_experts
 
 from kernels import FORMATS, FormatError, PackedExperts, pack_experts
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import random_experts
+from kernel_cases import random_experts
 
 from kernels import pack_cache
 from kernels.pack_cache import PackCache, file_identity
@@ -43,6 +43,10 @@ def test_key_covers_source_format_and_group(tmp_path) -> None:
     assert (cache.hits, cache.misses) == (0, 4)
     cache.get_or_pack("l0", w_gu, w_dn, "int8", 64, progress=False)
     assert cache.hits == 1
+    renamed = cache.get_or_pack("l0", w_gu, w_dn, "int8", 64, progress=False, expert_ids=(5, 9))
+    assert cache.misses == 5 and renamed.expert_ids == (5, 9)
+    assert cache.get_or_pack("l0", w_gu, w_dn, "int8", 64, progress=False, expert_ids=(5, 9)).expert_ids == (5, 9)
+    assert cache.hits == 2
 
 
 def test_file_identity_source(tmp_path) -> None:
