@@ -51,14 +51,18 @@ class AsyncLLM:
         return len(self._streams)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, mode: str = "exploration"
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, mode: str = "exploration",
+        *, cache_salt: str = "",
     ) -> AsyncIterator[RequestOutput]:
-        """Yields incremental outputs until the request finishes; closing the iterator aborts it."""
+        """Yields incremental outputs until the request finishes; closing the iterator aborts it.
+
+        `cache_salt` (the tenant, set by the server) scopes prefix-cache reuse; see LLMEngine.add_request.
+        """
         if self._dead is not None:
             raise EngineDeadError(f"engine stopped: {self._dead}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_token_ids, params, mode))
+        self._commands.put(("add", request_id, prompt_token_ids, params, mode, cache_salt))
         finished = False
         try:
             while True:
@@ -84,11 +88,16 @@ class AsyncLLM:
     def numerics_fingerprint(self, mode: str = "execution") -> str:
         return self.engine.numerics_fingerprint(mode)
 
+    def cache_stats(self) -> dict[str, dict[str, int]]:
+        """Per-tier prefix cache counters (read from the loop thread's counters; for /metrics)."""
+        return self.engine.cache_stats()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._commands.put(("wake",))
         self._thread.join(timeout)
         self.engine.runner.shutdown()
+        self.engine.close()  # cached KV to the durable tiers
 
     # -- loop thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -113,9 +122,9 @@ class AsyncLLM:
                 return
             block = False
             if cmd[0] == "add":
-                _, rid, ids, params, mode = cmd
+                _, rid, ids, params, mode, salt = cmd
                 try:
-                    self.engine.add_request(rid, ids, params, mode=mode)
+                    self.engine.add_request(rid, ids, params, mode=mode, cache_salt=salt)
                 except Exception as exc:  # noqa: BLE001 - reported to that request only
                     stream = self._streams.get(rid)
                     if stream is not None:

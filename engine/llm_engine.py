@@ -19,6 +19,8 @@ from engine.experts import PlacementConfig
 from engine.kv_cache import BlockManager, KVCacheSpec
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
+from engine.prefix_cache import BlockHasher, PrefixCacheConfig, PrefixCacheManager, model_fingerprint
+from engine.prefix_cache.entry import EntryCodec
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -45,6 +47,15 @@ class EngineConfig:
     defer: int = 0  # exploration: experts per token deferred to the next MoE layer (0 = strict)
     exact_lm_head: bool = False  # execution mode computes logits with an fp32 copy of lm_head
     progress: bool = True
+    # Prefix cache. The device tier (the KV pool) is on unless prefix_cache=False; RAM, disk and redis
+    # hold demoted blocks. The library writes no disk cache unless told where (`moegate serve` passes
+    # engine.prefix_cache.default_disk_cache_dir()).
+    prefix_cache: bool = True
+    ram_cache_gib: float = 1.0
+    disk_cache_dir: str | None = None
+    disk_cache_gib: float = 8.0
+    redis_url: str | None = None
+    redis_cache_ttl_s: int = 24 * 3600
 
     def __post_init__(self) -> None:
         if self.defer < 0:
@@ -53,6 +64,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if min(self.ram_cache_gib, self.disk_cache_gib) < 0:
+            raise ValueError("ram_cache_gib and disk_cache_gib must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -74,6 +87,8 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: str | None  # stop | length | abort
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    cache_hits: dict[str, int] | None = None  # blocks served per tier (device, ram, disk, redis)
 
 
 class LLMEngine:
@@ -108,8 +123,11 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, spec.num_blocks * spec.block_size)
         self.runner = ModelRunner(model, spec, self.device, config.torch_dtype, defer=config.defer)
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
+        self._fingerprint = model_fingerprint(model_dir, config.dtype, self._numerics())
+        self.prefix_cache = self._build_prefix_cache(spec) if config.prefix_cache else None
+        self._closed_cache_stats: dict[str, dict[str, int]] = {}
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks, self.prefix_cache
         )
         self.eos_token_ids = set(cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.vocab_limit = (
@@ -123,6 +141,44 @@ class LLMEngine:
             config.placement.describe() if config.placement else "experts unpacked (torch reference)",
             config.defer,
         )
+
+    def _numerics(self) -> str:
+        c = self.config
+        return f"kv_dtype={c.dtype};block_size={c.block_size}"  # per-mode settings salt each request
+
+    def _build_prefix_cache(self, spec: KVCacheSpec) -> PrefixCacheManager:
+        c, m = self.config, self.model_config
+        shape = (m.num_layers, 2, spec.block_size, m.num_kv_heads, m.head_dim)
+        return PrefixCacheManager(
+            PrefixCacheConfig(
+                ram_bytes=int(c.ram_cache_gib * 2**30), disk_dir=c.disk_cache_dir,
+                disk_bytes=int(c.disk_cache_gib * 2**30), redis_url=c.redis_url, redis_ttl_s=c.redis_cache_ttl_s,
+                exact_chunk=c.max_num_batched_tokens,
+            ),
+            self.blocks, self.runner, BlockHasher(self._fingerprint, spec.block_size),
+            EntryCodec(self._fingerprint, shape, c.torch_dtype),
+        )
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the checkpoint identity, dtype and KV layout: names disk/redis entries and roots every chain.
+
+        What differs per mode (precision profile, deferral, chunking) enters each request's chain through
+        `numerics_fingerprint(mode)`.
+        """
+        return self._fingerprint
+
+    def cache_stats(self) -> dict[str, dict[str, int]]:
+        """Per-tier prefix cache counters (hits, misses, bytes, entries, evictions, writes, corrupt, errors)."""
+        return self.prefix_cache.stats() if self.prefix_cache is not None else self._closed_cache_stats
+
+    def close(self) -> None:
+        """Writes the cached blocks to the durable tiers (disk, redis) and stops the writer."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
+            self.prefix_cache.close()
+            self._closed_cache_stats = self.prefix_cache.stats()
+            self.prefix_cache = self.scheduler.prefix = None
 
     # -- numerics ------------------------------------------------------------------------------
     def numerics_fingerprint(self, mode: str = "execution") -> str:
@@ -158,14 +214,26 @@ class LLMEngine:
             return
         seq.mode = mode
         seq.mode_switches.append((len(seq.output_token_ids), mode))
-        if mode == "execution" and resync == "recompute" and seq.num_computed:
-            if seq.status is SeqStatus.RUNNING:
-                self.scheduler.drop_kv(seq)
+        recompute = mode == "execution" and resync == "recompute" and seq.num_computed
+        if recompute and seq.status is SeqStatus.RUNNING:
+            self.scheduler.drop_kv(seq)
+        if self.prefix_cache is not None:
+            # Recomputed KV is all in the new mode: it is cached under that mode's chain. Kept KV mixes
+            # both modes: its later blocks are not cached at all.
+            seq.block_hashes.clear()
+            seq.cache_exact = mode == "execution"
+            seq.cache_root = self.prefix_cache.salt_root(seq.cache_salt, self.numerics_fingerprint(mode),
+                                                         seq.cache_exact) if recompute else None
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, mode: str = "exploration"
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, mode: str = "exploration",
+        *, cache_salt: str = "",
     ) -> None:
+        """Queues a request. `cache_salt` is set by the server (the tenant), never by a client: prefix-cache
+        blocks are only reused between requests with the same salt and the same `numerics_fingerprint(mode)`.
+        Execution requests reuse whole prefill chunks only, so a hit is bit-identical to a miss.
+        """
         if request_id in self._seqs:
             raise RequestError(f"request id {request_id!r} is already in flight")
         if not prompt_token_ids:
@@ -184,6 +252,9 @@ class LLMEngine:
         if mode not in ("exploration", "execution"):
             raise RequestError(f"mode must be exploration or execution, got {mode!r}")
         seq = Sequence(request_id, list(prompt_token_ids), params, mode=mode)
+        if self.prefix_cache is not None:
+            seq.cache_salt, seq.cache_exact = cache_salt, mode == "execution"
+            seq.cache_root = self.prefix_cache.salt_root(cache_salt, self.numerics_fingerprint(mode), seq.cache_exact)
         if self.tokenizer is not None:
             seq.detokenizer = self.tokenizer.stream()
         self._seqs[request_id] = seq
@@ -210,6 +281,8 @@ class LLMEngine:
         logits = self.runner.run(chunks, self.blocks)  # [S, V]
         for c in chunks:
             c.seq.num_computed = c.start + c.num_tokens
+            if self.prefix_cache is not None:
+                self.prefix_cache.register(c.seq, c.start, c.num_tokens, alone=len(chunks) == 1 or c.seq.mode == "execution")
         sampling = [c.seq for c in chunks if c.samples]
         tokens = sample(logits, sampling, self.vocab_limit) if sampling else []
         outputs = []
@@ -258,6 +331,8 @@ class LLMEngine:
             new_text=new_text,
             finished=finished,
             finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            cache_hits=dict(seq.cache_hits),
         )
 
 

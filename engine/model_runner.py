@@ -75,6 +75,21 @@ class ModelRunner:
         return torch.stack(sampled) if sampled else torch.empty(0, self.model.config.vocab_size)
 
     @torch.inference_mode()
+    def read_block(self, block: int) -> torch.Tensor:
+        """A CPU copy of one KV block: [L, 2, block_size, KV heads, D]."""
+        rows = slice(block * self.spec.block_size, (block + 1) * self.spec.block_size)
+        return torch.stack([torch.stack((k[rows], v[rows])) for k, v in self.kv_caches]).cpu()
+
+    @torch.inference_mode()
+    def write_block(self, block: int, kv: torch.Tensor) -> None:
+        """Copies kv [L, 2, block_size, KV heads, D] into one KV block."""
+        rows = slice(block * self.spec.block_size, (block + 1) * self.spec.block_size)
+        kv = kv.to(self.device, non_blocking=True)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k[rows].copy_(kv[layer, 0])
+            v[rows].copy_(kv[layer, 1])
+
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the batch (writing its KV) -> fp32 logits [S, V] of the rows that sample, on the CPU."""
         if self.device.type == "cpu":

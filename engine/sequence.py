@@ -39,6 +39,16 @@ class Sequence:
     text: str = ""
     emitted: int = 0
     detokenizer: object | None = None
+    # Prefix cache: root of the block hash chain (None: not cached), exact reuse (execution mode), the
+    # chain's hashes so far, how many leading blocks are registered or came from the cache, and what the
+    # latest admission found in the cache (tokens, blocks per tier).
+    cache_salt: str = ""
+    cache_root: bytes | None = None
+    cache_exact: bool = False
+    block_hashes: list[str] = field(default_factory=list)
+    num_cache_checked: int = 0
+    num_cached_tokens: int = 0
+    cache_hits: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
