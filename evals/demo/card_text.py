@@ -27,11 +27,27 @@ def _samples(samples: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def write_card(checkpoint: Path, card: dict[str, Any], train: dict[str, Any]) -> None:
+def _phases_text(phases: list[dict[str, Any]]) -> str:
+    lines = ["| phase | start | peak lr | data seed | steps | tokens | wall time | held-out loss at end (32 conv.) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for i, p in enumerate(phases, start=1):
+        c = p["config"]
+        start = f"`{c['init_from']}` (phase {i - 1})" if c.get("init_from") else "random init"
+        lines.append(f"| {i} | {start} | {c['lr']} | {c['seed']} | {p['steps']} | "
+                     f"{p['steps'] * p['tokens_per_step'] / 1e6:.2f}M | {p['train_seconds'] / 60:.1f} min | "
+                     f"{p['final_heldout_ce']:.3f} |")
+    return "\n".join(lines)
+
+
+def write_card(checkpoint: Path, card: dict[str, Any], phases: list[dict[str, Any]]) -> None:
+    train = phases[-1]
     cfg = train["config"]
     hist = train["history"]
-    minutes = train["train_seconds"] / 60
-    tokens = train["steps"] * train["tokens_per_step"]
+    minutes = sum(p["train_seconds"] for p in phases) / 60
+    steps = sum(p["steps"] for p in phases)
+    tokens = sum(p["steps"] * p["tokens_per_step"] for p in phases)
+    ov = card["overlap"]
+    overlap_families = ", ".join(f"{k} {v:.0%}" for k, v in ov["per_family"].items() if v > 0) or "none"
     text = f"""---
 license: apache-2.0
 library_name: transformers
@@ -82,22 +98,27 @@ prose (14%), commentary on a given list of moves (8%), tool calls with tool resu
 quote (10%), price history (6%), positions (7%), order (10%), risk check then order (8%), risk check (4%) —,
 JSON reports against three fixed schemas (`order_ticket`, `position_summary`, `risk_report`; 19%), and SQLite
 queries over a six-table trading database (`instruments, prices, accounts, positions, orders, trades`; 14%).
-Train and held-out splits are different seed streams of the same generator (`"train"` / `"heldout"`); some
-short conversations (a concept question and its answer) recur verbatim across splits, as in any templated
-data, so held-out loss measures fit to the distribution, not novelty.
+Train and held-out splits are different seed streams of the same generator (`"train"` / `"heldout"`). Short
+conversations recur verbatim across the streams, as in any templated data: of {ov['heldout']} held-out
+conversations, {ov['share']:.1%} occur in the {ov['train']:,} distinct training conversations
+(by family: {overlap_families}). Held-out loss therefore measures fit to the distribution, not novelty;
+`heldout_tasks(..., exclude=rendered_set("train", 8000, (0, 1)))` gives tasks the model never saw.
 
 ## Recipe
 
 ```
 PYTHONPATH=. python -m evals.demo.tokenizer_build --out /tmp/demo_tok
+PYTHONPATH=. python -m evals.demo.train --out /tmp/demo_phase1 --tokenizer /tmp/demo_tok \\
+    --time-budget-s {phases[0]['config']['time_budget_s']:.0f}
 PYTHONPATH=. python -m evals.demo.train --out engine/assets/demo-moe --tokenizer /tmp/demo_tok \\
+    --init-from /tmp/demo_phase1 --lr {cfg['lr']} --warmup-steps {cfg['warmup_steps']} --seed {cfg['seed']} \\
     --time-budget-s {cfg['time_budget_s']:.0f}
 PYTHONPATH=. python -m evals.demo.model_card   # measures and writes this card
 ```
 
-- AdamW (β=0.9/0.95, weight decay {cfg['weight_decay']} on matrices), peak lr {cfg['lr']}, {cfg['warmup_steps']} warmup
-  steps, cosine decay to {cfg['min_lr_ratio']:.0%} of peak, gradient clipping at 1.0, fp32 (bf16 autocast was
-  slower on this CPU: Zen 1 has no bf16 arithmetic).
+- AdamW (β=0.9/0.95, weight decay {cfg['weight_decay']} on matrices), linear warmup, cosine decay to
+  {cfg['min_lr_ratio']:.0%} of peak, gradient clipping at 1.0, fp32 (bf16 autocast measured ~3× slower on this
+  CPU: Zen 1 has no bf16 arithmetic).
 - Batches of {cfg['batch_size']} × {cfg['seq_len']} tokens: whole conversations packed into rows.
 - Router load-balancing loss (`output_router_logits=True`, `router_aux_loss_coef={cfg['router_aux_loss_coef']}`).
 - **Loss on all tokens** (`--loss-on all`), not only assistant tokens. The machine is compute-starved (2 cores
@@ -107,8 +128,13 @@ PYTHONPATH=. python -m evals.demo.model_card   # measures and writes this card
   after `<|im_start|>assistant\\n`, so learning user turns only costs capacity. The held-out figures below are
   on **assistant tokens** (the answers), the number that matters.
 - The schedule runs on wall-clock progress (`--time-budget-s`): the cores are shared, so a step count cannot
-  be fixed in advance. This run: **{train['steps']} steps, {tokens / 1e6:.2f}M tokens, {minutes:.1f} minutes**
-  on 2 shared CPU cores (torch threads = 2).
+  be fixed in advance. Two phases (the second continues from the first's bf16 weights with a fresh optimizer,
+  a new warmup and a different corpus seed, so it sees new conversations): **{steps} steps,
+  {tokens / 1e6:.2f}M tokens, {minutes:.1f} minutes** on 2 CPU cores shared with other jobs (torch threads = 2;
+  load average 5–9 during the run, i.e. this process got roughly a third of the machine; an idle step takes
+  about 1 s, a contended one 3–12 s).
+
+{_phases_text(phases)}
 
 ## Results
 
@@ -119,8 +145,8 @@ PYTHONPATH=. python -m evals.demo.model_card   # measures and writes this card
 | **demo-moe** | **{card['trained']['assistant']:.3f}** | **{card['trained']['all']:.3f}** |
 
 Measured on {card['heldout_conversations']} held-out conversations (`python -m evals.demo.model_card`).
-Final training loss (mean of the last 50 steps, {hist['loss_on']} tokens): {train['final_train_ce_last50']:.3f};
-held-out loss during training (32 conversations, assistant tokens): {train['final_heldout_ce']:.3f}.
+Final training loss (mean of the last 50 steps, {hist['loss_on']} tokens): {train['final_train_ce_last50']:.3f}.
+The loss curve shows both phases end to end (the second phase's steps are offset).
 
 ![loss curve](loss_curve.png)
 

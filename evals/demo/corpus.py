@@ -154,15 +154,28 @@ def to_task(conv: Conversation, db: Any | None = None) -> Task:
     return Task("text", conv.kind, prompt, {"reference": answer["content"]})
 
 
-def heldout_tasks(n: int, seed: int = 0, kinds: tuple[str, ...] = ("tool_call", "json", "sql")) -> list[Task]:
-    """`n` held-out tasks of the given kinds, for constrained-decoding evals."""
+def heldout_tasks(n: int, seed: int = 0, kinds: tuple[str, ...] = ("tool_call", "json", "sql"),
+                  exclude: frozenset[str] = frozenset()) -> list[Task]:
+    """`n` held-out tasks of the given kinds, for constrained-decoding evals.
+
+    `exclude`: rendered conversations to skip, e.g. `rendered_set("train", 8000, (0, 1))` to keep only
+    conversations the shipped model never saw verbatim (short SQL and concept chats recur across splits).
+    """
     db, tasks, i = create_trading_db(), [], 0
     while len(tasks) < n:
-        task = to_task(conversation("heldout", i, seed), db)
+        conv = conversation("heldout", i, seed)
         i += 1
+        if exclude and conv.render() in exclude:
+            continue
+        task = to_task(conv, db)
         if task.kind in kinds:
             tasks.append(task)
     return tasks
+
+
+def rendered_set(split: str, n: int, seeds: tuple[int, ...]) -> frozenset[str]:
+    """The rendered text of the first `n` conversations of `split` for each seed (a training set's contents)."""
+    return frozenset(c.render() for s in seeds for c in conversations(split, n, s))
 
 
 _SQL_FENCE = re.compile(r"```sql\n(.*?)\n```", re.DOTALL)

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from evals.demo.corpus import conversation, conversations
-from evals.demo.train import IGNORE, tokenize_with_mask
+from evals.demo.card_text import write_card
+from evals.demo.corpus import conversation, conversations, rendered_set
+from evals.demo.train import IGNORE, save_loss_curve, tokenize_with_mask
 
 SAMPLE_PROMPTS: tuple[tuple[str, str, int], ...] = (  # (title, family, held-out index)
     ("Free text: a market concept", "concept", 0),
@@ -86,6 +87,20 @@ def _reference(message: dict[str, Any]) -> str:
     return message["content"]
 
 
+def split_overlap(phases: list[dict[str, Any]], n_heldout: int = 1000) -> dict[str, Any]:
+    """Share of held-out conversations that occur verbatim among the conversations the model trained on."""
+    seen = rendered_set("train", phases[0]["config"]["train_conversations"],
+                        tuple(p["config"]["seed"] for p in phases))
+    per_family: dict[str, list[int]] = {}
+    for conv in conversations("heldout", n_heldout):
+        counts = per_family.setdefault(conv.kind, [0, 0])
+        counts[0] += conv.render() in seen
+        counts[1] += 1
+    total = sum(c[0] for c in per_family.values())
+    return {"heldout": n_heldout, "train": len(seen), "share": total / n_heldout,
+            "per_family": {k: v[0] / v[1] for k, v in sorted(per_family.items())}}
+
+
 def measure(checkpoint: Path, n_loss: int, n_routing: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeForCausalLM
 
@@ -104,17 +119,35 @@ def measure(checkpoint: Path, n_loss: int, n_routing: int) -> dict[str, Any]:
     }
 
 
+def training_metric_files(checkpoint: Path) -> list[Path]:
+    """Earlier phases (`training_metrics_phase<N>.json`) in order, then the last phase's `training_metrics.json`."""
+    earlier = sorted(checkpoint.glob("training_metrics_phase*.json"), key=lambda p: int(p.stem.rsplit("phase", 1)[1]))
+    return earlier + [checkpoint / "training_metrics.json"]
+
+
+def merge_histories(phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """One loss history across training phases, later phases' steps offset by the earlier ones."""
+    merged: dict[str, Any] = {"loss_on": phases[-1]["history"]["loss_on"], "train": [], "heldout": []}
+    offset = 0
+    for phase in phases:
+        for key in ("train", "heldout"):
+            merged[key] += [(step + offset, loss) for step, loss in phase["history"][key]]
+        offset += phase["steps"]
+    return merged
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--checkpoint", type=Path, default=Path("engine/assets/demo-moe"))
     parser.add_argument("--loss-conversations", type=int, default=48)
     parser.add_argument("--routing-conversations", type=int, default=48)
     args = parser.parse_args()
+    phases = [json.loads(p.read_text()) for p in training_metric_files(args.checkpoint)]
     card = measure(args.checkpoint, args.loss_conversations, args.routing_conversations)
+    card["overlap"] = split_overlap(phases)
     (args.checkpoint / "card_metrics.json").write_text(json.dumps(card, indent=1) + "\n")
-    from evals.demo.card_text import write_card
-
-    write_card(args.checkpoint, card, json.loads((args.checkpoint / "training_metrics.json").read_text()))
+    save_loss_curve(merge_histories(phases), args.checkpoint / "loss_curve.png", card["ln_vocab"])
+    write_card(args.checkpoint, card, phases)
     print(json.dumps({k: card[k] for k in ("parameters", "trained", "random")}, indent=1))
 
 

@@ -44,6 +44,7 @@ class TrainConfig:
     seed: int = 0
     autocast_bf16: bool = False
     experts_implementation: str = "eager"
+    init_from: str = ""  # a checkpoint directory to continue training from (a second phase)
 
     def __post_init__(self) -> None:
         if self.top_k > self.num_experts:
@@ -179,7 +180,16 @@ def save_loss_curve(history: dict, path: Path, random_loss: float) -> None:
 
 def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
     torch.set_num_threads(2)
-    model = build_model(cfg, tokenizer)
+    if cfg.init_from:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
+        model.config.output_router_logits = True
+        model.config.router_aux_loss_coef = cfg.router_aux_loss_coef
+        model.config._experts_implementation = cfg.experts_implementation
+        torch.manual_seed(cfg.seed)
+    else:
+        model = build_model(cfg, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"parameters: {n_params / 1e6:.2f}M", flush=True)
     train_data = encode_split(tokenizer, "train", cfg.train_conversations, cfg.seq_len, cfg.seed)

@@ -18,6 +18,7 @@ from evals.demo.corpus import (
     conversations,
     extract_sql,
     heldout_tasks,
+    rendered_set,
 )
 from evals.demo.schemas import REPORT_SCHEMAS, TOOLS
 from evals.demo.trading_db import create_trading_db
@@ -97,6 +98,18 @@ def test_heldout_tasks_carry_prompt_constraint_and_a_checkable_answer(db):
             assert rows == task.expected["rows"]
             assert "CREATE TABLE positions" in task.db_schema
     assert heldout_tasks(10) == tasks[:10]
+
+
+def test_heldout_tasks_can_exclude_conversations_seen_in_training():
+    seen = rendered_set("train", 3000, (0,))
+    novel = heldout_tasks(40, kinds=("sql",), exclude=seen)
+
+    def full_chat(task):
+        return render(task.messages + [{"role": "assistant", "content": f"```sql\n{task.expected['sql']}\n```"}])
+
+    assert len(novel) == 40 and not any(full_chat(t) in seen for t in novel)
+    # without the filter, short SQL chats recur verbatim across the seed streams
+    assert any(full_chat(t) in seen for t in heldout_tasks(40, kinds=("sql",)))
 
 
 def test_assistant_spans_cover_exactly_the_assistant_turns():
