@@ -27,15 +27,34 @@ def _samples(samples: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def _commands(phases: list[dict[str, Any]]) -> str:
+    lines = []
+    for i, p in enumerate(phases, start=1):
+        c = p["config"]
+        out = "engine/assets/demo-moe" if i == len(phases) else f"/tmp/demo_phase{i}"
+        cmd = f"PYTHONPATH=. python -m evals.demo.train --out {out} --tokenizer /tmp/demo_tok"
+        if c.get("init_from"):
+            cmd += (f" \\\n    --init-from /tmp/demo_phase{i - 1} --lr {c['lr']} --warmup-steps {c['warmup_steps']}"
+                    f" --seed {c['seed']}")
+        if c.get("boost_share"):
+            cmd += (f" \\\n    --boost-family {c['boost_family']} --boost-share {c['boost_share']}"
+                    f" --train-conversations {c['train_conversations']}")
+        lines.append(cmd + f" \\\n    --time-budget-s {c['time_budget_s']:.0f}")
+    return "\n".join(lines)
+
+
 def _phases_text(phases: list[dict[str, Any]]) -> str:
-    lines = ["| phase | start | peak lr | data seed | steps | tokens | wall time | held-out loss at end (32 conv.) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| phase | start | peak lr | data seed | mix | steps | tokens | wall time | held-out loss at end |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for i, p in enumerate(phases, start=1):
         c = p["config"]
         start = f"`{c['init_from']}` (phase {i - 1})" if c.get("init_from") else "random init"
-        lines.append(f"| {i} | {start} | {c['lr']} | {c['seed']} | {p['steps']} | "
+        mix = f"+{c['boost_share']:.0%} {c['boost_family']}" if c.get("boost_share") else "default"
+        lines.append(f"| {i} | {start} | {c['lr']} | {c['seed']} | {mix} | {p['steps']} | "
                      f"{p['steps'] * p['tokens_per_step'] / 1e6:.2f}M | {p['train_seconds'] / 60:.1f} min | "
                      f"{p['final_heldout_ce']:.3f} |")
+    lines.append("\nHeld-out loss at the end of a phase: 32 held-out conversations of that phase's seed, assistant "
+                 "tokens.")
     return "\n".join(lines)
 
 
@@ -102,17 +121,14 @@ Train and held-out splits are different seed streams of the same generator (`"tr
 conversations recur verbatim across the streams, as in any templated data: of {ov['heldout']} held-out
 conversations, {ov['share']:.1%} occur in the {ov['train']:,} distinct training conversations
 (by family: {overlap_families}). Held-out loss therefore measures fit to the distribution, not novelty;
-`heldout_tasks(..., exclude=rendered_set("train", 8000, (0, 1)))` gives tasks the model never saw.
+`heldout_tasks(..., exclude=...)` with the training conversations (`evals.demo.train.split_conversations`
+for each phase above) gives tasks the model never saw verbatim.
 
 ## Recipe
 
 ```
-PYTHONPATH=. python -m evals.demo.tokenizer_build --out /tmp/demo_tok
-PYTHONPATH=. python -m evals.demo.train --out /tmp/demo_phase1 --tokenizer /tmp/demo_tok \\
-    --time-budget-s {phases[0]['config']['time_budget_s']:.0f}
-PYTHONPATH=. python -m evals.demo.train --out engine/assets/demo-moe --tokenizer /tmp/demo_tok \\
-    --init-from /tmp/demo_phase1 --lr {cfg['lr']} --warmup-steps {cfg['warmup_steps']} --seed {cfg['seed']} \\
-    --time-budget-s {cfg['time_budget_s']:.0f}
+PYTHONPATH=. python -m evals.demo.tokenizer_build --out /tmp/demo_tok --vocab-size 4096
+{_commands(phases)}
 PYTHONPATH=. python -m evals.demo.model_card   # measures and writes this card
 ```
 
@@ -128,8 +144,9 @@ PYTHONPATH=. python -m evals.demo.model_card   # measures and writes this card
   after `<|im_start|>assistant\\n`, so learning user turns only costs capacity. The held-out figures below are
   on **assistant tokens** (the answers), the number that matters.
 - The schedule runs on wall-clock progress (`--time-budget-s`): the cores are shared, so a step count cannot
-  be fixed in advance. Two phases (the second continues from the first's bf16 weights with a fresh optimizer,
-  a new warmup and a different corpus seed, so it sees new conversations): **{steps} steps,
+  be fixed in advance. {len(phases)} phases (each later one continues from the previous bf16 weights with a
+  fresh optimizer, a new warmup and a different corpus seed, so it sees new conversations; the last one draws
+  extra concept conversations, whose short prose answers are a small share of the tokens): **{steps} steps,
   {tokens / 1e6:.2f}M tokens, {minutes:.1f} minutes** on 2 CPU cores shared with other jobs (torch threads = 2;
   load average 5–9 during the run, i.e. this process got roughly a third of the machine; an idle step takes
   about 1 s, a contended one 3–12 s).
@@ -146,7 +163,8 @@ PYTHONPATH=. python -m evals.demo.model_card   # measures and writes this card
 
 Measured on {card['heldout_conversations']} held-out conversations (`python -m evals.demo.model_card`).
 Final training loss (mean of the last 50 steps, {hist['loss_on']} tokens): {train['final_train_ce_last50']:.3f}.
-The loss curve shows both phases end to end (the second phase's steps are offset).
+The loss curve shows all phases end to end (later phases' steps are offset; each phase's in-training
+held-out points use that phase's seed, hence the jump at a phase boundary).
 
 ![loss curve](loss_curve.png)
 
@@ -165,8 +183,12 @@ constrained decoding (the gateway adds that for tool calls, JSON and SQL):
 
 ## Limitations
 
-A toy trained for minutes: it imitates the corpus's templates, copies tickers, accounts and numbers from the
-prompt with errors, does no real arithmetic, and answers anything outside its few topics with corpus-shaped
-text. Structured outputs must go through the gateway's constrained decoding and validation. Not advice.
+A toy trained for about an hour of a shared 2-core CPU (2M tokens). It has learned the formats (tool-call
+syntax, tool choice, report keys, SQL shapes, the prose templates) but not yet reliable copying from the prompt:
+tickers, accounts, quantities and prices in its answers are often taken from the wrong place, and a concept
+question can get fluent, on-domain sentences about a different concept. It does no real arithmetic and answers
+anything outside its few topics with corpus-shaped text. Structured outputs must go through the gateway's
+constrained decoding and validation. Not advice. A longer run on an idle machine (an uncontended step takes
+about 1 s) is the obvious improvement.
 """
     (checkpoint / "README.md").write_text(text)

@@ -12,8 +12,8 @@ import torch
 from tqdm import tqdm
 
 from evals.demo.card_text import write_card
-from evals.demo.corpus import conversation, conversations, rendered_set
-from evals.demo.train import IGNORE, save_loss_curve, tokenize_with_mask
+from evals.demo.corpus import conversation, conversations
+from evals.demo.train import IGNORE, save_loss_curve, split_conversations, tokenize_with_mask
 
 SAMPLE_PROMPTS: tuple[tuple[str, str, int], ...] = (  # (title, family, held-out index)
     ("Free text: a market concept", "concept", 0),
@@ -89,8 +89,9 @@ def _reference(message: dict[str, Any]) -> str:
 
 def split_overlap(phases: list[dict[str, Any]], n_heldout: int = 1000) -> dict[str, Any]:
     """Share of held-out conversations that occur verbatim among the conversations the model trained on."""
-    seen = rendered_set("train", phases[0]["config"]["train_conversations"],
-                        tuple(p["config"]["seed"] for p in phases))
+    seen = frozenset(conv.render() for p in phases for conv in split_conversations(
+        "train", p["config"]["train_conversations"], p["config"]["seed"], p["config"].get("boost_family", ""),
+        p["config"].get("boost_share", 0.0)))
     per_family: dict[str, list[int]] = {}
     for conv in conversations("heldout", n_heldout):
         counts = per_family.setdefault(conv.kind, [0, 0])

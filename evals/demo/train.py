@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from evals.demo.corpus import assistant_spans, conversations
+from evals.demo.corpus import assistant_spans, conversation, conversations
 
 IGNORE = -100
 
@@ -45,6 +45,8 @@ class TrainConfig:
     autocast_bf16: bool = False
     experts_implementation: str = "eager"
     init_from: str = ""  # a checkpoint directory to continue training from (a second phase)
+    boost_family: str = ""  # draw this share of conversations from one family (e.g. short prose answers)
+    boost_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.top_k > self.num_experts:
@@ -111,10 +113,18 @@ def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int)
     return out  # [N, 3, S]
 
 
-def encode_split(tokenizer, split: str, n: int, seq_len: int, seed: int) -> torch.Tensor:
+def split_conversations(split: str, n: int, seed: int, boost_family: str = "", boost_share: float = 0.0):
+    """The conversations a run trains on: the default mixture, with `boost_share` of them from `boost_family`."""
+    boosted = random.Random(f"boost:{seed}")
+    for i in range(n):
+        yield conversation(split, i, seed, boost_family if boosted.random() < boost_share else None)
+
+
+def encode_split(tokenizer, split: str, n: int, seq_len: int, seed: int, boost_family: str = "",
+                 boost_share: float = 0.0) -> torch.Tensor:
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    examples = [tokenize_with_mask(tokenizer, c.render())
-                for c in tqdm(conversations(split, n, seed), total=n, desc=f"tokenize {split}")]
+    convs = split_conversations(split, n, seed, boost_family, boost_share)
+    examples = [tokenize_with_mask(tokenizer, c.render()) for c in tqdm(convs, total=n, desc=f"tokenize {split}")]
     random.Random(seed).shuffle(examples)
     return pack(examples, seq_len, pad_id)
 
@@ -192,7 +202,8 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
         model = build_model(cfg, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"parameters: {n_params / 1e6:.2f}M", flush=True)
-    train_data = encode_split(tokenizer, "train", cfg.train_conversations, cfg.seq_len, cfg.seed)
+    train_data = encode_split(tokenizer, "train", cfg.train_conversations, cfg.seq_len, cfg.seed,
+                              cfg.boost_family, cfg.boost_share)
     eval_data = encode_split(tokenizer, "heldout", cfg.eval_conversations, cfg.seq_len, cfg.seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
