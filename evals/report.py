@@ -41,7 +41,7 @@ def structured_tasks(model: str, n: int) -> dict:
     from gateway.structured import build as sb
     from gateway.structured.sql_grammar import sql_spec
     from gateway.structured.sql_schema import DatabaseSchema
-    from gateway.structured.tools import parse_tool_calls, tool_call_spec
+    from gateway.structured.tools import tool_call_spec
     from gateway.structured.validate import validate_json, validate_sql, validate_tool_calls
     from gateway.structured.vocab import TokenizerInfo
 
@@ -77,7 +77,7 @@ def structured_tasks(model: str, n: int) -> dict:
         text = result.text
         try:
             if task.kind == "tool_call":
-                calls = validate_tool_calls(parse_tool_calls(text), task.tools)
+                calls = validate_tool_calls(text, task.tools, tool_choice="required", parallel_tool_calls=False)
                 stats["valid"] += 1
                 got = calls[0]
                 args = got["arguments"] if isinstance(got["arguments"], dict) else json.loads(got["arguments"])
@@ -111,24 +111,29 @@ def _prompts(llm, n: int) -> list[list[int]]:
     return prompts
 
 
-def quantization_error(model: str, formats: list[str], n: int) -> dict:
-    """Next-token distributions with each expert format vs bf16 experts, on held-out prompts."""
+def quantization_error(model: str, formats: list[str], n: int, steps: int = 16) -> dict:
+    """Next-token distributions with each expert format vs bf16 experts, teacher-forced along the bf16
+    model's greedy continuation of held-out prompts (every step compared on the same prefix)."""
     from engine.sampling_params import SamplingParams
+    from evals.perf.modes_bench import TeacherForcing
 
-    rows = {}
+    rows, reference = {}, None
     for fmt in ["bf16", *formats]:
         llm = _llm(model, fmt)
         prompts = _prompts(llm, n)
-        recs = [Recorder() for _ in prompts]
-        llm.generate(prompts, [SamplingParams(max_tokens=1, logits_processors=[r]) for r in recs])
-        rows[fmt] = torch.stack([r.rows[0] for r in recs])
+        if reference is None:
+            reference = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))]
+        procs = [TeacherForcing(ref) for ref in reference]
+        llm.generate(prompts, [SamplingParams(max_tokens=len(r), ignore_eos=True, logits_processors=[p])
+                               for r, p in zip(reference, procs, strict=True)])
+        rows[fmt] = torch.cat([torch.stack(p.rows) for p in procs])
     base = rows["bf16"]
     valid = torch.isfinite(base[0])
     out = {}
     for fmt in formats:
         kl = torch.nn.functional.kl_div(rows[fmt][:, valid].log_softmax(-1), base[:, valid].log_softmax(-1),
                                         log_target=True, reduction="none").sum(-1)
-        out[fmt] = {"kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
+        out[fmt] = {"positions": int(base.shape[0]), "kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
                     "top1_agreement": (rows[fmt].argmax(-1) == base.argmax(-1)).float().mean().item()}
     return out
 
