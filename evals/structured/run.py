@@ -1,0 +1,324 @@
+"""Structured-decoding eval: JSONSchemaBench coverage/speed/validity, Spider grammar coverage,
+BFCL tool calls. Writes results.json + results.png.
+
+    PYTHONPATH=. python -m evals.structured.run [--gen-per-split N] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from gateway.structured.base import ConstraintSpec, get_backend
+from gateway.structured.bitmask import apply_bitmask_, bitmask_words
+from gateway.structured.build import json_schema_spec
+from gateway.structured.constraint import Constraint
+from gateway.structured.errors import ConstraintCompileTimeout, StructuredOutputError, UnsupportedSchemaError
+from gateway.structured.sql_grammar import sql_spec
+from gateway.structured.sql_schema import DatabaseSchema, SQLPolicy
+from gateway.structured.sql_validate import check_sql
+from gateway.structured.tools import tool_call_spec
+from gateway.structured.validate import validate_json, validate_tool_calls
+from gateway.structured.vocab import TokenizerInfo
+
+from .driver import LogitsFn, random_logits
+from .qwen_vocab import QWEN_EOS_IDS, QWEN_MODEL_VOCAB, qwen_tokenizer_json
+
+DATA = Path("/work/shared/evaldata")
+SPLITS = ("Glaiveai2K", "Github_trivial", "Github_easy", "Snowplow")
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def compile_timed(spec: ConstraintSpec, tok: TokenizerInfo, backend: str, timeout_s: float):
+    """Compile with the same bound as the gateway's cache (thread + timeout)."""
+    import concurrent.futures as cf
+
+    impl = get_backend(spec.kind, backend)
+    with cf.ThreadPoolExecutor(1) as pool:
+        t0 = time.perf_counter()
+        fut = pool.submit(impl.compile, spec, tok)
+        try:
+            compiled = fut.result(timeout=timeout_s)
+        except cf.TimeoutError:
+            raise ConstraintCompileTimeout(spec.kind, timeout_s) from None
+        return compiled, time.perf_counter() - t0
+
+
+def generate(compiled, logits_fn: LogitsFn, vocab: int, max_tokens: int, stats: dict) -> tuple[list[int], bool]:
+    """Greedy decode under the constraint, timing mask fill and mask apply separately."""
+    c = Constraint(compiled, max_tokens=max_tokens, closing_window=max(32, max_tokens // 4))
+    bitmask = torch.empty(1, bitmask_words(vocab), dtype=torch.int32)
+    ids: list[int] = []
+    for _ in range(max_tokens):
+        logits = logits_fn(ids).view(1, -1)
+        t0 = time.perf_counter()
+        c.advance(ids)
+        c.fill_bitmask(bitmask, 0)
+        t1 = time.perf_counter()
+        apply_bitmask_(logits, bitmask)
+        t2 = time.perf_counter()
+        stats["fill_us"].append((t1 - t0) * 1e6)
+        stats["apply_us"].append((t2 - t1) * 1e6)
+        token = int(torch.argmax(logits))
+        ids.append(token)
+        if token in c.eos_ids:
+            c.advance(ids)
+            return ids, c.is_accepting()
+    return ids, False
+
+
+def eval_json(tok: TokenizerInfo, args) -> dict:
+    out = {}
+    for split in SPLITS:
+        rows = [json.loads(line) for line in open(DATA / "jsonschemabench" / f"{split}.jsonl")]
+        errors: Counter = Counter()
+        compiled, times = [], []
+        for row in tqdm(rows, desc=f"compile {split}"):
+            try:
+                c, dt = compile_timed(json_schema_spec(row["schema"]), tok, "llguidance", args.compile_timeout)
+                compiled.append((row, c))
+                times.append(dt)
+            except UnsupportedSchemaError as e:
+                errors[f"unsupported:{e.keyword}"] += 1
+            except StructuredOutputError as e:
+                errors[type(e).__name__] += 1
+        stats = {"fill_us": [], "apply_us": []}
+        valid = finished = 0
+        gen = compiled[: args.gen_per_split] if args.gen_per_split else compiled
+        bad = []
+        for i, (row, c) in enumerate(tqdm(gen, desc=f"generate {split}")):
+            ids, done = generate(c, random_logits(QWEN_MODEL_VOCAB, i), QWEN_MODEL_VOCAB, args.max_tokens, stats)
+            finished += done
+            try:
+                validate_json(tok.decode(ids[:-1] if done else ids), row["schema"])
+                valid += 1
+            except StructuredOutputError as e:
+                bad.append({"id": row.get("id"), "finished": done, "error": str(e)[:200]})
+        out[split] = {
+            "schemas": len(rows), "compiled": len(compiled), "compiled_pct": 100 * len(compiled) / len(rows),
+            "compile_ms_p50": 1e3 * pct(times, 0.5), "compile_ms_p99": 1e3 * pct(times, 0.99),
+            "errors": dict(errors.most_common()),
+            "generated": len(gen), "finished": finished, "valid": valid,
+            "valid_pct_of_generated": 100 * valid / max(1, len(gen)),
+            "mask_fill_us_per_token_mean": statistics.fmean(stats["fill_us"]) if stats["fill_us"] else None,
+            "mask_fill_us_per_token_p50": pct(stats["fill_us"], 0.5),
+            "mask_fill_us_per_token_p99": pct(stats["fill_us"], 0.99),
+            "mask_apply_us_per_token_p50": pct(stats["apply_us"], 0.5),
+            "tokens": len(stats["fill_us"]), "invalid_examples": bad[:5],
+        }
+        print(split, {k: v for k, v in out[split].items() if k != "invalid_examples"})
+    return out
+
+
+def eval_outlines(tok: TokenizerInfo, args) -> dict:
+    """outlines-core on the same schemas: coverage after the keyword audit (cheap: regex only) and
+    compile / mask cost on a small sample (its token index over 151k ids takes seconds)."""
+    from gateway.structured.json_schema import outlines_json_regex
+
+    out = {}
+    for split in SPLITS:
+        rows = [json.loads(line) for line in open(DATA / "jsonschemabench" / f"{split}.jsonl")]
+        ok, errors = [], Counter()
+        for row in rows:
+            try:
+                outlines_json_regex(row["schema"])
+                ok.append(row)
+            except UnsupportedSchemaError as e:
+                errors[f"unsupported:{e.keyword}"] += 1
+            except StructuredOutputError as e:
+                errors[type(e).__name__] += 1
+        times, fill, compiled_n = [], [], 0
+        for row in tqdm(ok[: args.outlines_sample], desc=f"outlines {split}"):
+            try:
+                c, dt = compile_timed(json_schema_spec(row["schema"]), tok, "outlines-core", args.outlines_timeout)
+            except StructuredOutputError as e:
+                errors[f"sample:{type(e).__name__}"] += 1
+                continue
+            compiled_n += 1
+            times.append(dt)
+            stats = {"fill_us": [], "apply_us": []}
+            generate(c, random_logits(QWEN_MODEL_VOCAB, 0), QWEN_MODEL_VOCAB, 64, stats)
+            fill += stats["fill_us"]
+        out[split] = {"audit_pass_pct": 100 * len(ok) / len(rows), "errors": dict(errors.most_common(8)),
+                      "sample": min(len(ok), args.outlines_sample), "sample_compiled": compiled_n,
+                      "compile_s_p50": pct(times, 0.5), "compile_s_max": max(times) if times else None,
+                      "mask_fill_us_p50": pct(fill, 0.5)}
+        print("outlines", split, out[split])
+    return out
+
+
+def eval_sql(tok: TokenizerInfo, args) -> dict:
+    tables = {t["db_id"]: t for t in json.load(open(DATA / "sql" / "spider_tables.json"))}
+    dev = json.load(open(DATA / "sql" / "spider_dev.json"))
+    compiled, compile_s = {}, []
+    accepted = policy_ok = 0
+    rejected, policy_fail = [], Counter()
+    for q in tqdm(dev, desc="spider"):
+        db = q["db_id"]
+        schema = DatabaseSchema.from_spider(tables[db])
+        if db not in compiled:
+            compiled[db], dt = compile_timed(sql_spec(schema, SQLPolicy()), tok, "llguidance", args.compile_timeout)
+            compile_s.append(dt)
+        m = compiled[db].new_matcher()
+        ok = all(m.consume(t) for t in tok.encode(q["query"])) and m.is_accepting()
+        accepted += ok
+        if not ok:
+            rejected.append(q["query"])
+        try:
+            check_sql(q["query"], schema, SQLPolicy(max_limit=None))
+            policy_ok += 1
+        except StructuredOutputError as e:
+            policy_fail[getattr(e, "rule", type(e).__name__)] += 1
+    return {"queries": len(dev), "grammar_accepts": accepted, "grammar_accepts_pct": 100 * accepted / len(dev),
+            "databases": len(compiled), "grammar_compile_ms_p50": 1e3 * pct(compile_s, 0.5),
+            "grammar_compile_ms_max": 1e3 * max(compile_s), "sqlglot_policy_pass": policy_ok,
+            "sqlglot_policy_fail_rules": dict(policy_fail), "rejected_examples": rejected[:10]}
+
+
+def bfcl_to_json_schema(s):
+    """BFCL's parameter dialect (dict/float/tuple/any) to JSON Schema; eval-local conversion."""
+    if isinstance(s, list):
+        return [bfcl_to_json_schema(x) for x in s]
+    if not isinstance(s, dict):
+        return s
+    out = {}
+    for k, v in s.items():
+        if k == "type" and isinstance(v, str):
+            if v == "any":
+                continue
+            out[k] = {"dict": "object", "float": "number", "tuple": "array"}.get(v, v)
+        elif k in ("properties",) and isinstance(v, dict):
+            out[k] = {name: bfcl_to_json_schema(sub) for name, sub in v.items()}
+        else:
+            out[k] = bfcl_to_json_schema(v)
+    return out
+
+
+def eval_bfcl(tok: TokenizerInfo, args) -> dict:
+    out = {}
+    for name in ("simple_python", "multiple"):
+        rows = [json.loads(line) for line in open(DATA / "bfcl" / f"BFCL_v4_{name}.jsonl")]
+        rows = rows[: args.bfcl_limit] if args.bfcl_limit else rows
+        compiled_n = valid = 0
+        errors: Counter = Counter()
+        stats = {"fill_us": [], "apply_us": []}
+        for i, row in enumerate(tqdm(rows, desc=f"bfcl {name}")):
+            tools = [{"type": "function", "function": {**fn, "parameters": bfcl_to_json_schema(fn["parameters"])}}
+                     for fn in row["function"]]
+            try:
+                spec = tool_call_spec(tools, tok, "required", parallel_tool_calls=True)
+                c, _ = compile_timed(spec, tok, "llguidance", args.compile_timeout)
+            except UnsupportedSchemaError as e:
+                errors[f"unsupported:{e.keyword}"] += 1
+                continue
+            except StructuredOutputError as e:
+                errors[type(e).__name__] += 1
+                continue
+            compiled_n += 1
+            ids, done = generate(c, random_logits(QWEN_MODEL_VOCAB, i), QWEN_MODEL_VOCAB, args.max_tokens, stats)
+            try:
+                validate_tool_calls(tok.decode(ids[:-1] if done else ids), tools, "required")
+                valid += 1
+            except StructuredOutputError as e:
+                errors[f"invalid:{type(e).__name__}"] += 1
+        out[name] = {"entries": len(rows), "compiled": compiled_n, "valid": valid,
+                     "valid_pct_of_compiled": 100 * valid / max(1, compiled_n), "errors": dict(errors),
+                     "mask_fill_us_p50": pct(stats["fill_us"], 0.5)}
+        print("bfcl", name, out[name])
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    js = results["json_schema"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].bar(SPLITS, [js[s]["compiled_pct"] for s in SPLITS], label="compiled %")
+    axes[0].bar(SPLITS, [js[s]["valid_pct_of_generated"] for s in SPLITS], alpha=0.5, label="valid % of generated")
+    axes[0].axhline(90, color="r", ls="--", lw=1)
+    axes[0].set_title("JSONSchemaBench (llguidance)")
+    axes[0].legend(loc="lower left")
+    axes[0].tick_params(axis="x", rotation=20)
+    axes[1].bar(SPLITS, [js[s]["mask_fill_us_per_token_p50"] for s in SPLITS], label="fill p50")
+    axes[1].bar(SPLITS, [js[s]["mask_apply_us_per_token_p50"] for s in SPLITS], alpha=0.6, label="apply p50")
+    axes[1].set_title("mask µs / token (151,936 logits)")
+    axes[1].legend()
+    axes[1].tick_params(axis="x", rotation=20)
+    sql, bf = results["sql"], results["bfcl"]
+    names = ["Spider grammar"] + [f"BFCL {k}" for k in bf]
+    vals = [sql["grammar_accepts_pct"]] + [bf[k]["valid_pct_of_compiled"] for k in bf]
+    axes[2].bar(names, vals)
+    axes[2].axhline(95, color="r", ls="--", lw=1)
+    axes[2].set_title("SQL gold accepted % / tool calls valid %")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", type=Path, default=Path("evals/structured/results"))
+    p.add_argument("--gen-per-split", type=int, default=100, help="generations per split (0: all compiled)")
+    p.add_argument("--max-tokens", type=int, default=384)
+    p.add_argument("--compile-timeout", type=float, default=10.0)
+    p.add_argument("--outlines-sample", type=int, default=3)
+    p.add_argument("--outlines-timeout", type=float, default=120.0)
+    p.add_argument("--bfcl-limit", type=int, default=0)
+    p.add_argument("--decode-step-ms", type=float, default=11.5,
+                   help="reference decode step (DESIGN.md: llama.cpp Q4_0 tg 86.6 tok/s, random Qwen3-MoE)")
+    p.add_argument("--parts", default="json,sql,bfcl,outlines")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # small ops: thread hand-off costs more than it saves on a shared CPU
+    tok = TokenizerInfo.from_file(qwen_tokenizer_json(), QWEN_EOS_IDS)
+    t0 = time.perf_counter()
+    tok.llg  # noqa: B018  (build once, outside the timings)
+    results: dict = {"tokenizer": {"vocab": tok.vocab_size, "logits": QWEN_MODEL_VOCAB,
+                                   "llg_build_s": time.perf_counter() - t0},
+                     "args": {k: str(v) for k, v in vars(args).items()}}
+    parts = set(args.parts.split(","))
+    args.out.mkdir(parents=True, exist_ok=True)
+    if "json" in parts:
+        results["json_schema"] = eval_json(tok, args)
+        fills = [v["mask_fill_us_per_token_p50"] for v in results["json_schema"].values()]
+        applies = [v["mask_apply_us_per_token_p50"] for v in results["json_schema"].values()]
+        step_us = args.decode_step_ms * 1e3
+        results["overhead"] = {
+            "decode_step_ms": args.decode_step_ms,
+            "serial_pct_p50": 100 * (max(fills) + max(applies)) / step_us,
+            "overlapped_pct_p50": 100 * max(applies) / step_us,
+            "note": "overlapped: the fill runs in BatchMasker.fill_async during the forward pass; only apply is exposed",
+        }
+    if "sql" in parts:
+        results["sql"] = eval_sql(tok, args)
+        print("sql", {k: v for k, v in results["sql"].items() if k != "rejected_examples"})
+    if "bfcl" in parts:
+        results["bfcl"] = eval_bfcl(tok, args)
+    if "outlines" in parts:
+        results["outlines_core"] = eval_outlines(tok, args)
+    path = args.out / "results.json"
+    if path.exists() and parts != {"json", "sql", "bfcl", "outlines"}:  # partial run: update those parts
+        results = {**json.loads(path.read_text()), **results}
+    path.write_text(json.dumps(results, indent=2, default=str))
+    if {"json_schema", "sql", "bfcl"} <= results.keys():
+        plot(results, args.out / "results.png")
+    print(json.dumps(results.get("overhead", {}), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

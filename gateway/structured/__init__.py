@@ -1,0 +1,1 @@
+"""Constrained decoding (JSON Schema, tool calls, SQL) and validation of structured outputs."""

@@ -1,0 +1,112 @@
+"""Constraint interfaces (spec, compiled constraint, matcher, backend) and the backend registry."""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import StrEnum
+
+from .errors import UnknownBackendError
+from .vocab import TokenizerInfo
+
+
+class ConstraintKind(StrEnum):
+    JSON_SCHEMA = "json_schema"  # source: the schema as JSON text
+    REGEX = "regex"  # source: a regular expression (whole output must match)
+    GRAMMAR = "grammar"  # source: a Lark grammar (llguidance dialect)
+    TOOL_CALLS = "tool_calls"  # source: a Lark grammar built by tools.py
+    SQL = "sql"  # source: a Lark grammar built by sql_grammar.py
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """What to constrain to; `source` is canonical text (its hash is the cache key)."""
+
+    kind: ConstraintKind
+    source: str
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(f"{self.kind}\0{self.source}".encode()).hexdigest()[:24]
+
+
+class Matcher(ABC):
+    """Per-sequence automaton state: consumes sampled ids, writes the allowed-token bitmask."""
+
+    @abstractmethod
+    def consume(self, token_id: int) -> bool:
+        """Advance by one sampled id; False (and error state) if the id was not allowed."""
+
+    @abstractmethod
+    def fill_bitmask(self, row_ptr: int, n_words: int) -> None:
+        """Write the allowed ids (bit i of word i//32) into n_words int32 at row_ptr."""
+
+    @abstractmethod
+    def is_accepting(self) -> bool:
+        """The output so far is a complete match (EOS may be emitted)."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """No further non-EOS token can extend the match (or the matcher has ended)."""
+
+    def error(self) -> str:
+        return ""
+
+    # The native llguidance.LLMatcher when the backend is llguidance (parallel batched masks).
+    llg = None
+
+
+class CompiledConstraint(ABC):
+    """A compiled, immutable, cacheable constraint; spawns one Matcher per sequence."""
+
+    backend: str
+    spec: ConstraintSpec
+    tokenizer: TokenizerInfo
+
+    @abstractmethod
+    def new_matcher(self) -> Matcher: ...
+
+
+class Backend(ABC):
+    """A constraint compiler (outlines-core, llguidance, ...)."""
+
+    name: str
+    kinds: frozenset[ConstraintKind]
+
+    @abstractmethod
+    def compile(self, spec: ConstraintSpec, tokenizer: TokenizerInfo) -> CompiledConstraint:
+        """Compile or raise a typed StructuredOutputError (never drop a feature silently)."""
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+# Default backend per constraint kind, chosen by evals/structured (see docs/structured.md):
+# llguidance compiles in ms where outlines-core needs seconds over a 151k vocabulary, and it
+# enforces numeric bounds and formats that outlines-core's JSON-Schema regex drops.
+DEFAULT_BACKEND: dict[ConstraintKind, str] = {
+    ConstraintKind.JSON_SCHEMA: "llguidance",
+    ConstraintKind.REGEX: "llguidance",
+    ConstraintKind.GRAMMAR: "llguidance",
+    ConstraintKind.TOOL_CALLS: "llguidance",
+    ConstraintKind.SQL: "llguidance",
+}
+
+
+def register_backend(backend: Backend) -> Backend:
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def get_backend(kind: ConstraintKind, name: str | None = None) -> Backend:
+    _ensure_builtin_backends()
+    name = name or DEFAULT_BACKEND[kind]
+    backend = _BACKENDS.get(name)
+    if backend is None or kind not in backend.kinds:
+        avail = sorted(n for n, b in _BACKENDS.items() if kind in b.kinds)
+        raise UnknownBackendError(name, kind, avail)
+    return backend
+
+
+def _ensure_builtin_backends() -> None:
+    from . import backend_llguidance, backend_outlines  # noqa: F401  (modules register themselves)

@@ -1,0 +1,38 @@
+"""Entry points the gateway calls: specs for each request kind, and the per-sequence Constraint."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from .base import ConstraintKind, ConstraintSpec
+from .cache import ConstraintCache, default_cache
+from .constraint import Constraint
+from .json_schema import parse_schema
+from .vocab import TokenizerInfo
+
+
+def json_schema_spec(schema: str | dict | bool) -> ConstraintSpec:
+    """response_format json_schema (or json_object with {"type": "object"})."""
+    return ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(parse_schema(schema)))
+
+
+def regex_spec(pattern: str) -> ConstraintSpec:
+    return ConstraintSpec(ConstraintKind.REGEX, pattern)
+
+
+def build_constraint(
+    spec: ConstraintSpec,
+    tokenizer: TokenizerInfo,
+    *,
+    eos_ids: Sequence[int] | None = None,
+    max_tokens: int | None = None,
+    backend: str | None = None,
+    cache: ConstraintCache | None = None,
+    closing_window: int | None = None,
+) -> Constraint:
+    """Compile (or fetch from the LRU) and bind to one sequence. Raises typed errors (HTTP 400)."""
+    compiled = (cache if cache is not None else default_cache()).get_or_compile(spec, tokenizer, backend)
+    if closing_window is None:  # the last quarter of the budget (at least 32 steps) closes the output
+        closing_window = max(32, (max_tokens or 0) // 4)
+    return Constraint(compiled, eos_ids=eos_ids, max_tokens=max_tokens, closing_window=closing_window)

@@ -1,0 +1,144 @@
+"""JSON Schema checks and normalisation before compiling: every keyword is enforced or rejected."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from .errors import ConstraintCompileError, UnsupportedSchemaError
+
+# Keywords that only annotate (no effect on which instances are valid).
+ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "example", "$comment", "$schema", "$id", "id",
+    "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding", "$anchor",
+    "markdownDescription", "x-guidance",
+})
+# Sub-schema containers (the walk recurses through them).
+_MAP_OF_SCHEMAS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_LIST_OF_SCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_ONE_SCHEMA = ("additionalProperties", "items", "additionalItems", "not", "if", "then", "else",
+               "contains", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+
+# What each backend enforces; anything else that is not an annotation is rejected up front.
+LLGUIDANCE_KEYWORDS = frozenset({
+    "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
+    "properties", "required", "additionalProperties", "patternProperties", "minProperties",
+    "maxProperties", "items", "prefixItems", "additionalItems", "minItems", "maxItems",
+    "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "multipleOf",
+})
+LLGUIDANCE_FORMATS = frozenset({
+    "date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri",
+})
+# outlines-core's JSON-Schema regex ignores numeric bounds and its email pattern is unsound.
+OUTLINES_KEYWORDS = frozenset({
+    "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
+    "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
+    "maxItems", "minLength", "maxLength", "pattern", "format",
+})
+OUTLINES_FORMATS = frozenset({"date-time", "date", "time", "uuid", "uri"})
+# The JSON Schema vocabulary (drafts 4 to 2020-12). A vocabulary keyword the backend does not
+# enforce is rejected; keys outside the vocabulary are not keywords (the spec and every validator
+# ignore them: `javaType`, `_comment`, typos...) so they constrain nothing and are skipped.
+VOCABULARY = LLGUIDANCE_KEYWORDS | ANNOTATIONS | frozenset({
+    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+    "propertyNames", "unevaluatedProperties", "unevaluatedItems", "contains", "minContains",
+    "maxContains", "uniqueItems", "$dynamicRef", "$dynamicAnchor", "$recursiveRef",
+    "$recursiveAnchor", "$vocabulary", "extends", "disallow", "divisibleBy",
+})
+
+
+def parse_schema(schema: str | dict | bool) -> dict | bool:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ConstraintCompileError("json_schema", f"schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict | bool):
+        raise ConstraintCompileError("json_schema", "a JSON Schema must be an object or a boolean")
+    return schema
+
+
+def walk(schema: Any, path: str = "#") -> Iterator[tuple[str, dict]]:
+    """Yield (json-pointer path, sub-schema) for every dict sub-schema."""
+    if not isinstance(schema, dict):
+        return
+    yield path, schema
+    for key in _MAP_OF_SCHEMAS:
+        for name, sub in (schema.get(key) or {}).items() if isinstance(schema.get(key), dict) else ():
+            yield from walk(sub, f"{path}/{key}/{name}")
+    for key in _LIST_OF_SCHEMAS:
+        for i, sub in enumerate(schema.get(key) or []) if isinstance(schema.get(key), list) else ():
+            yield from walk(sub, f"{path}/{key}/{i}")
+    for key in _ONE_SCHEMA:
+        sub = schema.get(key)
+        if isinstance(sub, list):  # draft-4 tuple `items`
+            for i, s in enumerate(sub):
+                yield from walk(s, f"{path}/{key}/{i}")
+        elif isinstance(sub, dict):
+            yield from walk(sub, f"{path}/{key}")
+
+
+def audit(schema: dict | bool, keywords: frozenset[str], formats: frozenset[str], backend: str) -> None:
+    """Raise UnsupportedSchemaError for the first keyword or format the backend would not enforce."""
+    for path, sub in walk(schema):
+        for key, value in sub.items():
+            if key in ANNOTATIONS or key not in VOCABULARY:
+                continue
+            if key == "uniqueItems" and value is False:
+                continue  # asserts nothing
+            if key not in keywords:
+                raise UnsupportedSchemaError(key, path, backend=backend)
+            if key == "format" and value not in formats:
+                raise UnsupportedSchemaError("format", path, f"format {value!r} is not enforced", backend)
+            if key == "$ref" and isinstance(value, str) and not value.startswith("#"):
+                raise UnsupportedSchemaError("$ref", path, f"remote reference {value!r}", backend)
+            if key == "type":
+                for t in [value] if isinstance(value, str) else value:
+                    if t not in ("object", "array", "string", "number", "integer", "boolean", "null"):
+                        raise UnsupportedSchemaError("type", path, f"unknown type {t!r}", backend)
+
+
+def normalise(schema: dict | bool) -> dict | bool:
+    """Rewrite draft-4 boolean exclusiveMinimum/Maximum into draft-6+ numbers (same meaning)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = json.loads(json.dumps(schema))
+    for _, sub in walk(out):
+        for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if isinstance(sub.get(flag), bool):
+                if sub.pop(flag) and bound in sub:
+                    sub[flag] = sub.pop(bound)
+    return out
+
+
+def llguidance_json_grammar(schema: dict | bool, item_sep: str = ",", key_sep: str = ":") -> str:
+    """An llguidance grammar for the schema: strict keywords, no free whitespace."""
+    import llguidance
+
+    audit(schema, LLGUIDANCE_KEYWORDS, LLGUIDANCE_FORMATS, "llguidance")
+    options = {"whitespace_flexible": False, "lenient": False, "coerce_one_of": False,
+               "item_separator": item_sep, "key_separator": key_sep}
+    return llguidance.LLMatcher.grammar_from_json_schema(normalise(schema), overrides=options)
+
+
+def with_guidance_options(schema: dict | bool, item_sep: str = ", ", key_sep: str = ": ") -> dict:
+    """The schema with an `x-guidance` block, for embedding as %json{...} in a Lark grammar."""
+    audit(schema, LLGUIDANCE_KEYWORDS, LLGUIDANCE_FORMATS, "llguidance")
+    if schema is False:
+        raise ConstraintCompileError("json_schema", "the schema `false` admits no value")
+    body = {} if schema is True else dict(normalise(schema))
+    body["x-guidance"] = {"whitespace_flexible": False, "lenient": False, "coerce_one_of": False,
+                          "item_separator": item_sep, "key_separator": key_sep}
+    return body
+
+
+def outlines_json_regex(schema: dict | bool) -> str:
+    from outlines_core.json_schema import build_regex_from_schema
+
+    audit(schema, OUTLINES_KEYWORDS, OUTLINES_FORMATS, "outlines-core")
+    try:
+        return build_regex_from_schema(json.dumps(normalise(schema)), whitespace_pattern="")
+    except Exception as e:  # the Rust converter raises ValueError/TypeError on unsupported input
+        raise ConstraintCompileError("json_schema", f"outlines-core: {e}") from None

@@ -1,0 +1,190 @@
+"""A Lark grammar (llguidance dialect) for read-only SELECT over one caller's database schema.
+
+Tables and columns are literal terminals, so only real names can be produced; aliases and CTE
+names are new identifiers that are not keywords; a CTE is named `cte_*` so that FROM can name it
+without letting the model invent table names (sqlglot then checks it is bound). Keywords and
+unquoted names are case-insensitive. Whitespace is explicit and bounded: two word tokens never
+touch, and each gap holds 1-4 whitespace bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from .base import ConstraintKind, ConstraintSpec
+from .sql_schema import AGGREGATES, DatabaseSchema, SQLPolicy
+
+# Identifier quoting and string-literal forms per dialect.
+_QUOTES = {
+    "sqlite": ('"', "`", "["),
+    "postgres": ('"',),
+    "duckdb": ('"',),
+    "snowflake": ('"',),
+    "mysql": ("`",),
+    "bigquery": ("`",),
+}
+_STRINGS = {
+    "sqlite": r"""/'([^'\n]|'')*'/ | /"[^"\n]*"/""",
+    "mysql": r"""/'([^'\\\n]|''|\\.)*'/ | /"[^"\\\n]*"/""",
+}
+_DEFAULT_STRING = r"""/'([^'\n]|'')*'/"""
+_TYPES = ("integer", "int", "real", "float", "text", "numeric", "date", "varchar")
+_PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+_KEYWORDS = (
+    "select", "distinct", "from", "where", "group", "by", "having", "order", "limit", "offset",
+    "asc", "desc", "join", "inner", "left", "right", "full", "outer", "cross", "on", "using",
+    "and", "or", "not", "in", "is", "null", "like", "between", "exists", "as", "union", "all",
+    "intersect", "except", "with", "case", "when", "then", "else", "end", "cast", "true", "false",
+)
+
+_RULES = r"""
+start: query (_O? ";")?
+query: (with_clause _O?)? compound (_S order_by)? (_S limit_clause)?
+with_clause: WITH _S cte (_O? "," _O? cte)*
+cte: CTE_NAME _S AS _O? "(" _O? query _O? ")"
+compound: select_core (_S set_op _S select_core)*
+set_op: UNION (_S ALL)? | INTERSECT | EXCEPT
+select_core: SELECT (_S DISTINCT)? _S select_list (_S from_clause)? (_S where_clause)? (_S group_by)? (_S having)?
+select_list: select_item (_O? "," _O? select_item)*
+select_item: "*" | qualifier _O? "." _O? "*" | expr (_S (AS _S)? NEW_NAME)?
+from_clause: FROM _S source (_S join | _O? "," _O? source)*
+source: (table | CTE_NAME) (_S (AS _S)? NEW_NAME)? | "(" _O? query _O? ")" (_O? (AS _S)? NEW_NAME)?
+join: (join_kind _S)? JOIN _S source (_S ON _S expr | _S USING _O? "(" _O? column (_O? "," _O? column)* _O? ")")?
+join_kind: INNER | CROSS | LEFT (_S OUTER)? | RIGHT (_S OUTER)? | FULL (_S OUTER)?
+where_clause: WHERE _S expr
+group_by: GROUP _S BY _S expr (_O? "," _O? expr)*
+having: HAVING _S expr
+order_by: ORDER _S BY _S order_item (_O? "," _O? order_item)*
+order_item: expr (_S (ASC | DESC))?
+limit_clause: LIMIT _S INT (_S OFFSET _S INT)?
+
+expr: and_expr (_S OR _S and_expr)*
+and_expr: not_expr (_S AND _S not_expr)*
+not_expr: NOT _S not_expr | predicate
+predicate: sum_expr
+    | sum_expr _O? COMP _O? sum_expr
+    | sum_expr (_S NOT)? _S IN _O? "(" _O? (query | expr_list) _O? ")"
+    | sum_expr (_S NOT)? _S BETWEEN _S sum_expr _S AND _S sum_expr
+    | sum_expr (_S NOT)? _S LIKE _S sum_expr
+    | sum_expr _S IS (_S NOT)? _S NULL
+    | EXISTS _O? "(" _O? query _O? ")"
+sum_expr: term (_O? ADD_OP _O? term)*
+term: factor (_O? MUL_OP _O? factor)*
+factor: "-" _O? factor | primary
+primary: literal | column_ref | call | "(" _O? expr _O? ")" | "(" _O? query _O? ")" | case_expr
+    | CAST _O? "(" _O? expr _S AS _S TYPE_NAME _O? ")"
+case_expr: CASE (_S expr)? (_S WHEN _S expr _S THEN _S expr)+ (_S ELSE _S expr)? _S END
+expr_list: expr (_O? "," _O? expr)*
+call: (AGG | COUNT) _O? "(" _O? (DISTINCT _S)? expr _O? ")" | COUNT _O? "(" _O? "*" _O? ")"
+    | FUNC _O? "(" _O? expr_list? _O? ")"
+column_ref: column | qualifier _O? "." _O? column
+qualifier: table | NEW_NAME
+literal: NUMBER | STRING | NULL | TRUE | FALSE
+
+// Whitespace is explicit: _S between two tokens that may both be words (so words never touch),
+// _O where one side is punctuation. Each gap holds at most 4 whitespace bytes.
+_S: /[ \t\r\n]{1,4}/
+_O: /[ \t\r\n]{1,4}/
+COMP: "=" | "!=" | "<>" | "<" | ">" | "<=" | ">="
+ADD_OP: "+" | "-" | "||"
+MUL_OP: "*" | "/" | "%"
+INT: /[0-9]+/
+NUMBER: /[0-9]+(\.[0-9]+)?/ | /\.[0-9]+/
+CTE_NAME: /cte_[A-Za-z0-9_]*/
+"""
+
+
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+_ID_FIRST = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_")
+
+
+def _char_class(chars: set[str] | frozenset[str]) -> str:
+    """A regex class listing exactly `chars` (alnum and _ only), as ranges where possible."""
+    codes = sorted(ord(c) for c in chars)
+    parts, i = [], 0
+    while i < len(codes):
+        j = i
+        while j + 1 < len(codes) and codes[j + 1] == codes[j] + 1:
+            j += 1
+        parts.append(chr(codes[i]) if i == j else f"{chr(codes[i])}-{chr(codes[j])}")
+        i = j + 1
+    return "[" + "".join(parts) + "]"
+
+
+def _identifier_except(words: tuple[str, ...], max_len: int = 32) -> str:
+    """Regex of identifiers ([A-Za-z_][A-Za-z0-9_]{0,max_len-1}) whose lower case is not in `words`."""
+    trie: dict = {}
+    for w in words:
+        node = trie
+        for ch in w.lower():
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def below(node: dict, depth: int) -> str:
+        alts = []
+        if depth and "" not in node:
+            alts.append("")  # a proper prefix of a keyword is an identifier
+        kids = [c for c in node if c]
+        for c in kids:
+            cls = _char_class({c, c.upper()}) if c.isalpha() else c
+            alts.append(cls + below(node[c], depth + 1))
+        pool = (_ID_FIRST if depth == 0 else _ID_CHARS) - {k for c in kids for k in (c, c.upper())}
+        alts.append(_char_class(pool) + _char_class(_ID_CHARS) + f"{{0,{max_len - depth - 1}}}")
+        return "(" + "|".join(alts) + ")"
+
+    return below(trie, 0)
+
+
+def _lit(text: str, insensitive: bool = True) -> str:
+    """A terminal for `text`; case-insensitive over ASCII only (a Unicode-folding `"..."i` would
+    let e.g. U+017F 'ſ' stand for 's')."""
+    if not insensitive or not any(c.isalpha() for c in text):
+        return json.dumps(text)
+    body = "".join(_char_class({c.lower(), c.upper()}) if c.isascii() and c.isalpha() else re.escape(c)
+                   for c in text)
+    return "/" + body.replace("/", "\\/") + "/"
+
+
+def _name_alternatives(name: str, dialect: str) -> list[str]:
+    """Every way to write one table/column name: bare (if plain, case-insensitive) or quoted."""
+    alts = [_lit(name)] if _PLAIN.match(name) and name.lower() not in _KEYWORDS else []
+    for q in _QUOTES[dialect]:
+        close = "]" if q == "[" else q
+        alts.append(_lit(f"{q}{name}{close}"))
+    return alts
+
+
+def sql_grammar(schema: DatabaseSchema, policy: SQLPolicy | None = None) -> str:
+    """The Lark grammar for SELECT queries over `schema` in `policy.dialect`."""
+    policy = policy or SQLPolicy()
+    dialect = policy.dialect
+    tables = [t for t in schema.tables if policy.allowed_tables is None
+              or t.lower() in {a.lower() for a in policy.allowed_tables}]
+    columns = schema.columns() if policy.allowed_tables is None else list(
+        {c.lower(): c for t in tables for c in schema.tables[t]}.values())
+    table_alts = sorted({a for t in tables for a in _name_alternatives(t, dialect)})
+    column_alts = sorted({a for c in columns for a in _name_alternatives(c, dialect)})
+    funcs = [f for f in policy.allowed_functions if f.lower() not in AGGREGATES]
+    aggs = [f for f in policy.allowed_functions if f.lower() in AGGREGATES and f.lower() != "count"]
+    lines = [_RULES,
+             f"NEW_NAME: /{_identifier_except(_KEYWORDS)}/",
+             "TYPE_NAME: " + " | ".join(_lit(t) for t in _TYPES),
+             "table: TABLE", "column: COLUMN",
+             "TABLE: " + " | ".join(table_alts),
+             "COLUMN: " + " | ".join(column_alts),
+             "STRING: " + _STRINGS.get(dialect, _DEFAULT_STRING)]
+    lines.append("AGG: " + (" | ".join(_lit(f) for f in aggs) if aggs else '"\\u0000never"'))
+    lines.append("FUNC: " + (" | ".join(_lit(f) for f in funcs) if funcs else '"\\u0000never"'))
+    if "count" in {f.lower() for f in policy.allowed_functions}:
+        lines.append('COUNT: "count"i')
+    else:
+        lines.append('COUNT: "\\u0000never"')
+    for kw in _KEYWORDS:
+        lines.append(f"{kw.upper()}: {_lit(kw)}")
+    return "\n".join(lines) + "\n"
+
+
+def sql_spec(schema: DatabaseSchema, policy: SQLPolicy | None = None) -> ConstraintSpec:
+    return ConstraintSpec(ConstraintKind.SQL, sql_grammar(schema, policy))

@@ -1,0 +1,64 @@
+"""Validation of every structured output after decoding: JSON Schema, tool calls, SQL."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+
+from .errors import StructuredValidationError
+from .json_schema import normalise, parse_schema
+from .sql_schema import DatabaseSchema, SQLPolicy
+from .sql_validate import SQLCheckResult, check_sql
+from .tools import ToolSpec, _choice, parse_tool_calls
+
+
+def _validator(schema: dict | bool) -> jsonschema.protocols.Validator:
+    schema = normalise(schema)
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def check_json_value(value: Any, schema: dict | bool, kind: str = "json") -> None:
+    errors = sorted(_validator(schema).iter_errors(value), key=lambda e: list(e.absolute_path))
+    if errors:
+        first = errors[0]
+        path = "/" + "/".join(str(p) for p in first.absolute_path)
+        raise StructuredValidationError(kind, first.message[:300], path)
+
+
+def validate_json(text: str, schema: str | dict | bool) -> Any:
+    """Parse decoded text as one JSON value and check it against the schema; returns the value."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise StructuredValidationError("json", f"not valid JSON: {e}") from None
+    check_json_value(value, parse_schema(schema))
+    return value
+
+
+def validate_tool_calls(
+    text: str, tools: list[dict], tool_choice: str | dict | None = "auto", parallel_tool_calls: bool = True
+) -> list[dict]:
+    """Parse the Qwen tool-call blocks and check names, arguments and tool_choice; returns the calls."""
+    calls = parse_tool_calls(text)
+    specs = {t.name: t for t in (ToolSpec.from_openai(x) for x in tools)}
+    mode, forced = _choice(tool_choice)
+    if mode == "none" and calls:
+        raise StructuredValidationError("tool_call", "tool_choice is 'none' but the output calls a tool")
+    if mode in ("required", "named") and not calls:
+        raise StructuredValidationError("tool_call", f"tool_choice is {mode!r} but the output has no tool call")
+    if not parallel_tool_calls and len(calls) > 1:
+        raise StructuredValidationError("tool_call", f"parallel_tool_calls is false but got {len(calls)} calls")
+    for i, call in enumerate(calls):
+        if forced is not None and call["name"] != forced:
+            raise StructuredValidationError("tool_call", f"call {i} is {call['name']!r}, tool_choice forces {forced!r}")
+        if call["name"] not in specs:
+            raise StructuredValidationError("tool_call", f"call {i} names unknown tool {call['name']!r}")
+        check_json_value(call["arguments"], specs[call["name"]].parameters, f"tool_call {call['name']} arguments")
+    return calls
+
+
+def validate_sql(text: str, schema: DatabaseSchema, policy: SQLPolicy | None = None) -> SQLCheckResult:
+    return check_sql(text, schema, policy)

@@ -1,0 +1,128 @@
+"""JSON Schema constraints over a trained BPE vocab: random-logit outputs always validate."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from evals.structured.driver import decode, random_logits
+from gateway.structured.build import build_constraint, json_schema_spec
+from gateway.structured.cache import ConstraintCache
+from gateway.structured.validate import validate_json
+
+ORDER = {
+    "type": "object",
+    "properties": {
+        "order_id": {"type": "string", "pattern": "^ORD-[0-9]{4}$"},
+        "symbol": {"type": "string", "minLength": 1, "maxLength": 5},
+        "side": {"enum": ["buy", "sell"]},
+        "quantity": {"type": "integer", "minimum": 1, "maximum": 10000},
+        "limit_price": {"type": ["number", "null"], "exclusiveMinimum": 0},
+        "time_in_force": {"type": "string", "enum": ["day", "gtc", "ioc"]},
+    },
+    "required": ["order_id", "symbol", "side", "quantity"],
+    "additionalProperties": False,
+}
+POSITIONS = {
+    "type": "object",
+    "properties": {
+        "account": {"type": "string", "maxLength": 12},
+        "as_of": {"type": "string", "format": "date"},
+        "positions": {
+            "type": "array", "minItems": 1, "maxItems": 4,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "symbol": {"type": "string", "maxLength": 6},
+                    "qty": {"type": "integer", "minimum": -1000000, "maximum": 1000000},
+                    "avg_cost": {"type": "number", "minimum": 0},
+                    "currency": {"const": "USD"},
+                },
+                "required": ["symbol", "qty", "avg_cost", "currency"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    "required": ["account", "as_of", "positions"],
+    "additionalProperties": False,
+}
+RISK_REPORT = {
+    "$defs": {"limit": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 16}, "utilisation": {"type": "number", "minimum": 0, "maximum": 1}},
+        "required": ["name", "utilisation"], "additionalProperties": False}},
+    "type": "object",
+    "properties": {
+        "portfolio": {"type": "string", "maxLength": 10},
+        "var_95": {"type": "number", "minimum": 0},
+        "stress": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {
+            "scenario": {"enum": ["rates_up", "equity_crash"]}, "pnl": {"type": "number"}},
+            "required": ["scenario", "pnl"], "additionalProperties": False}]},
+        "limits": {"type": "array", "items": {"$ref": "#/$defs/limit"}, "maxItems": 3},
+        "approved": {"type": "boolean"},
+    },
+    "required": ["portfolio", "var_95", "limits", "approved"],
+    "additionalProperties": False,
+}
+FINANCE = {"order": ORDER, "positions": POSITIONS, "risk_report": RISK_REPORT}
+
+
+@pytest.mark.parametrize("name", sorted(FINANCE))
+def test_random_model_outputs_validate(name, tokinfo):
+    cache = ConstraintCache()
+    spec = json_schema_spec(FINANCE[name])
+    padded_vocab = tokinfo.vocab_size + 61  # lm_head rows past the tokenizer, as in real checkpoints
+    for seed in range(6):
+        c = build_constraint(spec, tokinfo, max_tokens=256, cache=cache)
+        out = decode(c, random_logits(padded_vocab, seed), max_tokens=256)
+        assert out.finished, (name, seed, tokinfo.decode(out.ids))
+        assert all(t < tokinfo.vocab_size for t in out.ids)
+        body = tokinfo.decode(out.ids[:-1])
+        validate_json(body, FINANCE[name])  # raises on any schema violation
+        outside_strings = re.sub(r'"(\\.|[^"\\])*"', "", body)
+        assert not re.search(r"\s", outside_strings), f"free whitespace in {body!r}"
+    assert cache.misses == 1 and cache.hits == 5
+
+
+def test_eos_only_when_accepting_and_padding_never_allowed(tokinfo):
+    c = build_constraint(json_schema_spec({"type": "object", "properties": {"a": {"type": "integer"}},
+                                           "required": ["a"], "additionalProperties": False}), tokinfo)
+    logits = torch.zeros(tokinfo.vocab_size + 40)
+    c([], logits)
+    allowed = torch.isfinite(logits).nonzero().flatten().tolist()
+    assert allowed and all(t < tokinfo.vocab_size for t in allowed)
+    assert not set(allowed) & set(tokinfo.eos_ids)
+    ids = tokinfo.encode('{"a":7}')
+    c.advance(ids)
+    assert c.is_accepting() and c.is_terminated()
+    logits = torch.zeros(tokinfo.vocab_size + 40)
+    c(ids, logits)
+    assert set(torch.isfinite(logits).nonzero().flatten().tolist()) == set(tokinfo.eos_ids)
+
+
+def test_whitespace_is_bounded_in_free_whitespace_grammars(tokinfo):
+    from gateway.structured.base import ConstraintKind, ConstraintSpec
+
+    spec = ConstraintSpec(ConstraintKind.GRAMMAR, 'start: "a" WS "b"\nWS: /[ ]+/\n')
+    c = build_constraint(spec, tokinfo, cache=ConstraintCache())
+    space = tokinfo.encode(" ")
+    assert len(space) == 1
+    ids = tokinfo.encode("a")
+    for _ in range(c.max_whitespace_run):
+        ids = ids + space
+    logits = torch.zeros(tokinfo.vocab_size)
+    c(ids, logits)
+    assert logits[space[0]] == float("-inf"), "whitespace run past the bound must be masked"
+    assert torch.isfinite(logits[tokinfo.encode("b")[0]])
+
+
+def test_closing_window_finishes_inside_budget(tokinfo):
+    schema = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"],
+              "additionalProperties": False}
+    spec = json_schema_spec(schema)
+    for seed in range(4):
+        c = build_constraint(spec, tokinfo, max_tokens=40, cache=ConstraintCache())
+        out = decode(c, random_logits(tokinfo.vocab_size, seed), max_tokens=40)
+        assert out.finished and len(out.ids) <= 40
+        validate_json(tokinfo.decode(out.ids[:-1]), schema)
