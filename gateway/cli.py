@@ -13,6 +13,7 @@ _SUBCOMMAND_MODULES = [
     "engine.plan",
     "policies.cli",
     "gateway.audit_cli",
+    "gateway.serve_cli",
 ]
 
 
