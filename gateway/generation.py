@@ -68,7 +68,7 @@ class SegmentProcessor:
     an error ends this sequence (EOS only) and is reported through `error`."""
 
     def __init__(self, detector: SegmentDetector, make: Callable[[str, int], Constraint], eos_ids: Sequence[int],
-                 banned: Callable[[], list[int]], on_switch: Callable[[Decision], None]):
+                 banned: Callable[[int], list[int]], on_switch: Callable[[Decision], None]):
         self.detector, self.make, self.eos_ids = detector, make, list(eos_ids)
         self.banned, self.on_switch = banned, on_switch
         self.constraint: Constraint | None = None
@@ -83,7 +83,7 @@ class SegmentProcessor:
             if self.constraint is not None:
                 seg = self.detector.open
                 return self.constraint(ids[seg.start:], row)
-            banned = self.banned()
+            banned = self.banned(len(ids))
             if banned:
                 row[banned] = float("-inf")
             return row
@@ -168,6 +168,7 @@ class Generator:
                 validations.append({"kind": plan.kind, "ok": False, "attempt": attempt, "error": str(e)[:300]})
                 last = e
         else:
+            last.validations = validations  # type: ignore[union-attr]  (recorded by the caller)
             raise last  # type: ignore[misc]
         if plan.kind == "tool_calls":
             self._check_policy_tools(plan, value)
@@ -192,6 +193,12 @@ class Generator:
                 plan.policy.check_tools(c["name"] for c in calls)
             except PolicyDenied as e:
                 raise StructuredValidationError("tool_call", str(e)) from None
+
+    def _min_call_tokens(self, tools: list[dict]) -> int:
+        """A budget under which a tool call cannot complete: twice the shortest call with empty arguments."""
+        shortest = min(len(self.tokenizer.encode(f'{TOOL_CALL_OPEN}\n{{"name": "{t["function"]["name"]}", '
+                                                 f'"arguments": {{}}}}\n{TOOL_CALL_CLOSE}')) for t in tools)
+        return 2 * shortest
 
     # -- exploration with segments ------------------------------------------------------------
     def _segment_factory(self, plan: Plan, fences: SegmentFences) -> Callable[[str, int], Constraint]:
@@ -223,10 +230,14 @@ class Generator:
         consumer = self._detector(plan, fences)
         state = {"calls": 0}
 
-        def banned() -> list[int]:
+        min_call = self._min_call_tokens(fences.tools) if tools_on else 0
+
+        def banned(n_generated: int) -> list[int]:
             out = [self.tool_close] if self.tool_close is not None else []
-            if self.tool_open is not None and (not tools_on or (not plan.parallel_tool_calls and state["calls"])):
-                out.append(self.tool_open)
+            left = plan.max_tokens - n_generated
+            if self.tool_open is not None and (not tools_on or (not plan.parallel_tool_calls and state["calls"])
+                                               or left < min_call):
+                out.append(self.tool_open)  # no tools, no more calls allowed, or no budget left for one
             return out
 
         def on_switch(d: Decision) -> None:
@@ -290,8 +301,10 @@ class Generator:
             raise ProcessorError(f"constraint failed: {proc.error}")
         if consumer.open is not None:
             validations.append({"kind": consumer.open.kind, "ok": False, "error": f"segment not closed ({reason})"})
-            raise StructuredValidationError(consumer.open.kind, f"the segment was not closed when generation "
+            err = StructuredValidationError(consumer.open.kind, f"the segment was not closed when generation "
                                             f"ended ({reason}); raise max_tokens")
+            err.validations = validations
+            raise err
         yield Finished("tool_calls" if calls else reason, n_tokens, decisions, 0, validations)
 
     def _finish_segment(self, plan: Plan, fences: SegmentFences, kind: str, ids: list[int],
@@ -312,6 +325,7 @@ class Generator:
             return [TextDelta(text)]
         except VALIDATION_ERRORS as e:
             validations.append({"kind": kind, "ok": False, "error": str(e)[:300]})
+            e.validations = validations
             raise
 
     async def run(self, plan: Plan, rid: str, index: int = 0, fences: SegmentFences | None = None,
@@ -351,6 +365,7 @@ async def generate_complete(gen: Generator, plan: Plan, rid: str, index: int,
     if plan.spec is not None:
         return await collect(await gen.run(plan, rid, index, fences))
     last: Exception | None = None
+    seen: list[dict] = []
     for attempt in range(1 + gen.strict_retries):
         try:
             rid_a = f"{rid}-a{attempt}" if attempt else rid
@@ -359,4 +374,6 @@ async def generate_complete(gen: Generator, plan: Plan, rid: str, index: int,
             return text, calls, fin
         except VALIDATION_ERRORS as e:
             last = e
+            seen.extend(getattr(e, "validations", []))
+    last.validations = seen  # type: ignore[union-attr]
     raise last  # type: ignore[misc]

@@ -136,6 +136,7 @@ async def serve(state: AppState, request: Request, tenant: Tenant, rp: ResolvedP
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 err = _error_of(e)
                 rt.error(err.code or type(e).__name__, err.message)
+                ctx.record_failed_validations(e)
                 await ctx.audit_failure(err)
                 raise err from None
     finally:
@@ -181,6 +182,14 @@ class _Ctx:
             "decisions": [[d.to_dict() for d in f.decisions] for _, _, f in results],
             "validations": [f.validations for _, _, f in results],
             "retries": [f.retries for _, _, f in results]}, output)
+
+    def record_failed_validations(self, e: BaseException) -> None:
+        checks = getattr(e, "validations", [])
+        retries = max(0, sum(1 for v in checks if not v["ok"]) - 1)
+        for v in checks:
+            self.rt.validation(v["kind"], v["ok"], [v["error"]] if "error" in v else [], retries)
+            self.state.metrics.validations.labels(v["kind"], "pass" if v["ok"] else "fail").inc()
+        self.state.metrics.retries.inc(retries)
 
     async def audit_failure(self, err: APIError) -> None:
         await self._audit({"status": err.status, "error": err.code, "message": err.message[:300]}, "")
@@ -269,6 +278,7 @@ async def _stream(ctx: _Ctx, span: Callable, done: Callable) -> AsyncIterator[by
             except Exception as e:  # noqa: BLE001 - reported in the stream, as OpenAI does
                 err = _error_of(e)
                 rt.error(err.code or type(e).__name__, err.message)
+                ctx.record_failed_validations(e)
                 await ctx.audit_failure(err)
                 yield sse(err.body())
     finally:

@@ -1,0 +1,116 @@
+"""Errors as the openai client expects them: 401/403/404/400/413/429, disconnect aborts, engine errors stay
+with their request."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.conftest import KEY_BETA
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def _err(resp: httpx.Response) -> dict:
+    body = resp.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_bad_and_missing_key(gateway_server):
+    with pytest.raises(openai.AuthenticationError) as e:
+        gateway_server.client(key="sk-wrong-key-000000").chat.completions.create(model="moegate-demo", messages=MSG)
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    r = httpx.post(gateway_server.url + "/v1/chat/completions", json={"model": "moegate-demo", "messages": MSG})
+    assert r.status_code == 401 and _err(r)["type"] == "authentication_error"
+
+
+def test_policy_denials_are_403(gateway_server):
+    beta = gateway_server.client(key=KEY_BETA)
+    with pytest.raises(openai.PermissionDeniedError) as e:  # beta may not use the chat route
+        beta.chat.completions.create(model="moegate-demo", messages=MSG, max_tokens=2)
+    assert e.value.code == "route_not_allowed"
+    assert beta.completions.create(model="moegate-demo", prompt="x", max_tokens=2).choices
+
+
+def test_unknown_model_is_404(gateway_server):
+    with pytest.raises(openai.NotFoundError) as e:
+        gateway_server.client().chat.completions.create(model="gpt-9", messages=MSG)
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+
+
+def test_unknown_and_unsupported_fields_are_400_naming_them(gateway_server):
+    client = gateway_server.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="moegate-demo", messages=MSG, extra_body={"frobnicate": 1})
+    assert e.value.param == "frobnicate" and "frobnicate" in e.value.message
+    for kw, param in ((dict(presence_penalty=0.5), "presence_penalty"), (dict(logprobs=True), "logprobs"),
+                      (dict(temperature=3), "temperature"), (dict(n=2, stream=True), "n"),
+                      (dict(logit_bias={"999999": 5}), "logit_bias"), (dict(tool_choice="required"), "tool_choice"),
+                      (dict(messages=[{"role": "wizard", "content": "x"}]), "messages.0.role")):
+        args = {"model": "moegate-demo", "messages": MSG, "max_tokens": 2, **kw}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**args)
+        assert e.value.param == param, (kw, e.value.message)
+
+
+def test_oversized_request_is_413(gateway_server):
+    big = [{"role": "user", "content": "x" * 200_000}]
+    with pytest.raises(openai.APIStatusError) as e:
+        gateway_server.client().chat.completions.create(model="moegate-demo", messages=big)
+    assert e.value.status_code == 413 and e.value.code == "request_too_large"
+
+
+def test_context_overflow_is_400_and_server_keeps_serving(gateway_server):
+    client = gateway_server.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="moegate-demo", prompt=[5] * 40_000, max_tokens=2)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:  # max_tokens above the policy's cap (256)
+        client.chat.completions.create(model="moegate-demo", messages=MSG, max_tokens=300)
+    assert e.value.code == "max_tokens_exceeded"
+    assert client.chat.completions.create(model="moegate-demo", messages=MSG, max_tokens=2).choices
+
+
+async def _saturate(url: str, n: int) -> tuple[list[int], httpx.Response]:
+    """Open n long streams, read one chunk of each, send one more request, then drop the streams."""
+    headers = {"Authorization": "Bearer sk-test-alpha-0123456789"}
+    body = {"model": "moegate-demo", "messages": MSG, "max_tokens": 256, "stream": True, "temperature": 1}
+    async with httpx.AsyncClient(timeout=60) as http:
+        ready, release = asyncio.Semaphore(0), asyncio.Event()
+
+        async def hold() -> int:
+            async with http.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+                lines = r.aiter_lines()  # keep the iterator: a dropped one closes the connection
+                assert (await lines.__anext__()).startswith("data: ")
+                ready.release()
+                await release.wait()
+                return r.status_code  # leaving the block closes the connection mid-stream
+
+        tasks = [asyncio.create_task(hold()) for _ in range(n)]
+        for _ in range(n):
+            await ready.acquire()
+        extra = await http.post(url + "/v1/chat/completions", headers=headers,
+                                json={"model": "moegate-demo", "messages": MSG, "max_tokens": 2})
+        release.set()
+        return await asyncio.gather(*tasks), extra
+
+
+def test_queue_full_429_and_disconnect_aborts(gateway_server):
+    state = gateway_server.state
+    codes, extra = asyncio.run(_saturate(gateway_server.url, state.settings.max_queue))
+    assert codes == [200] * state.settings.max_queue
+    assert extra.status_code == 429 and extra.headers["Retry-After"] == "1"
+    assert _err(extra)["type"] == "rate_limit_error"
+    deadline = time.monotonic() + 10
+    while (state.llm.num_active or state.in_flight) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state.llm.num_active == 0 and state.in_flight == 0 and not state.llm.engine.has_work()
+    metrics = state.metrics.render().decode()
+    aborted = re.search(r'^moegate_aborted_requests_total\{reason="disconnect"\} (\S+)$', metrics, re.M)
+    assert aborted and float(aborted.group(1)) >= 1  # the dropped streams were aborted, not run to the end
