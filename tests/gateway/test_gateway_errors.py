@@ -108,7 +108,7 @@ def test_queue_full_429_and_disconnect_aborts(gateway_server):
     assert extra.status_code == 429 and extra.headers["Retry-After"] == "1"
     assert _err(extra)["type"] == "rate_limit_error"
     deadline = time.monotonic() + 10
-    while (state.llm.num_active or state.in_flight) and time.monotonic() < deadline:
+    while (state.llm.num_active or state.in_flight or state.llm.engine.has_work()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert state.llm.num_active == 0 and state.in_flight == 0 and not state.llm.engine.has_work()
     metrics = state.metrics.render().decode()
