@@ -62,6 +62,30 @@ class SegmentFences:
     sql: tuple[DatabaseSchema, SQLPolicy] | None = None
 
 
+def segment_factory(tok: TokenizerInfo, eos_ids: Sequence[int], max_tokens: int,
+                    fences: SegmentFences) -> Callable[[str, int], Constraint]:
+    """`make(kind, start)`: the constraint of a segment opened at generated-token index `start`."""
+    def make(kind: str, start: int) -> Constraint:
+        remaining = max(1, max_tokens - start)
+        if kind == "tool_call":  # one call per segment, starting with the <tool_call> token itself
+            spec = tool_call_spec(fences.tools, tok, "required", parallel_tool_calls=False)
+        elif kind == "json_fence":
+            spec = segment_spec("json")
+        else:
+            db, pol = fences.sql
+            spec = segment_spec("sql", db_schema=db, policy=pol)
+        return build_constraint(spec, tok, eos_ids=eos_ids, max_tokens=remaining)
+    return make
+
+
+def make_detector(tok: TokenizerInfo, segment_modes: dict[str, str], fences: SegmentFences) -> SegmentDetector:
+    """The detector of one exploration sequence: tool calls always constrained; ```sql only with a schema."""
+    modes = {**segment_modes, "tool_call": EXECUTION}  # a tool call is always acted upon
+    langs = {"json"} | ({"sql"} if fences.sql is not None else set())
+    return SegmentDetector(tok.token_bytes, tok.added_ids.get(TOOL_CALL_OPEN), tok.added_ids.get(TOOL_CALL_CLOSE),
+                           modes, frozenset(langs))
+
+
 class SegmentProcessor:
     """Logits processor for an exploration sequence: runs a SegmentDetector on the sampled ids and masks
     with the open segment's constraint. Never raises into the engine loop (that would fail every request):
@@ -201,25 +225,6 @@ class Generator:
         return 2 * shortest
 
     # -- exploration with segments ------------------------------------------------------------
-    def _segment_factory(self, plan: Plan, fences: SegmentFences) -> Callable[[str, int], Constraint]:
-        def make(kind: str, start: int) -> Constraint:
-            remaining = max(1, plan.max_tokens - start)
-            if kind == "tool_call":
-                spec = tool_call_spec(fences.tools, self.tok, "required", parallel_tool_calls=False)
-            elif kind == "json_fence":
-                spec = segment_spec("json")
-            else:
-                db, pol = fences.sql
-                spec = segment_spec("sql", db_schema=db, policy=pol)
-            return build_constraint(spec, self.tok, eos_ids=self.eos_ids, max_tokens=remaining)
-        return make
-
-    def _detector(self, plan: Plan, fences: SegmentFences) -> SegmentDetector:
-        modes = dict(plan.segment_modes)
-        modes["tool_call"] = EXECUTION  # a tool call is always acted upon: always constrained
-        langs = {"json"} | ({"sql"} if fences.sql is not None else set())
-        return SegmentDetector(self.tok.token_bytes, self.tool_open, self.tool_close, modes, frozenset(langs))
-
     async def run_free(self, plan: Plan, rid: str, index: int = 0, strict: bool = False,
                        fences: SegmentFences | None = None) -> AsyncIterator[Event]:
         """Exploration: free text streams; structured segments are constrained, validated, then released."""
@@ -227,7 +232,7 @@ class Generator:
         tools_on = bool(fences.tools) and plan.tool_choice != "none"
         applied = self.set_mode(rid, plan.decision.mode)
         decisions = [Decision(plan.decision.mode, plan.decision.reason, None, None, applied)]
-        consumer = self._detector(plan, fences)
+        consumer = make_detector(self.tok, plan.segment_modes, fences)
         state = {"calls": 0}
 
         min_call = self._min_call_tokens(fences.tools) if tools_on else 0
@@ -243,7 +248,7 @@ class Generator:
         def on_switch(d: Decision) -> None:
             self.set_mode(rid, d.mode)
 
-        proc = SegmentProcessor(self._detector(plan, fences), self._segment_factory(plan, fences), self.eos_ids,
+        proc = SegmentProcessor(make_detector(self.tok, plan.segment_modes, fences), segment_factory(self.tok, self.eos_ids, plan.max_tokens, fences), self.eos_ids,
                                 banned, on_switch)
         params = self._params(plan, [proc], strict, index)
         detok = self.tokenizer.stream()
