@@ -53,6 +53,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
     if first.get("type") == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {first.get('msg')}", None, "invalid_json")
+    if param is None:
+        return bad_request(f"the request body must be a JSON object with the documented fields: {first.get('msg')}",
+                           None, "invalid_body")
     if first.get("type") == "missing":
         return bad_request(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
     msg = first.get("msg", "invalid value")

@@ -20,6 +20,8 @@ from gateway.structured.validate import validate_json, validate_sql, validate_to
 from gateway.structured.vocab import TokenizerInfo
 from policies.resolve import PolicyDenied, ResolvedPolicy
 
+MIN_TEMPERATURE, MIN_TOP_P = 1e-4, 1e-6  # below these, sampling is greedy
+
 
 @dataclass
 class Plan:
@@ -69,8 +71,13 @@ def _common(body: ChatCompletionRequest | CompletionRequest, vocab_size: int) ->
         if not 0 <= tid < vocab_size:
             raise bad_request(f"logit_bias token id {tid} is outside the vocabulary [0, {vocab_size})", "logit_bias")
         bias[tid] = float(value)
-    return {"temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": 1.0 if body.top_p is None else body.top_p, "top_k": body.top_k or 0, "seed": body.seed,
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if temperature < MIN_TEMPERATURE or top_p < MIN_TOP_P:
+        # Same distribution as greedy (only the top token survives), without the float overflow/underflow
+        # that such values cause in fp32 sampling.
+        temperature, top_p = 0.0, 1.0
+    return {"temperature": temperature, "top_p": top_p, "top_k": body.top_k or 0, "seed": body.seed,
             "stop": body.stop_list(), "logit_bias": bias, "n": body.n}
 
 

@@ -50,25 +50,40 @@ class TextPart(_Request):
     text: str
 
 
-class Message(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+class _Message(_Request):
     name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _shape(self) -> Message:
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs tool_call_id")
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content")
-        return self
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
+        content = getattr(self, "content", None)
+        if isinstance(content, list):
+            return "".join(p.text for p in content)
+        return content or ""
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]
+    content: str | list[TextPart]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: str | list[TextPart]
+
+
+class AssistantMessageIn(_Message):
+    role: Literal["assistant"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    refusal: str | None = None
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: str
+
+
+Message = Annotated[SystemMessage | UserMessage | AssistantMessageIn | ToolMessage, Field(discriminator="role")]
 
 
 class JsonSchemaFormat(_Request):

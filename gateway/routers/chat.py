@@ -27,9 +27,9 @@ def _template_messages(messages: list[Message]) -> list[dict]:
         d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         if m.name:
             d["name"] = m.name
-        if m.tool_call_id:
+        if getattr(m, "tool_call_id", None):
             d["tool_call_id"] = m.tool_call_id
-        if m.tool_calls:
+        if getattr(m, "tool_calls", None):
             calls = []
             for c in m.tool_calls:
                 try:
