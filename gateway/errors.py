@@ -38,8 +38,13 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+_UNION_MEMBERS = {"str", "int", "float", "bool", "dict", "list", "none", "system", "developer", "user", "assistant",
+                  "tool", "NamedToolChoice"}
+
+
 def _param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
+    """The field path as OpenAI names it: pydantic's union-member steps (`str`, `list[...]`, a tag) dropped."""
+    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and (p in _UNION_MEMBERS or "[" in p))]
     return ".".join(parts) or None
 
 
@@ -56,6 +61,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if param is None:
         return bad_request(f"the request body must be a JSON object with the documented fields: {first.get('msg')}",
                            None, "invalid_body")
+    if first.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+        tag = str((first.get("ctx") or {}).get("discriminator", "")).strip("'")
+        param = f"{param}.{tag}" if tag else param
     if first.get("type") == "missing":
         return bad_request(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
     msg = first.get("msg", "invalid value")
