@@ -51,14 +51,18 @@ class AsyncLLM:
         return len(self._streams)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, mode: str = "exploration",
+        *, cache_salt: str = "",
     ) -> AsyncIterator[RequestOutput]:
-        """Yields incremental outputs until the request finishes; closing the iterator aborts it."""
+        """Yields incremental outputs until the request finishes; closing the iterator aborts it.
+
+        `cache_salt` (the tenant, set by the server) scopes prefix-cache reuse; see LLMEngine.add_request.
+        """
         if self._dead is not None:
             raise EngineDeadError(f"engine stopped: {self._dead}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_token_ids, params))
+        self._commands.put(("add", request_id, prompt_token_ids, params, mode, cache_salt))
         finished = False
         try:
             while True:
@@ -77,10 +81,23 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    def set_mode(self, request_id: str, mode: str, resync: str = "keep") -> None:
+        """Switches the request to `mode` before its next token (applied on the engine thread)."""
+        self._commands.put(("mode", request_id, mode, resync))
+
+    def numerics_fingerprint(self, mode: str = "execution") -> str:
+        return self.engine.numerics_fingerprint(mode)
+
+    def cache_stats(self) -> dict[str, dict[str, int]]:
+        """Per-tier prefix cache counters (read from the loop thread's counters; for /metrics)."""
+        return self.engine.cache_stats()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._commands.put(("wake",))
         self._thread.join(timeout)
+        self.engine.runner.shutdown()
+        self.engine.close()  # cached KV to the durable tiers
 
     # -- loop thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -105,15 +122,17 @@ class AsyncLLM:
                 return
             block = False
             if cmd[0] == "add":
-                _, rid, ids, params = cmd
+                _, rid, ids, params, mode, salt = cmd
                 try:
-                    self.engine.add_request(rid, ids, params)
+                    self.engine.add_request(rid, ids, params, mode=mode, cache_salt=salt)
                 except Exception as exc:  # noqa: BLE001 - reported to that request only
                     stream = self._streams.get(rid)
                     if stream is not None:
                         stream.put(exc)
             elif cmd[0] == "abort":
                 self.engine.abort(cmd[1])
+            elif cmd[0] == "mode":
+                self.engine.set_mode(cmd[1], cmd[2], cmd[3])
 
     def _fail_all(self, exc: BaseException) -> None:
         """Fails every in-flight request with the error and frees their state; the loop keeps serving."""

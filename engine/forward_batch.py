@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,6 +22,9 @@ class ForwardBatch:
     context_lens: list[int]  # [B] tokens in the KV cache for the sequence after this step
     context_slots: list[torch.Tensor]  # [B] x [context_len] int64, KV slots to attend over, in order
     logits_rows: torch.Tensor  # [S] rows of T whose next-token logits are wanted
+    exact: bool = False  # execution mode: the exact precision profile, no deferral
+    defer: int = 0  # exploration: experts per token deferred to the next MoE layer
+    expert_worker: Executor | None = None  # runs deferred experts while the next layer's attention runs
 
     @property
     def num_tokens(self) -> int:
@@ -35,12 +39,11 @@ class ForwardBatch:
         return starts
 
     def to(self, device: torch.device) -> ForwardBatch:
-        return ForwardBatch(
+        return replace(
+            self,
             input_ids=self.input_ids.to(device),
             positions=self.positions.to(device),
             slot_mapping=self.slot_mapping.to(device),
-            query_lens=self.query_lens,
-            context_lens=self.context_lens,
             context_slots=[s.to(device) for s in self.context_slots],
             logits_rows=self.logits_rows.to(device),
         )

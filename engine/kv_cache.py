@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,34 +47,70 @@ class OutOfBlocks(Exception):
 
 
 class BlockManager:
-    """Free-list allocator of KV blocks with reference counts (shared prefix blocks count > 1)."""
+    """Allocator of KV blocks with reference counts (shared prefix blocks count > 1) and the device cache tier.
+
+    A full block whose KV is computed may be registered under its prefix hash. When its last reference
+    goes, a registered block stays "cached free": allocatable, but reusable by hash until a new allocation
+    takes it (LRU), at which point `on_evict(block, hash)` runs first so its KV can be demoted.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks))  # blocks holding nothing worth keeping
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks, LRU first
         self._refs = [0] * num_blocks
+        self._hash_of: dict[int, str] = {}
+        self._block_of: dict[str, int] = {}
+        self.on_evict: Callable[[int, str], None] | None = None
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take (plain free plus cached free)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_hashed(self) -> int:
+        return len(self._hash_of)
+
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
 
     def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
         """Extra blocks a sequence with `block_table` needs to hold `num_tokens` tokens."""
         return max(0, -(-num_tokens // self.block_size) - len(block_table))
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
+
+    def allocate(self) -> int:
+        """One block with a single reference; takes a plain free block first, else evicts the LRU cached one."""
+        if self._free:
+            block = self._free.popleft()
+        elif self._cached:
+            block, _ = self._cached.popitem(last=False)
+            key = self._hash_of.pop(block)
+            del self._block_of[key]
+            self.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(block, key)
+        else:
+            raise OutOfBlocks("no free KV block")
+        self._refs[block] = 1
+        return block
 
     def grow(self, block_table: list[int], num_tokens: int) -> None:
         """Appends blocks to `block_table` in place until it covers `num_tokens`."""
         n = self.blocks_needed(block_table, num_tokens)
-        if n > len(self._free):
-            raise OutOfBlocks(f"need {n} blocks, {len(self._free)} free")
+        if n > self.num_free:
+            raise OutOfBlocks(f"need {n} blocks, {self.num_free} free")
         for _ in range(n):
-            block = self._free.popleft()
-            self._refs[block] = 1
-            block_table.append(block)
+            block_table.append(self.allocate())
 
     def share(self, block: int) -> None:
         """Adds a reference to a block already in use (prefix sharing)."""
@@ -82,14 +119,54 @@ class BlockManager:
         self._refs[block] += 1
 
     def free(self, block_table: list[int]) -> None:
-        """Drops one reference to each block, returning unreferenced ones to the pool; clears the table."""
+        """Drops one reference to each block, returning unreferenced ones to the pool; clears the table.
+
+        The table is released tail first, so a chain's later blocks are evicted before its head.
+        """
         for block in reversed(block_table):
             if self._refs[block] < 1:
                 raise ValueError(f"double free of block {block}")
             self._refs[block] -= 1
             if self._refs[block] == 0:
-                self._free.append(block)
+                if block in self._hash_of:
+                    self._cached[block] = None
+                else:
+                    self._free.append(block)
         block_table.clear()
+
+    # -- device cache tier ---------------------------------------------------------------------
+    def register(self, block: int, key: str) -> bool:
+        """Names an allocated, fully computed block by its prefix hash; False if the hash is already held."""
+        if self._refs[block] < 1:
+            raise ValueError(f"block {block} is not allocated")
+        if key in self._block_of or block in self._hash_of:
+            return False
+        self._hash_of[block] = key
+        self._block_of[key] = block
+        return True
+
+    def lookup(self, key: str) -> int | None:
+        return self._block_of.get(key)
+
+    def acquire(self, block: int) -> None:
+        """Takes a reference to a registered block found by `lookup` (in use or cached free)."""
+        if self._refs[block] == 0:
+            del self._cached[block]
+        self._refs[block] += 1
+
+    def hashed_blocks(self) -> list[tuple[int, str]]:
+        return list(self._hash_of.items())
+
+    def forget_cached(self) -> list[tuple[int, str]]:
+        """Unregisters every cached-free block (LRU first), returning them to the plain free list."""
+        out = []
+        while self._cached:
+            block, _ = self._cached.popitem(last=False)
+            key = self._hash_of.pop(block)
+            del self._block_of[key]
+            self._free.append(block)
+            out.append((block, key))
+        return out
 
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """KV slot ids of token positions [start, end) of a sequence. [end - start] int64"""

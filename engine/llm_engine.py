@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import uuid
 from collections.abc import Sequence as Seq
@@ -13,13 +15,16 @@ from tqdm.auto import tqdm
 
 from engine.config import ModelConfig
 from engine.errors import RequestError
+from engine.experts import PlacementConfig
 from engine.kv_cache import BlockManager, KVCacheSpec
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
+from engine.prefix_cache import BlockHasher, PrefixCacheConfig, PrefixCacheManager, model_fingerprint
+from engine.prefix_cache.entry import EntryCodec
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +43,29 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     mask_unused_vocab: bool = True  # never sample embedding rows the tokenizer has no token for
+    placement: PlacementConfig | None = None  # None: routed experts unpacked, torch reference compute
+    defer: int = 0  # exploration: experts per token deferred to the next MoE layer (0 = strict)
+    exact_lm_head: bool = False  # execution mode computes logits with an fp32 copy of lm_head
     progress: bool = True
+    # Prefix cache. The device tier (the KV pool) is on unless prefix_cache=False; RAM, disk and redis
+    # hold demoted blocks. The library writes no disk cache unless told where (`moegate serve` passes
+    # engine.prefix_cache.default_disk_cache_dir()).
+    prefix_cache: bool = True
+    ram_cache_gib: float = 1.0
+    disk_cache_dir: str | None = None
+    disk_cache_gib: float = 8.0
+    redis_url: str | None = None
+    redis_cache_ttl_s: int = 24 * 3600
 
     def __post_init__(self) -> None:
+        if self.defer < 0:
+            raise ValueError(f"defer must be >= 0, got {self.defer}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if min(self.ram_cache_gib, self.disk_cache_gib) < 0:
+            raise ValueError("ram_cache_gib and disk_cache_gib must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -66,6 +87,8 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: str | None  # stop | length | abort
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    cache_hits: dict[str, int] | None = None  # blocks served per tier (device, ram, disk, redis)
 
 
 class LLMEngine:
@@ -77,16 +100,34 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(model_dir)
         model = load_model(model_dir, dtype=config.torch_dtype, device=self.device, progress=config.progress)
         cfg = self.model_config
+        if config.defer and config.defer > cfg.top_k // 2:
+            raise ValueError(f"defer={config.defer} must be at most top_k/2 = {cfg.top_k // 2}")
+        self.layer_experts = {}
+        if config.placement is not None:
+            from engine.experts import build_layer_experts
+
+            self.layer_experts = build_layer_experts(
+                model, cfg, config.placement, model_dir, self.device, progress=config.progress
+            )
+            for i, le in self.layer_experts.items():
+                le.num_threads = torch.get_num_threads()  # the kernel's own pool, whatever torch uses
+                model.model.layers[i].mlp.experts.packed = le
+        if config.exact_lm_head:
+            model.exact_lm_head = model.lm_head.weight.detach().float().clone()
+        self._identity = _model_identity(model_dir)
         spec = (
             KVCacheSpec(config.num_kv_blocks, config.block_size)
             if config.num_kv_blocks
             else KVCacheSpec.from_budget(cfg, config.kv_cache_gib, config.block_size, config.torch_dtype)
         )
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, spec.num_blocks * spec.block_size)
-        self.runner = ModelRunner(model, spec, self.device, config.torch_dtype)
+        self.runner = ModelRunner(model, spec, self.device, config.torch_dtype, defer=config.defer)
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
+        self._fingerprint = model_fingerprint(model_dir, config.dtype, self._numerics())
+        self.prefix_cache = self._build_prefix_cache(spec) if config.prefix_cache else None
+        self._closed_cache_stats: dict[str, dict[str, int]] = {}
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks, self.prefix_cache
         )
         self.eos_token_ids = set(cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.vocab_limit = (
@@ -94,12 +135,105 @@ class LLMEngine:
         )
         self._seqs: dict[str, Sequence] = {}
         log.info(
-            "engine ready: %s (%s) on %s, dtype %s, %d KV blocks x %d tokens, max_model_len %d",
+            "engine ready: %s (%s) on %s, dtype %s, %d KV blocks x %d tokens, max_model_len %d; %s; "
+            "exploration defers %d expert(s)/token",
             model_dir, cfg.arch, self.device, config.dtype, spec.num_blocks, spec.block_size, self.max_model_len,
+            config.placement.describe() if config.placement else "experts unpacked (torch reference)",
+            config.defer,
         )
 
+    def _numerics(self) -> str:
+        c = self.config
+        return f"kv_dtype={c.dtype};block_size={c.block_size}"  # per-mode settings salt each request
+
+    def _build_prefix_cache(self, spec: KVCacheSpec) -> PrefixCacheManager:
+        c, m = self.config, self.model_config
+        shape = (m.num_layers, 2, spec.block_size, m.num_kv_heads, m.head_dim)
+        return PrefixCacheManager(
+            PrefixCacheConfig(
+                ram_bytes=int(c.ram_cache_gib * 2**30), disk_dir=c.disk_cache_dir,
+                disk_bytes=int(c.disk_cache_gib * 2**30), redis_url=c.redis_url, redis_ttl_s=c.redis_cache_ttl_s,
+                exact_chunk=c.max_num_batched_tokens,
+            ),
+            self.blocks, self.runner, BlockHasher(self._fingerprint, spec.block_size),
+            EntryCodec(self._fingerprint, shape, c.torch_dtype),
+        )
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the checkpoint identity, dtype and KV layout: names disk/redis entries and roots every chain.
+
+        What differs per mode (precision profile, deferral, chunking) enters each request's chain through
+        `numerics_fingerprint(mode)`.
+        """
+        return self._fingerprint
+
+    def cache_stats(self) -> dict[str, dict[str, int]]:
+        """Per-tier prefix cache counters (hits, misses, bytes, entries, evictions, writes, corrupt, errors)."""
+        return self.prefix_cache.stats() if self.prefix_cache is not None else self._closed_cache_stats
+
+    def close(self) -> None:
+        """Writes the cached blocks to the durable tiers (disk, redis) and stops the writer."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
+            self.prefix_cache.close()
+            self._closed_cache_stats = self.prefix_cache.stats()
+            self.prefix_cache = self.scheduler.prefix = None
+
+    # -- numerics ------------------------------------------------------------------------------
+    def numerics_fingerprint(self, mode: str = "execution") -> str:
+        """Identifies what computes a token in `mode`: model, dtype, expert precision profile, deferral."""
+        c = self.config
+        p = c.placement
+        profile = {
+            "model": self._identity,
+            "dtype": c.dtype,
+            "experts": None if p is None else (
+                [p.exact_format, p.formatting_layers] if mode == "execution" else [p.fast_format, p.mixed_hot_fraction]
+            ),
+            "hot": None if p is None else [p.fast_format, p.hot_experts, p.hot_strategy],
+            "lm_head": "fp32" if mode == "execution" and c.exact_lm_head else c.dtype,
+            "defer": 0 if mode == "execution" else c.defer,
+            "chunk": c.max_num_batched_tokens if mode == "execution" else None,
+        }
+        digest = hashlib.sha256(json.dumps(profile, sort_keys=True).encode()).hexdigest()
+        return f"fp_{mode[:4]}_{digest[:16]}"
+
+    def set_mode(self, request_id: str, mode: str, resync: str = "keep") -> None:
+        """Switches a sequence's mode at the next token boundary.
+
+        resync="recompute" on a switch to execution drops the sequence's KV so it is recomputed
+        strictly: the execution segment then equals an all-strict run. "keep" reuses the KV.
+        """
+        if mode not in ("exploration", "execution"):
+            raise ValueError(f"mode must be exploration or execution, got {mode!r}")
+        if resync not in ("keep", "recompute"):
+            raise ValueError(f"resync must be keep or recompute, got {resync!r}")
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.mode == mode:
+            return
+        seq.mode = mode
+        seq.mode_switches.append((len(seq.output_token_ids), mode))
+        recompute = mode == "execution" and resync == "recompute" and seq.num_computed
+        if recompute and seq.status is SeqStatus.RUNNING:
+            self.scheduler.drop_kv(seq)
+        if self.prefix_cache is not None:
+            # Recomputed KV is all in the new mode: it is cached under that mode's chain. Kept KV mixes
+            # both modes: its later blocks are not cached at all.
+            seq.block_hashes.clear()
+            seq.cache_exact = mode == "execution"
+            seq.cache_root = self.prefix_cache.salt_root(seq.cache_salt, self.numerics_fingerprint(mode),
+                                                         seq.cache_exact) if recompute else None
+
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, mode: str = "exploration",
+        *, cache_salt: str = "",
+    ) -> None:
+        """Queues a request. `cache_salt` is set by the server (the tenant), never by a client: prefix-cache
+        blocks are only reused between requests with the same salt and the same `numerics_fingerprint(mode)`.
+        Execution requests reuse whole prefill chunks only, so a hit is bit-identical to a miss.
+        """
         if request_id in self._seqs:
             raise RequestError(f"request id {request_id!r} is already in flight")
         if not prompt_token_ids:
@@ -115,7 +249,12 @@ class LLMEngine:
             raise RequestError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
         if total > self.max_model_len:
             params = _with_max_tokens(params, self.max_model_len - len(prompt_token_ids))
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+        if mode not in ("exploration", "execution"):
+            raise RequestError(f"mode must be exploration or execution, got {mode!r}")
+        seq = Sequence(request_id, list(prompt_token_ids), params, mode=mode)
+        if self.prefix_cache is not None:
+            seq.cache_salt, seq.cache_exact = cache_salt, mode == "execution"
+            seq.cache_root = self.prefix_cache.salt_root(cache_salt, self.numerics_fingerprint(mode), seq.cache_exact)
         if self.tokenizer is not None:
             seq.detokenizer = self.tokenizer.stream()
         self._seqs[request_id] = seq
@@ -140,16 +279,19 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        batch = self.runner.build_batch(chunks, self.blocks)
-        logits = self.runner.forward(batch)  # [S, V]
+        logits = self.runner.run(chunks, self.blocks)  # [S, V]
         for c in chunks:
             c.seq.num_computed = c.start + c.num_tokens
+            if self.prefix_cache is not None:
+                self.prefix_cache.register(c.seq, c.start, c.num_tokens, alone=len(chunks) == 1 or c.seq.mode == "execution")
         sampling = [c.seq for c in chunks if c.samples]
         tokens = sample(logits, sampling, self.vocab_limit) if sampling else []
         outputs = []
         for seq, token in zip(sampling, tokens, strict=True):
             seq.output_token_ids.append(token)
             reason = self._check_stop(seq, token)
+            if reason is None and token in seq.params.mode_triggers:
+                self.set_mode(seq.request_id, seq.params.mode_triggers[token], seq.params.resync)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)
@@ -190,7 +332,20 @@ class LLMEngine:
             new_text=new_text,
             finished=finished,
             finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            cache_hits=dict(seq.cache_hits),
         )
+
+
+def _model_identity(model_dir: Path) -> str:
+    """Hash of config.json and the safetensors headers: the same weights give the same identity."""
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(fh.read(min(n, 1 << 24)))
+        h.update(str(f.stat().st_size).encode())
+    return h.hexdigest()[:16]
 
 
 def _stop_holdback(text: str, stops: list[str]) -> int:

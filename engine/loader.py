@@ -91,6 +91,8 @@ def load_model(
     with torch.device("meta"):
         model = MoeForCausalLM(cfg).to(dtype)
     model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty materialises each module's parameters separately: re-tie
+        model.lm_head.weight = model.model.embed_tokens.weight
     for module in model.modules():
         if hasattr(module, "inv_freq"):  # non-persistent RoPE buffer: recompute in fp32
             module.__init__(cfg.head_dim, cfg.rope_theta)

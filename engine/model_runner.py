@@ -1,6 +1,13 @@
-"""ModelRunner: owns the model and its KV pools on the device; turns scheduled chunks into logits."""
+"""ModelRunner: owns the model and its KV pools on the device; turns scheduled chunks into logits.
+
+Exploration chunks share one batched forward (with expert deferral when configured). Each
+execution chunk runs in a forward of its own with the exact profile and no deferral, so its bytes
+never depend on what else is in flight (batch invariance by construction).
+"""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -9,15 +16,26 @@ from engine.kv_cache import BlockManager, KVCacheSpec, allocate_kv_cache
 from engine.models.causal_lm import MoeForCausalLM
 from engine.scheduler import ScheduledChunk
 
+# Forwards of at most this many tokens run the dense path on one torch thread: their matmuls are
+# small and memory-bound, and torch's OpenMP pool costs more than it gains there (17x slower decode
+# measured on a 2-core machine under load; the expert kernel has its own work-claiming pool).
+SMALL_FORWARD_TOKENS = 16
+
 
 class ModelRunner:
-    def __init__(self, model: MoeForCausalLM, spec: KVCacheSpec, device: torch.device, kv_dtype: torch.dtype):
+    def __init__(
+        self, model: MoeForCausalLM, spec: KVCacheSpec, device: torch.device, kv_dtype: torch.dtype,
+        defer: int = 0,
+    ):
         self.model = model
         self.device = device
         self.spec = spec
+        self.defer = defer
         self.kv_caches = allocate_kv_cache(model.config, spec, kv_dtype, device)
+        self.expert_worker = ThreadPoolExecutor(1, thread_name_prefix="moegate-experts") if defer else None
+        self.max_threads = torch.get_num_threads()
 
-    def build_batch(self, chunks: list[ScheduledChunk], blocks: BlockManager) -> ForwardBatch:
+    def build_batch(self, chunks: list[ScheduledChunk], blocks: BlockManager, exact: bool = False) -> ForwardBatch:
         ids, positions, slot_parts, ctx_slots, rows = [], [], [], [], []
         row = 0
         for c in chunks:
@@ -38,13 +56,51 @@ class ModelRunner:
             context_lens=[c.start + c.num_tokens for c in chunks],
             context_slots=ctx_slots,
             logits_rows=torch.tensor(rows, dtype=torch.long),
+            exact=exact,
+            defer=0 if exact else self.defer,
+            expert_worker=None if exact else self.expert_worker,
         )
         return batch.to(self.device) if self.device.type != "cpu" else batch
+
+    def run(self, chunks: list[ScheduledChunk], blocks: BlockManager) -> torch.Tensor:
+        """All scheduled chunks -> fp32 logits [S, V] for the chunks that sample, in chunk order."""
+        explore = [c for c in chunks if c.seq.mode != "execution"]
+        groups = ([(explore, False)] if explore else []) + [([c], True) for c in chunks if c.seq.mode == "execution"]
+        logits: dict[int, torch.Tensor] = {}
+        for group, exact in groups:
+            out = self.forward(self.build_batch(group, blocks, exact))
+            for c, row in zip([c for c in group if c.samples], out, strict=True):
+                logits[id(c)] = row
+        sampled = [logits[id(c)] for c in chunks if c.samples]
+        return torch.stack(sampled) if sampled else torch.empty(0, self.model.config.vocab_size)
+
+    @torch.inference_mode()
+    def read_block(self, block: int) -> torch.Tensor:
+        """A CPU copy of one KV block: [L, 2, block_size, KV heads, D]."""
+        rows = slice(block * self.spec.block_size, (block + 1) * self.spec.block_size)
+        return torch.stack([torch.stack((k[rows], v[rows])) for k, v in self.kv_caches]).cpu()
+
+    @torch.inference_mode()
+    def write_block(self, block: int, kv: torch.Tensor) -> None:
+        """Copies kv [L, 2, block_size, KV heads, D] into one KV block."""
+        rows = slice(block * self.spec.block_size, (block + 1) * self.spec.block_size)
+        kv = kv.to(self.device, non_blocking=True)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k[rows].copy_(kv[layer, 0])
+            v[rows].copy_(kv[layer, 1])
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the batch (writing its KV) -> fp32 logits [S, V] of the rows that sample, on the CPU."""
+        if self.device.type == "cpu":
+            want = 1 if batch.num_tokens <= SMALL_FORWARD_TOKENS else self.max_threads
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)
         hidden = self.model(batch, self.kv_caches)  # [T, H]
         if batch.logits_rows.numel() == 0:
             return torch.empty(0, self.model.config.vocab_size)
-        return self.model.compute_logits(hidden[batch.logits_rows]).cpu()
+        return self.model.compute_logits(hidden[batch.logits_rows], exact=batch.exact).cpu()
+
+    def shutdown(self) -> None:
+        if self.expert_worker is not None:
+            self.expert_worker.shutdown(wait=True)

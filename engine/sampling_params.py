@@ -23,6 +23,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    # Segment triggers: sampling one of these token ids switches the sequence to the mapped mode
+    # ("execution" / "exploration") before its next token, e.g. {<tool_call>: execution,
+    # </tool_call>: exploration}. `resync` applies to switches into execution.
+    mode_triggers: dict[int, str] = field(default_factory=dict)
+    resync: str = "keep"
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -33,6 +38,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.resync not in ("keep", "recompute"):
+            raise ValueError(f"resync must be keep or recompute, got {self.resync!r}")
+        bad = {m for m in self.mode_triggers.values() if m not in ("exploration", "execution")}
+        if bad:
+            raise ValueError(f"mode_triggers map to exploration or execution, got {sorted(bad)}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 

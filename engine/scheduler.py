@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.kv_cache import BlockManager
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
+
+
+class PrefixMatcher(Protocol):
+    def attach(self, seq: Sequence) -> None:
+        """Fills an empty block table with cached prefix blocks and advances `num_computed` past them."""
+
+    def detach(self, seq: Sequence) -> None:
+        """Releases what `attach` took when the sequence cannot be admitted now."""
 
 
 @dataclass(frozen=True)
@@ -33,9 +42,10 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, prefix: PrefixMatcher | None = None) -> None:
         self.config = config
         self.blocks = blocks
+        self.prefix = prefix
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in arrival order
 
@@ -45,13 +55,29 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+        """Tokens to compute for `seq` this step.
+
+        Execution sequences run alone in fixed chunks aligned to multiples of the step budget, so
+        their chunking (and so their numerics) never depends on what else is running; they are
+        not charged to the shared budget.
+        """
+        remaining = seq.num_tokens - seq.num_computed
+        if seq.mode == "execution":
+            align = self.config.max_num_batched_tokens
+            return min(remaining, align - seq.num_computed % align)
+        return min(remaining, budget)
+
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running):
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._chunk_len(seq, budget)
+            if n == 0:
+                i += 1
+                continue
             while not self.blocks.can_allocate(self.blocks.blocks_needed(seq.block_table, seq.num_computed + n)):
                 victim = self.running[-1]  # the latest arrival gives way
                 self._preempt(victim)
@@ -61,26 +87,38 @@ class Scheduler:
                 break
             self.blocks.grow(seq.block_table, seq.num_computed + n)
             chunks.append(ScheduledChunk.of(seq, n))
-            budget -= n
+            budget -= 0 if seq.mode == "execution" else n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.blocks.can_allocate(self.blocks.blocks_needed(seq.block_table, seq.num_computed + n)):
+            attached = self.prefix is not None and not seq.block_table
+            if attached:
+                self.prefix.attach(seq)
+            n = self._chunk_len(seq, budget)
+            if n == 0 or not self.blocks.can_allocate(
+                self.blocks.blocks_needed(seq.block_table, seq.num_computed + n)
+            ):
+                if attached:
+                    self.prefix.detach(seq)
                 break
             self.waiting.popleft()
             self.blocks.grow(seq.block_table, seq.num_computed + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk.of(seq, n))
-            budget -= n
+            budget -= 0 if seq.mode == "execution" else n
         return chunks
+
+    def drop_kv(self, seq: Sequence) -> None:
+        """Forgets a running sequence's KV so it is recomputed from its first token (resync)."""
+        self.blocks.free(seq.block_table)
+        seq.num_computed = seq.num_cache_checked = 0
 
     def _preempt(self, seq: Sequence) -> None:
         """Frees the sequence's KV; it goes back to the head of the queue and is recomputed."""
         self.running.remove(seq)
-        self.blocks.free(seq.block_table)
-        seq.num_computed = 0
+        self.blocks.free(seq.block_table)  # its registered blocks stay cached: readmission finds them
+        seq.num_computed = seq.num_cache_checked = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

@@ -31,12 +31,24 @@ class Sequence:
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrival))
     num_preemptions: int = 0
+    mode: str = "exploration"  # exploration | execution (strict: exact profile, no deferral, batch-invariant)
+    mode_switches: list[tuple[int, str]] = field(default_factory=list)  # (output token index, new mode)
     generator: torch.Generator | None = None
     # Text: `text` is the detokenized output so far (stop strings cut off); `emitted` how much of it
     # has been handed to the caller (text that may still turn out to start a stop string is held back).
     text: str = ""
     emitted: int = 0
     detokenizer: object | None = None
+    # Prefix cache: root of the block hash chain (None: not cached), exact reuse (execution mode), the
+    # chain's hashes so far, how many leading blocks are registered or came from the cache, and what the
+    # latest admission found in the cache (tokens, blocks per tier).
+    cache_salt: str = ""
+    cache_root: bytes | None = None
+    cache_exact: bool = False
+    block_hashes: list[str] = field(default_factory=list)
+    num_cache_checked: int = 0
+    num_cached_tokens: int = 0
+    cache_hits: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

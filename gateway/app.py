@@ -33,12 +33,13 @@ class FixedPolicy:
         self.current: Policy = base.model_copy(update={"models": [ModelEntry(name=model_name, source=model_dir)]})
 
 
-def numerics_fingerprint(engine, settings: Settings) -> str:
-    """The engine's own fingerprint when it has one, else a hash of what decides the numerics:
-    config, weight files (names and sizes), tokenizer, dtype and device."""
-    own = getattr(engine, "numerics_fingerprint", None)
-    if isinstance(own, str) and own:
-        return own if own.startswith("fp_") else "fp_" + own[:16]
+def numerics_fingerprint(llm, settings: Settings, mode: str = "execution") -> str:
+    """`system_fingerprint`: the engine's numerics fingerprint for `mode` when it has one, else a hash of what
+    decides the numerics (config, weight files, tokenizer, dtype, device)."""
+    own = getattr(llm, "numerics_fingerprint", None)
+    if callable(own):
+        return "fp_" + own(mode).removeprefix("sha256:")[:16]
+    engine = llm.engine
     h = hashlib.sha256()
     model = Path(settings.model)
     h.update((model / "config.json").read_bytes())
@@ -165,22 +166,24 @@ def _start(settings: Settings, metrics: Metrics):
     else:
         policies, open_access = FixedPolicy(settings.model_name, settings.model), True
         log.warning("no --config: embedded dev policy, every API key is accepted (tenant 'dev')")
+    policy = policies.current
     engine = LLMEngine(EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
                                     kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
-                                    progress=False))
+                                    defer=policy.modes.exploration.deferral_depth,
+                                    disk_cache_dir=str(Path(settings.state_dir) / "kv"),
+                                    redis_url=settings.redis_url, progress=False))
     if engine.tokenizer is None:
         raise ValueError(f"{settings.model} has no tokenizer.json; the gateway needs one")
     tok = TokenizerInfo.from_file(Path(settings.model) / "tokenizer.json", sorted(engine.eos_token_ids))
     _ = tok.llg, tok.token_bytes  # build the constraint vocabulary once, before the first request
     llm = AsyncLLM(engine)
-    policy = policies.current
     store = make_store(settings.redis_url or "", policy.stores.on_unavailable)
     Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
     tel = setup_tracing("moegate", settings.otlp_endpoint, jsonl_path=settings.trace_path)
     audit = AuditLog(settings.audit_path, fsync=policy.audit.fsync, fsync_interval_s=policy.audit.fsync_interval_s)
     state = AppState(settings=settings, llm=llm, generator=Generator(llm, tok, settings.strict_retries),
                      policies=policies, open_access=open_access, store=store, telemetry=tel, audit=audit,
-                     metrics=metrics, fingerprint=numerics_fingerprint(engine, settings), created=int(time.time()))
+                     metrics=metrics, fingerprints={m: numerics_fingerprint(llm, settings, m) for m in ("exploration", "execution")}, created=int(time.time()))
 
     async def stop() -> None:
         await asyncio.to_thread(llm.shutdown)

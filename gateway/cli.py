@@ -11,9 +11,11 @@ _SUBCOMMAND_MODULES = [
     "engine.cli",
     "engine.model_cli",
     "engine.plan",
+    "kernels.cli",
     "policies.cli",
     "gateway.audit_cli",
     "gateway.serve_cli",
+    "evals.cli",
 ]
 
 
@@ -26,8 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from engine.errors import EngineError
+
+    try:
+        return int(args.func(args) or 0)
+    except EngineError as exc:  # a problem the user can fix: say it in one line, no traceback
+        parser.exit(2, f"moegate {args.command}: error: {exc}\n")
 
 
 if __name__ == "__main__":

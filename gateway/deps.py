@@ -24,9 +24,13 @@ class AppState:
     telemetry: Any
     audit: Any
     metrics: Any
-    fingerprint: str
+    fingerprints: dict[str, str]  # mode -> the engine's numerics fingerprint (`system_fingerprint`)
     created: int = 0
     in_flight: int = 0
+
+    @property
+    def fingerprint(self) -> str:
+        return self.fingerprints["execution"]
 
     @property
     def policy(self) -> Policy:

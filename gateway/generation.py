@@ -45,6 +45,7 @@ class Finished:
     decisions: list[Decision]
     retries: int = 0
     validations: list[dict] = field(default_factory=list)
+    cache_hits: dict[str, int] = field(default_factory=dict)  # prefix-cache blocks served per tier
 
 
 Event = TextDelta | ToolCall | Finished
@@ -159,14 +160,18 @@ class Generator:
                               logits_processors=([bias_processor(plan.logit_bias)] if plan.logit_bias else [])
                               + processors)
 
-    async def _collect(self, rid: str, plan: Plan, params: SamplingParams) -> tuple[list[int], str]:
+    def _stream(self, rid: str, plan: Plan, params: SamplingParams, mode: str):
+        return self.llm.generate(rid, plan.prompt_ids, params, mode, cache_salt=plan.cache_salt)
+
+    async def _collect(self, rid: str, plan: Plan, params: SamplingParams) -> tuple[list[int], str, dict]:
         ids: list[int] = []
-        reason = "stop"
-        async for out in self.llm.generate(rid, plan.prompt_ids, params):
+        reason, hits = "stop", {}
+        async for out in self._stream(rid, plan, params, EXECUTION):
             ids = out.token_ids
+            hits = getattr(out, "cache_hits", None) or hits
             if out.finished:
                 reason = out.finish_reason or "stop"
-        return ids, reason
+        return ids, reason, hits
 
     def _text(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t not in self.eos_ids])
@@ -174,15 +179,14 @@ class Generator:
     # -- whole-request execution --------------------------------------------------------------
     async def run_structured(self, plan: Plan, rid: str, index: int = 0) -> AsyncIterator[Event]:
         """Constrain the whole output; validate; on failure regenerate greedily (bounded); yield the result."""
-        applied = self.set_mode(rid, EXECUTION)
-        decisions = [Decision(plan.decision.mode, plan.decision.reason, None, None, applied)]
+        decisions = [Decision(plan.decision.mode, plan.decision.reason, None, None, self.mode_hook is not None)]
         validations: list[dict] = []
         last: Exception | None = None
         for attempt in range(1 + self.strict_retries):
             constraint = await asyncio.to_thread(build_constraint, plan.spec, self.tok, eos_ids=self.eos_ids,
                                                  max_tokens=plan.max_tokens)
             params = self._params(plan, [constraint], strict=attempt > 0, index=index)
-            ids, reason = await self._collect(f"{rid}-a{attempt}" if attempt else rid, plan, params)
+            ids, reason, hits = await self._collect(f"{rid}-a{attempt}" if attempt else rid, plan, params)
             text = self._text(ids)
             try:
                 value = plan.validate(text)
@@ -208,7 +212,7 @@ class Generator:
         else:
             yield TextDelta(text)
             reason = "stop"
-        yield Finished(reason, len(ids), decisions, attempt, validations)
+        yield Finished(reason, len(ids), decisions, attempt, validations, hits)
 
     @staticmethod
     def _check_policy_tools(plan: Plan, calls: list[dict]) -> None:
@@ -230,8 +234,7 @@ class Generator:
         """Exploration: free text streams; structured segments are constrained, validated, then released."""
         fences = fences or SegmentFences(plan.tools)
         tools_on = bool(fences.tools) and plan.tool_choice != "none"
-        applied = self.set_mode(rid, plan.decision.mode)
-        decisions = [Decision(plan.decision.mode, plan.decision.reason, None, None, applied)]
+        decisions = [Decision(plan.decision.mode, plan.decision.reason, None, None, self.mode_hook is not None)]
         consumer = make_detector(self.tok, plan.segment_modes, fences)
         state = {"calls": 0}
 
@@ -255,9 +258,11 @@ class Generator:
         stops, hold = plan.stop, max((len(s) for s in plan.stop), default=1) - 1
         free, sent, seg_ids = "", 0, []
         n_tokens, reason, calls, validations = 0, "stop", 0, []
-        gen = self.llm.generate(rid, plan.prompt_ids, params)
+        gen = self._stream(rid, plan, params, plan.decision.mode)
+        hits: dict = {}
         try:
             async for out in gen:
+                hits = getattr(out, "cache_hits", None) or hits
                 for t in out.new_token_ids:
                     n_tokens += 1
                     if t in self.eos_ids:
@@ -310,7 +315,7 @@ class Generator:
                                             f"ended ({reason}); raise max_tokens")
             err.validations = validations
             raise err
-        yield Finished("tool_calls" if calls else reason, n_tokens, decisions, 0, validations)
+        yield Finished("tool_calls" if calls else reason, n_tokens, decisions, 0, validations, hits)
 
     def _finish_segment(self, plan: Plan, fences: SegmentFences, kind: str, ids: list[int],
                         validations: list[dict]) -> list[Event]:

@@ -48,6 +48,11 @@ class Plan:
     policy: ResolvedPolicy | None = None
 
     @property
+    def cache_salt(self) -> str:
+        """Prefix-cache scope: the tenant (set by the server, never by the client)."""
+        return self.policy.tenant_id if self.policy is not None else ""
+
+    @property
     def execution(self) -> bool:
         return self.decision.mode == "execution"
 

@@ -114,7 +114,7 @@ async def serve(state: AppState, request: Request, tenant: Tenant, rp: ResolvedP
     def span():
         return state.telemetry.request_span(
             request.headers, model=job.model, operation=job.operation, tenant=tenant.id, policy_id=rp.policy_id,
-            policy_digest=rp.policy_digest, mode=plan.decision.mode, numerics_fingerprint=state.fingerprint,
+            policy_digest=rp.policy_digest, mode=plan.decision.mode, numerics_fingerprint=state.fingerprints[plan.decision.mode],
             params=plan.sampling_fields())
 
     created = int(time.time())
@@ -128,7 +128,7 @@ async def serve(state: AppState, request: Request, tenant: Tenant, rp: ResolvedP
             _classified(rt, plan)
             try:
                 results = await _run_until_disconnect(request, ctx)
-                body = job.shape(rid, created, results, state.fingerprint)
+                body = job.shape(rid, created, results, state.fingerprints[plan.decision.mode])
                 await ctx.finish(results, body)
                 return JSONResponse(body, headers=rt.inject({"X-Request-Id": rid}))
             except asyncio.CancelledError:
@@ -173,6 +173,11 @@ class _Ctx:
                 rt.validation(v["kind"], v["ok"], [v["error"]] if "error" in v else [], fin.retries)
                 m.validations.labels(v["kind"], "pass" if v["ok"] else "fail").inc()
             m.retries.inc(fin.retries)
+        hits = {}
+        for _, _, fin in results:
+            for tier, n in fin.cache_hits.items():
+                hits[tier] = hits.get(tier, 0) + n
+        rt.cache_hits([t for t, n in hits.items() if n], sum(hits.values()) or None)
         rt.usage(len(plan.prompt_ids), out_tokens, reasons, self.rid, self.job.model)
         await settle(self.state.store, self.rp.limits, self.tenant.id, len(plan.prompt_ids) + out_tokens)
         output = json.dumps([{"content": t, "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in calls]}
@@ -199,7 +204,7 @@ class _Ctx:
         base = {"request_id": self.rid, "route": self.job.route, "tenant": self.tenant.id, "model": self.job.model,
                 "policy_id": self.rp.policy_id, "policy_digest": self.rp.policy_digest,
                 "mode": plan.decision.mode, "mode_reason": plan.decision.reason,
-                "numerics_fingerprint": self.state.fingerprint, "params": plan.sampling_fields(), **meta}
+                "numerics_fingerprint": self.state.fingerprints[plan.decision.mode], "params": plan.sampling_fields(), **meta}
         data = audit_data(self.rp.audit_level, base, {"input": self.job.audit_input, "output": output},
                           self.rp.redact)
         if data is None:
@@ -243,7 +248,7 @@ def sse(obj: dict | str) -> bytes:
 
 async def _stream(ctx: _Ctx, span: Callable, done: Callable) -> AsyncIterator[bytes]:
     job, gen = ctx.job, ctx.state.generator
-    chunker = job.chunker(ctx.rid, ctx.created, job.model, ctx.state.fingerprint)
+    chunker = job.chunker(ctx.rid, ctx.created, job.model, ctx.state.fingerprints[job.plan.decision.mode])
     text_parts: list[str] = []
     calls: list[ToolCall] = []
     fin: Finished | None = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
@@ -51,24 +50,32 @@ class Attention(nn.Module):
         v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
 
         out = torch.empty_like(q)  # [T, NH, D]
-        for start, q_len, ctx, slots in zip(
+        for start, q_len, _ctx, slots in zip(
             batch.query_starts, batch.query_lens, batch.context_lens, batch.context_slots, strict=True
         ):
             qs = q[start : start + q_len].transpose(0, 1)  # [NH, q, D]
             ks = k_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [KV, ctx, D]
             vs = v_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)
-            mask = self._mask(q_len, ctx, q.device)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, is_causal=mask is None and q_len == ctx and q_len > 1,
-                scale=self.scale, enable_gqa=True,
-            )  # [NH, q, D]
-            out[start : start + q_len] = o.transpose(0, 1)
+            out[start : start + q_len] = self._attend(qs, ks, vs).transpose(0, 1)
         return self.o_proj(out.reshape(T, -1))
 
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [NH, q, D], k/v [KV, ctx, D] -> [NH, q, D]. Grouped heads share one batched matmul per KV head
+        (several times faster on CPU than SDPA's GQA path); softmax in fp32 as transformers' eager."""
+        nh, q_len, d = q.shape
+        nkv, ctx, _ = k.shape
+        g = nh // nkv
+        scores = torch.bmm(q.reshape(nkv, g * q_len, d), k.transpose(1, 2)) * self.scale  # [KV, G*q, ctx]
+        mask = self._mask(q_len, ctx, q.device)
+        if mask is not None:
+            scores = scores.view(nkv, g, q_len, ctx).masked_fill(~mask, float("-inf")).view(nkv, g * q_len, ctx)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs, v).view(nh, q_len, d)
+
     def _mask(self, q_len: int, ctx: int, device: torch.device) -> torch.Tensor | None:
-        """Boolean [q, ctx] mask (True = attend), or None where plain causal / full suffices."""
+        """Boolean [q, ctx] mask (True = attend), or None where every key is visible."""
         window = self.cfg.sliding_window
-        if (q_len == 1 or q_len == ctx) and (window is None or ctx <= window):
+        if q_len == 1 and (window is None or ctx <= window):
             return None
         q_pos = torch.arange(ctx - q_len, ctx, device=device)[:, None]
         k_pos = torch.arange(ctx, device=device)[None, :]

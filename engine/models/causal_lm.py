@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
 from torch import nn
 
@@ -19,11 +21,22 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.moe_layers[layer_idx]
-        self.mlp = SparseMoeBlock(cfg) if self.is_moe else GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size)
+        self.mlp = (
+            SparseMoeBlock(cfg, is_last_moe=layer_idx == cfg.last_moe_layer)
+            if self.is_moe else GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size)
+        )
 
-    def forward(self, x, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor, pending: Future | None
+    ) -> tuple[torch.Tensor, Future | None]:
+        """-> (hidden [T, H], this layer's deferred expert output still in flight)."""
         h = x + self.self_attn(self.input_layernorm(x), batch, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        if not self.is_moe:
+            return h + self.mlp(self.post_attention_layernorm(h)), pending
+        out, deferred = self.mlp(self.post_attention_layernorm(h), batch)
+        if pending is not None:  # the previous MoE layer's deferred experts land here
+            out = out + pending.result()
+        return h + out, deferred
 
 
 class MoeModel(nn.Module):
@@ -42,14 +55,19 @@ class MoeForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.exact_lm_head: torch.Tensor | None = None  # fp32 copy used in execution mode, if set
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Runs the stack over the batch's new tokens, writing their KV; returns hidden [T, H]."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
+        pending = None
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, batch, k_cache, v_cache)
+            x, pending = layer(x, batch, k_cache, v_cache, pending)
+        assert pending is None, "the last MoE layer must not defer"
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, H] -> fp32 logits [S, V]."""
+    def compute_logits(self, hidden: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """hidden [S, H] -> fp32 logits [S, V] (execution mode may use a higher-precision lm_head)."""
+        if exact and self.exact_lm_head is not None:
+            return torch.nn.functional.linear(hidden.float(), self.exact_lm_head)
         return self.lm_head(hidden).float()

@@ -5,17 +5,15 @@ Shapes: T = tokens, H = hidden, E = experts, I = expert intermediate, K = expert
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
 from engine.models.layers import GatedMLP
-
-# (x [T, H], topk_ids [T, K] (-1 = skip slot), topk_weights [T, K]) -> [T, H]
-ExpertCompute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Router(nn.Module):
@@ -38,7 +36,7 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Routed experts in the fused layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
 
-    `compute` is replaced by a quantized CPU kernel when the engine packs the experts.
+    `packed` (engine.experts.LayerExperts) replaces the raw weights when the engine packs the experts.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -47,11 +45,15 @@ class Experts(nn.Module):
         self.num_experts, self.intermediate = e, i
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
-        self.compute: ExpertCompute | None = None
+        self.packed = None
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if self.compute is not None:
-            return self.compute(x, topk_ids, topk_weights)
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        exact: bool = False, num_threads: int | None = None,
+    ) -> torch.Tensor:
+        """x [T, H], topk_ids [T, K] (-1 = skip), topk_weights [T, K] -> [T, H]."""
+        if self.packed is not None:
+            return self.packed(x, topk_ids, topk_weights, exact=exact, num_threads=num_threads)
         return self.reference(x, topk_ids, topk_weights)
 
     def reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -68,8 +70,10 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, is_last_moe: bool) -> None:
         super().__init__()
+        self.is_last_moe = is_last_moe
+        self.top_k = cfg.top_k
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
         if cfg.shared_expert_intermediate_size:
@@ -78,10 +82,25 @@ class SparseMoeBlock(nn.Module):
         else:
             self.shared_expert = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
-        _, weights, ids = self.gate(x)
-        out = self.experts(x, ids, weights)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, Future | None]:
+        """x [T, H] -> (output [T, H], deferred output [T, H] still being computed, or None).
+
+        Expert deferral: the `batch.defer` lowest-weighted of each token's top-k experts are
+        submitted to `batch.expert_worker`; the caller adds their output at the next MoE layer.
+        The last MoE layer never defers.
+        """
+        _, weights, ids = self.gate(x)  # [T, K] sorted by weight, descending
+        if self.experts.packed is not None:
+            self.experts.packed.record(ids)
+        d = 0 if self.is_last_moe or batch.expert_worker is None else min(batch.defer, self.top_k - 1)
+        deferred = None
+        if d:
+            later = ids.clone()
+            later[:, : self.top_k - d] = -1
+            ids = ids.clone()
+            ids[:, self.top_k - d :] = -1
+            deferred = batch.expert_worker.submit(self.experts, x, later, weights, batch.exact, 1)
+        out = self.experts(x, ids, weights, exact=batch.exact)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out, deferred

@@ -42,10 +42,18 @@ def calibrated_forward(step_ms: float):
     return forward
 
 
-def run(batch: int, steps: int, forward, constraints_for, mode: str, masker: BatchMasker) -> list[float]:
-    cons = constraints_for(batch)
-    bitmask = allocate_bitmask(batch, QWEN_MODEL_VOCAB)
-    ids = [[] for _ in range(batch)]
+class Lane:
+    """One mode's batch of sequences, kept across interleaved chunks."""
+
+    def __init__(self, batch: int, constraints_for) -> None:
+        self.cons = constraints_for(batch)
+        self.bitmask = allocate_bitmask(batch, QWEN_MODEL_VOCAB)
+        self.ids: list[list[int]] = [[] for _ in range(batch)]
+
+
+def run(lane: Lane, steps: int, forward, constraints_for, mode: str, masker: BatchMasker) -> list[float]:
+    cons, bitmask, ids = lane.cons, lane.bitmask, lane.ids
+    batch = len(cons)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -99,9 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     masker = BatchMasker(num_threads=1)
     result = {}
     for batch in args.batch:
-        med = {}
-        for mode in tqdm(("none", "serial", "overlapped"), desc=f"batch {batch}"):
-            med[mode] = statistics.median(run(batch, args.steps, forward, constraints_for, mode, masker)) * 1e3
+        modes = ("none", "serial", "overlapped")
+        lanes = {m: Lane(batch, constraints_for) for m in modes}
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in tqdm(range(args.steps // 10), desc=f"batch {batch}"):  # interleave: load drifts
+            for mode in modes:
+                times[mode] += run(lanes[mode], 10, forward, constraints_for, mode, masker)
+        med = {m: statistics.median(t) * 1e3 for m, t in times.items()}
         result[f"batch_{batch}"] = {
             "step_ms_unconstrained": med["none"], "step_ms_serial": med["serial"],
             "step_ms_overlapped": med["overlapped"],

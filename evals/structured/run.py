@@ -160,6 +160,48 @@ def eval_outlines(tok: TokenizerInfo, args) -> dict:
     return out
 
 
+def eval_regex(tok: TokenizerInfo, args) -> dict:
+    """Regex kind, both backends, on `pattern` values taken from the JSONSchemaBench schemas."""
+    import re
+
+    from gateway.structured.build import regex_spec
+    from gateway.structured.json_schema import walk
+
+    patterns: list[str] = []
+    for split in SPLITS:
+        for line in open(DATA / "jsonschemabench" / f"{split}.jsonl"):
+            for _, sub in walk(json.loads(line)["schema"]):
+                p = sub.get("pattern")
+                if isinstance(p, str) and p.startswith("^") and p.endswith("$") and p not in patterns:
+                    patterns.append(p)
+    patterns = patterns[: args.regex_patterns]
+    out = {"patterns": len(patterns)}
+    for backend in ("llguidance", "outlines-core"):
+        times, fill, errors, valid, finished = [], [], Counter(), 0, 0
+        for i, pattern in enumerate(tqdm(patterns, desc=f"regex {backend}")):
+            body = pattern[1:-1]  # whole-output match; anchors are implicit
+            try:
+                c, dt = compile_timed(regex_spec(body), tok, backend, args.outlines_timeout)
+            except StructuredOutputError as e:
+                errors[type(e).__name__] += 1
+                continue
+            times.append(dt)
+            stats = {"fill_us": [], "apply_us": []}
+            ids, done = generate(c, random_logits(QWEN_MODEL_VOCAB, i), QWEN_MODEL_VOCAB, 96, stats)
+            fill += stats["fill_us"]
+            finished += done
+            text = tok.decode(ids[:-1] if done else ids)
+            try:
+                valid += done and re.fullmatch(body, text) is not None
+            except re.error:
+                errors["python_re_cannot_check"] += 1
+        out[backend] = {"compiled": len(times), "errors": dict(errors), "compile_ms_p50": 1e3 * pct(times, 0.5),
+                        "compile_ms_max": 1e3 * max(times) if times else None, "mask_fill_us_p50": pct(fill, 0.5),
+                        "finished": finished, "valid_fullmatch": valid}
+        print("regex", backend, out[backend])
+    return out
+
+
 def eval_sql(tok: TokenizerInfo, args) -> dict:
     tables = {t["db_id"]: t for t in json.load(open(DATA / "sql" / "spider_tables.json"))}
     dev = json.load(open(DATA / "sql" / "spider_dev.json"))
@@ -208,18 +250,21 @@ def bfcl_to_json_schema(s):
 
 
 def eval_bfcl(tok: TokenizerInfo, args) -> dict:
-    out = {}
-    for name in ("simple_python", "multiple"):
+    out = dict(json.loads((args.out / "results.json").read_text()).get("bfcl", {})) if (
+        args.out / "results.json").exists() else {}
+    for name in args.bfcl_sets.split(","):
+        # irrelevance: no tool fits the question, so the call is optional (tool_choice auto)
+        choice = "auto" if name == "irrelevance" else "required"
         rows = [json.loads(line) for line in open(DATA / "bfcl" / f"BFCL_v4_{name}.jsonl")]
         rows = rows[: args.bfcl_limit] if args.bfcl_limit else rows
-        compiled_n = valid = 0
+        compiled_n = valid = with_calls = 0
         errors: Counter = Counter()
         stats = {"fill_us": [], "apply_us": []}
         for i, row in enumerate(tqdm(rows, desc=f"bfcl {name}")):
             tools = [{"type": "function", "function": {**fn, "parameters": bfcl_to_json_schema(fn["parameters"])}}
                      for fn in row["function"]]
             try:
-                spec = tool_call_spec(tools, tok, "required", parallel_tool_calls=True)
+                spec = tool_call_spec(tools, tok, choice, parallel_tool_calls=True)
                 c, _ = compile_timed(spec, tok, "llguidance", args.compile_timeout)
             except UnsupportedSchemaError as e:
                 errors[f"unsupported:{e.keyword}"] += 1
@@ -230,11 +275,13 @@ def eval_bfcl(tok: TokenizerInfo, args) -> dict:
             compiled_n += 1
             ids, done = generate(c, random_logits(QWEN_MODEL_VOCAB, i), QWEN_MODEL_VOCAB, args.max_tokens, stats)
             try:
-                validate_tool_calls(tok.decode(ids[:-1] if done else ids), tools, "required")
+                calls = validate_tool_calls(tok.decode(ids[:-1] if done else ids), tools, choice)
                 valid += 1
+                with_calls += bool(calls)
             except StructuredOutputError as e:
                 errors[f"invalid:{type(e).__name__}"] += 1
-        out[name] = {"entries": len(rows), "compiled": compiled_n, "valid": valid,
+        out[name] = {"entries": len(rows), "tool_choice": choice, "compiled": compiled_n, "valid": valid,
+                     "outputs_with_calls": with_calls,
                      "valid_pct_of_compiled": 100 * valid / max(1, compiled_n), "errors": dict(errors),
                      "mask_fill_us_p50": pct(stats["fill_us"], 0.5)}
         print("bfcl", name, out[name])
@@ -246,26 +293,39 @@ def plot(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     js = results["json_schema"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].bar(SPLITS, [js[s]["compiled_pct"] for s in SPLITS], label="compiled %")
-    axes[0].bar(SPLITS, [js[s]["valid_pct_of_generated"] for s in SPLITS], alpha=0.5, label="valid % of generated")
-    axes[0].axhline(90, color="r", ls="--", lw=1)
-    axes[0].set_title("JSONSchemaBench (llguidance)")
-    axes[0].legend(loc="lower left")
-    axes[0].tick_params(axis="x", rotation=20)
-    axes[1].bar(SPLITS, [js[s]["mask_fill_us_per_token_p50"] for s in SPLITS], label="fill p50")
-    axes[1].bar(SPLITS, [js[s]["mask_apply_us_per_token_p50"] for s in SPLITS], alpha=0.6, label="apply p50")
-    axes[1].set_title("mask µs / token (151,936 logits)")
-    axes[1].legend()
-    axes[1].tick_params(axis="x", rotation=20)
+    x, w = np.arange(len(SPLITS)), 0.38
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+    ax = axes[0]
+    ax.bar(x - w / 2, [js[s]["compiled_pct"] for s in SPLITS], w, label="compiled %")
+    ax.bar(x + w / 2, [js[s]["valid_pct_of_generated"] for s in SPLITS], w, label="valid % of generated")
+    ax.axhline(90, color="r", ls="--", lw=1)
+    ax.set(title="JSONSchemaBench (llguidance)", xticks=x, xticklabels=SPLITS, ylim=(0, 105))
+    ax.legend(loc="lower left")
+    ax = axes[1]
+    ax.bar(x - w / 2, [js[s]["mask_fill_us_per_token_p50"] for s in SPLITS], w, label="fill p50")
+    ax.bar(x + w / 2, [js[s]["mask_apply_us_per_token_p50"] for s in SPLITS], w, label="apply p50")
+    ax.set(title="mask µs / token (151,936 logits)", xticks=x, xticklabels=SPLITS)
+    ax.legend()
     sql, bf = results["sql"], results["bfcl"]
-    names = ["Spider grammar"] + [f"BFCL {k}" for k in bf]
-    vals = [sql["grammar_accepts_pct"]] + [bf[k]["valid_pct_of_compiled"] for k in bf]
+    names = ["Spider grammar", "Spider sqlglot"] + [f"BFCL {k}" for k in bf]
+    vals = [sql["grammar_accepts_pct"], 100 * sql["sqlglot_policy_pass"] / sql["queries"]]
+    vals += [bf[k]["valid_pct_of_compiled"] for k in bf]
     axes[2].bar(names, vals)
     axes[2].axhline(95, color="r", ls="--", lw=1)
-    axes[2].set_title("SQL gold accepted % / tool calls valid %")
+    axes[2].set(title="SQL gold accepted % / tool calls valid %", ylim=(0, 105))
+    axes[2].tick_params(axis="x", rotation=15)
+    ax = axes[3]
+    ol = results.get("outlines_core")
+    if ol:
+        ax.bar(x - w / 2, [js[s]["compile_ms_p50"] for s in SPLITS], w, label="llguidance")
+        ax.bar(x + w / 2, [1e3 * (ol[s]["compile_s_p50"] or float("nan")) for s in SPLITS], w, label="outlines-core")
+        ax.set(yscale="log", title="JSON compile ms p50 (log)", xticks=x, xticklabels=SPLITS)
+        ax.legend()
+    for a in (axes[0], axes[1], axes[3]):
+        a.tick_params(axis="x", rotation=15)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -279,9 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--outlines-sample", type=int, default=3)
     p.add_argument("--outlines-timeout", type=float, default=120.0)
     p.add_argument("--bfcl-limit", type=int, default=0)
+    p.add_argument("--regex-patterns", type=int, default=20)
+    p.add_argument("--bfcl-sets", default="simple_python,multiple,irrelevance")
     p.add_argument("--decode-step-ms", type=float, default=11.5,
                    help="reference decode step (DESIGN.md: llama.cpp Q4_0 tg 86.6 tok/s, random Qwen3-MoE)")
-    p.add_argument("--parts", default="json,sql,bfcl,outlines")
+    p.add_argument("--parts", default="json,sql,bfcl,outlines,regex")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # small ops: thread hand-off costs more than it saves on a shared CPU
     tok = TokenizerInfo.from_file(qwen_tokenizer_json(), QWEN_EOS_IDS)
@@ -310,8 +372,10 @@ def main(argv: list[str] | None = None) -> int:
         results["bfcl"] = eval_bfcl(tok, args)
     if "outlines" in parts:
         results["outlines_core"] = eval_outlines(tok, args)
+    if "regex" in parts:
+        results["regex"] = eval_regex(tok, args)
     path = args.out / "results.json"
-    if path.exists() and parts != {"json", "sql", "bfcl", "outlines"}:  # partial run: update those parts
+    if path.exists() and parts != {"json", "sql", "bfcl", "outlines", "regex"}:  # partial run: update those parts
         results = {**json.loads(path.read_text()), **results}
     path.write_text(json.dumps(results, indent=2, default=str))
     if {"json_schema", "sql", "bfcl"} <= results.keys():

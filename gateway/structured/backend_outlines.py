@@ -11,8 +11,9 @@ from .vocab import TokenizerInfo
 
 
 class OutlinesMatcher(Matcher):
-    def __init__(self, guide: outlines_core.Guide, eos_id: int, n_words: int) -> None:
+    def __init__(self, guide: outlines_core.Guide, eos_id: int, n_words: int, only_eos: dict[int, bool]) -> None:
         self.guide, self._eos, self._n_words = guide, eos_id, n_words
+        self._only_eos = only_eos  # DFA state -> "only EOS allowed", shared by the compiled index
         self._failed = ""
         self._ended = False
 
@@ -35,9 +36,12 @@ class OutlinesMatcher(Matcher):
         return self.guide.is_finished()
 
     def is_terminated(self) -> bool:
-        return self._ended or bool(self._failed) or (
-            self.guide.is_finished() and set(self.guide.get_tokens()) <= {self._eos}
-        )
+        if self._ended or self._failed:
+            return True
+        state = self.guide.get_state()
+        if state not in self._only_eos:  # get_tokens() lists every allowed id: once per state
+            self._only_eos[state] = self.guide.is_finished() and set(self.guide.get_tokens()) <= {self._eos}
+        return self._only_eos[state]
 
     def error(self) -> str:
         return self._failed
@@ -53,9 +57,11 @@ class OutlinesCompiled(CompiledConstraint):
         except Exception as e:  # invalid regex or a regex no token sequence can match
             raise ConstraintCompileError(spec.kind, f"outlines-core: {e}") from None
         self._n_words = (tokenizer.vocab_size + 31) // 32
+        self._only_eos: dict[int, bool] = {}
 
     def new_matcher(self) -> OutlinesMatcher:
-        return OutlinesMatcher(outlines_core.Guide(self.index), self.tokenizer.eos_ids[0], self._n_words)
+        guide = outlines_core.Guide(self.index)
+        return OutlinesMatcher(guide, self.tokenizer.eos_ids[0], self._n_words, self._only_eos)
 
 
 class OutlinesBackend(Backend):

@@ -33,7 +33,7 @@ class ConstraintCache:
         self._entries: OrderedDict[tuple[str, str, str], CompiledConstraint] = OrderedDict()
         self._lock = threading.Lock()
         # Compiles run here so a timeout can return to the caller; llguidance drops the GIL.
-        self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="constraint-compile")
+        self._pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="constraint-compile")
         self.hits = self.misses = 0
         self.last_compile_s = 0.0
 

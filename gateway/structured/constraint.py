@@ -31,13 +31,24 @@ def _closer_ids(tokenizer: TokenizerInfo, closing: bytes, first: bytes) -> tuple
                  if b and set(b) <= allowed and b.startswith(first))
 
 
+@functools.lru_cache(maxsize=32)
+def _special_rows(tokenizer: TokenizerInfo, eos_ids: tuple[int, ...], n_words: int):
+    """(EOS row, closing tiers, whitespace row) as uint32 [n_words] bitmask rows; shared, read-only."""
+    tiers = [ids_to_row(_closer_ids(tokenizer, c, f), n_words) for c, f in CLOSING_TIERS]
+    rows = (ids_to_row(eos_ids, n_words), tiers, ids_to_row(_whitespace_ids(tokenizer), n_words))
+    for row in (rows[0], *tiers, rows[2]):
+        row.flags.writeable = False
+    return rows
+
+
 class Constraint:
     """Per-sequence constraint state. Callable as an engine logits processor.
 
     EOS ids are allowed only when the constraint accepts; once it is terminated only EOS is.
     Whitespace is bounded: after `max_whitespace_run` consecutive whitespace bytes, whitespace-only
-    tokens are masked out (so a grammar with free whitespace cannot loop on it). With `max_tokens`, the last `closing_window` steps prefer closing tokens (`"`, `}`, `]`, `)`)
-    and EOS as soon as the output is complete, so output closes inside the budget when it can.
+    tokens are masked out (so a grammar with free whitespace cannot loop on it). With `max_tokens`,
+    the last `closing_window` steps prefer closing tokens (CLOSING_TIERS) and EOS as soon as the
+    output is complete, so output closes inside the budget when it can.
     """
 
     def __init__(
@@ -58,7 +69,6 @@ class Constraint:
         self._ws_run = 0  # trailing whitespace bytes of the output so far
         self.vocab_size = tok.vocab_size
         self.tok_words = bitmask_words(tok.vocab_size)
-        self._rows: dict[int, tuple[np.ndarray, list[np.ndarray], np.ndarray]] = {}
         self._scratch: torch.Tensor | None = None
         self.consumed = 0
         self.ended = False  # an EOS id was consumed
@@ -99,13 +109,6 @@ class Constraint:
         return self.max_tokens is not None and self.max_tokens - self.consumed <= self.closing_window
 
     # -- masks -----------------------------------------------------------------------------
-    def _special_rows(self, n_words: int) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
-        if n_words not in self._rows:
-            tok = self.compiled.tokenizer
-            tiers = [ids_to_row(_closer_ids(tok, c, f), n_words) for c, f in CLOSING_TIERS]
-            ws = ids_to_row(_whitespace_ids(tok), n_words)
-            self._rows[n_words] = (ids_to_row(self.eos_ids, n_words), tiers, ws)
-        return self._rows[n_words]
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write this sequence's allowed ids into bitmask[row] ([B, W] int32, CPU, contiguous)."""
@@ -120,7 +123,7 @@ class Constraint:
         """After the backend wrote its words: clear padding, set EOS by acceptance, closing mode."""
         words = bitmask.shape[1]
         out = bitmask[row].numpy().view(np.uint32)  # [W] shares memory with the tensor
-        eos_row, closer_tiers, ws_row = self._special_rows(words)
+        eos_row, closer_tiers, ws_row = _special_rows(self.compiled.tokenizer, self.eos_ids, words)
         if self.is_terminated():
             out[:] = eos_row
             return
@@ -142,6 +145,9 @@ class Constraint:
                     break
         if accepting:
             out |= eos_row
+        if not out.any():  # dead end (matcher error): end the sequence; validation reports it
+            self.error = self.error or self.matcher.error() or "no token can continue the output"
+            out[:] = eos_row
 
     def __call__(self, token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """Logits-processor form: advance by the new ids, then mask logits [V] in place."""

@@ -11,7 +11,7 @@ import json
 
 from .base import ConstraintKind, ConstraintSpec
 from .json_schema import with_guidance_options
-from .sql_grammar import sql_grammar
+from .sql_grammar import SQL_START, sql_grammar
 from .sql_schema import DatabaseSchema, SQLPolicy
 
 FENCE_CLOSE = "\n```"
@@ -29,7 +29,10 @@ def segment_spec(lang: str, json_schema: dict | bool | None = None, db_schema: D
     if lang == "sql":
         if db_schema is None:
             raise ValueError("a ```sql segment needs the caller's database schema")
-        grammar = sql_grammar(db_schema, policy).replace('start: query ";"?', f'start: query ";"? {close}', 1)
+        grammar = sql_grammar(db_schema, policy)
+        if SQL_START not in grammar:
+            raise RuntimeError("sql_grammar changed its start rule; update segment_spec")
+        grammar = grammar.replace(SQL_START, f"{SQL_START} {close}", 1)
         return ConstraintSpec(ConstraintKind.SQL, grammar)
     raise ValueError(f"no segment constraint for fence language {lang!r}; known: {SEGMENT_LANGS}")
 

@@ -39,6 +39,7 @@ _KEYWORDS = (
     "intersect", "except", "with", "case", "when", "then", "else", "end", "cast", "true", "false",
 )
 
+SQL_START = 'start: query (_O? ";")?'
 _RULES = r"""
 start: query (_O? ";")?
 query: (with_clause _O?)? compound (_S order_by)? (_S limit_clause)?

@@ -68,3 +68,18 @@ def test_abort_frees_blocks_mid_generation(hf_checkpoint):
         engine.step()
     assert engine.blocks.num_free == 64
     assert engine.active_request_ids() == []
+
+
+def test_stop_strings_and_stop_token_ids(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint("qwen3_moe"), num_kv_blocks=64, block_size=8, progress=False)
+    prompt = "Portfolio summary:"
+    free = llm.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 24
+    stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
+    cut = llm.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and stop not in cut.text
+    assert free.text.startswith(cut.text) and free.text[len(cut.text):].startswith(stop)
+    by_id = llm.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True,
+                                                  stop_token_ids=[free.token_ids[5]]))[0]
+    first = free.token_ids.index(free.token_ids[5])
+    assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[: first + 1]

@@ -101,3 +101,17 @@ def test_per_expert_and_fused_layouts_load_the_same(hf_checkpoint, tmp_path):
     a, b = load_model(path, progress=False), load_model(tmp_path, progress=False)
     for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert na == nb and torch.equal(pa, pb), na
+
+
+def test_sliding_window_matches_transformers(hf_checkpoint, prompt):
+    path = hf_checkpoint("mixtral", sliding_window=8)
+    tokens, ref = _hf_greedy(path, prompt, torch.float32)
+    ours = _our_logits(path, prompt, tokens, torch.float32)
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def test_tied_embeddings_match_transformers(hf_checkpoint, prompt):
+    path = hf_checkpoint("qwen3_moe", tie_word_embeddings=True)
+    tokens, ref = _hf_greedy(path, prompt, torch.float32)
+    ours = _our_logits(path, prompt, tokens, torch.float32)
+    assert (ours - ref).abs().max().item() <= 1e-4

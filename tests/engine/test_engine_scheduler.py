@@ -7,7 +7,7 @@ import pytest
 from engine.kv_cache import BlockManager, OutOfBlocks
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 
 
 def _seq(rid: str, n: int, max_tokens: int = 8) -> Sequence:

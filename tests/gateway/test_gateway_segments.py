@@ -99,7 +99,7 @@ def test_mixed_response_switches_in_order(gateway_server):
             break
     assert mixed is not None, "no sampled response had text, then a tool call, then text"
     seed, r, (to_exec, to_explore) = mixed
-    assert decisions[0] == {"mode": "exploration", "reason": "default", "token_index": None, "engine_applied": False}
+    assert decisions[0] == {"mode": "exploration", "reason": "default", "token_index": None, "engine_applied": True}
     assert to_exec["reason"] == "tool_call_start" and to_explore["reason"] == "tool_call_end"
     assert to_exec["token_index"] < to_explore["token_index"]
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content

@@ -70,7 +70,7 @@ def test_tool_choice_auto_in_exploration(gateway_server):
     decisions = r.model_extra["moegate"]["choices"][0]["decisions"]
     assert decisions[0]["mode"] == "exploration"
     assert decisions[1] == {"mode": "execution", "reason": "tool_call_start", "token_index": 0,
-                            "segment": "tool_call", "engine_applied": False}
+                            "segment": "tool_call", "engine_applied": True}
     none = _chat(gateway_server, tools=[QUOTE], tool_choice="none", max_tokens=8, temperature=0,
                  logit_bias={str(open_id): 100})
     assert none.choices[0].message.tool_calls is None  # the start token is masked

@@ -64,3 +64,16 @@ def test_compile_timeout_is_typed(tokinfo):
         build_constraint(json_schema_spec(heavy), tokinfo, cache=cache)
     assert isinstance(err.value, StructuredOutputError) and err.value.http_status == 400
     assert len(cache) == 0
+
+
+def test_unknown_backend_is_typed(tokinfo):
+    from gateway.structured.errors import UnknownBackendError
+    from gateway.structured.sql_grammar import sql_spec
+    from gateway.structured.sql_schema import DatabaseSchema
+
+    with pytest.raises(UnknownBackendError) as err:
+        build_constraint(regex_spec("a"), tokinfo, backend="xgrammar", cache=ConstraintCache())
+    assert err.value.http_status == 400
+    with pytest.raises(UnknownBackendError):  # outlines-core has no CFG support
+        build_constraint(sql_spec(DatabaseSchema.from_mapping({"t": ["a"]})), tokinfo,
+                         backend="outlines-core", cache=ConstraintCache())

@@ -126,3 +126,18 @@ def test_closing_window_finishes_inside_budget(tokinfo):
         out = decode(c, random_logits(tokinfo.vocab_size, seed), max_tokens=40)
         assert out.finished and len(out.ids) <= 40
         validate_json(tokinfo.decode(out.ids[:-1]), schema)
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "array", "items": [{"type": "integer"}], "additionalItems": False}, ["[1]", "[]"], ['["a"]', "[1,2]"]),
+    ({"type": "object", "minProperties": 2}, ['{"a":1,"b":2}'], ['{"a":1}']),
+    ({"type": "number", "minimum": 0, "exclusiveMinimum": True}, ["1", "0.5"], ["0", "-1"]),  # draft-4 form
+    ({"type": "integer", "maximum": 10}, ["10"], ["11"]),
+    ({"type": "string", "format": "email"}, ['"a@b.co"'], ['"x"']),
+])
+def test_keywords_are_enforced_not_dropped(schema, good, bad, tokinfo):
+    cache = ConstraintCache()
+    for text, expect in [(t, True) for t in good] + [(t, False) for t in bad]:
+        c = build_constraint(json_schema_spec(schema), tokinfo, cache=cache)
+        ok = all(c.consume(i) for i in tokinfo.encode(text)) and c.is_accepting()
+        assert ok is expect, (schema, text)

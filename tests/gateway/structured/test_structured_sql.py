@@ -73,6 +73,12 @@ def test_limit_enforced_and_transpiled():
     assert r.sql == "SELECT `Market Value` FROM positions LIMIT 10" and r.rewrites == ["added LIMIT 10"]
 
 
+def test_sqlite_double_quoted_unknown_name_is_a_string():
+    r = check_sql('SELECT id FROM accounts WHERE region = "EU"', DB, SQLPolicy(target_dialect="postgres"))
+    assert r.sql == "SELECT id FROM accounts WHERE region = 'EU' LIMIT 1000"
+    assert any("string literal" in w for w in r.rewrites)
+
+
 GOOD = [
     "SELECT * FROM trades",
     "select symbol, count(*) from trades group by symbol having count(*) > 2 order by 2 desc limit 3",
@@ -124,3 +130,27 @@ def test_random_model_sql_always_parses_and_names_only_real_tables(tokinfo):
             continue
         assert result.tables <= set(DB.tables)
     assert done >= 3
+
+
+def test_grammar_per_dialect_and_function_allow_list(tokinfo):
+    cache = ConstraintCache()
+    pg = cache.get_or_compile(sql_spec(DB, SQLPolicy(dialect="postgres")), tokinfo)
+    my = cache.get_or_compile(sql_spec(DB, SQLPolicy(dialect="mysql")), tokinfo)
+    assert _accepts(pg, tokinfo, 'SELECT "Market Value" FROM positions WHERE symbol = \'X\'')
+    assert not _accepts(pg, tokinfo, "SELECT `Market Value` FROM positions")
+    assert not _accepts(pg, tokinfo, 'SELECT id FROM trades WHERE symbol = "X"')  # "X" is an identifier there
+    assert _accepts(my, tokinfo, "SELECT `Market Value` FROM positions")
+    narrow = cache.get_or_compile(sql_spec(DB, SQLPolicy(allowed_functions=("count", "sum"))), tokinfo)
+    assert _accepts(narrow, tokinfo, "SELECT count(*), sum(qty) FROM trades")
+    assert not _accepts(narrow, tokinfo, "SELECT lower(symbol) FROM trades")
+    assert not _accepts(narrow, tokinfo, "SELECT avg(qty) FROM trades")
+
+
+def test_allowed_tables_narrow_grammar_and_validator(tokinfo):
+    policy = SQLPolicy(allowed_tables=("trades",))
+    compiled = ConstraintCache().get_or_compile(sql_spec(DB, policy), tokinfo)
+    assert _accepts(compiled, tokinfo, "SELECT symbol FROM trades")
+    assert not _accepts(compiled, tokinfo, "SELECT name FROM accounts")
+    with pytest.raises(SQLPolicyViolation) as err:
+        check_sql("SELECT name FROM accounts", DB, policy)
+    assert err.value.rule == "table_not_allowed"

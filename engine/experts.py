@@ -1,0 +1,169 @@
+"""Routed-expert placement and precision: each MoE layer's experts as shards of packed weights.
+
+A shard is a subset of a layer's experts in one format on one device. A *profile* is a list of
+shards covering every expert exactly once. Each layer has a `fast` profile (exploration) and an
+`exact` profile (execution); on the "formatting layers" they differ (e.g. int4 vs bf16), elsewhere
+they are the same object. Hot experts (on the fast device) and mixed precision by routing frequency
+are both just more shards. Everything is packed once at load, so switching profiles costs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kernels import PackCache, PackedExperts, file_identity, fused_moe, load_stats, save_stats
+from kernels.placement import plan_frequency, plan_uniform
+
+log = logging.getLogger(__name__)
+
+EXPERT_FORMATS = ("fp32", "bf16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """How routed experts are stored and where they run; normalised once, logged at start."""
+
+    fast_format: str = "bf16"  # exploration profile of every MoE layer
+    exact_format: str = "bf16"  # execution profile of the formatting layers
+    formatting_layers: int = 0  # last N MoE layers use exact_format in execution mode
+    mixed_hot_fraction: float = 0.0  # share of most-routed experts kept at exact_format in the fast profile
+    hot_experts: int = 0  # experts per layer resident on the fast device (CUDA only)
+    hot_strategy: str = "uniform"  # uniform | frequency
+    stats_file: str | None = None  # routing counts (JSON) for `frequency` and mixed precision
+    pack_cache_dir: str | None = None  # where packed experts are cached; None: no cache
+
+    def __post_init__(self) -> None:
+        for name in ("fast_format", "exact_format"):
+            if getattr(self, name) not in EXPERT_FORMATS:
+                raise ValueError(f"{name} must be one of {EXPERT_FORMATS}, got {getattr(self, name)!r}")
+        if self.formatting_layers < 0 or self.hot_experts < 0:
+            raise ValueError("formatting_layers and hot_experts must be >= 0")
+        if not 0.0 <= self.mixed_hot_fraction <= 1.0:
+            raise ValueError(f"mixed_hot_fraction must be in [0, 1], got {self.mixed_hot_fraction}")
+        if self.hot_strategy not in ("uniform", "frequency"):
+            raise ValueError(f"hot_strategy must be uniform or frequency, got {self.hot_strategy!r}")
+        if (self.hot_strategy == "frequency" or self.mixed_hot_fraction) and not self.stats_file:
+            raise ValueError("frequency placement and mixed precision need stats_file (routing counts)")
+
+    def describe(self) -> str:
+        parts = [f"experts {self.fast_format}"]
+        if self.formatting_layers:
+            parts.append(f"execution: last {self.formatting_layers} MoE layers {self.exact_format}")
+        if self.mixed_hot_fraction:
+            parts.append(f"top {self.mixed_hot_fraction:.0%} most-routed experts {self.exact_format}")
+        if self.hot_experts:
+            parts.append(f"{self.hot_experts} hot experts/layer on the fast device ({self.hot_strategy})")
+        return "; ".join(parts)
+
+
+@dataclass
+class ExpertShard:
+    packed: PackedExperts
+    device: torch.device
+
+    @property
+    def label(self) -> str:
+        return f"{self.packed.fmt}@{self.device.type}x{self.packed.num_experts}"
+
+
+@dataclass
+class LayerExperts:
+    """The expert shards of one MoE layer under both profiles."""
+
+    fast: list[ExpertShard]
+    exact: list[ExpertShard]
+    num_threads: int | None = None  # kernel threads; None: torch's setting
+    counts: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+
+    def __call__(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exact: bool = False,
+        num_threads: int | None = None,
+    ) -> torch.Tensor:
+        """x [T, H], ids [T, K] (-1 = skip), weights [T, K] -> [T, H] in x's dtype, shards summed in a fixed order."""
+        out = None
+        for shard in self.exact if exact else self.fast:
+            xs = x.to(shard.device)
+            y = fused_moe(xs, ids.to(shard.device), weights.to(shard.device), shard.packed,
+                          skip_missing=True, num_threads=num_threads or self.num_threads).to(x.device)
+            out = y if out is None else out + y
+        return out.to(x.dtype)
+
+    def record(self, ids: torch.Tensor) -> None:
+        """Accumulates routing counts (for frequency placement and mixed precision)."""
+        valid = ids[ids >= 0]
+        self.counts += torch.bincount(valid.cpu(), minlength=self.counts.numel())
+
+
+def _pack(cache: PackCache | None, name: str, source: str, gate_up, down, fmt: str, ids) -> PackedExperts:
+    if cache is None:
+        from kernels import pack_experts
+
+        return pack_experts(gate_up, down, fmt, progress=False, expert_ids=ids)
+    return cache.get_or_pack(name, gate_up, down, fmt, source=source, progress=False, expert_ids=ids)
+
+
+def build_layer_experts(
+    model: torch.nn.Module,
+    cfg,
+    placement: PlacementConfig,
+    model_dir: Path,
+    fast_device: torch.device,
+    progress: bool = True,
+) -> dict[int, LayerExperts]:
+    """Packs each MoE layer's experts into shards per the placement; frees the raw expert weights."""
+    from tqdm.auto import tqdm
+
+    cache = PackCache(placement.pack_cache_dir) if placement.pack_cache_dir else None
+    source = ";".join(file_identity(p) for p in sorted(model_dir.glob("*.safetensors")))
+    stats = load_stats(placement.stats_file) if placement.stats_file else None
+    moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
+    n = cfg.num_experts
+    if stats is not None and (len(stats) != len(moe_layers) or any(len(r) != n for r in stats)):
+        raise ValueError(f"{placement.stats_file}: expected counts for {len(moe_layers)} MoE layers x {n} experts")
+    formatting = set(moe_layers[len(moe_layers) - placement.formatting_layers :]) if placement.formatting_layers else set()
+    hot_on_device = placement.hot_experts if fast_device.type == "cuda" else 0
+    if placement.hot_experts and not hot_on_device:
+        log.info("hot experts requested but the fast device is the CPU: all experts stay in CPU memory")
+    hot_plan = (
+        plan_frequency(stats, per_layer=hot_on_device) if placement.hot_strategy == "frequency" and stats
+        else plan_uniform(len(moe_layers), n, hot_on_device)
+    )
+    n_mixed = round(placement.mixed_hot_fraction * n)
+    mixed_plan = plan_frequency(stats, per_layer=n_mixed) if n_mixed else None
+    layers: dict[int, LayerExperts] = {}
+    for j, i in enumerate(tqdm(moe_layers, desc="pack experts", unit="layer", disable=not progress)):
+        experts = model.model.layers[i].mlp.experts
+        gu, dn = experts.gate_up_proj.data, experts.down_proj.data
+        hot = list(hot_plan.hot[j])
+        cold = [e for e in range(n) if e not in hot]
+
+        def shards(fmt: str, high: list[int], high_fmt: str, cold=cold, hot=hot, i=i, gu=gu, dn=dn) -> list[ExpertShard]:
+            out = []
+            if hot:
+                p = _pack(cache, f"layer{i}", source, gu[hot], dn[hot], "bf16", tuple(hot))
+                out.append(ExpertShard(p.to(fast_device), fast_device))
+            low = [e for e in cold if e not in high]
+            high = [e for e in cold if e in high]
+            for fmt_, ids in ((high_fmt, high), (fmt, low)):
+                if ids:
+                    p = _pack(cache, f"layer{i}", source, gu[ids], dn[ids], fmt_, tuple(ids))
+                    out.append(ExpertShard(p, torch.device("cpu")))
+            return out
+
+        high = list(mixed_plan.hot[j]) if mixed_plan else []
+        fast = shards(placement.fast_format, high, placement.exact_format)
+        exact = shards(placement.exact_format, [], placement.exact_format) if i in formatting else fast
+        layers[i] = LayerExperts(fast, exact, counts=torch.zeros(n, dtype=torch.long))
+        # The raw weights are no longer needed: the shards hold (quantized) copies.
+        experts.gate_up_proj = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        experts.down_proj = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    return layers
+
+
+def save_routing_stats(path: str | Path, layers: dict[int, LayerExperts]) -> None:
+    """Writes the observed routing counts (one row per MoE layer) in the kernels' stats format."""
+    save_stats(path, [layers[i].counts.tolist() for i in sorted(layers)])

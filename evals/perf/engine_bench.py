@@ -1,0 +1,161 @@
+"""End-to-end prefill and decode tok/s: moegate (per expert format) vs transformers eager (and llama.cpp
+when `llama_cpp` and a GGUF are available), on the same checkpoint, same threads, in ONE run.
+
+Reference model (default): random Qwen3-MoE, hidden 1024, 8 layers, 64 experts top-8, moe_intermediate
+512, 16 / 4 heads, Qwen vocabulary (`moegate model init-random --preset bench`). Writes engine_bench.json
+and engine_bench.png; reports ratios. Usage:
+    python evals/perf/engine_bench.py [--model DIR] [--gguf-q4 FILE --gguf-q8 FILE] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from evals.perf.common import machine_info, save_bar_plot
+
+
+def _moegate(model: str, fmt: str, dense: str, prompt: list[int], decode: int, defer: int = 0,
+             pack_dir: str | None = None) -> dict:
+    from engine.experts import PlacementConfig
+    from engine.llm_engine import LLM
+    from engine.sampling_params import SamplingParams
+
+    placement = PlacementConfig(fast_format=fmt, exact_format=fmt, pack_cache_dir=pack_dir)
+    t = time.perf_counter()
+    llm = LLM(model, dtype=dense, placement=placement, defer=defer, num_kv_blocks=64, progress=False)
+    load_s = time.perf_counter() - t
+    one = SamplingParams(max_tokens=1)
+    llm.generate([prompt[:16]], one)  # warm-up (kernel build / first-touch)
+    pre = _best(lambda: llm.generate([prompt], one))
+    total = _best(lambda: llm.generate([prompt], SamplingParams(max_tokens=decode + 1, ignore_eos=True)), n=2)
+    llm.engine.runner.shutdown()
+    return {"load_s": load_s, "prefill_tok_s": len(prompt) / pre, "decode_tok_s": decode / max(total - pre, 1e-9)}
+
+
+def _transformers(model: str, dtype: torch.dtype, prompt: list[int], decode: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="eager").eval()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        m(ids[:, :16])
+        pre = _best(lambda: m(ids))
+        total = _best(lambda: m.generate(ids, max_new_tokens=decode + 1, min_new_tokens=decode + 1,
+                                         do_sample=False, pad_token_id=0), n=2)
+    return {"prefill_tok_s": len(prompt) / pre, "decode_tok_s": decode / max(total - pre, 1e-9)}
+
+
+def _llama_cpp(gguf: str, prompt: list[int], decode: int, threads: int) -> dict:
+    from llama_cpp import Llama  # optional peer: pip install llama-cpp-python
+
+    llm = Llama(model_path=gguf, n_ctx=1024, n_threads=threads, n_batch=512, verbose=False)
+    llm.eval(prompt[:16])
+    llm.reset()
+
+    def prefill():
+        llm.reset()
+        llm.eval(prompt)
+
+    pre = _best(prefill)
+
+    def full():
+        llm.reset()
+        llm.eval(prompt)
+        for _ in range(decode):
+            llm.eval([llm.sample(temp=0.0)])
+
+    total = _best(full, n=2)
+    return {"prefill_tok_s": len(prompt) / pre, "decode_tok_s": decode / max(total - pre, 1e-9)}
+
+
+def _best(fn, n: int = 3) -> float:
+    best = float("inf")
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def ensure_reference_model(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        from engine.random_checkpoint import write_random_checkpoint
+
+        write_random_checkpoint(path, "qwen3_moe", hidden_size=1024, num_layers=8, num_experts=64, top_k=8,
+                                moe_intermediate_size=512, num_heads=16, num_kv_heads=4, vocab="qwen",
+                                dtype="bfloat16", seed=0)
+    return path
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the bench reference model)")
+    ap.add_argument("--out", default="evals/out/engine")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--formats", default="int4,int8,bf16")
+    ap.add_argument("--dense", default="float32", help="dtype of the dense path for moegate")
+    ap.add_argument("--gguf-q4", default=None)
+    ap.add_argument("--gguf-q8", default=None)
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="short prompt and decode")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        args.prompt_len, args.decode = 32, 8
+    model = args.model or str(ensure_reference_model(out.parent / "models" / "bench-ref"))
+    threads = torch.get_num_threads()
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    prompt = torch.randint(0, min(vocab, 150000), (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    info = machine_info()
+    runs: dict[str, dict] = {}
+    plan = [(f"moegate-{f}", lambda f=f: _moegate(model, f, args.dense, prompt, args.decode,
+                                                  pack_dir=str(out / "pack"))) for f in args.formats.split(",")]
+    if not args.no_transformers:
+        plan += [("transformers-eager-bf16", lambda: _transformers(model, torch.bfloat16, prompt, args.decode)),
+                 ("transformers-eager-fp32", lambda: _transformers(model, torch.float32, prompt, args.decode))]
+    for name, gguf in (("llama.cpp-Q4_0", args.gguf_q4), ("llama.cpp-Q8_0", args.gguf_q8)):
+        if gguf:
+            plan.append((name, lambda g=gguf: _llama_cpp(g, prompt, args.decode, threads)))
+    for name, fn in tqdm(plan, desc="engine bench"):
+        try:
+            runs[name] = fn()
+            gc.collect()
+        except ImportError as exc:
+            runs[name] = {"skipped": str(exc)}
+        tqdm.write(f"{name}: {runs[name]}")
+    ratios = {}
+    base = runs.get("transformers-eager-bf16", {})
+    for name, r in runs.items():
+        if name.startswith("moegate") and "decode_tok_s" in base:
+            ratios[f"{name}/transformers-bf16 decode"] = r["decode_tok_s"] / base["decode_tok_s"]
+            ratios[f"{name}/transformers-bf16 prefill"] = r["prefill_tok_s"] / base["prefill_tok_s"]
+    for q, fmt in (("Q4_0", "int4"), ("Q8_0", "int8")):
+        peer, ours = runs.get(f"llama.cpp-{q}", {}), runs.get(f"moegate-{fmt}", {})
+        if "decode_tok_s" in peer and "decode_tok_s" in ours:
+            ratios[f"moegate-{fmt}/llama.cpp-{q} decode"] = ours["decode_tok_s"] / peer["decode_tok_s"]
+            ratios[f"moegate-{fmt}/llama.cpp-{q} prefill"] = ours["prefill_tok_s"] / peer["prefill_tok_s"]
+    result = {"model": model, "prompt_len": args.prompt_len, "decode": args.decode, "threads": threads,
+              "dense_dtype": args.dense, "machine": info, "runs": runs, "ratios": ratios,
+              "busy_after": machine_info()["cpu_busy_fraction"]}
+    (out / "engine_bench.json").write_text(json.dumps(result, indent=2))
+    ok = {k: v for k, v in runs.items() if "decode_tok_s" in v}
+    save_bar_plot(out / "engine_bench.png", "end-to-end tok/s (higher is better)",
+                  {"prefill": {k: v["prefill_tok_s"] for k, v in ok.items()},
+                   "decode": {k: v["decode_tok_s"] for k, v in ok.items()}})
+    print(json.dumps(ratios, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

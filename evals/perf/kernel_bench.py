@@ -1,0 +1,242 @@
+"""CPU MoE kernel benchmark: weight GB/s per format and batch size vs STREAM triad and torch baselines.
+
+Reference shape (DESIGN.md): H=1024, I=512, 64 experts, top-8. Each call's bytes are the packed bytes
+of the distinct experts it routes to; the packed layers are replicated so the working set is many
+times the last-level cache and cycled, so every call streams from DRAM. Writes kernel_bench.json and
+kernel_bench.png to --out.  Usage: PYTHONPATH=. python evals/perf/kernel_bench.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from kernels import build, fused_moe, kernel_variant, pack_experts
+from kernels.cpu_features import detect
+
+H, I, E, TOPK = 1024, 512, 64, 8  # noqa: E741 (the DESIGN.md notation)
+WORKING_SET = 768 << 20  # bytes per format: >> 32 MiB L3
+
+
+def cpu_busy_fraction(seconds: float = 1.0) -> float:
+    """Fraction of all CPUs busy over ``seconds`` (from /proc/stat): other sessions' load."""
+    def snap() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        return sum(vals), vals[3] + vals[4]
+    t0, i0 = snap()
+    time.sleep(seconds)
+    t1, i1 = snap()
+    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def stream_triad(threads: int, n: int = 1 << 26) -> dict[str, float]:
+    """STREAM triad (a = b + s*c, 3 x 4 bytes per element) in C with OpenMP; best of 8 runs."""
+    lib = build.load(kernel_variant())
+    a, b, c = torch.zeros(n), torch.ones(n), torch.ones(n)
+    out = {}
+    for nt in sorted({1, threads}):
+        sec = lib.moegate_stream_triad(a.data_ptr(), b.data_ptr(), c.data_ptr(), n, 8, ctypes.c_int(nt))
+        out[f"triad_gbps_{nt}t"] = 12 * n / sec / 1e9
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        b.sum()
+        best = min(best, time.perf_counter() - t)
+    out["torch_read_sum_gbps"] = 4 * n / best / 1e9
+    return out
+
+
+def routings(m: int, count: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(m)]) for _ in range(count)]
+
+
+def time_calls(fn: Callable[[int], None], bytes_of: Callable[[int], int], seconds: float) -> dict[str, float]:
+    """Call fn(i) for i = 0, 1, ... until ``seconds`` pass (at least 5 calls); GB/s median and best."""
+    fn(0)
+    rates, times, i, start = [], [], 0, time.perf_counter()
+    while i < 5 or time.perf_counter() - start < seconds:
+        t = time.perf_counter()
+        fn(i)
+        dt = time.perf_counter() - t
+        rates.append(bytes_of(i) / dt / 1e9)
+        times.append(dt)
+        i += 1
+    rates.sort()
+    times.sort()
+    return {"gbps_median": rates[len(rates) // 2], "gbps_best": rates[-1],
+            "ms_median": 1e3 * times[len(times) // 2], "calls": i}
+
+
+def torch_layers(w_gu: torch.Tensor, w_dn: torch.Tensor, kind: str) -> tuple[list, int]:
+    """Per-expert weights for a torch baseline, and bytes per expert."""
+    experts = []
+    for e in range(E):
+        if kind == "fp32":
+            experts.append((w_gu[e].contiguous(), w_dn[e].contiguous()))
+        elif kind == "bf16":
+            experts.append((w_gu[e].to(torch.bfloat16), w_dn[e].to(torch.bfloat16)))
+        elif kind == "int8":
+            pair = []
+            for w in (w_gu[e], w_dn[e]):
+                s = w.abs().amax(1) / 127
+                pair.append(((w / s[:, None]).round().to(torch.int8), s.to(torch.bfloat16)))
+            experts.append(tuple(pair))
+        else:  # int4, group 32, asymmetric scale+zero as torch expects
+            pair = []
+            for w in (w_gu[e], w_dn[e]):
+                n, k = w.shape
+                q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+                sz = torch.randn(k // 32, n, 2).to(torch.bfloat16)
+                pair.append((torch._convert_weight_to_int4pack_for_cpu(q, 1), sz))
+            experts.append(tuple(pair))
+    first = experts[0]
+    nbytes = sum(t.numel() * t.element_size() for pair in first for t in (pair if isinstance(pair, tuple) else (pair,)))
+    return experts, nbytes
+
+
+def clone_tree(obj):
+    """Deep copy of nested lists/tuples of tensors (a distinct copy of a layer's weights)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    return type(obj)(clone_tree(o) for o in obj)
+
+
+def torch_moe(kind: str, experts: list, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Routed MoE with per-expert torch ops (the baseline kernels, same routing and grouping)."""
+    out = torch.zeros(x.shape[0], H)
+    xa = x if kind == "fp32" else x.to(torch.bfloat16)
+
+    def lin(a: torch.Tensor, p) -> torch.Tensor:
+        if kind in ("fp32", "bf16"):
+            return F.linear(a, p)
+        if kind == "int8":
+            return torch._weight_int8pack_mm(a, p[0], p[1])
+        return torch._weight_int4pack_mm_for_cpu(a, p[0], 32, p[1])
+
+    for e in torch.unique(ids).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gu = lin(xa[tok], experts[e][0])  # [n, 2I]
+        h = F.silu(gu[:, :I]) * gu[:, I:]
+        out.index_add_(0, tok, lin(h, experts[e][1]).float() * w[tok, slot, None])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="evals/out/kernels")
+    ap.add_argument("--formats", default="bf16,int8,int4,int4_asym")
+    ap.add_argument("--ms", default="1,2,4,8,64")
+    ap.add_argument("--seconds", type=float, default=1.5, help="timed seconds per (impl, format, M)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--baselines", default="fp32,bf16,int8,int4", help="torch baselines ('' for none)")
+    ap.add_argument("--quick", action="store_true", help="short run: 0.3 s per point, M=1,8")
+    ap.add_argument("--idle-triad", type=float, default=16.0,
+                    help="STREAM triad GB/s of this machine when idle (DESIGN.md: 15.6-16.5), a second yardstick "
+                         "when other processes share the cores")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seconds, args.ms = 0.3, "1,8"
+    torch.set_num_threads(args.threads)
+    ms = [int(m) for m in args.ms.split(",")]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict = {"shape": {"H": H, "I": I, "E": E, "topk": TOPK}, "threads": args.threads,
+                    "cpu": detect().summary(), "machine": platform.node(), "variant": kernel_variant(),
+                    "torch": torch.__version__, "loadavg_before": os.getloadavg(),
+                    "busy_before": cpu_busy_fraction()}
+    report["stream"] = stream_triad(args.threads)
+    triad = report["stream"][f"triad_gbps_{args.threads}t"]
+    g = torch.Generator().manual_seed(0)
+    w_gu, w_dn = torch.randn(E, 2 * I, H, generator=g) * 0.02, torch.randn(E, H, I, generator=g) * 0.02
+    results = []
+    jobs = [("moegate", f) for f in args.formats.split(",") if f] + \
+           [("torch", b) for b in args.baselines.split(",") if b]
+    bar = tqdm(total=len(jobs) * len(ms), desc="kernel bench", unit="point")
+    for impl, fmt in jobs:
+        if impl == "moegate":
+            base = pack_experts(w_gu, w_dn, fmt, progress=False)
+            per_expert = base.expert_nbytes()
+            layers = [base] + [type(base)(base.fmt, H, I, base.group_size, base.expert_ids,
+                                          {k: v.clone() for k, v in base.tensors.items()})
+                               for _ in range(max(1, WORKING_SET // base.nbytes) - 1)]
+        else:
+            experts, per_expert = torch_layers(w_gu, w_dn, fmt)
+            layers = [experts] + [clone_tree(experts) for _ in range(max(1, WORKING_SET // (per_expert * E)) - 1)]
+        for m in ms:
+            ids_list = routings(m, 16, seed=m)
+            x = torch.randn(m, H, generator=g)
+            w = torch.softmax(torch.randn(m, TOPK, generator=g), -1)
+            uniq = [len(torch.unique(ids)) for ids in ids_list]
+
+            def call(i: int, impl=impl, fmt=fmt, layers=layers, ids_list=ids_list, x=x, w=w) -> None:
+                ids, layer = ids_list[i % len(ids_list)], layers[i % len(layers)]
+                if impl == "moegate":
+                    fused_moe(x, ids, w, layer, num_threads=args.threads)
+                else:
+                    torch_moe(fmt, layer, x, ids, w)
+
+            res = time_calls(call, lambda i, uniq=uniq, pe=per_expert: uniq[i % len(uniq)] * pe, args.seconds)
+            res.update(impl=impl, fmt=fmt, M=m, bytes_per_expert=per_expert,
+                       pct_stream=100 * res["gbps_median"] / triad,
+                       pct_idle_triad_best=100 * res["gbps_best"] / args.idle_triad)
+            results.append(res)
+            bar.set_postfix_str(f"{impl} {fmt} M={m}: {res['gbps_median']:.1f} GB/s")
+            bar.update()
+        del layers
+    bar.close()
+    report.update(results=results, loadavg_after=os.getloadavg(), busy_after=cpu_busy_fraction(),
+                  stream_after=stream_triad(args.threads), idle_triad=args.idle_triad)
+    (out_dir / "kernel_bench.json").write_text(json.dumps(report, indent=2))
+    plot(report, out_dir / "kernel_bench.png")
+    print(f"STREAM triad {triad:.1f} GB/s ({args.threads} threads); loadavg before {report['loadavg_before']}")
+    for r in results:
+        print(f"{r['impl']:8s} {r['fmt']:9s} M={r['M']:3d}  {r['gbps_median']:6.2f} GB/s median "
+              f"({r['gbps_best']:6.2f} best)  {r['pct_stream']:5.1f}% of this run's triad (median), "
+              f"{r['pct_idle_triad_best']:5.1f}% of idle triad (best)  {r['ms_median']:.3f} ms/call")
+    print(f"STREAM triad after: {report['stream_after']}; loadavg after {report['loadavg_after']}; "
+          f"busy {report['busy_before']:.2f} before / {report['busy_after']:.2f} after")
+    return 0
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    triad = report["stream"][f"triad_gbps_{report['threads']}t"]
+    series: dict[tuple[str, str], list] = {}
+    for r in report["results"]:
+        series.setdefault((r["impl"], r["fmt"]), []).append((r["M"], r["gbps_median"]))
+    for (impl, fmt), pts in series.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="-" if impl == "moegate" else "--",
+                label=f"{impl} {fmt}")
+    ax.axhline(triad, color="k", linewidth=1, label=f"STREAM triad {triad:.1f} GB/s")
+    ax.axhline(0.8 * triad, color="k", linewidth=1, linestyle=":", label="80% of triad")
+    ax.axhline(report["idle_triad"], color="grey", linewidth=1, label=f"idle triad {report['idle_triad']:.0f} GB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per call (M)")
+    ax.set_ylabel("weight GB/s (distinct experts' bytes / time)")
+    ax.set_title(f"routed MoE H={H} I={I} E={E} top-{TOPK}, {report['threads']} threads, "
+                 f"load {report['loadavg_before'][0]:.1f}")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""Build (once, cached on disk) and load the compiled CPU MoE kernel as a plain shared library.
+
+The kernel has no torch headers: it is compiled with the system C++ compiler in a few seconds and
+called through ctypes with raw pointers. Builds are cached under ``$MOEGATE_KERNEL_CACHE`` (default
+``~/.cache/moegate/kernels``) keyed by a hash of the source, flags and compiler version; a failed
+build or missing compiler returns None and the caller falls back to the torch reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "moe_cpu.cpp"
+_COMMON_FLAGS = ["-O3", "-std=c++17", "-pthread", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
+VARIANT_FLAGS = {
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "generic": [],
+}
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernel could not be compiled or loaded."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MOEGATE_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "moegate" / "kernels"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+
+
+def _build_key(cxx: str, flags: list[str]) -> str:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    h = hashlib.sha256()
+    for path in [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]:  # the source and its headers
+        h.update(path.read_bytes())
+    h.update("\0".join([*flags, version]).encode())
+    return h.hexdigest()[:16]
+
+
+def build(variant: str) -> Path:
+    """Compile ``variant`` if no cached build exists; return the shared library path."""
+    if variant not in VARIANT_FLAGS:
+        raise KernelBuildError(f"unknown kernel variant {variant!r}; choose from {sorted(VARIANT_FLAGS)}")
+    cxx = _compiler()
+    if cxx is None:
+        raise KernelBuildError("no C++ compiler found (set CXX or install g++)")
+    flags = _COMMON_FLAGS + VARIANT_FLAGS[variant]
+    name = f"moe_cpu-{variant}-{_build_key(cxx, flags)}.so"
+    out = cache_dir() / name
+    if out.exists():
+        return out
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # read-only home (containers): build under the temp dir instead
+        out = Path(tempfile.gettempdir()) / "moegate-kernels" / name
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise KernelBuildError(f"{cxx} failed for the {variant} kernel:\n{proc.stderr[-2000:]}")
+        os.replace(tmp, out)  # atomic: concurrent builders leave one complete file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load(variant: str) -> ctypes.CDLL | None:
+    """The loaded kernel library for ``variant``, or None (with one logged warning) if it cannot be built."""
+    with _lock:
+        if variant in _loaded:
+            return _loaded[variant]
+        lib: ctypes.CDLL | None = None
+        try:
+            lib = ctypes.CDLL(str(build(variant)))
+            _declare(lib)
+        except (KernelBuildError, OSError) as exc:
+            log.warning("moegate CPU MoE kernel (%s) unavailable, using the torch reference: %s", variant, exc)
+            lib = None
+        _loaded[variant] = lib
+        return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.moegate_fused_moe.restype = ctypes.c_int
+    lib.moegate_fused_moe.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i64, i64,
+                                      p, p, p, p, p, p, ctypes.c_int]
+    lib.moegate_is_avx2.restype = ctypes.c_int
+    lib.moegate_stream_triad.restype = ctypes.c_double
+    lib.moegate_stream_triad.argtypes = [p, p, p, i64, ctypes.c_int, ctypes.c_int]

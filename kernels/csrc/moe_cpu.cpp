@@ -1,0 +1,357 @@
+// Fused routed-expert MoE for CPU: gate+up -> SiLU(gate)*up -> down, weighted sum per token.
+//
+// Compiled twice by kernels/build.py: with -mavx2 -mfma -mf16c (AVX2 path, intrinsics) and without
+// (generic path, plain loops the compiler may auto-vectorize). Always -ffp-contract=off so each
+// output row's arithmetic is a fixed sequence of operations: a row's result does not depend on
+// which other rows share the batch, on thread count, or on scheduling. Threads: work_pool.h (tiles
+// of active experts are claimed dynamically; OpenMP is used only by the STREAM triad helper).
+//
+// Weight layout (see kernels/formats.py): a projection [N, K] is cut into tiles of 8 output rows;
+// gate_up tiles hold 8 gate rows and the matching 8 up rows (R8 = 2), down tiles 8 rows (R8 = 1).
+// Inside a tile, for each k (int4: each block of 8 k) the R8 * 8 rows are contiguous, so the
+// inner loop streams one contiguous block per tile and needs no horizontal reductions.
+// Quantized formats: per (row, group of gs along K) an fp16 scale s (and for int4_asym an fp16
+// min m); w = q * s (int8), w = (u - 8) * s (int4), w = u * s + m (int4_asym), u in [0, 15].
+// int4 tiles hold blocks of 8 k: per row one dword whose nibble 2c is k0 + c and nibble 2c+1 is
+// k0 + 4 + c (c = 0..3). The int4 gate_up projection is W4A8: the layer input is quantized per
+// token and group to int8 (symmetric, round half to even), integer dot products via maddubs are
+// exact, and the group result is s*sx*sum(u*q) + b*sx*sum(q) (b = -8s or the min). The int4 down
+// projection and every other format use fp32 activations with weights dequantized in registers.
+
+#include <omp.h>
+
+#include "simd.h"
+#include "work_pool.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+enum Fmt { FP32 = 0, BF16 = 1, INT8 = 2, INT4 = 3, INT4A = 4 };
+
+// One tiled projection of one expert.
+struct Mat {
+  const void* w;
+  const uint16_t* scales;  // fp16 [n8][kp / gs][R8][8]; null for fp32 / bf16
+  const uint16_t* mins;    // fp16, int4_asym only
+  int64_t kp;              // padded K
+  int64_t gs;              // group size along K (quantized formats)
+};
+
+// out[m][0 .. R8*8) = tile rows . X[m] for MT activation rows (fp32, bf16, int8 weights).
+template <int FMT, int R8, int MT>
+void tile_dot(const Mat& A, int64_t tile, const float* const* X, float* const* out) {
+  V8 acc[MT][R8];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R8; ++r) acc[m][r] = v_zero();
+  const int64_t kp = A.kp;
+  if constexpr (FMT == FP32 || FMT == BF16) {
+    using T = std::conditional_t<FMT == FP32, float, uint16_t>;
+    const T* w = static_cast<const T*>(A.w) + tile * kp * R8 * 8;
+    for (int64_t k = 0; k < kp; ++k) {
+      V8 wv[R8];
+      for (int r = 0; r < R8; ++r) {
+        if constexpr (FMT == FP32) wv[r] = v_load(w + (k * R8 + r) * 8);
+        else wv[r] = load_bf16(w + (k * R8 + r) * 8);
+      }
+      for (int m = 0; m < MT; ++m) {
+        V8 xb = v_bcast(X[m] + k);
+        for (int r = 0; r < R8; ++r) acc[m][r] = v_fma(wv[r], xb, acc[m][r]);
+      }
+    }
+  } else {
+    static_assert(FMT == INT8, "int4 formats use tile_dot_w4a8");
+    const int64_t gs = A.gs, ng = kp / gs;
+    const uint16_t* sc = A.scales + tile * ng * R8 * 8;
+    const int8_t* w8 = static_cast<const int8_t*>(A.w) + tile * kp * R8 * 8;
+    for (int64_t g = 0; g < ng; ++g) {
+      V8 gacc[MT][R8];
+      for (int m = 0; m < MT; ++m)
+        for (int r = 0; r < R8; ++r) gacc[m][r] = v_zero();
+      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+        V8 wv[R8];
+        for (int r = 0; r < R8; ++r) wv[r] = load_i8(w8 + (k * R8 + r) * 8);
+        for (int m = 0; m < MT; ++m) {
+          V8 xb = v_bcast(X[m] + k);
+          for (int r = 0; r < R8; ++r) gacc[m][r] = v_fma(wv[r], xb, gacc[m][r]);
+        }
+      }
+      for (int r = 0; r < R8; ++r) {
+        V8 sv = load_f16(sc + (g * R8 + r) * 8);
+        for (int m = 0; m < MT; ++m) acc[m][r] = v_fma(sv, gacc[m][r], acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R8; ++r) v_store(out[m] + r * 8, acc[m][r]);
+}
+
+// W4A8: out[m] = tile rows . dequant(q[m]) with q[m] int8 activations, sx[m] / qs[m] per-group
+// activation scales and sums of q (as float).
+template <int FMT, int R8, int MT>
+void tile_dot_w4a8(const Mat& A, int64_t tile, const int8_t* const* q, const float* const* sx,
+                   const float* const* qs, float* const* out) {
+  V8 acc[MT][R8];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R8; ++r) acc[m][r] = v_zero();
+  const int64_t kp = A.kp, gs = A.gs, ng = kp / gs;
+  const uint16_t* sc = A.scales + tile * ng * R8 * 8;
+  const uint16_t* mn = FMT == INT4A ? A.mins + tile * ng * R8 * 8 : nullptr;
+  const uint8_t* w4 = static_cast<const uint8_t*>(A.w) + tile * (kp / 8) * R8 * 32;
+  for (int64_t g = 0; g < ng; ++g) {
+    I8 isum[MT][R8];
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < R8; ++r) isum[m][r] = i_zero();
+    for (int64_t kb = g * gs / 8; kb < (g + 1) * gs / 8; ++kb) {
+      U4 b[R8];
+      for (int r = 0; r < R8; ++r) b[r] = load_u4(w4 + (kb * R8 + r) * 32);
+      w4a8_block<R8, MT>(b, q, kb * 8, isum);
+    }
+    for (int r = 0; r < R8; ++r) {
+      V8 s = load_f16(sc + (g * R8 + r) * 8);
+      V8 b = FMT == INT4A ? load_f16(mn + (g * R8 + r) * 8) : v_mul(s, v_set1(-8.f));
+      for (int m = 0; m < MT; ++m) {
+        V8 sxv = v_bcast(sx[m] + g);
+        acc[m][r] = v_fma_exact(v_mul(s, sxv), i_cvt(isum[m][r]), acc[m][r]);
+        acc[m][r] = v_fma_exact(v_mul(b, sxv), v_bcast(qs[m] + g), acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R8; ++r) v_store(out[m] + r * 8, acc[m][r]);
+}
+
+template <int FMT, int R8>
+void tile_rows_w4a8(const Mat& A, int64_t tile, const int8_t* const* q, const float* const* sx,
+                    const float* const* qs, float* const* out, int n) {
+  int i = 0;
+  for (; i + 4 <= n; i += 4) tile_dot_w4a8<FMT, R8, 4>(A, tile, q + i, sx + i, qs + i, out + i);
+  switch (n - i) {
+    case 3: tile_dot_w4a8<FMT, R8, 3>(A, tile, q + i, sx + i, qs + i, out + i); break;
+    case 2: tile_dot_w4a8<FMT, R8, 2>(A, tile, q + i, sx + i, qs + i, out + i); break;
+    case 1: tile_dot_w4a8<FMT, R8, 1>(A, tile, q + i, sx + i, qs + i, out + i); break;
+    default: break;
+  }
+}
+
+// Symmetric per-group int8 quantization of a padded row: s = amax / 127, q = round_half_even(x / s).
+void quantize_row(const float* x, int64_t kp, int64_t gs, int8_t* q, float* sx, float* qs) {
+  for (int64_t g = 0; g < kp / gs; ++g) {
+    float amax = 0.f;
+    for (int64_t k = g * gs; k < (g + 1) * gs; ++k) amax = std::max(amax, std::fabs(x[k]));
+    const float s = amax / 127.f;
+    int32_t sum = 0;
+    for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+      const float v = s > 0.f ? std::nearbyint(x[k] / s) : 0.f;
+      q[k] = (int8_t)std::min(127.f, std::max(-127.f, v));
+      sum += q[k];
+    }
+    sx[g] = s;
+    qs[g] = (float)sum;
+  }
+}
+
+constexpr int kMaxMT = 4;
+
+// Rows rows[0..n) of one expert through one tile, in chunks of up to kMaxMT activation rows.
+template <int FMT, int R8>
+void tile_rows(const Mat& A, int64_t tile, const float* const* X, float* const* out, int n) {
+  int i = 0;
+  for (; i + 4 <= n; i += 4) tile_dot<FMT, R8, 4>(A, tile, X + i, out + i);
+  switch (n - i) {
+    case 3: tile_dot<FMT, R8, 3>(A, tile, X + i, out + i); break;
+    case 2: tile_dot<FMT, R8, 2>(A, tile, X + i, out + i); break;
+    case 1: tile_dot<FMT, R8, 1>(A, tile, X + i, out + i); break;
+    default: break;
+  }
+}
+
+// SiLU in double, rounded once to float (reproducible by the torch reference to the last bit).
+inline float silu(float g) { return (float)((double)g / (1.0 + std::exp(-(double)g))); }
+
+struct Problem {
+  int64_t T, K, E, H, I, gs, h8, i8, hp, ip, hbuf;
+  Mat gu, dn;
+};
+
+template <int FMT>
+int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, float* out, int nthreads) {
+  const int64_t T = P.T, K = P.K, E = P.E;
+  // Counting sort of (token, slot) by expert: experts read once, rows in token order inside.
+  std::vector<int64_t> count(E + 1, 0);
+  for (int64_t j = 0; j < T * K; ++j) {
+    int64_t e = ids[j];
+    if (e < -1 || e >= E) return -1;
+    if (e >= 0) ++count[e + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) count[e + 1] += count[e];
+  const int64_t S = count[E];
+  std::vector<int64_t> row_of(T * K, -1), src_token(S), fill(count.begin(), count.end() - 1);
+  for (int64_t j = 0; j < T * K; ++j)
+    if (ids[j] >= 0) {
+      int64_t r = fill[ids[j]]++;
+      row_of[j] = r;
+      src_token[r] = j / K;
+    }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (count[e + 1] > count[e]) active.push_back(e);
+  const int64_t na = (int64_t)active.size();
+  constexpr bool w4a8 = FMT == INT4 || FMT == INT4A;
+  const int64_t hp = P.hp, ip = P.ip, hbuf = P.hbuf, ldy = P.h8 * 8;
+  const int64_t ngh = w4a8 ? hp / P.gs : 0, ngi = w4a8 ? ip / P.gs : 0;
+  // Padded copies: per token X [T, hp], per row H [S, hbuf], Y [S, h8*8]; for W4A8 also the int8
+  // activations with their per-group scales and sums (xq / xsx / xqs, hq / hsx / hqs).
+  std::vector<float> xp(T * hp, 0.f), hb(S * hbuf + 1, 0.f), y(S * ldy + 1);
+  std::vector<int8_t> xq(w4a8 ? T * hp : 1), hq(w4a8 ? S * hbuf : 1);
+  std::vector<float> xsx(T * ngh + 1), xqs(T * ngh + 1), hsx(S * ngi + 1), hqs(S * ngi + 1);
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(&xp[t * hp], x + t * P.H, sizeof(float) * P.H);
+    if (w4a8) quantize_row(&xp[t * hp], hp, P.gs, &xq[t * hp], &xsx[t * ngh], &xqs[t * ngh]);
+  }
+  const int64_t n1 = na * P.i8, n2 = na * P.h8;
+  // One job: items [0, n1) are gate_up tiles, [n1, n1 + n2) down tiles. A down item of expert e
+  // waits until every gate_up item of e is done (they were all claimed earlier, so this terminates).
+  std::unique_ptr<std::atomic<int64_t>[]> p1_left(new std::atomic<int64_t>[na]);
+  std::unique_ptr<std::atomic<int>[]> ready(new std::atomic<int>[na]);
+  for (int64_t a = 0; a < na; ++a) {
+    p1_left[a].store(P.i8, std::memory_order_relaxed);
+    ready[a].store(0, std::memory_order_relaxed);
+  }
+  constexpr int kRows = kMaxMT * 64;
+  auto gate_up_item = [&](int64_t it) {
+    const int64_t a = it / P.i8, e = active[a], tile = it % P.i8;
+    const float* xr[kRows];
+    const int8_t* qr[kRows];
+    const float* sxr[kRows];
+    const float* qsr[kRows];
+    float* orow[kRows];
+    float tmp[kRows][16];
+    for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += kRows) {
+      const int n = (int)std::min<int64_t>(kRows, count[e + 1] - r0);
+      for (int i = 0; i < n; ++i) {
+        const int64_t t = src_token[r0 + i];
+        xr[i] = &xp[t * hp];
+        qr[i] = &xq[w4a8 ? t * hp : 0];
+        sxr[i] = &xsx[t * ngh];
+        qsr[i] = &xqs[t * ngh];
+        orow[i] = tmp[i];
+      }
+      // experts are contiguous runs of tiles: global tile = e * i8 + tile
+      if constexpr (w4a8) tile_rows_w4a8<FMT, 2>(P.gu, e * P.i8 + tile, qr, sxr, qsr, orow, n);
+      else tile_rows<FMT, 2>(P.gu, e * P.i8 + tile, xr, orow, n);
+      for (int i = 0; i < n; ++i) {
+        float* hrow = &hb[(r0 + i) * hbuf + tile * 8];
+        for (int c = 0; c < 8; ++c) hrow[c] = silu(tmp[i][c]) * tmp[i][8 + c];
+      }
+    }
+    if (p1_left[a].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      // Last gate_up tile of e: its H rows are complete (padding tiles give silu(0)*0 = 0, columns
+      // past i8*8 stay 0). W4A8 down quantizes them once here.
+      if constexpr (w4a8)
+        for (int64_t r = count[e]; r < count[e + 1]; ++r)
+          quantize_row(&hb[r * hbuf], ip, P.gs, &hq[r * hbuf], &hsx[r * ngi], &hqs[r * ngi]);
+      ready[a].store(1, std::memory_order_release);
+    }
+  };
+  auto down_item = [&](int64_t it) {
+    const int64_t a = it / P.h8, e = active[a], tile = it % P.h8;
+    moegate::spin_until([&] { return ready[a].load(std::memory_order_acquire) != 0; });
+    const float* xr[kRows];
+    const int8_t* qr[kRows];
+    const float* sxr[kRows];
+    const float* qsr[kRows];
+    float* orow[kRows];
+    for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += kRows) {
+      const int n = (int)std::min<int64_t>(kRows, count[e + 1] - r0);
+      for (int i = 0; i < n; ++i) {
+        const int64_t r = r0 + i;
+        xr[i] = &hb[r * hbuf];
+        qr[i] = &hq[w4a8 ? r * hbuf : 0];
+        sxr[i] = &hsx[r * ngi];
+        qsr[i] = &hqs[r * ngi];
+        orow[i] = &y[r * ldy + tile * 8];
+      }
+      if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(P.dn, e * P.h8 + tile, qr, sxr, qsr, orow, n);
+      else tile_rows<FMT, 1>(P.dn, e * P.h8 + tile, xr, orow, n);
+    }
+  };
+  auto& pool = moegate::WorkPool::instance();
+  pool.parallel_for(n1 + n2, 4, nthreads, [&](int64_t it) {
+    if (it < n1) gate_up_item(it);
+    else down_item(it - n1);
+  });
+  // out[t] = sum over slots in slot order of weight * Y[row(t, slot)].
+  pool.parallel_for(T, 8, nthreads, [&](int64_t t) {
+    float* o = out + t * ldy;
+    for (int64_t c = 0; c < ldy; c += 8) {
+      V8 acc = v_zero();
+      for (int64_t s = 0; s < K; ++s) {
+        const int64_t r = row_of[t * K + s];
+        if (r >= 0) acc = v_fma_exact(v_set1(wts[t * K + s]), v_load(&y[r * ldy + c]), acc);
+      }
+      v_store(o + c, acc);
+    }
+  });
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 on success, -1 if an expert id is out of range, -2 for an unknown format.
+// x [T, H] fp32; ids [T, K] int64 (-1 = skip); wts [T, K] fp32; out [T, ceil(H/8)*8] fp32.
+int moegate_fused_moe(const float* x, const int64_t* ids, const float* wts, float* out, int64_t T, int64_t K,
+                      int64_t fmt, int64_t E, int64_t H, int64_t I, int64_t gs, const void* gu_w,
+                      const uint16_t* gu_s, const uint16_t* gu_m, const void* dn_w, const uint16_t* dn_s,
+                      const uint16_t* dn_m, int nthreads) {
+  Problem P;
+  P.T = T; P.K = K; P.E = E; P.H = H; P.I = I; P.gs = gs;
+  P.h8 = (H + 7) / 8; P.i8 = (I + 7) / 8;
+  const bool quant = fmt >= INT8;
+  P.hp = quant ? (H + gs - 1) / gs * gs : H;
+  P.ip = quant ? (I + gs - 1) / gs * gs : I;
+  P.hbuf = std::max(P.ip, P.i8 * 8);
+  P.gu = Mat{gu_w, gu_s, gu_m, P.hp, gs};
+  P.dn = Mat{dn_w, dn_s, dn_m, P.ip, gs};
+  if (nthreads < 1) nthreads = 1;
+  switch (fmt) {
+    case FP32: return run<FP32>(P, x, ids, wts, out, nthreads);
+    case BF16: return run<BF16>(P, x, ids, wts, out, nthreads);
+    case INT8: return run<INT8>(P, x, ids, wts, out, nthreads);
+    case INT4: return run<INT4>(P, x, ids, wts, out, nthreads);
+    case INT4A: return run<INT4A>(P, x, ids, wts, out, nthreads);
+    default: return -2;
+  }
+}
+
+int moegate_is_avx2() {
+#ifdef MOEGATE_AVX2
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// STREAM triad a = b + s * c over n floats; returns seconds of the best of `reps` runs.
+double moegate_stream_triad(float* a, const float* b, const float* c, int64_t n, int reps, int nthreads) {
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    double t0 = omp_get_wtime();
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t i = 0; i < n; ++i) a[i] = b[i] + 3.0f * c[i];
+    double dt = omp_get_wtime() - t0;
+    if (dt < best) best = dt;
+  }
+  return best;
+}
+
+}  // extern "C"

@@ -1,0 +1,126 @@
+// A work-claiming thread pool for the MoE kernel.
+//
+// parallel_for(total, chunk, threads, fn) runs fn(i) for i in [0, total): the calling thread and up
+// to threads - 1 helpers claim chunks from one atomic counter. The caller waits only for chunks a
+// helper has actually claimed, never for a helper to wake up, so on a machine shared with other
+// processes (a helper descheduled for milliseconds) a call is never slower than running alone.
+// Helpers spin briefly for the next job (back-to-back layers) and then sleep on a condition variable.
+// After fork() the child gets a fresh pool (the parent's helper threads do not exist there).
+#pragma once
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+inline void moegate_pause() { _mm_pause(); }
+#else
+inline void moegate_pause() {}
+#endif
+
+namespace moegate {
+
+// Spin with pause, then yield the CPU: for short waits on work another thread is finishing.
+template <class Ready>
+inline void spin_until(Ready ready) {
+  for (int i = 0; !ready(); ++i) {
+    if (i < 256) moegate_pause();
+    else sched_yield();
+  }
+}
+
+class WorkPool {
+ public:
+  static WorkPool& instance() {
+    static std::mutex m;
+    static WorkPool* pool = nullptr;
+    static pid_t owner = 0;
+    std::lock_guard<std::mutex> g(m);
+    if (pool == nullptr || owner != getpid()) {  // leaked on purpose: helpers outlive static destructors
+      pool = new WorkPool();
+      owner = getpid();
+    }
+    return *pool;
+  }
+
+  void parallel_for(int64_t total, int64_t chunk, int threads, const std::function<void(int64_t)>& fn) {
+    if (total <= 0) return;
+    chunk = std::max<int64_t>(chunk, 1);
+    if (threads <= 1 || total <= chunk) {
+      for (int64_t i = 0; i < total; ++i) fn(i);
+      return;
+    }
+    std::lock_guard<std::mutex> one_job_at_a_time(run_mu_);
+    ensure_helpers(threads - 1);
+    auto job = std::make_shared<Job>(fn, total, chunk, threads - 1);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      current_ = job;
+      gen_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    job->work();
+    spin_until([&] { return job->done.load(std::memory_order_acquire) >= total; });
+    std::lock_guard<std::mutex> g(mu_);
+    current_.reset();
+  }
+
+ private:
+  struct Job {
+    Job(const std::function<void(int64_t)>& f, int64_t t, int64_t c, int h) : fn(f), total(t), chunk(c), max_helpers(h) {}
+    std::function<void(int64_t)> fn;  // only called for claimed indices, i.e. while the caller waits
+    int64_t total, chunk;
+    int max_helpers;
+    std::atomic<int64_t> next{0}, done{0};
+    std::atomic<int> joined{0};
+    void work() {
+      for (;;) {
+        const int64_t b = next.fetch_add(chunk, std::memory_order_relaxed);
+        if (b >= total) return;
+        const int64_t e = std::min(total, b + chunk);
+        for (int64_t i = b; i < e; ++i) fn(i);
+        done.fetch_add(e - b, std::memory_order_release);
+      }
+    }
+  };
+
+  void ensure_helpers(int n) {
+    while ((int)helpers_ < n) {
+      std::thread([this] { helper_loop(); }).detach();
+      ++helpers_;
+    }
+  }
+
+  void helper_loop() {
+    uint64_t seen = gen_.load(std::memory_order_acquire);
+    for (;;) {
+      for (int i = 0; i < 4000 && gen_.load(std::memory_order_acquire) == seen; ++i) moegate_pause();
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
+        seen = gen_.load(std::memory_order_acquire);
+        job = current_;
+      }
+      if (job && job->joined.fetch_add(1) < job->max_helpers) job->work();
+    }
+  }
+
+  std::mutex run_mu_, mu_;
+  std::condition_variable cv_;
+  std::shared_ptr<Job> current_;
+  std::atomic<uint64_t> gen_{0};
+  size_t helpers_ = 0;
+};
+
+}  // namespace moegate

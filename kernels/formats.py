@@ -1,0 +1,267 @@
+"""Quantized routed-expert weight formats, packed in the tiled layout the CPU kernel streams.
+
+Shapes: E = experts, H = hidden, I = expert intermediate, G = group size along K (the input dim).
+Formats: ``fp32`` and ``bf16`` (no groups), ``int8`` (symmetric, q in [-127, 127], w = q * s),
+``int4`` (symmetric, u in [0, 15], w = (u - 8) * s) and ``int4_asym`` (w = u * s + m). Scales and
+mins are fp16, one per (output row, group of G along K). Quantization rounds against the stored fp16
+scale, so ``dequantize`` is exactly what the kernel multiplies by.
+
+Tiled layout (LAYOUT_VERSION): a projection [N, K] is padded to N8 * 8 rows and Kp columns (Kp = K
+rounded up to G for quantized formats) and stored as [N8, Kp, R, 8] — for each tile of 8 output rows
+and each k, R * 8 contiguous values. gate_up uses R = 2 (8 gate rows, then the matching 8 up rows),
+down uses R = 1. int4 packs blocks of 8 k as one dword per row: [N8, Kp / 8, R, 8, 4] uint8, byte c
+holding k0 + c (low nibble) and k0 + 4 + c (high nibble), the operand order of AVX2 maddubs.
+Scales (and mins) are [N8, Kp / G, R, 8].
+
+int4 gate_up runs W4A8 (kernels/csrc/moe_cpu.cpp): the layer input is quantized per token and group
+of G to int8 (``quantize_activations``), so the torch reference applies the same quantization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+LAYOUT_VERSION = 2
+FORMATS = ("fp32", "bf16", "int8", "int4", "int4_asym")
+FORMAT_CODE = {name: code for code, name in enumerate(FORMATS)}
+DEFAULT_GROUP_SIZE = {"fp32": 0, "bf16": 0, "int8": 64, "int4": 32, "int4_asym": 32}
+_TENSOR_NAMES = ("gate_up", "gate_up_scales", "gate_up_mins", "down", "down_scales", "down_mins")
+
+
+class FormatError(ValueError):
+    """A weight format, group size or packed-tensor set that cannot be used."""
+
+
+def is_quantized(fmt: str) -> bool:
+    return fmt in ("int8", "int4", "int4_asym")
+
+
+def check_format(fmt: str, group_size: int) -> int:
+    """Validate (fmt, group_size); return the effective group size (0 for unquantized formats)."""
+    if fmt not in FORMATS:
+        raise FormatError(f"unknown expert weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if not is_quantized(fmt):
+        return 0
+    step = 8 if fmt.startswith("int4") else 2
+    if group_size <= 0 or group_size % step or group_size > 4096:
+        raise FormatError(f"group_size must be a multiple of {step} in {step}..4096 for {fmt}, got {group_size}")
+    return group_size
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _quantize(w: torch.Tensor, fmt: str, gs: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """w [..., N, Kp] fp32 -> (q [..., N, Kp] int16, scales fp16 [..., N, Kp/G] | None, mins | None)."""
+    if fmt == "fp32":
+        return w, None, None
+    if fmt == "bf16":
+        return w.to(torch.bfloat16), None, None
+    g = w.unflatten(-1, (-1, gs))  # [..., N, Kp/G, G]
+    if fmt == "int8" or fmt == "int4":
+        qmax = 127.0 if fmt == "int8" else 7.0
+        scale = (g.abs().amax(-1) / qmax).to(torch.float16)  # [..., N, Kp/G]
+        s = scale.float().unsqueeze(-1)
+        q = torch.where(s > 0, g / torch.where(s > 0, s, 1.0), 0.0).round()
+        q = q.clamp(-qmax - (fmt == "int4"), qmax)
+        if fmt == "int4":
+            q = q + 8
+        return q.to(torch.int16).flatten(-2), scale, None
+    lo, hi = g.amin(-1), g.amax(-1)
+    mins = lo.to(torch.float16)
+    scale = ((hi - mins.float()) / 15.0).to(torch.float16)
+    s, m = scale.float().unsqueeze(-1), mins.float().unsqueeze(-1)
+    q = torch.where(s > 0, (g - m) / torch.where(s > 0, s, 1.0), 0.0).round().clamp(0, 15)
+    return q.to(torch.int16).flatten(-2), scale, mins
+
+
+def quantize_activations(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Fake-quantize x [T, K] per token and group of G to int8 (symmetric, half-to-even) -> fp32 [T, K].
+
+    Bit-for-bit the kernel's W4A8 input: s = amax / 127, q = round(x / s), returned as q * s.
+    """
+    t, k = x.shape
+    kp = _round_up(k, group_size)
+    g = _pad(x.float(), t, kp).unflatten(-1, (-1, group_size))  # [T, Kp/G, G]
+    s = g.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.where(s > 0, torch.round(g / torch.where(s > 0, s, 1.0)), 0.0).clamp(-127, 127)
+    return (q * s).flatten(-2)[:, :k]
+
+
+def _tile(q: torch.Tensor, fmt: str) -> torch.Tensor:
+    """q [E, R, N8*8, Kp] -> [E, N8, Kp, R, 8] (int4: [E, N8, Kp/2, R, 8] uint8)."""
+    e, r, n, kp = q.shape
+    t = q.reshape(e, r, n // 8, 8, kp).permute(0, 2, 4, 1, 3)  # [E, N8, Kp, R, 8]
+    if fmt == "int8":
+        return t.to(torch.int8).contiguous()
+    if fmt in ("int4", "int4_asym"):
+        t = q.to(torch.uint8).reshape(e, r, n // 8, 8, kp // 8, 2, 4).permute(0, 2, 4, 1, 3, 5, 6)
+        return (t[..., 0, :] | (t[..., 1, :] << 4)).contiguous()  # [E, N8, Kp/8, R, 8, 4]
+    return t.contiguous()
+
+
+def _untile(t: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Inverse of _tile for one expert: [N8, Kp(/2), R, 8] -> [R, N8*8, Kp] int/float."""
+    if fmt in ("int4", "int4_asym"):
+        lo, hi = (t & 15).to(torch.int16), (t >> 4).to(torch.int16)  # [N8, Kp/8, R, 8, 4]
+        t = torch.stack((lo, hi), dim=-2).permute(0, 1, 4, 5, 2, 3)  # [N8, Kp/8, 2, 4, R, 8]
+        t = t.flatten(1, 3)  # [N8, Kp, R, 8]
+    n8, kp, r, _ = t.shape
+    return t.permute(2, 0, 3, 1).reshape(r, n8 * 8, kp)
+
+
+def _tile_groups(s: torch.Tensor) -> torch.Tensor:
+    """scales [E, R, N8*8, Kp/G] -> [E, N8, Kp/G, R, 8]."""
+    e, r, n, ng = s.shape
+    return s.reshape(e, r, n // 8, 8, ng).permute(0, 2, 4, 1, 3).contiguous()
+
+
+def _pad(w: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Zero-pad the last two dims of w to (n, k)."""
+    return torch.nn.functional.pad(w, (0, k - w.shape[-1], 0, n - w.shape[-2]))
+
+
+@dataclass(frozen=True, eq=False)
+class PackedExperts:
+    """Routed experts of one MoE layer in a kernel layout; ``expert_ids`` are the global ids held."""
+
+    fmt: str
+    hidden: int
+    intermediate: int
+    group_size: int
+    expert_ids: tuple[int, ...]
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.expert_ids)
+
+    @property
+    def padded_hidden(self) -> int:
+        return _round_up(self.hidden, self.group_size) if self.group_size else self.hidden
+
+    @property
+    def padded_intermediate(self) -> int:
+        return _round_up(self.intermediate, self.group_size) if self.group_size else self.intermediate
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def expert_nbytes(self) -> int:
+        """Bytes one expert's weights, scales and mins occupy (what one expert costs to stream)."""
+        return self.nbytes // max(self.num_experts, 1)
+
+    def local_index(self, global_id: int) -> int:
+        return self.expert_ids.index(global_id)
+
+    def expert_subset(self, global_ids: list[int] | tuple[int, ...]) -> PackedExperts:
+        """A PackedExperts holding only ``global_ids`` (copies), e.g. to move hot experts elsewhere."""
+        local = torch.tensor([self.local_index(g) for g in global_ids], dtype=torch.long)
+        tensors = {k: (v.index_select(0, local) if v.numel() else v) for k, v in self.tensors.items()}
+        return PackedExperts(self.fmt, self.hidden, self.intermediate, self.group_size, tuple(global_ids), tensors)
+
+    def to(self, device: torch.device | str) -> PackedExperts:
+        tensors = {k: v.to(device) for k, v in self.tensors.items()}
+        return PackedExperts(self.fmt, self.hidden, self.intermediate, self.group_size, self.expert_ids, tensors)
+
+    def dequantize(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local expert index -> (w_gate_up [2I, H], w_down [H, I]) fp32, exactly as the kernel sees them."""
+        gu = self._dequant_proj("gate_up", expert)[:, : self.intermediate, : self.hidden]  # [2, I, H]
+        dn = self._dequant_proj("down", expert)[0, : self.hidden, : self.intermediate]  # [H, I]
+        return gu.reshape(2 * self.intermediate, self.hidden).contiguous(), dn.contiguous()
+
+    def _dequant_proj(self, name: str, e: int) -> torch.Tensor:
+        q = _untile(self.tensors[name][e], self.fmt).float()  # [R, N8*8, Kp]
+        if not is_quantized(self.fmt):
+            return q
+        gs = self.group_size
+        s = _untile(self.tensors[name + "_scales"][e], "fp32").float().repeat_interleave(gs, -1)
+        if self.fmt == "int8":
+            return q * s
+        if self.fmt == "int4":
+            return (q - 8) * s
+        m = _untile(self.tensors[name + "_mins"][e], "fp32").float().repeat_interleave(gs, -1)
+        return q * s + m
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        meta = [LAYOUT_VERSION, FORMAT_CODE[self.fmt], self.hidden, self.intermediate, self.group_size]
+        out = {k: v.contiguous() for k, v in self.tensors.items()}
+        out["meta"] = torch.tensor(meta, dtype=torch.int64)
+        out["expert_ids"] = torch.tensor(self.expert_ids, dtype=torch.int64)
+        return out
+
+    @classmethod
+    def from_state_dict(cls, sd: dict[str, torch.Tensor]) -> PackedExperts:
+        missing = [k for k in ("meta", "expert_ids", *_TENSOR_NAMES) if k not in sd]
+        if missing:
+            raise FormatError(f"packed expert state is missing {missing}; repack the experts")
+        version, code, hidden, inter, gs = (int(v) for v in sd["meta"].tolist())
+        if version != LAYOUT_VERSION:
+            raise FormatError(f"packed layout version {version} != {LAYOUT_VERSION}; repack the experts")
+        tensors = {k: sd[k] for k in _TENSOR_NAMES}
+        ids = tuple(int(i) for i in sd["expert_ids"].tolist())
+        packed = cls(FORMATS[code], hidden, inter, gs, ids, tensors)
+        packed.validate()
+        return packed
+
+    def validate(self) -> None:
+        """Check tensor shapes and dtypes against the metadata; raise FormatError if they disagree."""
+        e, r_i, r_h = self.num_experts, _round_up(self.intermediate, 8), _round_up(self.hidden, 8)
+        for name, n, kp in (("gate_up", r_i, self.padded_hidden), ("down", r_h, self.padded_intermediate)):
+            r = 2 if name == "gate_up" else 1
+            expect = (e, n // 8, kp // 8, r, 8, 4) if self.fmt.startswith("int4") else (e, n // 8, kp, r, 8)
+            t = self.tensors[name]
+            if tuple(t.shape) != expect or t.dtype != _WEIGHT_DTYPE[self.fmt]:
+                raise FormatError(f"{name}: got {tuple(t.shape)} {t.dtype}, expected {expect} "
+                                  f"{_WEIGHT_DTYPE[self.fmt]} for {self.fmt}; repack the experts")
+            for suffix, used in (("_scales", is_quantized(self.fmt)), ("_mins", self.fmt == "int4_asym")):
+                st = self.tensors[name + suffix]
+                want = (e, n // 8, kp // self.group_size, r, 8) if used else (0,)
+                if tuple(st.shape) != want:
+                    raise FormatError(f"{name}{suffix}: got {tuple(st.shape)}, expected {want}; repack")
+
+
+_WEIGHT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8,
+                 "int4": torch.uint8, "int4_asym": torch.uint8}
+
+
+def _pack_proj(w: torch.Tensor, r: int, fmt: str, gs: int) -> dict[str, torch.Tensor]:
+    """w [E, R*N, K] -> tiled weights (+ scales, mins) for R row sets of N rows each."""
+    e, rn, k = w.shape
+    n = rn // r
+    kp = _round_up(k, gs) if gs else k
+    w = _pad(w.float().reshape(e, r, n, k), _round_up(n, 8), kp)  # [E, R, N8*8, Kp]
+    q, scales, mins = _quantize(w, fmt, gs)
+    empty = torch.empty(0, dtype=torch.float16)
+    return {"": _tile(q, fmt),
+            "_scales": _tile_groups(scales) if scales is not None else empty,
+            "_mins": _tile_groups(mins) if mins is not None else empty}
+
+
+def pack_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, fmt: str, group_size: int | None = None,
+                 progress: bool = True, expert_ids: tuple[int, ...] | None = None,
+                 chunk: int = 8) -> PackedExperts:
+    """Pack w_gate_up [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up) and w_down [E, H, I] into ``fmt``."""
+    gs = check_format(fmt, DEFAULT_GROUP_SIZE.get(fmt, 0) if group_size is None else group_size)
+    e, two_i, h = w_gate_up.shape
+    if two_i % 2 or w_down.shape != (e, h, two_i // 2):
+        raise FormatError(f"expected w_gate_up [E, 2I, H] and w_down [E, H, I]; got {tuple(w_gate_up.shape)} "
+                          f"and {tuple(w_down.shape)}")
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in _TENSOR_NAMES}
+    bar = tqdm(total=e, desc=f"pack experts {fmt}", unit="expert", disable=not progress, leave=False)
+    for s in range(0, e, chunk):
+        for proj, w, r in (("gate_up", w_gate_up[s:s + chunk], 2), ("down", w_down[s:s + chunk], 1)):
+            for suffix, t in _pack_proj(w, r, fmt, gs).items():
+                parts[proj + suffix].append(t)
+        bar.update(min(chunk, e - s))
+    bar.close()
+    tensors = {k: (torch.cat(v) if v[0].numel() else v[0]) for k, v in parts.items()}
+    ids = tuple(range(e)) if expert_ids is None else tuple(expert_ids)
+    if len(ids) != e:
+        raise FormatError(f"expert_ids has {len(ids)} ids for {e} experts")
+    return PackedExperts(fmt, h, two_i // 2, gs, ids, tensors)

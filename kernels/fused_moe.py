@@ -1,0 +1,171 @@
+"""Fused routed-expert MoE on CPU (compiled kernel) and its plain-torch reference.
+
+T = tokens, k = experts per token, H = hidden, I = expert intermediate.
+out[t] = sum over slots s (in slot order) of w[t, s] * down(SiLU(gate(x[t])) * up(x[t])) for expert
+topk_ids[t, s]; a slot with id -1 is skipped. Tokens sharing an expert read its weights once.
+
+Tolerance vs the reference (tests/kernels): fp32 / bf16 / int8 multiply by exactly the dequantized
+weights the reference uses and only the fp32 summation order differs; int4 formats are W4A8 (both
+projections' inputs quantized per token and group to int8) and their reference (kernels/w4a8.py)
+replays the kernel's arithmetic, so they agree to the last bit but for ~2^-29-rare double roundings.
+|kernel - reference| <= 1e-4 * max|reference| + 1e-5 for every format.
+Determinism: a row's output is bitwise identical whatever else is in the batch, for any thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+from kernels import build
+from kernels.cpu_features import detect, select_variant
+from kernels.formats import FORMAT_CODE, PackedExperts, quantize_activations
+from kernels.w4a8 import w4a8_moe
+
+log = logging.getLogger(__name__)
+
+
+class ExpertIdError(ValueError):
+    """topk_ids names an expert the PackedExperts does not hold."""
+
+
+def cpp_disabled() -> bool:
+    return os.environ.get("MOEGATE_DISABLE_CPP", "") not in ("", "0")
+
+
+def kernel_variant() -> str:
+    """The compiled variant this machine runs ($MOEGATE_KERNEL_VARIANT overrides detection)."""
+    return os.environ.get("MOEGATE_KERNEL_VARIANT") or select_variant(detect())
+
+
+def kernel_available(variant: str | None = None) -> bool:
+    return not cpp_disabled() and build.load(variant or kernel_variant()) is not None
+
+
+def backend_summary() -> str:
+    """One line for the startup log: which path fused_moe takes on this machine."""
+    if cpp_disabled():
+        return "CPU MoE kernel: torch reference (MOEGATE_DISABLE_CPP set)"
+    variant = kernel_variant()
+    path = f"compiled {variant}" if build.load(variant) is not None else "torch reference (build failed)"
+    return f"CPU MoE kernel: {path}; cpu {detect().summary()}; {torch.get_num_threads()} threads"
+
+
+def _local_ids(topk_ids: torch.Tensor, experts: PackedExperts, skip_missing: bool) -> torch.Tensor:
+    """Global expert ids [T, k] -> local indices into ``experts`` (-1 = skip)."""
+    ids = topk_ids.to(torch.int64)
+    n = experts.num_experts
+    if experts.expert_ids == tuple(range(n)):
+        if not skip_missing:
+            return ids
+        return torch.where(ids < n, ids, -1)
+    top = max(max(experts.expert_ids), int(ids.max()) if ids.numel() else 0) + 1
+    lut = torch.full((top + 1,), -1, dtype=torch.int64)
+    lut[torch.tensor(experts.expert_ids)] = torch.arange(n)
+    local = lut[ids.clamp(min=-1)]  # -1 indexes the last entry, which stays -1
+    if not skip_missing and bool(((local < 0) & (ids >= 0)).any()):
+        missing = sorted(set(ids[(local < 0) & (ids >= 0)].tolist()))
+        raise ExpertIdError(f"experts {missing} are not held by this PackedExperts (holds "
+                            f"{len(experts.expert_ids)}); pass skip_missing=True to skip them")
+    return local
+
+
+# Below this many weight bytes per call one thread is faster than waking (and barrier-syncing) more.
+SMALL_WORK_BYTES = 1 << 20
+
+
+def _auto_threads(slots: int, experts: PackedExperts) -> int:
+    work = min(slots, experts.num_experts) * experts.expert_nbytes()  # upper bound on bytes streamed
+    return 1 if work < SMALL_WORK_BYTES else torch.get_num_threads()
+
+
+def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: PackedExperts,
+           act: str) -> None:
+    if act != "silu":
+        raise ValueError(f"unsupported activation {act!r}; only 'silu' is implemented")
+    if x.dim() != 2 or x.shape[1] != experts.hidden:
+        raise ValueError(f"x must be [T, {experts.hidden}], got {tuple(x.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [T={x.shape[0]}, k]")
+
+
+def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        experts: PackedExperts, act: str = "silu", *, skip_missing: bool = False) -> torch.Tensor:
+    """Plain torch: dequantize each used expert, matmul in fp32. Works on any device. -> [T, H] fp32."""
+    _check(x, topk_ids, topk_weights, experts, act)
+    x = x.float()  # [T, H]
+    local = _local_ids(topk_ids.cpu(), experts, skip_missing).to(x.device)  # [T, k]
+    if bool((local >= experts.num_experts).any()) or bool((local < -1).any()):
+        raise ExpertIdError(f"topk_ids must lie in [-1, {experts.num_experts}) for this PackedExperts")
+    w = topk_weights.float()
+    if experts.fmt.startswith("int4"):  # W4A8: the kernel's integer + fp32 arithmetic, step by step
+        return w4a8_moe(x.cpu(), local.cpu(), w.cpu(), experts.to("cpu")).to(x.device)
+    out = torch.zeros_like(x)
+    inter = experts.intermediate
+    for e in torch.unique(local[local >= 0]).tolist():
+        tok, slot = (local == e).nonzero(as_tuple=True)
+        w_gu, w_dn = (t.to(x.device) for t in experts.dequantize(e))  # [2I, H], [H, I]
+        gu = x[tok] @ w_gu.T  # [n, 2I]
+        h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]  # [n, I]
+        out.index_add_(0, tok, (h @ w_dn.T) * w[tok, slot, None])  # [n, H]
+    return out
+
+
+def fused_moe_fake_quant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                         experts: PackedExperts) -> torch.Tensor:
+    """int4 semantics without the kernel's summation order: dequantized weights times int8-quantized
+    inputs of both projections (``quantize_activations``), fp32 matmuls. Differs from the kernel by
+    fp32 rounding and, rarely, by one int8 step of an intermediate activation."""
+    x = x.float()  # [T, H]
+    local = _local_ids(topk_ids.cpu(), experts, False)
+    out = torch.zeros_like(x)
+    inter, gs = experts.intermediate, experts.group_size
+    xq = quantize_activations(x, gs)
+    for e in torch.unique(local[local >= 0]).tolist():
+        tok, slot = (local == e).nonzero(as_tuple=True)
+        w_gu, w_dn = experts.dequantize(e)  # [2I, H], [H, I]
+        gu = xq[tok] @ w_gu.T  # [n, 2I]
+        h = quantize_activations(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:], gs)  # [n, I]
+        out.index_add_(0, tok, (h @ w_dn.T) * topk_weights.float()[tok, slot, None])
+    return out
+
+
+def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: PackedExperts,
+              act: str = "silu", *, skip_missing: bool = False, use_cpp: bool | None = None,
+              variant: str | None = None, num_threads: int | None = None) -> torch.Tensor:
+    """Routed-expert MoE: x [T, H] fp32/bf16, topk_ids [T, k] (-1 = skip), topk_weights [T, k] -> [T, H] fp32.
+
+    ``num_threads`` defaults to torch's thread count (1 for calls streaming under 1 MiB).
+    ``use_cpp=False`` (or MOEGATE_DISABLE_CPP=1) runs the torch reference; so does a failed build
+    (after one logged warning) and non-CPU tensors. ``skip_missing`` treats ids the PackedExperts
+    does not hold as -1 (for a subset of experts placed on this device).
+    """
+    _check(x, topk_ids, topk_weights, experts, act)
+    lib = None
+    if use_cpp is not False and not cpp_disabled() and x.device.type == "cpu":
+        lib = build.load(variant or kernel_variant())
+    if lib is None or experts.tensors["gate_up"].device.type != "cpu":
+        return fused_moe_reference(x, topk_ids, topk_weights, experts, act, skip_missing=skip_missing)
+    xf = x.float().contiguous()  # [T, H]
+    ids = _local_ids(topk_ids, experts, skip_missing).contiguous()  # [T, k]
+    wts = topk_weights.float().contiguous()  # [T, k]
+    t, k = ids.shape
+    h = experts.hidden
+    ldo = (h + 7) // 8 * 8
+    out = torch.empty(t, ldo, dtype=torch.float32)  # [T, H8*8]
+    tens = experts.tensors
+    ptr = [tens[n].data_ptr() if tens[n].numel() else None for n in
+           ("gate_up", "gate_up_scales", "gate_up_mins", "down", "down_scales", "down_mins")]
+    rc = lib.moegate_fused_moe(xf.data_ptr(), ids.data_ptr(), wts.data_ptr(), out.data_ptr(), t, k,
+                               FORMAT_CODE[experts.fmt], experts.num_experts, h, experts.intermediate,
+                               experts.group_size, ptr[0], ptr[1], ptr[2], ptr[3], ptr[4], ptr[5],
+                               ctypes.c_int(num_threads or _auto_threads(t * k, experts)))
+    if rc == -1:
+        raise ExpertIdError(f"topk_ids must lie in [-1, {experts.num_experts}) for this PackedExperts")
+    if rc != 0:
+        raise RuntimeError(f"moegate_fused_moe failed with code {rc} for format {experts.fmt}")
+    return out if ldo == h else out[:, :h].contiguous()

@@ -1,0 +1,75 @@
+"""Plain-torch reference of the int4 (W4A8) kernel arithmetic, step by step, to the last bit.
+
+n = rows (token, slot pairs of one expert), N = output rows, Kp = padded K, G = groups along K.
+Per row and group: q = round_half_even(x / sx) with sx = amax / 127 (int8 activations), the integer
+sum u . q (exact), then two fp32 fused multiply-adds in group order:
+acc = fma(s * sx, sum(u q), acc); acc = fma(b * sx, sum(q), acc), b = -8 s (int4) or the min.
+An fp32 fma is emulated in float64 (the product is exact there; one rounding to float64, one to
+float32 — a double rounding that differs from a true fma with probability ~2^-29 per operation).
+SiLU is computed in float64 and rounded once, as in the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.formats import PackedExperts, _untile
+
+
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 fused multiply-add a * b + c with a single rounding (float64 emulation)."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+def quantize_parts(x: torch.Tensor, gs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [n, Kp] fp32 -> (q [n, G, gs] integer-valued float64, sx [n, G] fp32, sum(q) [n, G] fp32)."""
+    g = x.float().unflatten(-1, (-1, gs))  # [n, G, gs]
+    sx = g.abs().amax(-1) / 127.0  # [n, G]
+    s = sx.unsqueeze(-1)
+    q = torch.where(s > 0, torch.round(g / torch.where(s > 0, s, 1.0)), 0.0).clamp(-127, 127)
+    return q.double(), sx, q.sum(-1)
+
+
+def w4a8_project(x: torch.Tensor, packed: PackedExperts, name: str, e: int) -> torch.Tensor:
+    """x [n, Kp] fp32 -> [n, R * N8 * 8] fp32: projection ``name`` of local expert e, as the kernel."""
+    gs = packed.group_size
+    u = _untile(packed.tensors[name][e], packed.fmt).double()  # [R, N8*8, Kp]
+    s = _untile(packed.tensors[name + "_scales"][e], "fp32").float()  # [R, N8*8, G]
+    if packed.fmt == "int4_asym":
+        b = _untile(packed.tensors[name + "_mins"][e], "fp32").float()
+    else:
+        b = s * -8.0
+    u, s, b = u.flatten(0, 1), s.flatten(0, 1), b.flatten(0, 1)  # [N', Kp], [N', G]
+    q, sx, qs = quantize_parts(x, gs)  # [n, G, gs], [n, G], [n, G]
+    isum = torch.einsum("tgk,ngk->tgn", q, u.unflatten(-1, (-1, gs))).float()  # [n, G, N'] exact
+    acc = torch.zeros(x.shape[0], u.shape[0])  # [n, N']
+    for g in range(s.shape[1]):
+        acc = fma32(s[None, :, g] * sx[:, g, None], isum[:, g], acc)
+        acc = fma32(b[None, :, g] * sx[:, g, None], qs[:, g, None].expand_as(acc), acc)
+    return acc
+
+
+def silu_f64(g: torch.Tensor) -> torch.Tensor:
+    gd = g.double()
+    return (gd / (1.0 + torch.exp(-gd))).float()
+
+
+def w4a8_moe(x: torch.Tensor, local: torch.Tensor, w: torch.Tensor, packed: PackedExperts) -> torch.Tensor:
+    """x [T, H] fp32, local expert indices [T, k] (-1 skip), w [T, k] -> [T, H] fp32, bitwise as the kernel."""
+    t, k = local.shape
+    h, inter = packed.hidden, packed.intermediate
+    i8, h8 = -(-inter // 8) * 8, -(-h // 8) * 8
+    xp = torch.nn.functional.pad(x.float(), (0, packed.padded_hidden - h))  # [T, Hp]
+    hbuf = max(packed.padded_intermediate, i8)
+    y = torch.zeros(t, k, h8)  # [T, k, H8*8]
+    for e in torch.unique(local[local >= 0]).tolist():
+        tok, slot = (local == e).nonzero(as_tuple=True)
+        gu = w4a8_project(xp[tok], packed, "gate_up", e)  # [n, 2 * I8*8]
+        act = silu_f64(gu[:, :i8]) * gu[:, i8:]  # [n, I8*8]
+        act = torch.nn.functional.pad(act, (0, hbuf - i8))[:, : packed.padded_intermediate]  # [n, Ip]
+        y[tok, slot] = w4a8_project(act, packed, "down", e)
+    out = torch.zeros(t, h8)
+    for s in range(k):
+        valid = local[:, s] >= 0
+        out[valid] = fma32(w[valid, s, None].float(), y[valid, s], out[valid])
+    return out[:, :h]

@@ -1,0 +1,62 @@
+"""Redis prefix cache tier against a real redis-server: shared by replicas, verified, TTL, outage is a miss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.prefix_cache.entry import EntryCodec
+from engine.prefix_cache.redis_tier import RedisTier
+from engine.sampling_params import SamplingParams
+from tests.gateway.redis_process import RedisProcess
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisProcess(tmp_path)
+    server.start()
+    yield server
+    server.kill()
+
+
+def _generate(engine: LLMEngine, prompt: list[int]):
+    engine.add_request("r", prompt, SamplingParams(max_tokens=5, ignore_eos=True), cache_salt="tenant")
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished:
+                return out
+    raise AssertionError("no output")
+
+
+def test_redis_tier_round_trip_ttl_and_corruption(redis_server):
+    codec = EntryCodec("f" * 64, (2, 2, 4, 2, 8), torch.float32)
+    tier = RedisTier(redis_server.url, codec, ttl_s=100)
+    kv = torch.randn(codec.shape)
+    tier.put("k1", kv)
+    assert torch.equal(tier.get("k1"), kv) and "k1" in tier and tier.get("k2") is None
+    redis_key = tier.prefix + "k1"
+    assert 0 < int(redis_server.command("TTL", redis_key).split(b"\r\n")[0][1:]) <= 100
+    redis_server.command("SETRANGE", redis_key, "200", "garbage")  # damage the payload in place
+    assert tier.get("k1") is None and tier.stats.corrupt == 1 and "k1" not in tier
+    redis_server.kill()
+    assert tier.get("k1") is None and tier.stats.errors >= 1  # an outage is a miss, not a failure
+    tier.close()
+
+
+def test_a_second_replica_reuses_the_first_replicas_blocks(hf_checkpoint, redis_server):
+    path = hf_checkpoint("qwen3_moe")
+    prompt = torch.randint(1, 500, (50,), generator=torch.Generator().manual_seed(0)).tolist()
+    args = dict(num_kv_blocks=64, block_size=4, progress=False, ram_cache_gib=0, redis_url=redis_server.url)
+    want = _generate(LLMEngine(EngineConfig(str(path), num_kv_blocks=64, block_size=4, progress=False,
+                                            prefix_cache=False)), prompt).token_ids
+    first = LLMEngine(EngineConfig(str(path), **args))
+    assert _generate(first, prompt).num_cached_tokens == 0
+    first.close()  # demotes its blocks to redis
+    second = LLMEngine(EngineConfig(str(path), **args))  # another replica: empty device pool
+    out = _generate(second, prompt)
+    assert out.token_ids == want and out.cache_hits == {"redis": 12} and out.num_cached_tokens == 48
+    assert second.cache_stats()["redis"]["hits"] == 12
+    second.close()

@@ -1,0 +1,221 @@
+"""Compiled fused MoE vs its torch reference, batch invariance, expert subsets and the fallback path.
+
+Tolerance (same as kernels/fused_moe.py): |kernel - reference| <= 1e-4 * max|reference| + 1e-5.
+The kernel multiplies by exactly the dequantized weights the reference uses; only the fp32
+summation order differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import pytest
+import torch
+from kernel_cases import random_experts, random_routing
+
+from kernels import ExpertIdError, build, fused_moe, fused_moe_reference, kernel_available, pack_experts
+from kernels.cpu_features import detect, select_variant
+from kernels.formats import quantize_activations
+from kernels.fused_moe import fused_moe_fake_quant
+
+CONFIGS = [("fp32", None), ("bf16", None), ("int8", 32), ("int8", 128), ("int4", 32), ("int4", 64),
+           ("int4_asym", 32), ("int4_asym", 128)]
+SHAPES = [(64, 32), (96, 48), (200, 72)]
+TOKENS_TOPK = [(1, 1), (2, 8), (3, 2), (8, 4), (17, 3), (64, 8)]
+NUM_EXPERTS = 8
+
+needs_kernel = pytest.mark.skipif(not kernel_available(), reason="C++ kernel could not be built here")
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    tol = 1e-4 * ref.abs().max().item() + 1e-5
+    err = (out - ref).abs().max().item()
+    assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt,gs", CONFIGS)
+@pytest.mark.parametrize("h,i", SHAPES)
+def test_kernel_matches_reference(fmt: str, gs: int | None, h: int, i: int) -> None:
+    packed = pack_experts(*random_experts(NUM_EXPERTS, h, i), fmt, gs, progress=False)
+    for n, (t, k) in enumerate(TOKENS_TOPK):
+        x = torch.randn(t, h, generator=torch.Generator().manual_seed(n))
+        ids, w = random_routing(t, k, NUM_EXPERTS, seed=n, skip_frac=0.2 if n % 2 else 0.0)
+        assert_close(fused_moe(x, ids, w, packed), fused_moe_reference(x, ids, w, packed))
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt,gs", CONFIGS[::2] + [("int4_asym", 32)])
+def test_generic_variant_matches_reference(fmt: str, gs: int | None) -> None:
+    assert kernel_available("generic")
+    packed = pack_experts(*random_experts(NUM_EXPERTS, 200, 72), fmt, gs, progress=False)
+    for n, (t, k) in enumerate(TOKENS_TOPK[:4]):
+        x = torch.randn(t, 200, generator=torch.Generator().manual_seed(n))
+        ids, w = random_routing(t, k, NUM_EXPERTS, seed=n, skip_frac=0.2)
+        assert_close(fused_moe(x, ids, w, packed, variant="generic"), fused_moe_reference(x, ids, w, packed))
+
+
+def test_avx2_selected_when_supported() -> None:
+    f = detect()
+    assert select_variant(f) == ("avx2" if f.avx2 and f.fma and f.f16c and f.arch == "x86_64" else "generic")
+    no_avx2 = type(f)(f.arch, avx2=False, fma=True, f16c=True, avx512f=True)
+    assert select_variant(no_avx2) == "generic"
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "int4_asym"])
+def test_row_is_bitwise_batch_invariant(fmt: str) -> None:
+    """A row's output is the same bits alone, inside any batch of 1..64 rows, for 1 or 2 threads."""
+    h, i = 96, 48
+    packed = pack_experts(*random_experts(NUM_EXPERTS, h, i), fmt, progress=False)
+    x = torch.randn(64, h, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    ids, w = random_routing(64, 4, NUM_EXPERTS, seed=1, skip_frac=0.1)
+    full = fused_moe(x, ids, w, packed)
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(2))
+    for size in (1, 2, 3, 5, 8, 17, 33, 64):
+        rows = perm[:size]
+        for threads in (1, 2):
+            part = fused_moe(x[rows], ids[rows], w[rows], packed, num_threads=threads)
+            assert torch.equal(part, full[rows]), (size, threads)
+
+
+@needs_kernel
+def test_bf16_input_and_expert_subset() -> None:
+    w_gu, w_dn = random_experts(NUM_EXPERTS, 64, 32)
+    packed = pack_experts(w_gu, w_dn, "int4", progress=False)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    ids, w = random_routing(5, 4, NUM_EXPERTS, seed=3)
+    assert_close(fused_moe(x, ids, w, packed), fused_moe_reference(x.float(), ids, w, packed))
+    # Split experts into two subsets: each computes its own slots; the sum matches the whole.
+    hot = packed.expert_subset([6, 1, 3])
+    cold = packed.expert_subset([e for e in range(NUM_EXPERTS) if e not in (6, 1, 3)])
+    both = fused_moe(x, ids, w, hot, skip_missing=True) + fused_moe(x, ids, w, cold, skip_missing=True)
+    assert_close(both, fused_moe_reference(x, ids, w, packed))
+    assert_close(fused_moe(x, ids, w, hot, skip_missing=True),
+                 fused_moe_reference(x, ids, w, hot, skip_missing=True))
+    with pytest.raises(ExpertIdError, match="skip_missing"):
+        fused_moe(x, ids, w, hot)
+    bad = ids.clone()
+    bad[0, 0] = NUM_EXPERTS
+    with pytest.raises(ExpertIdError):
+        fused_moe(x, bad, w, packed)
+
+
+@needs_kernel
+def test_all_slots_skipped_gives_zero() -> None:
+    packed = pack_experts(*random_experts(NUM_EXPERTS, 64, 32), "int8", progress=False)
+    out = fused_moe(torch.randn(3, 64), torch.full((3, 2), -1), torch.ones(3, 2), packed)
+    assert torch.equal(out, torch.zeros(3, 64))
+    empty = fused_moe(torch.randn(0, 64), torch.zeros(0, 2, dtype=torch.long), torch.ones(0, 2), packed)
+    assert empty.shape == (0, 64)
+
+
+def test_disabled_cpp_uses_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    packed = pack_experts(*random_experts(NUM_EXPERTS, 64, 32), "int4", progress=False)
+    x = torch.randn(4, 64)
+    ids, w = random_routing(4, 2, NUM_EXPERTS)
+    ref = fused_moe_reference(x, ids, w, packed)
+
+    def no_load(variant: str) -> None:
+        raise AssertionError("the compiled kernel must not be loaded when disabled")
+
+    monkeypatch.setattr(build, "load", no_load)
+    assert torch.equal(fused_moe(x, ids, w, packed, use_cpp=False), ref)
+    monkeypatch.setenv("MOEGATE_DISABLE_CPP", "1")
+    assert torch.equal(fused_moe(x, ids, w, packed), ref)
+
+
+def test_failed_build_falls_back_with_one_warning(monkeypatch, tmp_path, caplog) -> None:
+    bad = tmp_path / "broken.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(build, "SOURCE", bad)
+    monkeypatch.setenv("MOEGATE_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "_loaded", {})
+    packed = pack_experts(*random_experts(NUM_EXPERTS, 64, 32), "int8", progress=False)
+    x = torch.randn(2, 64)
+    ids, w = random_routing(2, 2, NUM_EXPERTS)
+    with caplog.at_level(logging.WARNING, logger="kernels.build"):
+        out1 = fused_moe(x, ids, w, packed)
+        out2 = fused_moe(x, ids, w, packed)
+    assert torch.equal(out1, fused_moe_reference(x, ids, w, packed)) and torch.equal(out1, out2)
+    warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "torch reference" in warnings[0].getMessage()
+
+
+def test_rejects_bad_arguments() -> None:
+    packed = pack_experts(*random_experts(2, 64, 32), "bf16", progress=False)
+    ids, w = random_routing(2, 1, 2)
+    with pytest.raises(ValueError, match="activation"):
+        fused_moe(torch.randn(2, 64), ids, w, packed, act="gelu")
+    with pytest.raises(ValueError, match=r"\[T, 64\]"):
+        fused_moe(torch.randn(2, 32), ids, w, packed)
+
+
+def test_activation_quantization_is_exact_int8_grid() -> None:
+    x = torch.tensor([[1.0, -0.5, 0.25, 127.0, 0.0, 0.0, 0.0, 0.0], [0.0] * 8])
+    xq = quantize_activations(x, 8)
+    assert torch.equal(xq[1], torch.zeros(8))  # all-zero group: scale 0, no division
+    s = 127.0 / 127.0
+    assert torch.equal(xq[0], torch.round(x[0] / s) * s)  # 0.25 -> 0, -0.5 -> -0 (half to even)
+    y = torch.randn(3, 200)
+    q = quantize_activations(y, 32)
+    assert q.shape == y.shape
+    groups = torch.nn.functional.pad(y, (0, 24)).unflatten(1, (-1, 32))
+    step = (groups.abs().amax(-1, keepdim=True) / 127).expand(-1, -1, 32).flatten(1)[:, :200]
+    assert bool(((q - y).abs() <= step / 2 * (1 + 1e-6)).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["int4", "int4_asym"])
+def test_int4_is_w4a8_and_bit_exact(fmt: str) -> None:
+    """int4 kernels (AVX2 and generic) reproduce the step-by-step torch reference to the bit (a
+    float64-emulated fma may double-round, ~2^-29 per operation: allow 0.1% of elements), and the
+    reference has W4A8 semantics: close to dequantize-and-matmul on int8-quantized inputs, not on
+    fp32 inputs."""
+    packed = pack_experts(*random_experts(NUM_EXPERTS, 200, 72), fmt, progress=False)
+    x = torch.randn(17, 200, generator=torch.Generator().manual_seed(5))
+    ids, w = random_routing(17, 4, NUM_EXPERTS, seed=5, skip_frac=0.1)
+    ref = fused_moe_reference(x, ids, w, packed)
+    for variant in ("avx2", "generic") if kernel_available("avx2") else ("generic",):
+        out = fused_moe(x, ids, w, packed, variant=variant)
+        assert_close(out, ref)
+        assert (out != ref).sum().item() <= ref.numel() // 1000, variant
+    scale = ref.abs().max()
+    assert (ref - fused_moe_fake_quant(x, ids, w, packed)).abs().max() < 1e-2 * scale
+    fp32_input = torch.zeros_like(ref)
+    for t in range(17):
+        for s in range(4):
+            if ids[t, s] < 0:
+                continue
+            w_gu, w_dn = packed.dequantize(int(ids[t, s]))
+            gu = w_gu @ x[t]
+            fp32_input[t] += w[t, s] * (w_dn @ (torch.nn.functional.silu(gu[:72]) * gu[72:]))
+    assert (ref - fp32_input).abs().max() > 1e-4 * scale + 1e-5
+    assert (ref - fp32_input).abs().max() < 0.05 * scale
+
+
+@needs_kernel
+def test_thread_pool_survives_fork_and_many_calls() -> None:
+    """Helpers are per process: a forked child computes the same bytes (no deadlock on the pool)."""
+    packed = pack_experts(*random_experts(NUM_EXPERTS, 96, 48), "int8", progress=False)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(7))
+    ids, w = random_routing(9, 3, NUM_EXPERTS, seed=7)
+    want = fused_moe(x, ids, w, packed, num_threads=2)
+    for threads in (1, 2, 3, 2, 1, 4):
+        assert torch.equal(fused_moe(x, ids, w, packed, num_threads=threads), want)
+    pid = os.fork()
+    if pid == 0:  # child: exit code says whether the result matched
+        ok = all(torch.equal(fused_moe(x, ids, w, packed, num_threads=2), want) for _ in range(3))
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("forked child hung in fused_moe")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
