@@ -149,6 +149,7 @@ def create_app(settings: Settings) -> FastAPI:
 
 def _start(settings: Settings, metrics: Metrics):
     from engine.async_engine import AsyncLLM
+    from engine.config import ModelConfig
     from engine.llm_engine import EngineConfig, LLMEngine
     from gateway.audit import AuditLog
     from gateway.generation import Generator
@@ -167,9 +168,14 @@ def _start(settings: Settings, metrics: Metrics):
         policies, open_access = FixedPolicy(settings.model_name, settings.model), True
         log.warning("no --config: embedded dev policy, every API key is accepted (tenant 'dev')")
     policy = policies.current
+    top_k = ModelConfig.from_dir(Path(settings.model)).top_k
+    defer = min(policy.modes.exploration.deferral_depth, top_k // 2)  # the engine allows at most top_k/2
+    if defer != policy.modes.exploration.deferral_depth:
+        log.warning("policy deferral_depth %d clamped to %d for a top-%d model",
+                    policy.modes.exploration.deferral_depth, defer, top_k)
     engine = LLMEngine(EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
                                     kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
-                                    defer=policy.modes.exploration.deferral_depth,
+                                    defer=defer,
                                     disk_cache_dir=str(Path(settings.state_dir) / "kv"),
                                     redis_url=settings.redis_url, progress=False))
     if engine.tokenizer is None:
