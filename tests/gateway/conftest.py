@@ -49,6 +49,8 @@ class Server:
     url: str
     app: object
     state_dir: Path
+    key_alpha: str = KEY_ALPHA  # tenant alpha: every tool, database `market`
+    key_beta: str = KEY_BETA  # tenant beta: /v1/completions only, tool get_quote
 
     @property
     def state(self):

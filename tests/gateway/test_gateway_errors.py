@@ -11,8 +11,6 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import KEY_BETA
-
 MSG = [{"role": "user", "content": "hi"}]
 
 
@@ -31,7 +29,7 @@ def test_bad_and_missing_key(gateway_server):
 
 
 def test_policy_denials_are_403(gateway_server):
-    beta = gateway_server.client(key=KEY_BETA)
+    beta = gateway_server.client(key=gateway_server.key_beta)
     with pytest.raises(openai.PermissionDeniedError) as e:  # beta may not use the chat route
         beta.chat.completions.create(model="moegate-demo", messages=MSG, max_tokens=2)
     assert e.value.code == "route_not_allowed"
@@ -77,9 +75,9 @@ def test_context_overflow_is_400_and_server_keeps_serving(gateway_server):
     assert client.chat.completions.create(model="moegate-demo", messages=MSG, max_tokens=2).choices
 
 
-async def _saturate(url: str, n: int) -> tuple[list[int], httpx.Response]:
+async def _saturate(url: str, key: str, n: int) -> tuple[list[int], httpx.Response]:
     """Open n long streams, read one chunk of each, send one more request, then drop the streams."""
-    headers = {"Authorization": "Bearer sk-test-alpha-0123456789"}
+    headers = {"Authorization": f"Bearer {key}"}
     body = {"model": "moegate-demo", "messages": MSG, "max_tokens": 256, "stream": True, "temperature": 1}
     async with httpx.AsyncClient(timeout=60) as http:
         ready, release = asyncio.Semaphore(0), asyncio.Event()
@@ -103,7 +101,8 @@ async def _saturate(url: str, n: int) -> tuple[list[int], httpx.Response]:
 
 def test_queue_full_429_and_disconnect_aborts(gateway_server):
     state = gateway_server.state
-    codes, extra = asyncio.run(_saturate(gateway_server.url, state.settings.max_queue))
+    codes, extra = asyncio.run(_saturate(gateway_server.url, gateway_server.key_alpha,
+                                             state.settings.max_queue))
     assert codes == [200] * state.settings.max_queue
     assert extra.status_code == 429 and extra.headers["Retry-After"] == "1"
     assert _err(extra)["type"] == "rate_limit_error"

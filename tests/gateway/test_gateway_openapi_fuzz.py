@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tests.gateway.conftest import KEY_ALPHA
-
 schemathesis = pytest.importorskip("schemathesis", reason="pip install schemathesis (a dev dependency)")
 
 
@@ -29,7 +27,7 @@ def test_no_server_errors(case, gateway_server):
         for name in ("max_tokens", "max_completion_tokens"):
             if isinstance(case.body.get(name), int) and not isinstance(case.body.get(name), bool):
                 case.body[name] = min(case.body[name], 8)
-    response = case.call(base_url=gateway_server.url, headers={"Authorization": f"Bearer {KEY_ALPHA}"}, timeout=60)
+    response = case.call(base_url=gateway_server.url, headers={"Authorization": f"Bearer {gateway_server.key_alpha}"}, timeout=60)
     assert response.status_code < 500, (case.method, case.path, str(case.body)[:800], response.text[-200:])
     if response.status_code >= 400:
         error = response.json()["error"]
