@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.errors import EngineError, RequestError
 from gateway.audit import audit_data
@@ -20,7 +20,13 @@ from gateway.errors import APIError, bad_request
 from gateway.generation import Finished, SegmentFences, TextDelta, ToolCall, generate_complete
 from gateway.limits import LimitExceeded, admit, settle
 from gateway.plan import Plan, policy_error
-from gateway.stores import StoreUnavailable
+from gateway.stores import (
+    IdempotencyKeyMismatch,
+    IdemState,
+    StoredResponse,
+    StoreUnavailable,
+    request_fingerprint,
+)
 from gateway.structured.errors import StructuredOutputError
 from policies.model import Tenant
 from policies.resolve import PolicyDenied, ResolvedPolicy
@@ -91,6 +97,42 @@ def _error_of(e: BaseException) -> APIError:
 
 
 async def serve(state: AppState, request: Request, tenant: Tenant, rp: ResolvedPolicy, job: Job, rid: str):
+    """`Idempotency-Key` (non-streaming): a repeat gets the first response back, a concurrent duplicate
+    waits for it (409 after the policy's wait), a reuse with another body is a 422."""
+    key = request.headers.get("idempotency-key")
+    if not key:
+        return await _serve(state, request, tenant, rp, job, rid)
+    if job.stream:
+        raise bad_request("Idempotency-Key is not supported with stream=true", "stream", "unsupported_parameter")
+    store = state.store
+    scoped = f"{tenant.id}:{key}"
+    try:
+        fingerprint = request_fingerprint("POST", job.route, json.loads(await request.body()))
+        begin = await store.idempotency_begin(scoped, fingerprint, wait_s=rp.idempotency_wait_s)
+    except IdempotencyKeyMismatch:
+        raise APIError(422, f"Idempotency-Key {key!r} was used with a different request body",
+                       code="idempotency_key_reused") from None
+    except StoreUnavailable as e:
+        raise _admission_error(e) from None
+    if begin.state is IdemState.COMPLETED:
+        stored = begin.response
+        return Response(stored.body, status_code=stored.status,
+                        headers={**dict(stored.headers), "Idempotent-Replayed": "true"})
+    if begin.state is IdemState.IN_PROGRESS:
+        raise APIError(409, f"a request with Idempotency-Key {key!r} is still in progress; retry later",
+                       code="idempotency_in_progress", headers={"Retry-After": "1"})
+    try:
+        response = await _serve(state, request, tenant, rp, job, rid)
+    except BaseException:
+        await store.idempotency_abandon(scoped, begin.token)
+        raise
+    await store.idempotency_complete(scoped, begin.token, StoredResponse(
+        response.status_code, bytes(response.body), (("content-type", "application/json"),)),
+        ttl_s=rp.idempotency_ttl_s)
+    return response
+
+
+async def _serve(state: AppState, request: Request, tenant: Tenant, rp: ResolvedPolicy, job: Job, rid: str):
     """Admission, then a JSON response or an SSE stream; errors become OpenAI error bodies."""
     m, plan = state.metrics, job.plan
     if state.in_flight >= state.settings.max_queue:

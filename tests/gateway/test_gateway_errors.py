@@ -113,3 +113,19 @@ def test_queue_full_429_and_disconnect_aborts(gateway_server):
     metrics = state.metrics.render().decode()
     aborted = re.search(r'^moegate_aborted_requests_total\{reason="disconnect"\} (\S+)$', metrics, re.M)
     assert aborted and float(aborted.group(1)) >= 1  # the dropped streams were aborted, not run to the end
+
+
+def test_idempotency_key_replays_and_guards(gateway_server):
+    client = gateway_server.client()
+    kw = dict(model="moegate-demo", messages=MSG, max_tokens=4, temperature=1.0)
+    headers = {"Idempotency-Key": "order-42"}
+    first = client.chat.completions.with_raw_response.create(extra_headers=headers, **kw)
+    again = client.chat.completions.with_raw_response.create(extra_headers=headers, **kw)
+    assert again.headers["Idempotent-Replayed"] == "true" and "Idempotent-Replayed" not in first.headers
+    assert again.parse().id == first.parse().id  # the stored response, not a new generation
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        client.chat.completions.create(extra_headers=headers, **{**kw, "max_tokens": 5})
+    assert e.value.code == "idempotency_key_reused"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(extra_headers={"Idempotency-Key": "s"}, stream=True, **kw)
+    assert e.value.param == "stream"
