@@ -194,3 +194,27 @@ def test_processor_failure_ends_only_its_sequence(tok):
     row = proc(tok.encode("Query:\n```sql\n"), torch.zeros(tok.vocab_size))
     assert proc.error is not None
     assert torch.nonzero(torch.isfinite(row)).flatten().tolist() == [2048, 2050]
+
+
+def test_decisions_reach_the_audit_log_and_traces(gateway_server):
+    """The mode decisions of a response are in its hash-chained audit record and in its trace."""
+    from gateway.audit import verify
+
+    open_id = gateway_server.state.generator.tool_open
+    r = gateway_server.client().chat.completions.create(
+        model="moegate-demo", messages=[{"role": "user", "content": "audit me"}], tools=[QUOTE],
+        parallel_tool_calls=False, max_tokens=40, temperature=0, logit_bias={str(open_id): 100})
+    switches = r.model_extra["moegate"]["choices"][0]["decisions"][1:]
+    assert [d["mode"] for d in switches] == [EXECUTION, EXPLORATION]
+    audit_path = gateway_server.state.settings.audit_path
+    assert verify(audit_path, use_head=False).ok
+    records = [json.loads(line) for line in audit_path.read_text().splitlines()]
+    mine = next(rec for rec in records if rec["data"].get("request_id") == r.id)
+    assert mine["data"]["decisions"][0][1:] == switches
+    assert mine["data"]["tenant"] == "alpha" and "audit me" in mine["data"]["input"]  # policy audit level: full
+    gateway_server.state.telemetry.force_flush()
+    spans = [json.loads(line) for line in gateway_server.state.settings.trace_path.read_text().splitlines()]
+    span = next(s for s in spans if s["trace_id"] == mine["trace_id"] and s["name"].startswith("chat"))
+    events = [e for e in span["events"] if e["name"] == "moegate.mode_switch"]
+    assert [(e["attributes"]["moegate.mode.to"], e["attributes"]["moegate.token_index"]) for e in events] == \
+        [(d["mode"], d["token_index"]) for d in switches]
