@@ -52,6 +52,9 @@ Event = TextDelta | ToolCall | Finished
 
 
 class ProcessorError(StructuredOutputError):
+    """The segment constraint failed inside the engine loop (a server-side fault, reported as a 500)."""
+
+    http_status = 500
     code = "constraint_failure"
 
 
@@ -260,6 +263,7 @@ class Generator:
         n_tokens, reason, calls, validations = 0, "stop", 0, []
         gen = self._stream(rid, plan, params, plan.decision.mode)
         hits: dict = {}
+        stopped = False
         try:
             async for out in gen:
                 hits = getattr(out, "cache_hits", None) or hits
@@ -276,6 +280,9 @@ class Generator:
                         continue
                     if was_open is None:  # a segment opened at this token
                         free += detok.flush()
+                        cut = _find_stop(free, sent, stops)
+                        if cut >= 0:  # the free text before the segment already ends the answer
+                            break
                         if free[sent:]:
                             yield TextDelta(free[sent:])
                         sent = len(free)
@@ -288,13 +295,13 @@ class Generator:
                                 calls += 1
                                 state["calls"] = calls
                             yield ev
-                if stops:
-                    cut = min((i for i in (free.find(s, max(0, sent - len(s))) for s in stops) if i >= 0), default=-1)
-                    if cut >= 0:
-                        if free[sent:cut]:
-                            yield TextDelta(free[sent:cut])
-                        sent, reason = cut, "stop"
-                        break
+                cut = _find_stop(free, sent, stops)
+                if cut >= 0:
+                    if free[sent:cut]:
+                        yield TextDelta(free[sent:cut])
+                    sent, reason = cut, "stop"
+                    stopped = True
+                    break
                 release = len(free) - _holdback(free, stops, hold)
                 if release > sent:
                     yield TextDelta(free[sent:release])
@@ -309,7 +316,7 @@ class Generator:
             await gen.aclose()
         if proc.error is not None:
             raise ProcessorError(f"constraint failed: {proc.error}")
-        if consumer.open is not None:
+        if consumer.open is not None and not stopped:
             validations.append({"kind": consumer.open.kind, "ok": False, "error": f"segment not closed ({reason})"})
             err = StructuredValidationError(consumer.open.kind, f"the segment was not closed when generation "
                                             f"ended ({reason}); raise max_tokens")
@@ -343,6 +350,12 @@ class Generator:
         if plan.spec is not None:
             return self.run_structured(plan, rid, index)
         return self.run_free(plan, rid, index, strict, fences)
+
+
+def _find_stop(text: str, sent: int, stops: list[str]) -> int:
+    """Index of the first stop string in the text not yet released (-1: none)."""
+    hits = [i for i in (text.find(s, max(0, sent - len(s) + 1)) for s in stops) if i >= 0]
+    return min(hits, default=-1)
 
 
 def _holdback(text: str, stops: list[str], hold: int) -> int:
