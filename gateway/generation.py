@@ -127,8 +127,13 @@ def bias_processor(bias: dict[int, float]) -> Callable:
     ids = torch.tensor(list(bias), dtype=torch.long)
     vals = torch.tensor(list(bias.values()), dtype=torch.float32)
 
+    on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
     def apply(_ids: Sequence[int], row: torch.Tensor) -> torch.Tensor:  # row [V]
-        row[ids] += vals.to(row.dtype)
+        if row.device not in on:
+            on[row.device] = (ids.to(row.device), vals.to(row.device))
+        i, v = on[row.device]
+        row[i] += v.to(row.dtype)
         return row
 
     return apply
