@@ -13,7 +13,7 @@ log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 408: "timeout_error", 409: "conflict_error", 413: "invalid_request_error",
-          422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error",
+          422: "invalid_request_error", 429: "rate_limit_error", 499: "client_closed_request", 500: "server_error", 503: "server_error",
           504: "timeout_error"}
 
 

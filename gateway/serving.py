@@ -89,7 +89,7 @@ def _error_of(e: BaseException) -> APIError:
     if isinstance(e, RequestError):
         return bad_request(str(e), code="invalid_request")
     if isinstance(e, TimeoutError):
-        return APIError(504, "the request timed out", code="timeout")
+        return APIError(504, "the request timed out; generation was aborted", code="timeout")
     if isinstance(e, EngineError):
         return APIError(500, f"engine error: {e}", code="engine_error")
     log.exception("generation failed", exc_info=e)
@@ -277,7 +277,8 @@ async def _run_until_disconnect(request: Request, ctx: _Ctx) -> list:
             if await request.is_disconnected():
                 ctx.state.metrics.aborts.labels("disconnect").inc()
                 task.cancel()
-                raise asyncio.CancelledError
+                raise APIError(499, "the client closed the request; generation was aborted",
+                               code="client_disconnected")
     finally:
         if not task.done():
             task.cancel()

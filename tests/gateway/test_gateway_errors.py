@@ -75,10 +75,11 @@ def test_context_overflow_is_400_and_server_keeps_serving(gateway_server):
     assert client.chat.completions.create(model="moegate-demo", messages=MSG, max_tokens=2).choices
 
 
-async def _saturate(url: str, key: str, n: int) -> tuple[list[int], httpx.Response]:
+async def _saturate(url: str, key: str, n: int, no_eos: dict) -> tuple[list[int], httpx.Response]:
     """Open n long streams, read one chunk of each, send one more request, then drop the streams."""
     headers = {"Authorization": f"Bearer {key}"}
-    body = {"model": "moegate-demo", "messages": MSG, "max_tokens": 256, "stream": True, "temperature": 1}
+    body = {"model": "moegate-demo", "messages": MSG, "max_tokens": 256, "stream": True, "temperature": 1,
+            "logit_bias": no_eos}  # no EOS: the streams stay open
     async with httpx.AsyncClient(timeout=60) as http:
         ready, release = asyncio.Semaphore(0), asyncio.Event()
 
@@ -102,7 +103,8 @@ async def _saturate(url: str, key: str, n: int) -> tuple[list[int], httpx.Respon
 def test_queue_full_429_and_disconnect_aborts(gateway_server):
     state = gateway_server.state
     codes, extra = asyncio.run(_saturate(gateway_server.url, gateway_server.key_alpha,
-                                             state.settings.max_queue))
+                                             state.settings.max_queue,
+                                             {str(t): -100 for t in state.generator.eos_ids}))
     assert codes == [200] * state.settings.max_queue
     assert extra.status_code == 429 and extra.headers["Retry-After"] == "1"
     assert _err(extra)["type"] == "rate_limit_error"
@@ -129,3 +131,18 @@ def test_idempotency_key_replays_and_guards(gateway_server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(extra_headers={"Idempotency-Key": "s"}, stream=True, **kw)
     assert e.value.param == "stream"
+
+
+def test_non_streaming_disconnect_aborts(gateway_server):
+    state = gateway_server.state
+    before = state.metrics.aborts.labels("disconnect")._value.get()
+    no_eos = {str(t): -100 for t in state.generator.eos_ids}  # runs the full 256 tokens
+    body = {"model": "moegate-demo", "messages": MSG, "max_tokens": 256, "temperature": 1, "logit_bias": no_eos}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(gateway_server.url + "/v1/chat/completions", json=body, timeout=0.3,
+                   headers={"Authorization": f"Bearer {gateway_server.key_alpha}"})
+    deadline = time.monotonic() + 10
+    while (state.in_flight or state.llm.num_active or state.llm.engine.has_work()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state.in_flight == 0 and state.llm.num_active == 0
+    assert state.metrics.aborts.labels("disconnect")._value.get() == before + 1
