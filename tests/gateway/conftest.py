@@ -12,7 +12,7 @@ import pytest
 
 from policies.model import hash_api_key
 
-KEY_ALPHA, KEY_BETA = "sk-test-alpha-0123456789", "sk-test-beta-0123456789"
+KEY_ALPHA, KEY_BETA, KEY_GAMMA = "sk-test-alpha-0123456789", "sk-test-beta-0123456789", "sk-test-gamma-0123456789"
 POLICY = f"""
 version: 1
 id: gateway-test
@@ -30,6 +30,9 @@ tenants:
     api_keys: [{{hash: "{hash_api_key(KEY_BETA)}"}}]
     routes: [/v1/completions]
     allowed_tools: [get_quote]
+  - id: gamma
+    api_keys: [{{hash: "{hash_api_key(KEY_GAMMA)}"}}]
+    limits: {{requests_per_min: 2, request_burst: 2}}
 modes:
   exploration: {{precision: fast, deferral_depth: 2}}
   execution: {{precision: fast, deferral_depth: 0}}
@@ -51,6 +54,7 @@ class Server:
     state_dir: Path
     key_alpha: str = KEY_ALPHA  # tenant alpha: every tool, database `market`
     key_beta: str = KEY_BETA  # tenant beta: /v1/completions only, tool get_quote
+    key_gamma: str = KEY_GAMMA  # tenant gamma: 2 requests per minute
 
     @property
     def state(self):

@@ -146,3 +146,13 @@ def test_non_streaming_disconnect_aborts(gateway_server):
         time.sleep(0.05)
     assert state.in_flight == 0 and state.llm.num_active == 0
     assert state.metrics.aborts.labels("disconnect")._value.get() == before + 1
+
+
+def test_policy_rate_limit_is_429_with_retry_after(gateway_server):
+    gamma = gateway_server.client(key=gateway_server.key_gamma)
+    for _ in range(2):
+        gamma.completions.create(model="moegate-demo", prompt="x", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as e:
+        gamma.completions.create(model="moegate-demo", prompt="x", max_tokens=1)
+    assert e.value.code == "requests_per_min_exceeded"
+    assert int(e.value.response.headers["Retry-After"]) >= 1
