@@ -28,6 +28,17 @@ class Metrics:
         self.rejected = Counter("moegate_rejected_requests_total", "Requests refused before generation", ["reason"],
                                 registry=r)
         self.in_flight = Gauge("moegate_requests_in_flight", "Generation requests in flight", registry=r)
+        self.engine_active = Gauge("moegate_engine_sequences", "Sequences in the engine", registry=r)
+        self.prefix_cache = Gauge("moegate_prefix_cache", "Prefix-cache counters per tier (engine)",
+                                  ["tier", "counter"], registry=r)
 
-    def render(self) -> bytes:
+    def render(self, llm=None) -> bytes:
+        """The exposition text; engine gauges are read from `llm` at scrape time."""
+        if llm is not None:
+            self.engine_active.set(llm.num_active)
+            stats = llm.cache_stats() if hasattr(llm, "cache_stats") else {}
+            for tier, counters in stats.items():
+                for name, value in counters.items():
+                    if isinstance(value, int | float):
+                        self.prefix_cache.labels(tier, name).set(value)
         return generate_latest(self.registry)

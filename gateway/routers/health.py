@@ -23,4 +23,4 @@ async def health(state: State) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(state: State) -> Response:
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    return Response(state.metrics.render(state.llm), media_type=CONTENT_TYPE)

@@ -88,3 +88,4 @@ def test_metrics_exposed(gateway_server):
     text = httpx.get(gateway_server.url + "/metrics").text
     assert 'moegate_requests_total{route="/v1/chat/completions",status="200"}' in text
     assert "moegate_tokens_total" in text and "moegate_requests_by_mode_total" in text
+    assert "moegate_engine_sequences" in text and "moegate_prefix_cache{" in text
