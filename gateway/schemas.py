@@ -71,10 +71,16 @@ class UserMessage(_Message):
 
 
 class AssistantMessageIn(_Message):
+    """An earlier assistant turn; the fields the openai client echoes back when a response message is
+    appended as is are accepted when empty (they carry nothing the prompt could use)."""
+
     role: Literal["assistant"]
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCallIn] | None = None
-    refusal: str | None = None
+    refusal: None = None
+    annotations: Annotated[list, Field(max_length=0)] | None = None
+    audio: None = None
+    function_call: None = None
 
 
 class ToolMessage(_Message):

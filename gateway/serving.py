@@ -49,7 +49,7 @@ class Job:
     fences: SegmentFences | None = None
     shape: Callable[..., dict] | None = None  # (id, created, results) -> response body
     chunker: Any = None  # streaming chunk builder
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # more audit metadata (the OpenAI `user`)
 
 
 def resolve_policy(state: AppState, tenant: Tenant, route: str, model: str) -> ResolvedPolicy:
@@ -246,7 +246,8 @@ class _Ctx:
         base = {"request_id": self.rid, "route": self.job.route, "tenant": self.tenant.id, "model": self.job.model,
                 "policy_id": self.rp.policy_id, "policy_digest": self.rp.policy_digest,
                 "mode": plan.decision.mode, "mode_reason": plan.decision.reason,
-                "numerics_fingerprint": self.state.fingerprints[plan.decision.mode], "params": plan.sampling_fields(), **meta}
+                "numerics_fingerprint": self.state.fingerprints[plan.decision.mode], "params": plan.sampling_fields(),
+                **self.job.extra, **meta}
         data = audit_data(self.rp.audit_level, base, {"input": self.job.audit_input, "output": output},
                           self.rp.redact)
         if data is None:

@@ -127,6 +127,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
               bool(body.stream_options and body.stream_options.include_usage),
               audit_input=json.dumps([m.model_dump(exclude_none=True) for m in body.messages], ensure_ascii=False),
               fences=fences, chunker=ChatChunker,
+              extra={"user": body.user} if body.user else {},
               shape=lambda rid, created, results, fp: shape(rid, created, results, fp, body.model, len(prompt_ids)))
     return await serve(state, request, tenant, rp, job, rid)
 

@@ -76,5 +76,6 @@ async def completions(body: CompletionRequest, request: Request, state: State, t
     job = Job(ROUTE, "text_completion", body.model, plan, body.stream,
               bool(body.stream_options and body.stream_options.include_usage),
               audit_input=prompt_text or str(prompt_ids), chunker=CompletionChunker,
+              extra={"user": body.user} if body.user else {},
               shape=lambda rid, created, results, fp: shape(rid, created, results, fp, body.model, len(prompt_ids)))
     return await serve(state, request, tenant, rp, job, rid)

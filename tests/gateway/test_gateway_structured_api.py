@@ -146,3 +146,17 @@ def test_sql_extension_failure_is_typed(gateway_server):
     assert 'moegate_validations_total{kind="sql",result="fail"}' in metrics
     retries = re.search(r"^moegate_strict_retries_total (\S+)$", metrics, re.M)
     assert retries and float(retries.group(1)) >= 1  # the bounded strict retry ran before the error
+
+
+def test_agent_loop_appends_the_response_message(gateway_server):
+    """The usual agent loop: append the returned message as is, then the tool result, and continue."""
+    client = gateway_server.client()
+    messages = [{"role": "user", "content": "quote AAPL"}]
+    first = client.chat.completions.create(model="moegate-demo", messages=messages, tools=[QUOTE],
+                                           tool_choice="required", max_tokens=48, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    messages += [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": '{"price": 187.2}'}]
+    second = client.chat.completions.create(model="moegate-demo", messages=messages, tools=[QUOTE], max_tokens=4,
+                                            tool_choice="none", temperature=0)
+    assert second.choices[0].finish_reason in ("stop", "length") and second.choices[0].message.tool_calls is None
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
