@@ -147,6 +147,17 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
+def _kv_dir(settings: Settings) -> Path:
+    """The prefix cache's disk tier: $MOEGATE_CACHE_DIR/kv when set (the engine's default), else <state_dir>/kv."""
+    import os
+
+    if os.environ.get("MOEGATE_CACHE_DIR"):
+        from engine.prefix_cache.hashing import default_disk_cache_dir
+
+        return default_disk_cache_dir()
+    return Path(settings.state_dir) / "kv"
+
+
 def _start(settings: Settings, metrics: Metrics):
     from engine.async_engine import AsyncLLM
     from engine.config import ModelConfig
@@ -176,7 +187,7 @@ def _start(settings: Settings, metrics: Metrics):
     engine = LLMEngine(EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
                                     kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
                                     defer=defer,
-                                    disk_cache_dir=str(Path(settings.state_dir) / "kv"),
+                                    disk_cache_dir=str(_kv_dir(settings)),
                                     redis_url=settings.redis_url, progress=False))
     if engine.tokenizer is None:
         raise ValueError(f"{settings.model} has no tokenizer.json; the gateway needs one")
