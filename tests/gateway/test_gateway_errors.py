@@ -156,3 +156,27 @@ def test_policy_rate_limit_is_429_with_retry_after(gateway_server):
         gamma.completions.create(model="moegate-demo", prompt="x", max_tokens=1)
     assert e.value.code == "requests_per_min_exceeded"
     assert int(e.value.response.headers["Retry-After"]) >= 1
+
+
+def test_timeout_aborts_with_504(gateway_server):
+    import dataclasses
+
+    state = gateway_server.state
+    saved = state.settings
+    state.settings = dataclasses.replace(saved, request_timeout_s=0.2)
+    no_eos = {str(t): -100 for t in state.generator.eos_ids}
+    try:
+        with pytest.raises(openai.APIStatusError) as e:
+            gateway_server.client().chat.completions.create(model="moegate-demo", messages=MSG, max_tokens=256,
+                                                            logit_bias=no_eos)
+        assert e.value.status_code == 504 and e.value.code == "timeout"
+        with pytest.raises(openai.APIError) as e:  # streaming: an error event ends the stream
+            list(gateway_server.client().chat.completions.create(model="moegate-demo", messages=MSG, max_tokens=256,
+                                                                 logit_bias=no_eos, stream=True))
+        assert "timed out" in e.value.message
+    finally:
+        state.settings = saved
+    deadline = time.monotonic() + 10
+    while (state.llm.num_active or state.llm.engine.has_work()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state.llm.num_active == 0
