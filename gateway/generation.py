@@ -350,8 +350,9 @@ class Generator:
             e.validations = validations
             raise
 
-    async def run(self, plan: Plan, rid: str, index: int = 0, fences: SegmentFences | None = None,
-                  strict: bool = False) -> AsyncIterator[Event]:
+    def run(self, plan: Plan, rid: str, index: int = 0, fences: SegmentFences | None = None,
+            strict: bool = False) -> AsyncIterator[Event]:
+        """The events of one sequence: whole-output constraint when the plan has one, else segments."""
         if plan.spec is not None:
             return self.run_structured(plan, rid, index)
         return self.run_free(plan, rid, index, strict, fences)
@@ -391,13 +392,13 @@ async def generate_complete(gen: Generator, plan: Plan, rid: str, index: int,
                             fences: SegmentFences | None) -> tuple[str, list[ToolCall], Finished]:
     """Non-streaming with the bounded strict retry also for segments in free text."""
     if plan.spec is not None:
-        return await collect(await gen.run(plan, rid, index, fences))
+        return await collect(gen.run(plan, rid, index, fences))
     last: Exception | None = None
     seen: list[dict] = []
     for attempt in range(1 + gen.strict_retries):
         try:
             rid_a = f"{rid}-a{attempt}" if attempt else rid
-            text, calls, fin = await collect(await gen.run(plan, rid_a, index, fences, strict=attempt > 0))
+            text, calls, fin = await collect(gen.run(plan, rid_a, index, fences, strict=attempt > 0))
             fin.retries = attempt
             return text, calls, fin
         except VALIDATION_ERRORS as e:

@@ -86,7 +86,7 @@ def _common(body: ChatCompletionRequest | CompletionRequest, vocab_size: int) ->
             "stop": body.stop_list(), "logit_bias": bias, "n": body.n}
 
 
-def _sql(fmt, rp: ResolvedPolicy) -> tuple[DatabaseSchema, SQLPolicy]:
+def sql_target(fmt, rp: ResolvedPolicy) -> tuple[DatabaseSchema, SQLPolicy]:
     """The SQL extension: the caller's tables + dialect; a named policy database adds its rules."""
     tables = fmt.tables
     if any(not cols for cols in tables.values()):
@@ -155,7 +155,7 @@ def chat_plan(body: ChatCompletionRequest, prompt_ids: list[int], rp: ResolvedPo
             plan.kind, plan.spec = "json", json_schema_spec(schema)
             plan.validate = lambda text: validate_json(text, schema)
         elif fmt_type == "sql":
-            db, sql_policy = _sql(fmt.sql, rp)
+            db, sql_policy = sql_target(fmt.sql, rp)
             plan.kind, plan.spec = "sql", sql_spec(db, sql_policy)
             plan.validate = lambda text: validate_sql(text, db, sql_policy)
         elif plan.execution and tools and choice != "none":

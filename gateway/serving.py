@@ -303,7 +303,7 @@ async def _stream(ctx: _Ctx, span: Callable, done: Callable) -> AsyncIterator[by
             try:
                 yield sse(chunker.start())
                 async with asyncio.timeout(ctx.state.settings.request_timeout_s):
-                    events = await gen.run(job.plan, f"{ctx.rid}-0", 0, job.fences)
+                    events = gen.run(job.plan, f"{ctx.rid}-0", 0, job.fences)
                     async for ev in events:
                         if isinstance(ev, TextDelta):
                             rt.first_token()

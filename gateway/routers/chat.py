@@ -11,7 +11,7 @@ from engine.chat_template import ChatTemplateError
 from gateway.deps import State, TenantDep
 from gateway.errors import bad_request
 from gateway.generation import Finished, SegmentFences, ToolCall
-from gateway.plan import _sql, chat_plan, dumps_args, policy_error
+from gateway.plan import chat_plan, dumps_args, policy_error, sql_target
 from gateway.schemas import ChatCompletion, ChatCompletionRequest, ErrorBody, Message, new_id
 from gateway.serving import Job, budget, resolve_policy, serve
 from policies.resolve import PolicyDenied
@@ -119,7 +119,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
                          max_tokens)
         fences = SegmentFences(plan.tools)
         if body.moegate is not None and body.moegate.sql is not None:
-            fences.sql = _sql(body.moegate.sql, rp)
+            fences.sql = sql_target(body.moegate.sql, rp)
     except PolicyDenied as e:
         raise policy_error(e) from None
     rid = new_id("chatcmpl")
