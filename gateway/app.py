@@ -38,7 +38,8 @@ def numerics_fingerprint(llm, settings: Settings, mode: str = "execution") -> st
     decides the numerics (config, weight files, tokenizer, dtype, device)."""
     own = getattr(llm, "numerics_fingerprint", None)
     if callable(own):
-        return "fp_" + own(mode).removeprefix("sha256:")[:16]
+        value = own(mode)
+        return value if value.startswith("fp_") else "fp_" + value.removeprefix("sha256:")[:16]
     engine = llm.engine
     h = hashlib.sha256()
     model = Path(settings.model)

@@ -28,6 +28,7 @@ def test_chat_non_stream_protocol_and_seed(gateway_server):
     assert a.usage.completion_tokens <= 6 and a.usage.prompt_tokens > 0
     assert a.usage.total_tokens == a.usage.prompt_tokens + a.usage.completion_tokens
     assert a.system_fingerprint == gateway_server.state.fingerprints["exploration"]
+    assert a.system_fingerprint == gateway_server.state.llm.numerics_fingerprint("exploration")
     assert a.choices[0].message.content == b.choices[0].message.content  # same seed, same text
     decisions = a.model_extra["moegate"]["choices"][0]["decisions"]
     assert decisions[0]["mode"] == "exploration"
