@@ -95,6 +95,7 @@ def test_json_schema_strict(gateway_server):
         jsonschema.validate(json.loads(r.choices[0].message.content), ORDER)
         assert r.choices[0].finish_reason == "stop"
         assert r.model_extra["moegate"]["choices"][0]["validations"][-1]["ok"] is True
+        assert r.system_fingerprint == gateway_server.state.llm.numerics_fingerprint("execution")
 
 
 def test_json_object_and_streamed_json(gateway_server):
