@@ -1,0 +1,1 @@
+"""Quality and performance suites that write JSON + PNG reports."""

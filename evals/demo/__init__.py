@@ -1,0 +1,1 @@
+"""The bundled demo MoE model: procedural financial-agent corpus, tokenizer and training."""

@@ -1,0 +1,156 @@
+"""Measure the trained demo model (held-out loss, random baseline, routing skew, samples) and write its card."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from evals.demo.card_text import write_card
+from evals.demo.corpus import conversation, conversations
+from evals.demo.train import IGNORE, save_loss_curve, split_conversations, tokenize_with_mask
+
+SAMPLE_PROMPTS: tuple[tuple[str, str, int], ...] = (  # (title, family, held-out index)
+    ("Free text: a market concept", "concept", 0),
+    ("Free text: a market concept", "concept", 5),
+    ("Free text: commentary on given moves", "market_summary", 0),
+    ("Tool call: quote", "quote", 0),
+    ("Tool call: order", "order", 2),
+    ("SQL over the trading database", "sql", 0),
+    ("JSON report against a schema", "risk_report", 0),
+)
+
+
+@torch.no_grad()
+def heldout_loss(model, tokenizer, n: int, seed: int = 0) -> dict[str, float]:
+    """Token-weighted cross-entropy of held-out conversations, on assistant tokens and on all tokens."""
+    sums = {"assistant": [0.0, 0], "all": [0.0, 0]}
+    for conv in tqdm(list(conversations("heldout", n, seed)), desc="held-out loss"):
+        ids, labels = tokenize_with_mask(tokenizer, conv.render())
+        input_ids = torch.tensor([ids])  # [1, T]
+        logits = model(input_ids=input_ids).logits[0, :-1].float()  # [T-1, V]
+        nll = torch.nn.functional.cross_entropy(logits, input_ids[0, 1:], reduction="none")  # [T-1]
+        mask = torch.tensor(labels[1:]) != IGNORE
+        sums["assistant"][0] += float(nll[mask].sum())
+        sums["assistant"][1] += int(mask.sum())
+        sums["all"][0] += float(nll.sum())
+        sums["all"][1] += nll.numel()
+    return {k: total / count for k, (total, count) in sums.items()}
+
+
+@torch.no_grad()
+def routing_skew(model, tokenizer, n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Per layer: share of top-k routing slots taken by the busiest experts on held-out conversations."""
+    cfg = model.config
+    counts = torch.zeros(cfg.num_hidden_layers, cfg.num_experts)  # [L, E]
+    for conv in tqdm(list(conversations("heldout", n, seed)), desc="routing"):
+        ids = tokenizer(conv.render(), add_special_tokens=False)["input_ids"]
+        out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
+        for layer, logits in enumerate(out.router_logits):  # each [T, E]
+            top = logits.float().topk(cfg.num_experts_per_tok, dim=-1).indices  # [T, k]
+            counts[layer] += torch.bincount(top.flatten(), minlength=cfg.num_experts).float()
+    rows = []
+    for layer in range(cfg.num_hidden_layers):
+        share = (counts[layer] / counts[layer].sum()).sort(descending=True)
+        cumulative = share.values.cumsum(0)
+        rows.append({
+            "layer": layer, "top1_share": float(share.values[0]), "top2_share": float(cumulative[1]),
+            "top4_share": float(cumulative[3]), "coldest_share": float(share.values[-1]),
+            "experts_for_half": int((cumulative < 0.5).sum()) + 1, "hottest": share.indices[:4].tolist(),
+        })
+    return rows
+
+
+@torch.no_grad()
+def sample(model, tokenizer, family: str, index: int, max_new_tokens: int = 160) -> dict[str, Any]:
+    """Greedy continuation of a held-out prompt, cut before its checked assistant turn."""
+    conv = conversation("heldout", index, family=family)
+    prompt_messages = conv.messages[:conv.answer_index]
+    prompt = tokenizer.apply_chat_template(prompt_messages, tools=conv.tools, tokenize=False,
+                                           add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=False)
+    return {"family": family, "user": prompt_messages[-1]["content"], "generated": text,
+            "reference": _reference(conv.messages[conv.answer_index])}
+
+
+def _reference(message: dict[str, Any]) -> str:
+    if message.get("tool_calls"):
+        fn = message["tool_calls"][0]["function"]
+        return f'<tool_call>\n{{"name": "{fn["name"]}", "arguments": {json.dumps(fn["arguments"])}}}\n</tool_call>'
+    return message["content"]
+
+
+def split_overlap(phases: list[dict[str, Any]], n_heldout: int = 1000) -> dict[str, Any]:
+    """Share of held-out conversations that occur verbatim among the conversations the model trained on."""
+    seen = frozenset(conv.render() for p in phases for conv in split_conversations(
+        "train", p["config"]["train_conversations"], p["config"]["seed"], p["config"].get("boost_family", ""),
+        p["config"].get("boost_share", 0.0)))
+    per_family: dict[str, list[int]] = {}
+    for conv in conversations("heldout", n_heldout):
+        counts = per_family.setdefault(conv.kind, [0, 0])
+        counts[0] += conv.render() in seen
+        counts[1] += 1
+    total = sum(c[0] for c in per_family.values())
+    return {"heldout": n_heldout, "train": len(seen), "share": total / n_heldout,
+            "per_family": {k: v[0] / v[1] for k, v in sorted(per_family.items())}}
+
+
+def measure(checkpoint: Path, n_loss: int, n_routing: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeForCausalLM
+
+    torch.set_num_threads(2)
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint)).float().eval()
+    torch.manual_seed(0)
+    random_model = Qwen3MoeForCausalLM(model.config).float().eval()
+    return {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": len(tokenizer), "ln_vocab": math.log(len(tokenizer)),
+        "heldout_conversations": n_loss,
+        "trained": heldout_loss(model, tokenizer, n_loss), "random": heldout_loss(random_model, tokenizer, n_loss),
+        "routing": routing_skew(model, tokenizer, n_routing),
+        "samples": [{"title": t, **sample(model, tokenizer, f, i)} for t, f, i in SAMPLE_PROMPTS],
+    }
+
+
+def training_metric_files(checkpoint: Path) -> list[Path]:
+    """Earlier phases (`training_metrics_phase<N>.json`) in order, then the last phase's `training_metrics.json`."""
+    earlier = sorted(checkpoint.glob("training_metrics_phase*.json"), key=lambda p: int(p.stem.rsplit("phase", 1)[1]))
+    return earlier + [checkpoint / "training_metrics.json"]
+
+
+def merge_histories(phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """One loss history across training phases, later phases' steps offset by the earlier ones."""
+    merged: dict[str, Any] = {"loss_on": phases[-1]["history"]["loss_on"], "train": [], "heldout": []}
+    offset = 0
+    for phase in phases:
+        for key in ("train", "heldout"):
+            merged[key] += [(step + offset, loss) for step, loss in phase["history"][key]]
+        offset += phase["steps"]
+    return merged
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--checkpoint", type=Path, default=Path("engine/assets/demo-moe"))
+    parser.add_argument("--loss-conversations", type=int, default=48)
+    parser.add_argument("--routing-conversations", type=int, default=48)
+    args = parser.parse_args()
+    phases = [json.loads(p.read_text()) for p in training_metric_files(args.checkpoint)]
+    card = measure(args.checkpoint, args.loss_conversations, args.routing_conversations)
+    card["overlap"] = split_overlap(phases)
+    (args.checkpoint / "card_metrics.json").write_text(json.dumps(card, indent=1) + "\n")
+    save_loss_curve(merge_histories(phases), args.checkpoint / "loss_curve.png", card["ln_vocab"])
+    write_card(args.checkpoint, card, phases)
+    print(json.dumps({k: card[k] for k in ("parameters", "trained", "random")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Train the demo model's byte-level BPE (Qwen2 pre-tokenizer, Qwen special tokens) on the corpus."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from evals.demo.chat_format import CHAT_TEMPLATE, SPECIAL_TOKENS
+from evals.demo.corpus import conversations
+
+# Qwen2's split pattern: digits one at a time, words with one leading non-letter, punctuation runs.
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE whose first ids are the special tokens (<|endoftext|> = 0)."""
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def save_hf_tokenizer(tok: Tokenizer, out_dir: Path) -> None:
+    """Write tokenizer.json and a tokenizer_config.json carrying the chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 bos_token=None, unk_token=None, model_max_length=1024,
+                                 additional_special_tokens=[t for t in SPECIAL_TOKENS
+                                                            if t not in ("<|im_end|>", "<|endoftext|>")])
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(str(out_dir))
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE  # keep it in tokenizer_config.json, not only chat_template.jinja
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # loadable by transformers 4.x as well as 5.x
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    (out_dir / "chat_template.jinja").unlink(missing_ok=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--vocab-size", type=int, default=6144)
+    parser.add_argument("--conversations", type=int, default=20_000)
+    args = parser.parse_args()
+    texts = [c.render() for c in conversations("train", args.conversations)]
+    tok = train_tokenizer(texts, args.vocab_size)
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_hf_tokenizer(tok, args.out)
+    held = [c.render() for c in conversations("heldout", 500)]
+    n_tokens = sum(len(tok.encode(t).ids) for t in held)
+    print(f"vocab {tok.get_vocab_size()}: {n_tokens / sum(map(len, held)):.4f} tokens/char on held-out")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""Train the bundled demo Qwen3-MoE on the procedural corpus (CPU, 2 threads) and save it as a bf16 checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from evals.demo.corpus import assistant_spans, conversation, conversations
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_experts: int = 16
+    top_k: int = 2
+    moe_intermediate_size: int = 192
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    seq_len: int = 1024
+    batch_size: int = 2
+    steps: int = 5000
+    time_budget_s: float = 0.0  # > 0: the schedule runs on wall-clock progress and stops at the budget
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    loss_on: str = "all"  # "all" tokens or "assistant" tokens only; held-out loss is always on assistant tokens
+    weight_decay: float = 0.1
+    router_aux_loss_coef: float = 0.01
+    train_conversations: int = 8_000
+    eval_conversations: int = 32
+    eval_every: int = 50
+    seed: int = 0
+    autocast_bf16: bool = False
+    experts_implementation: str = "eager"
+    init_from: str = ""  # a checkpoint directory to continue training from (a second phase)
+    boost_family: str = ""  # draw this share of conversations from one family (e.g. short prose answers)
+    boost_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
+        if self.loss_on not in ("all", "assistant"):
+            raise ValueError(f"loss_on must be 'all' or 'assistant', not {self.loss_on!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+
+def build_model(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    im_end, eot = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=4 * cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.seq_len, num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.moe_intermediate_size, decoder_sparse_step=1,
+        mlp_only_layers=[], norm_topk_prob=True, output_router_logits=True,
+        router_aux_loss_coef=cfg.router_aux_loss_coef, tie_word_embeddings=True, rope_theta=10_000.0,
+        bos_token_id=None, eos_token_id=[im_end, eot], pad_token_id=eot,
+    )
+    torch.manual_seed(cfg.seed)
+    model = Qwen3MoeForCausalLM(config)
+    model.config._experts_implementation = cfg.experts_implementation
+    model.generation_config.eos_token_id = [im_end, eot]
+    model.generation_config.pad_token_id = eot
+    model.generation_config.bos_token_id = None
+    model.generation_config.do_sample = False
+    return model
+
+
+def tokenize_with_mask(tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """Token ids and labels that keep only assistant tokens (others are IGNORE)."""
+    enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+    spans = assistant_spans(text)
+    labels, j = [], 0
+    for tid, (start, _) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
+        while j < len(spans) and start >= spans[j][1]:
+            j += 1
+        labels.append(tid if j < len(spans) and spans[j][0] <= start else IGNORE)
+    return enc["input_ids"], labels
+
+
+def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> torch.Tensor:
+    """Greedy packing of whole conversations into rows: returns [N, 3, seq_len] (ids, labels, mask)."""
+    rows: list[list[list[int]]] = []
+    for ids, labels in examples:
+        ids, labels = ids[:seq_len], labels[:seq_len]
+        for row in rows[-16:]:  # next-fit over a small window keeps packing linear
+            if len(row[0]) + len(ids) <= seq_len:
+                row[0] += ids
+                row[1] += labels
+                break
+        else:
+            rows.append([list(ids), list(labels)])
+    out = torch.full((len(rows), 3, seq_len), 0, dtype=torch.long)
+    for r, (ids, labels) in enumerate(rows):
+        n = len(ids)
+        out[r, 0] = torch.tensor(ids + [pad_id] * (seq_len - n))
+        out[r, 1] = torch.tensor(labels + [IGNORE] * (seq_len - n))
+        out[r, 2, :n] = 1
+    return out  # [N, 3, S]
+
+
+def split_conversations(split: str, n: int, seed: int, boost_family: str = "", boost_share: float = 0.0):
+    """The conversations a run trains on: the default mixture, with `boost_share` of them from `boost_family`."""
+    boosted = random.Random(f"boost:{seed}")
+    for i in range(n):
+        yield conversation(split, i, seed, boost_family if boosted.random() < boost_share else None)
+
+
+def encode_split(tokenizer, split: str, n: int, seq_len: int, seed: int, boost_family: str = "",
+                 boost_share: float = 0.0) -> torch.Tensor:
+    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    convs = split_conversations(split, n, seed, boost_family, boost_share)
+    examples = [tokenize_with_mask(tokenizer, c.render()) for c in tqdm(convs, total=n, desc=f"tokenize {split}")]
+    random.Random(seed).shuffle(examples)
+    return pack(examples, seq_len, pad_id)
+
+
+def lm_loss(model, batch: torch.Tensor, autocast_bf16: bool = False,
+            all_tokens: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross-entropy on assistant tokens, or on all real tokens, and the router load-balancing loss)."""
+    labels = torch.where(batch[:, 2] == 1, batch[:, 0], IGNORE) if all_tokens else batch[:, 1]  # [B, S]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+        out = model(input_ids=batch[:, 0], labels=labels, attention_mask=batch[:, 2])
+    aux = out.aux_loss if out.aux_loss is not None else torch.zeros(())
+    return out.loss - model.config.router_aux_loss_coef * aux, aux
+
+
+@torch.no_grad()
+def evaluate(model, data: torch.Tensor, batch_size: int, autocast_bf16: bool = False) -> float:
+    """Token-weighted mean cross-entropy over the assistant tokens of `data`."""
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(data), batch_size):
+        batch = data[i:i + batch_size]
+        n = int((batch[:, 1, 1:] != IGNORE).sum())
+        ce, _ = lm_loss(model, batch, autocast_bf16)
+        total, count = total + float(ce) * n, count + n
+    model.train()
+    return total / max(count, 1)
+
+
+def progress_at(step: int, elapsed_s: float, cfg: TrainConfig) -> float:
+    """Fraction of training done: by steps, or by wall clock when a time budget is set (shared CPUs)."""
+    progress = step / cfg.steps
+    if cfg.time_budget_s > 0:
+        progress = max(progress, elapsed_s / cfg.time_budget_s)
+    return min(progress, 1.0)
+
+
+def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
+    """Linear warmup over `warmup_steps`, then cosine decay to `min_lr_ratio` over the remaining progress."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def save_loss_curve(history: dict, path: Path, random_loss: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*zip(*history["train"], strict=True), label=f"train ({history['loss_on']} tokens)", alpha=0.6)
+    ax.plot(*zip(*history["heldout"], strict=True), "o-", label="held-out (assistant tokens)")
+    ax.axhline(random_loss, color="grey", ls="--", label=f"random model ln(V) = {random_loss:.2f}")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title("moegate demo-moe training")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
+    torch.set_num_threads(2)
+    if cfg.init_from:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
+        model.config.output_router_logits = True
+        model.config.router_aux_loss_coef = cfg.router_aux_loss_coef
+        model.config._experts_implementation = cfg.experts_implementation
+        torch.manual_seed(cfg.seed)
+    else:
+        model = build_model(cfg, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"parameters: {n_params / 1e6:.2f}M", flush=True)
+    train_data = encode_split(tokenizer, "train", cfg.train_conversations, cfg.seq_len, cfg.seed,
+                              cfg.boost_family, cfg.boost_share)
+    eval_data = encode_split(tokenizer, "heldout", cfg.eval_conversations, cfg.seq_len, cfg.seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    history: dict = {"loss_on": cfg.loss_on, "train": [], "heldout": [], "aux": []}
+    gen = torch.Generator().manual_seed(cfg.seed)
+    order = torch.randperm(len(train_data), generator=gen)
+    start = time.time()
+    bar = tqdm(range(cfg.steps), desc="train")
+    warm_progress, steps_done = None, 0
+    for step in bar:
+        progress = progress_at(step, time.time() - start, cfg)
+        if progress >= 1.0:
+            break
+        if step == cfg.warmup_steps:
+            warm_progress = progress
+        # cosine over what is left after warmup
+        done = 0.0 if warm_progress is None else (progress - warm_progress) / max(1e-9, 1 - warm_progress)
+        idx = order[(torch.arange(cfg.batch_size) + step * cfg.batch_size) % len(order)]
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, done, cfg)
+        ce, aux = lm_loss(model, train_data[idx], cfg.autocast_bf16, cfg.loss_on == "all")
+        (ce + cfg.router_aux_loss_coef * aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        steps_done = step + 1
+        history["train"].append((step, float(ce)))
+        history["aux"].append((step, float(aux)))
+        bar.set_postfix(ce=f"{float(ce):.3f}", aux=f"{float(aux):.3f}")
+        if (step + 1) % cfg.eval_every == 0:
+            held = evaluate(model, eval_data, cfg.batch_size, cfg.autocast_bf16)
+            history["heldout"].append((step + 1, held))
+            print(f"step {step + 1}: train ce {float(ce):.4f} held-out ce {held:.4f} "
+                  f"elapsed {time.time() - start:.0f}s", flush=True)
+    seconds = time.time() - start
+    if not history["heldout"] or history["heldout"][-1][0] != steps_done:
+        history["heldout"].append((steps_done, evaluate(model, eval_data, cfg.batch_size, cfg.autocast_bf16)))
+    print(f"final held-out ce {history['heldout'][-1][1]:.4f} after {steps_done} steps, {seconds:.0f}s", flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.config.output_router_logits = False  # inference default; training turns it on
+    model.to(torch.bfloat16).save_pretrained(str(out_dir), safe_serialization=True)
+    random_loss = math.log(len(tokenizer))
+    save_loss_curve(history, out_dir / "loss_curve.png", random_loss)
+    tail = [loss for _, loss in history["train"][-50:]]
+    metrics = {"config": asdict(cfg), "parameters": n_params, "train_seconds": round(seconds, 1), "steps": steps_done,
+               "tokens_per_step": cfg.batch_size * cfg.seq_len, "train_rows": len(train_data),
+               "final_train_ce_last50": sum(tail) / len(tail), "final_heldout_ce": history["heldout"][-1][1],
+               "random_model_ce": random_loss, "history": history}
+    (out_dir / "training_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    return metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("engine/assets/demo-moe"))
+    parser.add_argument("--tokenizer", type=Path, help="directory with a trained tokenizer (else train one)")
+    for name, value in asdict(TrainConfig()).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        else:
+            parser.add_argument(flag, type=type(value), default=value)
+    args = parser.parse_args()
+    cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(TrainConfig())})
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from evals.demo.tokenizer_build import save_hf_tokenizer, train_tokenizer
+
+    if args.tokenizer is None:
+        texts = [c.render() for c in conversations("train", 20_000, cfg.seed)]
+        tok = train_tokenizer(texts, 4096)
+    else:
+        tok = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_hf_tokenizer(tok, args.out)
+    tokenizer = AutoTokenizer.from_pretrained(str(args.out))
+    metrics = train(cfg, args.out, tokenizer)
+    print(json.dumps({k: v for k, v in metrics.items() if k != "history"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
