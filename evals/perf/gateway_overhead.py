@@ -149,13 +149,16 @@ def _plot(path: Path, added: list[float], result: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="checkpoint directory (default: a tiny random qwen3_moe written to a temp dir)")
+    ap.add_argument("--model", help="checkpoint directory (default: the bundled demo model, else a tiny random one)")
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--endpoint", choices=["chat", "completions", "both"], default="both")
     ap.add_argument("--out", type=Path, default=Path("evals/out/gateway_overhead"))
     args = ap.parse_args()
     model = args.model
+    demo = Path(__file__).resolve().parents[2] / "engine" / "assets" / "demo-moe"
+    if model is None and (demo / "config.json").is_file():
+        model = str(demo)
     if model is None:
         from engine.random_checkpoint import write_random_checkpoint
 
