@@ -274,6 +274,7 @@ class LLMEngine:
         return list(self._seqs)
 
     # -- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()  # logits processors and the vocab mask edit the (inference-mode) logits in place
     def step(self) -> list[RequestOutput]:
         chunks = self.scheduler.schedule()
         if not chunks:

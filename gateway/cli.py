@@ -14,6 +14,7 @@ _SUBCOMMAND_MODULES = [
     "kernels.cli",
     "policies.cli",
     "gateway.audit_cli",
+    "gateway.serve_cli",
     "evals.cli",
 ]
 

@@ -58,7 +58,7 @@ class TokenizerInfo:
             spec.get("pre_tokenizer") or {}
         )
         u2b = _unicode_to_byte()
-        size = max([*vocab.values(), *self.special_ids.values(), -1]) + 1
+        size = max([*vocab.values(), *(int(t["id"]) for t in spec.get("added_tokens", [])), -1]) + 1
         out: list[bytes | None] = [None] * size
         for piece, i in vocab.items():
             if byte_level:
@@ -76,11 +76,16 @@ class TokenizerInfo:
         """Number of ids the tokenizer defines (the model's logits may be wider: padding)."""
         return len(self.token_bytes)
 
+    @functools.cached_property
+    def added_ids(self) -> dict[str, int]:
+        """Every added token (special or not: Qwen's `<tool_call>` is added with special=false)."""
+        return {t["content"]: int(t["id"]) for t in self._spec.get("added_tokens", [])}
+
     def token_id(self, special: str) -> int:
         try:
-            return self.special_ids[special]
+            return self.added_ids[special]
         except KeyError:
-            raise KeyError(f"tokenizer {self.path} has no special token {special!r}") from None
+            raise KeyError(f"tokenizer {self.path} has no added token {special!r}") from None
 
     @functools.cached_property
     def hf(self):

@@ -1,0 +1,215 @@
+"""The FastAPI app factory: the lifespan owns the engine, policy, stores, telemetry and audit log."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from gateway.deps import AppState
+from gateway.errors import APIError, install_handlers
+from gateway.metrics import Metrics
+from gateway.settings import Settings
+from policies.model import ModelEntry, Policy
+
+log = logging.getLogger(__name__)
+DEV_POLICY = Path(__file__).resolve().parent.parent / "policies" / "examples" / "dev.yaml"
+
+
+class FixedPolicy:
+    """The embedded default: policies/examples/dev.yaml serving `model_name`, any API key accepted."""
+
+    def __init__(self, model_name: str, model_dir: str):
+        from policies.loader import load_policy
+
+        base = load_policy(DEV_POLICY)
+        self.current: Policy = base.model_copy(update={"models": [ModelEntry(name=model_name, source=model_dir)]})
+
+
+def numerics_fingerprint(llm, settings: Settings, mode: str = "execution") -> str:
+    """`system_fingerprint`: the engine's numerics fingerprint for `mode` when it has one, else a hash of what
+    decides the numerics (config, weight files, tokenizer, dtype, device)."""
+    own = getattr(llm, "numerics_fingerprint", None)
+    if callable(own):
+        value = own(mode)
+        return value if value.startswith("fp_") else "fp_" + value.removeprefix("sha256:")[:16]
+    engine = llm.engine
+    h = hashlib.sha256()
+    model = Path(settings.model)
+    h.update((model / "config.json").read_bytes())
+    for f in sorted(model.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    h.update(str(getattr(engine.tokenizer, "fingerprint", "")).encode())
+    h.update(f"{settings.dtype}:{engine.device}".encode())
+    return "fp_" + h.hexdigest()[:16]
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over `limit` bytes with 413 (declared or streamed)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await _too_large(self.limit, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _too_large_error(self.limit)
+            return message
+
+        return await self.app(scope, limited, send)
+
+
+def _too_large_error(limit: int) -> APIError:
+    return APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+
+
+async def _too_large(limit: int, send) -> None:
+    import json
+
+    body = json.dumps(_too_large_error(limit).body()).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RequestMetrics:
+    """ASGI middleware: count answers by route and status, and their latency."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [500]
+        route = scope.get("path", "")
+        route = route if route.startswith("/v1/") or route in ("/health", "/metrics") else "other"
+
+        async def recording(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording)
+        finally:
+            self.metrics.requests.labels(route, str(status[0])).inc()
+            self.metrics.latency.labels(route).observe(time.perf_counter() - start)
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """The gateway app. The engine loads when the app starts (lifespan), not at import."""
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state, stop = await asyncio.to_thread(_start, settings, metrics)
+        app.state.moegate = state
+        watcher = None
+        if hasattr(state.policies, "watch_async"):
+            with contextlib.suppress(RuntimeError, ValueError, NotImplementedError):
+                state.policies.install_sighup(asyncio.get_running_loop())  # main thread only
+            watcher = asyncio.create_task(state.policies.watch_async(2.0))
+        try:
+            yield
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
+            await stop()
+
+    app = FastAPI(title="moegate", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible gateway with exploration/execution modes.")
+    install_handlers(app)
+    from gateway.routers import chat, completions, health, models
+
+    for r in (chat.router, completions.router, models.router, health.router):
+        app.include_router(r)
+    app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
+    app.add_middleware(RequestMetrics, metrics=metrics)
+    return app
+
+
+def _kv_dir(settings: Settings) -> Path:
+    """The prefix cache's disk tier: $MOEGATE_CACHE_DIR/kv when set (the engine's default), else <state_dir>/kv."""
+    import os
+
+    if os.environ.get("MOEGATE_CACHE_DIR"):
+        from engine.prefix_cache.hashing import default_disk_cache_dir
+
+        return default_disk_cache_dir()
+    return Path(settings.state_dir) / "kv"
+
+
+def _start(settings: Settings, metrics: Metrics):
+    from engine.async_engine import AsyncLLM
+    from engine.config import ModelConfig
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from gateway.audit import AuditLog
+    from gateway.generation import Generator
+    from gateway.stores import make_store
+    from gateway.structured.vocab import TokenizerInfo
+    from gateway.telemetry import setup_tracing
+    from policies.watch import PolicyHolder
+
+    if settings.policy_path:
+        policies, open_access = PolicyHolder(settings.policy_path), False
+        names = [m.name for m in policies.current.models]
+        if settings.model_name not in names:
+            raise ValueError(f"policy {settings.policy_path} does not list the served model "
+                             f"{settings.model_name!r} (it lists {names}); pass --model-name")
+    else:
+        policies, open_access = FixedPolicy(settings.model_name, settings.model), True
+        log.warning("no --config: embedded dev policy, every API key is accepted (tenant 'dev')")
+    policy = policies.current
+    top_k = ModelConfig.from_dir(Path(settings.model)).top_k
+    defer = min(policy.modes.exploration.deferral_depth, top_k // 2)  # the engine allows at most top_k/2
+    if defer != policy.modes.exploration.deferral_depth:
+        log.warning("policy deferral_depth %d clamped to %d for a top-%d model",
+                    policy.modes.exploration.deferral_depth, defer, top_k)
+    engine = LLMEngine(EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
+                                    kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
+                                    defer=defer,
+                                    disk_cache_dir=str(_kv_dir(settings)),
+                                    redis_url=settings.redis_url, progress=False))
+    if engine.tokenizer is None:
+        raise ValueError(f"{settings.model} has no tokenizer.json; the gateway needs one")
+    tok = TokenizerInfo.from_file(Path(settings.model) / "tokenizer.json", sorted(engine.eos_token_ids))
+    _ = tok.llg, tok.token_bytes  # build the constraint vocabulary once, before the first request
+    llm = AsyncLLM(engine)
+    store = make_store(settings.redis_url or "", policy.stores.on_unavailable)
+    Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
+    tel = setup_tracing("moegate", settings.otlp_endpoint, jsonl_path=settings.trace_path)
+    audit = AuditLog(settings.audit_path, fsync=policy.audit.fsync, fsync_interval_s=policy.audit.fsync_interval_s)
+    state = AppState(settings=settings, llm=llm, generator=Generator(llm, tok, settings.strict_retries),
+                     policies=policies, open_access=open_access, store=store, telemetry=tel, audit=audit,
+                     metrics=metrics, fingerprints={m: numerics_fingerprint(llm, settings, m) for m in ("exploration", "execution")}, created=int(time.time()))
+
+    async def stop() -> None:
+        await asyncio.to_thread(llm.shutdown)
+        with contextlib.suppress(Exception):
+            await store.close()
+        audit.close()
+        tel.shutdown()
+        if hasattr(policies, "stop"):
+            policies.stop()
+
+    return state, stop

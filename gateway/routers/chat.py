@@ -1,0 +1,133 @@
+"""POST /v1/chat/completions: chat template, plan, then a JSON response or an SSE stream."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from fastapi import APIRouter, Request
+
+from engine.chat_template import ChatTemplateError
+from gateway.deps import State, TenantDep
+from gateway.errors import bad_request
+from gateway.generation import Finished, SegmentFences, ToolCall
+from gateway.plan import chat_plan, dumps_args, policy_error, sql_target
+from gateway.schemas import ChatCompletion, ChatCompletionRequest, ErrorBody, Message, new_id
+from gateway.serving import Job, budget, resolve_policy, serve
+from policies.resolve import PolicyDenied
+
+ROUTE = "/v1/chat/completions"
+router = APIRouter()
+_ERRORS = {s: {"model": ErrorBody} for s in (400, 401, 403, 404, 413, 429, 500, 503, 504)}
+
+
+def _template_messages(messages: list[Message]) -> list[dict]:
+    out = []
+    for m in messages:
+        d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.name:
+            d["name"] = m.name
+        if getattr(m, "tool_call_id", None):
+            d["tool_call_id"] = m.tool_call_id
+        if getattr(m, "tool_calls", None):
+            calls = []
+            for c in m.tool_calls:
+                try:
+                    args = json.loads(c.function.arguments)
+                except json.JSONDecodeError:
+                    raise bad_request(f"tool call {c.id} arguments are not JSON", "messages") from None
+                calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
+            d["tool_calls"] = calls
+        out.append(d)
+    return out
+
+
+def call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _message(text: str, calls: list[ToolCall]) -> dict:
+    tool_calls = [{"id": call_id(), "type": "function",
+                   "function": {"name": c.name, "arguments": dumps_args(c.arguments)}} for c in calls]
+    return {"role": "assistant", "content": text if (text or not calls) else None,
+            "tool_calls": tool_calls or None, "refusal": None}
+
+
+def shape(rid: str, created: int, results: list[tuple[str, list[ToolCall], Finished]], fingerprint: str,
+          model: str, prompt_tokens: int) -> dict:
+    choices = [{"index": i, "message": _message(text, calls), "finish_reason": fin.reason, "logprobs": None}
+               for i, (text, calls, fin) in enumerate(results)]
+    completion = sum(f.completion_tokens for _, _, f in results)
+    ext = {"choices": [{"decisions": [d.to_dict() for d in f.decisions], "validations": f.validations,
+                        "retries": f.retries} for _, _, f in results]}
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                      "total_tokens": prompt_tokens + completion},
+            "system_fingerprint": fingerprint, "moegate": ext}
+
+
+class ChatChunker:
+    """SSE chunks of one streamed choice (`chat.completion.chunk`)."""
+
+    def __init__(self, rid: str, created: int, model: str, fingerprint: str):
+        self.base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "system_fingerprint": fingerprint}
+
+    def _chunk(self, delta: dict, finish: str | None = None, **extra) -> dict:
+        return {**self.base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+                **extra}
+
+    def start(self) -> dict:
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def text(self, text: str) -> dict:
+        return self._chunk({"content": text})
+
+    def tool_call(self, index: int, call: ToolCall) -> list[dict]:
+        head = {"index": index, "id": call_id(), "type": "function", "function": {"name": call.name, "arguments": ""}}
+        return [self._chunk({"tool_calls": [head]}),
+                self._chunk({"tool_calls": [{"index": index, "function": {"arguments": dumps_args(call.arguments)}}]})]
+
+    def finish(self, fin: Finished) -> dict:
+        ext = {"decisions": [d.to_dict() for d in fin.decisions], "validations": fin.validations,
+               "retries": fin.retries}
+        return self._chunk({}, fin.reason, moegate=ext)
+
+    def usage(self, prompt: int, completion: int) -> dict:
+        return {**self.base, "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                                      "total_tokens": prompt + completion}}
+
+
+@router.post(ROUTE, response_model=ChatCompletion, responses=_ERRORS)
+async def chat_completions(body: ChatCompletionRequest, request: Request, state: State, tenant: TenantDep):
+    """OpenAI chat completions; `response_format.type = "sql"` is moegate's SQL extension."""
+    rp = resolve_policy(state, tenant, ROUTE, body.model)
+    if body.stream and body.n > 1:
+        raise bad_request("n > 1 is not supported with stream=true", "n", "unsupported_parameter")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    tok = state.llm.tokenizer
+    try:
+        prompt_text = tok.apply_chat_template(_template_messages(body.messages), tools=tools or None)
+    except ChatTemplateError as e:
+        raise bad_request(f"cannot render the conversation: {e}", "messages") from None
+    prompt_ids = tok.encode(prompt_text)
+    requested = body.max_completion_tokens or body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    max_tokens = budget(state, rp, len(prompt_ids), requested, param)
+    try:
+        plan = chat_plan(body, prompt_ids, rp, state.generator.tok, state.llm.engine.model_config.vocab_size,
+                         max_tokens)
+        fences = SegmentFences(plan.tools)
+        if body.moegate is not None and body.moegate.sql is not None:
+            fences.sql = sql_target(body.moegate.sql, rp)
+    except PolicyDenied as e:
+        raise policy_error(e) from None
+    rid = new_id("chatcmpl")
+    job = Job(ROUTE, "chat", body.model, plan, body.stream,
+              bool(body.stream_options and body.stream_options.include_usage),
+              audit_input=json.dumps([m.model_dump(exclude_none=True) for m in body.messages], ensure_ascii=False),
+              fences=fences, chunker=ChatChunker,
+              extra={"user": body.user} if body.user else {},
+              shape=lambda rid, created, results, fp: shape(rid, created, results, fp, body.model, len(prompt_ids)))
+    return await serve(state, request, tenant, rp, job, rid)
+

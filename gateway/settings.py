@@ -1,0 +1,89 @@
+"""Gateway settings: a frozen dataclass built from CLI flags and environment, checked once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "engine" / "assets" / "demo-moe"
+DEFAULT_MODEL_NAME = "moegate-demo"
+
+
+class ModelNotFound(FileNotFoundError):
+    """No model directory to serve."""
+
+
+def default_state_dir() -> Path:
+    if os.environ.get("MOEGATE_STATE_DIR"):
+        return Path(os.environ["MOEGATE_STATE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moegate"
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str  # checkpoint directory
+    model_name: str = DEFAULT_MODEL_NAME  # the id clients send as `model`
+    policy_path: str | None = None  # None: the embedded permissive dev policy (any API key)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"
+    dtype: str = "float32"
+    kv_cache_gib: float = 0.5
+    max_num_seqs: int = 32
+    max_queue: int = 64  # requests in flight (all tenants) before answering 429
+    max_request_bytes: int = 2_000_000
+    request_timeout_s: float = 300.0
+    strict_retries: int = 1  # regenerations (greedy, constrained) after a failed validation
+    state_dir: Path = field(default_factory=default_state_dir)  # audit log and trace file
+    redis_url: str | None = None
+    otlp_endpoint: str | None = None
+    trace_file: bool = True
+
+    def __post_init__(self) -> None:
+        if not (Path(self.model) / "config.json").is_file():
+            raise ModelNotFound(f"{self.model} is not a model directory (no config.json)")
+        if self.max_queue < 1 or self.max_request_bytes < 1 or self.request_timeout_s <= 0:
+            raise ValueError("max_queue, max_request_bytes and request_timeout_s must be positive")
+        if self.strict_retries < 0:
+            raise ValueError(f"strict_retries must be >= 0, got {self.strict_retries}")
+        object.__setattr__(self, "state_dir", Path(self.state_dir))
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port out of range: {self.port}")
+
+    @property
+    def audit_path(self) -> Path:
+        return Path(self.state_dir) / "audit.jsonl"
+
+    @property
+    def trace_path(self) -> Path | None:
+        return Path(self.state_dir) / "traces.jsonl" if self.trace_file else None
+
+
+def resolve_model_dir(model: str | None) -> str:
+    """--model, else $MOEGATE_MODEL, else the bundled demo model; a clear error when none exists."""
+    chosen = model or os.environ.get("MOEGATE_MODEL")
+    if chosen:
+        return chosen
+    if (DEMO_MODEL_DIR / "config.json").is_file():
+        return str(DEMO_MODEL_DIR)
+    raise ModelNotFound(
+        f"no model to serve: the bundled demo model is not installed at {DEMO_MODEL_DIR}. Pass --model DIR "
+        "(a Hugging Face MoE checkpoint directory) or create one with "
+        "`moegate model init-random --arch qwen3_moe --preset tiny --out DIR`.")
+
+
+def from_env(**overrides) -> Settings:
+    """Settings from MOEGATE_* / REDIS_URL / OTEL_EXPORTER_OTLP_ENDPOINT, then explicit overrides."""
+    env = os.environ
+    values: dict = {
+        "redis_url": env.get("REDIS_URL") or None,
+        "otlp_endpoint": env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+    }
+    if env.get("MOEGATE_POLICY"):
+        values["policy_path"] = env["MOEGATE_POLICY"]
+    if env.get("MOEGATE_DEVICE"):
+        values["device"] = env["MOEGATE_DEVICE"]
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    values["model"] = resolve_model_dir(values.get("model"))
+    return Settings(**values)

@@ -1,0 +1,99 @@
+"""A real gateway on loopback (uvicorn in a thread) over a tiny random checkpoint and a test policy."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from policies.model import hash_api_key
+
+KEY_ALPHA, KEY_BETA, KEY_GAMMA = "sk-test-alpha-0123456789", "sk-test-beta-0123456789", "sk-test-gamma-0123456789"
+POLICY = f"""
+version: 1
+id: gateway-test
+models:
+  - name: moegate-demo
+routes:
+  - path: /v1/chat/completions
+  - path: /v1/completions
+tenants:
+  - id: alpha
+    api_keys: [{{hash: "{hash_api_key(KEY_ALPHA)}"}}]
+    allowed_tools: ["*"]
+    databases: [market]
+  - id: beta
+    api_keys: [{{hash: "{hash_api_key(KEY_BETA)}"}}]
+    routes: [/v1/completions]
+    allowed_tools: [get_quote]
+  - id: gamma
+    api_keys: [{{hash: "{hash_api_key(KEY_GAMMA)}"}}]
+    limits: {{requests_per_min: 2, request_burst: 2}}
+modes:
+  exploration: {{precision: fast, deferral_depth: 2}}
+  execution: {{precision: fast, deferral_depth: 0}}
+precision_profiles:
+  fast: {{routed_experts: int4}}
+databases:
+  market: {{dialect: sqlite, allowed_tables: [prices], row_limit: 100}}
+limits:
+  max_tokens: 256
+audit: {{level: full, fsync: never}}
+stores: {{on_unavailable: fail_open}}
+"""
+
+
+@dataclass
+class Server:
+    url: str
+    app: object
+    state_dir: Path
+    key_alpha: str = KEY_ALPHA  # tenant alpha: every tool, database `market`
+    key_beta: str = KEY_BETA  # tenant beta: /v1/completions only, tool get_quote
+    key_gamma: str = KEY_GAMMA  # tenant gamma: 2 requests per minute
+
+    @property
+    def state(self):
+        return self.app.state.moegate
+
+    def client(self, key: str = KEY_ALPHA, **kw):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60, **kw)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def gateway_server(tiny_checkpoint, tmp_path_factory) -> Server:
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.settings import Settings
+
+    tmp = tmp_path_factory.mktemp("gateway")
+    (tmp / "policy.yaml").write_text(POLICY)
+    settings = Settings(model=str(tiny_checkpoint()), policy_path=str(tmp / "policy.yaml"), port=free_port(),
+                        device="cpu", kv_cache_gib=0.05, max_queue=3, max_request_bytes=100_000,
+                        request_timeout_s=60, state_dir=tmp / "state", otlp_endpoint=None)
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning",
+                                          lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the gateway did not start")
+        time.sleep(0.05)
+    yield Server(f"http://127.0.0.1:{settings.port}", app, tmp / "state")
+    server.should_exit = True
+    thread.join(30)
