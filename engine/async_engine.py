@@ -109,7 +109,7 @@ class AsyncLLM:
                     for out in self.engine.step():
                         stream = self._streams.get(out.request_id)
                         if stream is not None:
-                            stream.put(out)
+                            stream.put(EngineError(out.error) if out.error else out)
             except Exception as exc:  # noqa: BLE001 - a broken step must fail its requests, not hang them
                 log.exception("engine step failed")
                 self._fail_all(exc)

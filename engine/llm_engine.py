@@ -21,7 +21,7 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.prefix_cache import BlockHasher, PrefixCacheConfig, PrefixCacheManager, model_fingerprint
 from engine.prefix_cache.entry import EntryCodec
-from engine.sampler import sample
+from engine.sampler import SamplingError, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
@@ -86,7 +86,8 @@ class RequestOutput:
     new_token_ids: list[int]  # since the previous output of this request
     new_text: str
     finished: bool
-    finish_reason: str | None  # stop | length | abort
+    finish_reason: str | None  # stop | length | abort | error
+    error: str | None = None  # why the request failed (finish_reason "error")
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     cache_hits: dict[str, int] | None = None  # blocks served per tier (device, ram, disk, redis)
 
@@ -260,6 +261,12 @@ class LLMEngine:
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
+    def _fail(self, seq: Sequence, message: str) -> None:
+        log.warning("request %s failed: %s", seq.request_id, message)
+        seq.error = message
+        self.scheduler.finish(seq, "error")
+        self._seqs.pop(seq.request_id, None)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self._seqs.pop(request_id, None)
         if seq is None or seq.is_finished:
@@ -288,6 +295,10 @@ class LLMEngine:
         tokens = sample(logits, sampling, self.vocab_limit) if sampling else []
         outputs = []
         for seq, token in zip(sampling, tokens, strict=True):
+            if isinstance(token, SamplingError):
+                self._fail(seq, str(token))
+                outputs.append(self._output(seq))
+                continue
             seq.output_token_ids.append(token)
             reason = self._check_stop(seq, token)
             if reason is None and token in seq.params.mode_triggers:
@@ -334,6 +345,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
             cache_hits=dict(seq.cache_hits),
+            error=seq.error,
         )
 
 

@@ -29,6 +29,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrival))
     num_preemptions: int = 0
     mode: str = "exploration"  # exploration | execution (strict: exact profile, no deferral, batch-invariant)

@@ -83,3 +83,26 @@ def test_stop_strings_and_stop_token_ids(tiny_checkpoint):
                                                   stop_token_ids=[free.token_ids[5]]))[0]
     first = free.token_ids.index(free.token_ids[5])
     assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[: first + 1]
+
+
+def test_one_failing_request_does_not_fail_its_batch(hf_checkpoint):
+    llm = LLM(hf_checkpoint("qwen3_moe"), num_kv_blocks=64, block_size=4, progress=False)
+    engine = llm.engine
+
+    def breaks_at_third(generated, row):
+        if len(generated) == 2:
+            raise ValueError("grammar exhausted")
+        return row
+
+    engine.add_request("ok", _prompts()[0], SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.add_request("bad", _prompts()[1], SamplingParams(max_tokens=6, ignore_eos=True,
+                                                            logits_processors=[breaks_at_third]))
+    final = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert final["bad"].finish_reason == "error" and "grammar exhausted" in final["bad"].error
+    assert len(final["bad"].token_ids) == 2
+    assert final["ok"].finish_reason == "length" and len(final["ok"].token_ids) == 6
+    assert engine.blocks.num_free == 64

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import apply_top_k_top_p, sample
+from engine.sampler import SamplingError, apply_top_k_top_p, sample
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -42,12 +42,18 @@ def test_seeded_sampling_is_reproducible_and_temperature_matters():
     assert cold == {int(logits.argmax())}
 
 
-def test_everything_masked_is_an_error():
+def test_a_failing_row_fails_alone():
     def none(generated, row):
         return torch.full_like(row, float("-inf"))
 
-    with pytest.raises(RuntimeError, match="no token is allowed"):
-        sample(torch.zeros(1, 4), [_seq(logits_processors=[none])])
+    def broken(generated, row):
+        raise ValueError("constraint state corrupted")
+
+    out = sample(torch.zeros(4, 4), [_seq(logits_processors=[none]), _seq(), _seq(logits_processors=[broken]),
+                                     _seq(temperature=1e-30, top_p=5e-324)])
+    assert isinstance(out[0], SamplingError) and "no token is allowed" in str(out[0])
+    assert out[1] == 0 and out[3] == 0  # a vanishing temperature samples like greedy
+    assert isinstance(out[2], SamplingError) and "constraint state corrupted" in str(out[2])
 
 
 def test_invalid_params_are_rejected():
