@@ -30,6 +30,7 @@ class PlacementConfig:
     fast_format: str = "bf16"  # exploration profile of every MoE layer
     exact_format: str = "bf16"  # execution profile of the formatting layers
     formatting_layers: int = 0  # last N MoE layers use exact_format in execution mode
+    execution_format: str | None = None  # execution profile of the other layers (None: fast_format)
     mixed_hot_fraction: float = 0.0  # share of most-routed experts kept at exact_format in the fast profile
     hot_experts: int = 0  # experts per layer resident on the fast device (CUDA only)
     hot_strategy: str = "uniform"  # uniform | frequency
@@ -37,7 +38,9 @@ class PlacementConfig:
     pack_cache_dir: str | None = None  # where packed experts are cached; None: no cache
 
     def __post_init__(self) -> None:
-        for name in ("fast_format", "exact_format"):
+        for name in ("fast_format", "exact_format", "execution_format"):
+            if name == "execution_format" and self.execution_format is None:
+                continue
             if getattr(self, name) not in EXPERT_FORMATS:
                 raise ValueError(f"{name} must be one of {EXPERT_FORMATS}, got {getattr(self, name)!r}")
         if self.formatting_layers < 0 or self.hot_experts < 0:
@@ -51,6 +54,8 @@ class PlacementConfig:
 
     def describe(self) -> str:
         parts = [f"experts {self.fast_format}"]
+        if self.execution_format and self.execution_format != self.fast_format:
+            parts.append(f"execution: experts {self.execution_format}")
         if self.formatting_layers:
             parts.append(f"execution: last {self.formatting_layers} MoE layers {self.exact_format}")
         if self.mixed_hot_fraction:
@@ -124,7 +129,7 @@ def build_layer_experts(
     n = cfg.num_experts
     if stats is not None and (len(stats) != len(moe_layers) or any(len(r) != n for r in stats)):
         raise ValueError(f"{placement.stats_file}: expected counts for {len(moe_layers)} MoE layers x {n} experts")
-    formatting = set(moe_layers[len(moe_layers) - placement.formatting_layers :]) if placement.formatting_layers else set()
+    formatting = set(moe_layers[max(0, len(moe_layers) - placement.formatting_layers) :])
     hot_on_device = placement.hot_experts if fast_device.type == "cuda" else 0
     if placement.hot_experts and not hot_on_device:
         log.info("hot experts requested but the fast device is the CPU: all experts stay in CPU memory")
@@ -156,7 +161,13 @@ def build_layer_experts(
 
         high = list(mixed_plan.hot[j]) if mixed_plan else []
         fast = shards(placement.fast_format, high, placement.exact_format)
-        exact = shards(placement.exact_format, [], placement.exact_format) if i in formatting else fast
+        base = placement.execution_format or placement.fast_format
+        if i in formatting:
+            exact = shards(placement.exact_format, [], placement.exact_format)
+        elif base != placement.fast_format:
+            exact = shards(base, [], base)
+        else:
+            exact = fast
         layers[i] = LayerExperts(fast, exact, counts=torch.zeros(n, dtype=torch.long))
         # The raw weights are no longer needed: the shards hold (quantized) copies.
         experts.gate_up_proj = torch.nn.Parameter(torch.empty(0), requires_grad=False)

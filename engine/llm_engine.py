@@ -190,7 +190,8 @@ class LLMEngine:
             "model": self._identity,
             "dtype": c.dtype,
             "experts": None if p is None else (
-                [p.exact_format, p.formatting_layers] if mode == "execution" else [p.fast_format, p.mixed_hot_fraction]
+                [p.execution_format or p.fast_format, p.exact_format, p.formatting_layers] if mode == "execution"
+                else [p.fast_format, p.mixed_hot_fraction]
             ),
             "hot": None if p is None else [p.fast_format, p.hot_experts, p.hot_strategy],
             "lm_head": "fp32" if mode == "execution" and c.exact_lm_head else c.dtype,
