@@ -30,7 +30,8 @@ def _moegate(model: str, fmt: str, dense: str, prompt: list[int], decode: int, d
 
     placement = PlacementConfig(fast_format=fmt, exact_format=fmt, pack_cache_dir=pack_dir)
     t = time.perf_counter()
-    llm = LLM(model, dtype=dense, placement=placement, defer=defer, num_kv_blocks=64, progress=False)
+    llm = LLM(model, dtype=dense, placement=placement, defer=defer, num_kv_blocks=64, prefix_cache=False,
+              progress=False)  # no prefix cache: every prefill is computed
     load_s = time.perf_counter() - t
     one = SamplingParams(max_tokens=1)
     llm.generate([prompt[:16]], one)  # warm-up (kernel build / first-touch)

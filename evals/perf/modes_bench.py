@@ -41,7 +41,7 @@ def _llm(model: str, defer: int, fmt: str, formatting_layers: int):
     from engine.llm_engine import LLM
 
     placement = PlacementConfig(fast_format=fmt, exact_format="bf16", formatting_layers=formatting_layers)
-    return LLM(model, placement=placement, defer=defer, num_kv_blocks=256, progress=False)
+    return LLM(model, placement=placement, defer=defer, num_kv_blocks=256, prefix_cache=False, progress=False)
 
 
 def _prompts(llm, n: int) -> list[list[int]]:
