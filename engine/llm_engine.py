@@ -46,6 +46,7 @@ class EngineConfig:
     placement: PlacementConfig | None = None  # None: routed experts unpacked, torch reference compute
     defer: int = 0  # exploration: experts per token deferred to the next MoE layer (0 = strict)
     exact_lm_head: bool = False  # execution mode computes logits with an fp32 copy of lm_head
+    fast_lm_head: str | None = None  # exploration lm_head: None (model dtype), "bf16" or "int8"
     progress: bool = True
     # Prefix cache. The device tier (the KV pool) is on unless prefix_cache=False; RAM, disk and redis
     # hold demoted blocks. The library writes no disk cache unless told where (`moegate serve` passes
@@ -115,6 +116,10 @@ class LLMEngine:
                 model.model.layers[i].mlp.experts.packed = le
         if config.exact_lm_head:
             model.exact_lm_head = model.lm_head.weight.detach().float().clone()
+        if config.fast_lm_head:
+            from engine.models.causal_lm import QuantizedLMHead
+
+            model.fast_lm_head = QuantizedLMHead(model.lm_head.weight, config.fast_lm_head)
         self._identity = _model_identity(model_dir)
         spec = (
             KVCacheSpec(config.num_kv_blocks, config.block_size)
@@ -194,7 +199,7 @@ class LLMEngine:
                 else [p.fast_format, p.mixed_hot_fraction]
             ),
             "hot": None if p is None else [p.fast_format, p.hot_experts, p.hot_strategy],
-            "lm_head": "fp32" if mode == "execution" and c.exact_lm_head else c.dtype,
+            "lm_head": ("fp32" if c.exact_lm_head else c.dtype) if mode == "execution" else (c.fast_lm_head or c.dtype),
             "defer": 0 if mode == "execution" else c.defer,
             "chunk": c.max_num_batched_tokens if mode == "execution" else None,
         }

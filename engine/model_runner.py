@@ -99,6 +99,8 @@ class ModelRunner:
         hidden = self.model(batch, self.kv_caches)  # [T, H]
         if batch.logits_rows.numel() == 0:
             return torch.empty(0, self.model.config.vocab_size)
+        if self.device.type == "cpu" and torch.get_num_threads() != self.max_threads:
+            torch.set_num_threads(self.max_threads)  # lm_head streams [V, H]: worth every core
         return self.model.compute_logits(hidden[batch.logits_rows], exact=batch.exact).cpu()
 
     def shutdown(self) -> None:

@@ -42,16 +42,15 @@ def placement_from_policy(policy: Policy):
     if fast.formatting_layers:
         log.warning("exploration profile sets formatting_layers=%d: formatting layers apply to execution only",
                     fast.formatting_layers)
-    for mode, prof, supported in (("exploration", fast, ("bf16",)), ("execution", exact, ("bf16", "fp32"))):
-        if prof.lm_head not in supported:
-            log.warning("%s lm_head %s is not available: lm_head stays in the model dtype", mode, prof.lm_head)
+    if exact.lm_head == "int8":
+        log.warning("execution lm_head int8 is not available: execution keeps the model's lm_head")
     placement = PlacementConfig(
         fast_format=fast.routed_experts,
         execution_format=exact.routed_experts,
         exact_format=exact.formatting_dtype,
         formatting_layers=exact.formatting_layers,
     )
-    return placement, exact.lm_head == "fp32"
+    return placement, exact.lm_head == "fp32", fast.lm_head if fast.lm_head in ("int8", "bf16") else None
 
 
 def numerics_fingerprint(llm, settings: Settings, mode: str = "execution") -> str:
@@ -206,10 +205,11 @@ def _start(settings: Settings, metrics: Metrics):
     if defer != policy.modes.exploration.deferral_depth:
         log.warning("policy deferral_depth %d clamped to %d for a top-%d model",
                     policy.modes.exploration.deferral_depth, defer, top_k)
-    placement, exact_lm_head = placement_from_policy(policy)
+    placement, exact_lm_head, fast_lm_head = placement_from_policy(policy)
     engine = LLMEngine(EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
                                     kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
                                     defer=defer, placement=placement, exact_lm_head=exact_lm_head,
+                                    fast_lm_head=fast_lm_head,
                                     disk_cache_dir=str(_kv_dir(settings)),
                                     redis_url=settings.redis_url, progress=False))
     if engine.tokenizer is None:

@@ -56,6 +56,7 @@ class MoeForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.exact_lm_head: torch.Tensor | None = None  # fp32 copy used in execution mode, if set
+        self.fast_lm_head: QuantizedLMHead | None = None  # int8 / bf16 copy used in exploration, if set
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Runs the stack over the batch's new tokens, writing their KV; returns hidden [T, H]."""
@@ -67,7 +68,36 @@ class MoeForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor, exact: bool = False) -> torch.Tensor:
-        """hidden [S, H] -> fp32 logits [S, V] (execution mode may use a higher-precision lm_head)."""
-        if exact and self.exact_lm_head is not None:
-            return torch.nn.functional.linear(hidden.float(), self.exact_lm_head)
+        """hidden [S, H] -> fp32 logits [S, V]: execution may use a higher-precision lm_head, exploration
+        a cheaper one (decode streams the whole [V, H] matrix once per step)."""
+        if exact:
+            if self.exact_lm_head is not None:
+                return torch.nn.functional.linear(hidden.float(), self.exact_lm_head)
+        elif self.fast_lm_head is not None:
+            return self.fast_lm_head(hidden)
         return self.lm_head(hidden).float()
+
+
+class QuantizedLMHead:
+    """lm_head in bf16, or int8 with one scale per vocabulary row (torch's int8 weight-only matmul)."""
+
+    def __init__(self, weight: torch.Tensor, fmt: str) -> None:
+        if fmt not in ("bf16", "int8"):
+            raise ValueError(f"lm_head format must be bf16 or int8, got {fmt!r}")
+        self.fmt = fmt
+        w = weight.detach().float()  # [V, H]
+        if fmt == "bf16":
+            self.weight = w.bfloat16()
+        else:
+            self.scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [V]
+            self.weight = torch.round(w / self.scales[:, None]).clamp(-127, 127).to(torch.int8)
+            self.scales = self.scales.bfloat16()
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, H] -> fp32 logits [S, V]."""
+        x = hidden.bfloat16()
+        if self.fmt == "bf16":
+            return torch.nn.functional.linear(x, self.weight).float()
+        if x.device.type == "cpu":
+            return torch._weight_int8pack_mm(x, self.weight, self.scales).float()
+        return (torch.nn.functional.linear(x, self.weight.to(x.dtype)) * self.scales).float()

@@ -174,3 +174,16 @@ def test_mode_triggers_switch_at_the_token_boundary(ckpt):
     # switched right after the opener was sampled; back once the closer was sampled (if it still is)
     assert seq.mode_switches[0] == (free.index(opener) + 1, "execution")
     assert all(m in ("execution", "exploration") for _, m in seq.mode_switches)
+
+
+def test_fast_lm_head_serves_exploration_only(ckpt):
+    prompt = _prompts(1, 21)[0]
+    rows = {}
+    for head in (None, "int8"):
+        llm = _llm(ckpt, fast_lm_head=head)
+        recs = {m: Recorder() for m in ("exploration", "execution")}
+        _run(llm, [(m, prompt, SamplingParams(max_tokens=1, logits_processors=[r]), m) for m, r in recs.items()])
+        rows[head] = {m: r.rows[0] for m, r in recs.items()}
+    assert torch.equal(rows[None]["execution"], rows["int8"]["execution"])  # execution keeps its lm_head
+    diff = (rows[None]["exploration"] - rows["int8"]["exploration"]).abs().max().item()
+    assert 0 < diff < 0.05 * rows[None]["exploration"].abs().max().item()  # int8 rows: close, not equal
