@@ -21,23 +21,12 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from evals.perf.common import cpu_busy_fraction
 from kernels import build, fused_moe, kernel_variant, pack_experts
 from kernels.cpu_features import detect
 
 H, I, E, TOPK = 1024, 512, 64, 8  # noqa: E741 (the DESIGN.md notation)
 WORKING_SET = 768 << 20  # bytes per format: >> 32 MiB L3
-
-
-def cpu_busy_fraction(seconds: float = 1.0) -> float:
-    """Fraction of all CPUs busy over ``seconds`` (from /proc/stat): other sessions' load."""
-    def snap() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            vals = [int(v) for v in f.readline().split()[1:]]
-        return sum(vals), vals[3] + vals[4]
-    t0, i0 = snap()
-    time.sleep(seconds)
-    t1, i1 = snap()
-    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
 
 
 def stream_triad(threads: int, n: int = 1 << 26) -> dict[str, float]:

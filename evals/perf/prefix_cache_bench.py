@@ -24,21 +24,10 @@ from tqdm.auto import tqdm
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.random_checkpoint import write_random_checkpoint
 from engine.sampling_params import SamplingParams
+from evals.perf.common import cpu_busy_fraction
 
 MODEL = dict(hidden_size=512, num_layers=4, num_experts=16, top_k=4, moe_intermediate_size=256,
              num_heads=8, num_kv_heads=2, vocab="bpe", dtype="float32", seed=0)
-
-
-def cpu_busy_fraction(seconds: float = 1.0) -> float:
-    """Fraction of all CPUs busy over `seconds` (/proc/stat): other sessions' load during the run."""
-    def snap() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            vals = [int(v) for v in f.readline().split()[1:]]
-        return sum(vals), vals[3] + vals[4]
-    t0, i0 = snap()
-    time.sleep(seconds)
-    t1, i1 = snap()
-    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
 
 
 def tokens(n: int, seed: int, vocab: int) -> list[int]:
