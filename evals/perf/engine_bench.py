@@ -145,10 +145,11 @@ def main(argv: list[str] | None = None) -> dict:
             ratios[f"{name}/transformers-bf16 decode"] = r["decode_tok_s"] / base["decode_tok_s"]
             ratios[f"{name}/transformers-bf16 prefill"] = r["prefill_tok_s"] / base["prefill_tok_s"]
     for q, fmt in (("Q4_0", "int4"), ("Q8_0", "int8")):
-        peer, ours = runs.get(f"llama.cpp-{q}", {}), runs.get(f"moegate-{fmt}", {})
-        if "decode_tok_s" in peer and "decode_tok_s" in ours:
-            ratios[f"moegate-{fmt}/llama.cpp-{q} decode"] = ours["decode_tok_s"] / peer["decode_tok_s"]
-            ratios[f"moegate-{fmt}/llama.cpp-{q} prefill"] = ours["prefill_tok_s"] / peer["prefill_tok_s"]
+        peer = runs.get(f"llama.cpp-{q}", {})
+        for name, ours in runs.items():
+            if name.split("+")[0] == f"moegate-{fmt}" and "decode_tok_s" in peer and "decode_tok_s" in ours:
+                ratios[f"{name}/llama.cpp-{q} decode"] = ours["decode_tok_s"] / peer["decode_tok_s"]
+                ratios[f"{name}/llama.cpp-{q} prefill"] = ours["prefill_tok_s"] / peer["prefill_tok_s"]
     result = {"model": model, "prompt_len": args.prompt_len, "decode": args.decode, "threads": threads,
               "dense_dtype": args.dense, "machine": info, "runs": runs, "ratios": ratios,
               "busy_after": machine_info()["cpu_busy_fraction"]}
