@@ -31,3 +31,15 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return cache[key]
 
     return make
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a free loopback port (skips without the binary); killed afterwards."""
+    from tests.gateway.redis_process import RedisProcess
+
+    server = RedisProcess(tmp_path)
+    server.start()
+    yield server
+    server.kill()
+

@@ -9,17 +9,8 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.prefix_cache.entry import EntryCodec
 from engine.prefix_cache.redis_tier import RedisTier
 from engine.sampling_params import SamplingParams
-from tests.gateway.redis_process import RedisProcess
 
 pytestmark = pytest.mark.redis
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisProcess(tmp_path)
-    server.start()
-    yield server
-    server.kill()
 
 
 def _generate(engine: LLMEngine, prompt: list[int]):

@@ -4,20 +4,11 @@ import asyncio
 import time
 
 import pytest
-from redis_process import RedisProcess
 
 from gateway.stores import IdemState, StoredResponse, StoreUnavailable
 from gateway.stores.redis_store import RedisStore
 
 pytestmark = pytest.mark.redis
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisProcess(tmp_path)
-    server.start()
-    yield server
-    server.kill()
 
 
 def test_limits_are_atomic_across_replicas(redis_server):
