@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "moe_cpu.cpp"
 _COMMON_FLAGS = ["-O3", "-std=c++17", "-pthread", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
 VARIANT_FLAGS = {
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "generic": [],
 }
@@ -105,6 +106,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.moegate_fused_moe.restype = ctypes.c_int
     lib.moegate_fused_moe.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i64, i64,
                                       p, p, p, p, p, p, ctypes.c_int]
+    lib.moegate_linear.restype = ctypes.c_int
+    lib.moegate_linear.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, p, ctypes.c_int]
     lib.moegate_is_avx2.restype = ctypes.c_int
+    lib.moegate_is_vnni.restype = ctypes.c_int
     lib.moegate_stream_triad.restype = ctypes.c_double
     lib.moegate_stream_triad.argtypes = [p, p, p, i64, ctypes.c_int, ctypes.c_int]

@@ -6,8 +6,9 @@ import functools
 import platform
 from dataclasses import dataclass
 
-_FLAG_NAMES = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f",
-               "avx512_vnni": "avx512_vnni", "avx512_bf16": "avx512_bf16", "amx": "amx_tile"}
+_FLAG_NAMES = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f", "avx512bw": "avx512bw",
+               "avx512vl": "avx512vl", "avx512_vnni": "avx512_vnni", "avx512_bf16": "avx512_bf16",
+               "amx": "amx_tile"}
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,8 @@ class CpuFeatures:
     fma: bool = False
     f16c: bool = False
     avx512f: bool = False
+    avx512bw: bool = False
+    avx512vl: bool = False
     avx512_vnni: bool = False
     avx512_bf16: bool = False
     amx: bool = False
@@ -45,12 +48,13 @@ def detect() -> CpuFeatures:
 
 
 def select_variant(features: CpuFeatures) -> str:
-    """Kernel variant for these features: "avx2" (AVX2 + FMA + F16C, x86-64) or "generic".
-
-    AVX-512 machines run the AVX2 variant: at M <= 8 the kernel is memory-bound, and the 256-bit
-    path is the one measured and tested here.
+    """Kernel variant for these features: "avx512" (AVX2 + FMA + F16C plus AVX-512 F/BW/VL/VNNI: the
+    int4 dot products use vpdpbusd), "avx2" (AVX2 + FMA + F16C, x86-64) or "generic". All three give
+    bitwise-identical int4 results (exact integer sums); avx2 and avx512 are identical for every format.
     """
     x86 = features.arch in ("x86_64", "AMD64", "i686")
-    if x86 and features.avx2 and features.fma and features.f16c:
-        return "avx2"
-    return "generic"
+    if not (x86 and features.avx2 and features.fma and features.f16c):
+        return "generic"
+    if features.avx512f and features.avx512bw and features.avx512vl and features.avx512_vnni:
+        return "avx512"
+    return "avx2"

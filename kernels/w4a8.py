@@ -32,13 +32,18 @@ def quantize_parts(x: torch.Tensor, gs: int) -> tuple[torch.Tensor, torch.Tensor
 
 def w4a8_project(x: torch.Tensor, packed: PackedExperts, name: str, e: int) -> torch.Tensor:
     """x [n, Kp] fp32 -> [n, R * N8 * 8] fp32: projection ``name`` of local expert e, as the kernel."""
-    gs = packed.group_size
-    u = _untile(packed.tensors[name][e], packed.fmt).double()  # [R, N8*8, Kp]
-    s = _untile(packed.tensors[name + "_scales"][e], "fp32").float()  # [R, N8*8, G]
-    if packed.fmt == "int4_asym":
-        b = _untile(packed.tensors[name + "_mins"][e], "fp32").float()
-    else:
-        b = s * -8.0
+    t = packed.tensors
+    mins = t[name + "_mins"][e] if packed.fmt == "int4_asym" else None
+    return w4a8_tiles(x, t[name][e], t[name + "_scales"][e], mins, packed.fmt, packed.group_size)
+
+
+def w4a8_tiles(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, fmt: str,
+               gs: int) -> torch.Tensor:
+    """x [n, Kp] fp32 times one tiled int4 projection (tiles [N8, Kp/8, R, 8, 4], scales / mins
+    [N8, Kp/G, R, 8]) -> [n, R * N8 * 8] fp32, the kernel's arithmetic step by step."""
+    u = _untile(tiles, fmt).double()  # [R, N8*8, Kp]
+    s = _untile(scales, "fp32").float()  # [R, N8*8, G]
+    b = _untile(mins, "fp32").float() if fmt == "int4_asym" else s * -8.0
     u, s, b = u.flatten(0, 1), s.flatten(0, 1), b.flatten(0, 1)  # [N', Kp], [N', G]
     q, sx, qs = quantize_parts(x, gs)  # [n, G, gs], [n, G], [n, G]
     isum = torch.einsum("tgk,ngk->tgn", q, u.unflatten(-1, (-1, gs))).float()  # [n, G, N'] exact

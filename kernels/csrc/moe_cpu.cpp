@@ -1,9 +1,10 @@
 // Fused routed-expert MoE for CPU: gate+up -> SiLU(gate)*up -> down, weighted sum per token.
 //
-// Compiled twice by kernels/build.py: with -mavx2 -mfma -mf16c (AVX2 path, intrinsics) and without
-// (generic path, plain loops the compiler may auto-vectorize). Always -ffp-contract=off so each
-// output row's arithmetic is a fixed sequence of operations: a row's result does not depend on
-// which other rows share the batch, on thread count, or on scheduling. Threads: work_pool.h (tiles
+// Compiled three ways by kernels/build.py: avx512 (the AVX2 path with AVX-512 VNNI vpdpbusd for the
+// int4 dot products), avx2 (AVX2 + FMA + F16C intrinsics) and generic (plain loops the compiler may
+// auto-vectorize). Always -ffp-contract=off so each output row's arithmetic is a fixed sequence of
+// operations: a row's result does not depend on which other rows share the batch, on thread count,
+// or on scheduling. Threads: work_pool.h (tiles
 // of active experts are claimed dynamically; OpenMP is used only by the STREAM triad helper).
 //
 // Weight layout (see kernels/formats.py): a projection [N, K] is cut into tiles of 8 output rows;
@@ -45,17 +46,20 @@ struct Mat {
   int64_t gs;              // group size along K (quantized formats)
 };
 
-// out[m][0 .. R8*8) = tile rows . X[m] for MT activation rows (fp32, bf16, int8 weights).
+// out[m][0 .. R8*8) = tile rows . X[m] for MT activation rows (fp32, bf16, int8 weights). Even and
+// odd k accumulate in separate registers (two fma dependency chains, summed at the end / per group):
+// a fixed order for every row whatever MT is, so a row's result never depends on its batch.
 template <int FMT, int R8, int MT>
 void tile_dot(const Mat& A, int64_t tile, const float* const* X, float* const* out) {
-  V8 acc[MT][R8];
-  for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < R8; ++r) acc[m][r] = v_zero();
+  V8 acc[2][MT][R8];
+  for (int p = 0; p < 2; ++p)
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < R8; ++r) acc[p][m][r] = v_zero();
   const int64_t kp = A.kp;
   if constexpr (FMT == FP32 || FMT == BF16) {
     using T = std::conditional_t<FMT == FP32, float, uint16_t>;
     const T* w = static_cast<const T*>(A.w) + tile * kp * R8 * 8;
-    for (int64_t k = 0; k < kp; ++k) {
+    auto step = [&](int64_t k, V8 (*a)[R8]) {
       V8 wv[R8];
       for (int r = 0; r < R8; ++r) {
         if constexpr (FMT == FP32) wv[r] = v_load(w + (k * R8 + r) * 8);
@@ -63,41 +67,58 @@ void tile_dot(const Mat& A, int64_t tile, const float* const* X, float* const* o
       }
       for (int m = 0; m < MT; ++m) {
         V8 xb = v_bcast(X[m] + k);
-        for (int r = 0; r < R8; ++r) acc[m][r] = v_fma(wv[r], xb, acc[m][r]);
+        for (int r = 0; r < R8; ++r) a[m][r] = v_fma(wv[r], xb, a[m][r]);
       }
+    };
+    int64_t k = 0;
+    for (; k + 2 <= kp; k += 2) {
+      step(k, acc[0]);
+      step(k + 1, acc[1]);
     }
+    if (k < kp) step(k, acc[0]);
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < R8; ++r) acc[0][m][r] = v_add(acc[0][m][r], acc[1][m][r]);
   } else {
     static_assert(FMT == INT8, "int4 formats use tile_dot_w4a8");
-    const int64_t gs = A.gs, ng = kp / gs;
+    const int64_t gs = A.gs, ng = kp / gs;  // gs is even (kernels/formats.py)
     const uint16_t* sc = A.scales + tile * ng * R8 * 8;
     const int8_t* w8 = static_cast<const int8_t*>(A.w) + tile * kp * R8 * 8;
     for (int64_t g = 0; g < ng; ++g) {
-      V8 gacc[MT][R8];
+      V8 (*gacc)[R8] = acc[1];  // the group's partial sums (even k here, odd k in `odd`)
+      V8 odd[MT][R8];
       for (int m = 0; m < MT; ++m)
-        for (int r = 0; r < R8; ++r) gacc[m][r] = v_zero();
-      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
-        V8 wv[R8];
-        for (int r = 0; r < R8; ++r) wv[r] = load_i8(w8 + (k * R8 + r) * 8);
+        for (int r = 0; r < R8; ++r) gacc[m][r] = odd[m][r] = v_zero();
+      for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
+        V8 we[R8], wo[R8];
+        for (int r = 0; r < R8; ++r) {
+          we[r] = load_i8(w8 + (k * R8 + r) * 8);
+          wo[r] = load_i8(w8 + ((k + 1) * R8 + r) * 8);
+        }
         for (int m = 0; m < MT; ++m) {
-          V8 xb = v_bcast(X[m] + k);
-          for (int r = 0; r < R8; ++r) gacc[m][r] = v_fma(wv[r], xb, gacc[m][r]);
+          V8 xe = v_bcast(X[m] + k), xo = v_bcast(X[m] + k + 1);
+          for (int r = 0; r < R8; ++r) {
+            gacc[m][r] = v_fma(we[r], xe, gacc[m][r]);
+            odd[m][r] = v_fma(wo[r], xo, odd[m][r]);
+          }
         }
       }
       for (int r = 0; r < R8; ++r) {
         V8 sv = load_f16(sc + (g * R8 + r) * 8);
-        for (int m = 0; m < MT; ++m) acc[m][r] = v_fma(sv, gacc[m][r], acc[m][r]);
+        for (int m = 0; m < MT; ++m) acc[0][m][r] = v_fma(sv, v_add(gacc[m][r], odd[m][r]), acc[0][m][r]);
       }
     }
   }
   for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < R8; ++r) v_store(out[m] + r * 8, acc[m][r]);
+    for (int r = 0; r < R8; ++r) v_store(out[m] + r * 8, acc[0][m][r]);
 }
 
 // W4A8: out[m] = tile rows . dequant(q[m]) with q[m] int8 activations, sx[m] / qs[m] per-group
-// activation scales and sums of q (as float).
+// activation scales and sums of q (as float). Integer partial sums are split over S * 2 accumulator
+// sets (k-block parity when few rows leave the core idle, VNNI's lo / hi halves) and added exactly.
 template <int FMT, int R8, int MT>
 void tile_dot_w4a8(const Mat& A, int64_t tile, const int8_t* const* q, const float* const* sx,
                    const float* const* qs, float* const* out) {
+  constexpr int S = MT * R8 <= 2 ? 2 : 1;
   V8 acc[MT][R8];
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R8; ++r) acc[m][r] = v_zero();
@@ -106,20 +127,25 @@ void tile_dot_w4a8(const Mat& A, int64_t tile, const int8_t* const* q, const flo
   const uint16_t* mn = FMT == INT4A ? A.mins + tile * ng * R8 * 8 : nullptr;
   const uint8_t* w4 = static_cast<const uint8_t*>(A.w) + tile * (kp / 8) * R8 * 32;
   for (int64_t g = 0; g < ng; ++g) {
-    I8 isum[MT][R8];
-    for (int m = 0; m < MT; ++m)
-      for (int r = 0; r < R8; ++r) isum[m][r] = i_zero();
+    I8 isum[2 * S][MT][R8];
+    for (int p = 0; p < 2 * S; ++p)
+      for (int m = 0; m < MT; ++m)
+        for (int r = 0; r < R8; ++r) isum[p][m][r] = i_zero();
     for (int64_t kb = g * gs / 8; kb < (g + 1) * gs / 8; ++kb) {
       U4 b[R8];
       for (int r = 0; r < R8; ++r) b[r] = load_u4(w4 + (kb * R8 + r) * 32);
-      w4a8_block<R8, MT>(b, q, kb * 8, isum);
+      const int p = S == 2 ? (int)(kb & 1) : 0;
+      w4a8_block<R8, MT>(b, q, kb * 8, isum[2 * p], isum[2 * p + 1]);
     }
+    for (int p = 1; p < 2 * S; ++p)
+      for (int m = 0; m < MT; ++m)
+        for (int r = 0; r < R8; ++r) isum[0][m][r] = i_add(isum[0][m][r], isum[p][m][r]);
     for (int r = 0; r < R8; ++r) {
       V8 s = load_f16(sc + (g * R8 + r) * 8);
       V8 b = FMT == INT4A ? load_f16(mn + (g * R8 + r) * 8) : v_mul(s, v_set1(-8.f));
       for (int m = 0; m < MT; ++m) {
         V8 sxv = v_bcast(sx[m] + g);
-        acc[m][r] = v_fma_exact(v_mul(s, sxv), i_cvt(isum[m][r]), acc[m][r]);
+        acc[m][r] = v_fma_exact(v_mul(s, sxv), i_cvt(isum[0][m][r]), acc[m][r]);
         acc[m][r] = v_fma_exact(v_mul(b, sxv), v_bcast(qs[m] + g), acc[m][r]);
       }
     }
@@ -161,16 +187,17 @@ void quantize_row(const float* x, int64_t kp, int64_t gs, int8_t* q, float* sx, 
 constexpr int kMaxMT = 4;
 
 // Rows rows[0..n) of one expert through one tile, in chunks of up to kMaxMT activation rows.
+// (fp32 activations: at most 2 rows at a time for gate_up tiles, so the 2 x MT x R8 accumulators fit
+// in registers; the grouping of rows does not change any row's arithmetic.)
 template <int FMT, int R8>
 void tile_rows(const Mat& A, int64_t tile, const float* const* X, float* const* out, int n) {
   int i = 0;
-  for (; i + 4 <= n; i += 4) tile_dot<FMT, R8, 4>(A, tile, X + i, out + i);
-  switch (n - i) {
-    case 3: tile_dot<FMT, R8, 3>(A, tile, X + i, out + i); break;
-    case 2: tile_dot<FMT, R8, 2>(A, tile, X + i, out + i); break;
-    case 1: tile_dot<FMT, R8, 1>(A, tile, X + i, out + i); break;
-    default: break;
+  if constexpr (R8 == 1) {
+    for (; i + 4 <= n; i += 4) tile_dot<FMT, R8, 4>(A, tile, X + i, out + i);
+    if (n - i == 3) { tile_dot<FMT, R8, 3>(A, tile, X + i, out + i); return; }
   }
+  for (; i + 2 <= n; i += 2) tile_dot<FMT, R8, 2>(A, tile, X + i, out + i);
+  if (i < n) tile_dot<FMT, R8, 1>(A, tile, X + i, out + i);
 }
 
 // SiLU in double, rounded once to float (reproducible by the torch reference to the last bit).
@@ -303,6 +330,47 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   return 0;
 }
 
+// Dense y[M, N] = x[M, K] . W^T for one tiled projection (R8 = 1): the quantized dense layers of the
+// exploration profile (attention projections, lm_head). Output tiles are claimed by the pool; each
+// row's arithmetic is the same fixed sequence as in the MoE kernel, whatever M or the thread count.
+template <int FMT>
+void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, int64_t n8, int nthreads) {
+  constexpr bool w4a8 = FMT == INT4 || FMT == INT4A;
+  const int64_t kp = A.kp, ng = w4a8 ? kp / A.gs : 0, ldo = n8 * 8;
+  const float* xrows = x;
+  std::vector<float> xp;
+  if (kp != K || w4a8) {  // padded copies (and int8 activations for W4A8)
+    xp.assign(M * kp, 0.f);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(&xp[m * kp], x + m * K, sizeof(float) * K);
+    xrows = xp.data();
+  }
+  std::vector<int8_t> xq(w4a8 ? M * kp : 1);
+  std::vector<float> xsx(M * ng + 1), xqs(M * ng + 1);
+  if constexpr (w4a8)
+    for (int64_t m = 0; m < M; ++m) quantize_row(&xp[m * kp], kp, A.gs, &xq[m * kp], &xsx[m * ng], &xqs[m * ng]);
+  std::vector<const float*> xr(M);
+  std::vector<const int8_t*> qr(M);
+  std::vector<const float*> sxr(M), qsr(M);
+  for (int64_t m = 0; m < M; ++m) {
+    xr[m] = xrows + m * kp;
+    qr[m] = &xq[w4a8 ? m * kp : 0];
+    sxr[m] = &xsx[m * ng];
+    qsr[m] = &xqs[m * ng];
+  }
+  constexpr int kRows = kMaxMT * 16;
+  // ~32 claims per thread: large enough to amortise the atomic, small enough to balance
+  const int64_t chunk = std::max<int64_t>(1, n8 / (32 * std::max(1, nthreads)));
+  moegate::WorkPool::instance().parallel_for(n8, chunk, nthreads, [&](int64_t tile) {
+    float* orow[kRows];
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const int n = (int)std::min<int64_t>(kRows, M - m0);
+      for (int i = 0; i < n; ++i) orow[i] = out + (m0 + i) * ldo + tile * 8;
+      if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(A, tile, &qr[m0], &sxr[m0], &qsr[m0], orow, n);
+      else tile_rows<FMT, 1>(A, tile, &xr[m0], orow, n);
+    }
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -333,8 +401,34 @@ int moegate_fused_moe(const float* x, const int64_t* ids, const float* wts, floa
   }
 }
 
+// y [M, ceil(N/8)*8] = x [M, K] . W^T, W tiled as one down-style projection ([N8, Kp, 1, 8]).
+// Returns 0 on success, -2 for an unknown format.
+int moegate_linear(const float* x, float* out, int64_t M, int64_t N, int64_t K, int64_t fmt, int64_t gs,
+                   const void* w, const uint16_t* s, const uint16_t* mins, int nthreads) {
+  const bool quant = fmt >= INT8;
+  const Mat A{w, s, mins, quant ? (K + gs - 1) / gs * gs : K, gs};
+  const int64_t n8 = (N + 7) / 8;
+  if (nthreads < 1) nthreads = 1;
+  switch (fmt) {
+    case FP32: run_linear<FP32>(A, x, out, M, K, n8, nthreads); return 0;
+    case BF16: run_linear<BF16>(A, x, out, M, K, n8, nthreads); return 0;
+    case INT8: run_linear<INT8>(A, x, out, M, K, n8, nthreads); return 0;
+    case INT4: run_linear<INT4>(A, x, out, M, K, n8, nthreads); return 0;
+    case INT4A: run_linear<INT4A>(A, x, out, M, K, n8, nthreads); return 0;
+    default: return -2;
+  }
+}
+
 int moegate_is_avx2() {
 #ifdef MOEGATE_AVX2
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+int moegate_is_vnni() {
+#ifdef MOEGATE_VNNI
   return 1;
 #else
   return 0;

@@ -59,11 +59,32 @@ def test_generic_variant_matches_reference(fmt: str, gs: int | None) -> None:
         assert_close(fused_moe(x, ids, w, packed, variant="generic"), fused_moe_reference(x, ids, w, packed))
 
 
-def test_avx2_selected_when_supported() -> None:
+def test_variant_selection() -> None:
     f = detect()
-    assert select_variant(f) == ("avx2" if f.avx2 and f.fma and f.f16c and f.arch == "x86_64" else "generic")
-    no_avx2 = type(f)(f.arch, avx2=False, fma=True, f16c=True, avx512f=True)
-    assert select_variant(no_avx2) == "generic"
+    simd = f.avx2 and f.fma and f.f16c and f.arch == "x86_64"
+    vnni = f.avx512f and f.avx512bw and f.avx512vl and f.avx512_vnni
+    assert select_variant(f) == ("generic" if not simd else "avx512" if vnni else "avx2")
+    base = dict(avx2=True, fma=True, f16c=True)
+    assert select_variant(type(f)("x86_64", **{**base, "avx2": False}, avx512f=True)) == "generic"
+    assert select_variant(type(f)("x86_64", **base, avx512f=True)) == "avx2"  # no VNNI / BW / VL
+    assert select_variant(type(f)("x86_64", **base, avx512f=True, avx512bw=True, avx512vl=True,
+                                  avx512_vnni=True)) == "avx512"
+    assert select_variant(type(f)("aarch64", **base)) == "generic"
+
+
+@pytest.mark.skipif(not (kernel_available("avx2") and select_variant(detect()) == "avx512"),
+                    reason="needs a CPU with AVX-512 VNNI")
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "int4_asym"])
+def test_avx512_variant_equals_avx2_bitwise(fmt: str) -> None:
+    """vpdpbusd replaces maddubs + madd + add in the int4 dot products: the same exact integer sums, so
+    the avx512 build gives the avx2 build's bits for every format, batch size and top-k."""
+    packed = pack_experts(*random_experts(NUM_EXPERTS, 200, 72), fmt, progress=False)
+    for n, (t, k) in enumerate(TOKENS_TOPK):
+        x = torch.randn(t, 200, generator=torch.Generator().manual_seed(n))
+        ids, w = random_routing(t, k, NUM_EXPERTS, seed=n, skip_frac=0.2)
+        a = fused_moe(x, ids, w, packed, variant="avx512")
+        assert torch.equal(a, fused_moe(x, ids, w, packed, variant="avx2"))
+        assert_close(a, fused_moe_reference(x, ids, w, packed))
 
 
 @needs_kernel
@@ -180,7 +201,8 @@ def test_int4_is_w4a8_and_bit_exact(fmt: str) -> None:
     x = torch.randn(17, 200, generator=torch.Generator().manual_seed(5))
     ids, w = random_routing(17, 4, NUM_EXPERTS, seed=5, skip_frac=0.1)
     ref = fused_moe_reference(x, ids, w, packed)
-    for variant in ("avx2", "generic") if kernel_available("avx2") else ("generic",):
+    variants = [v for v in ("avx512", "avx2") if v == "avx2" or select_variant(detect()) == "avx512"]
+    for variant in [*variants, "generic"] if kernel_available("avx2") else ["generic"]:
         out = fused_moe(x, ids, w, packed, variant=variant)
         assert_close(out, ref)
         assert (out != ref).sum().item() <= ref.numel() // 1000, variant

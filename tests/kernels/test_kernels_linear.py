@@ -1,0 +1,91 @@
+"""Quantized dense projections (kernels.linear.PackedLinear): kernel vs torch reference per format,
+odd shapes and batch sizes 1..64, every compiled variant, per-row batch invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import kernel_available
+from kernels.cpu_features import detect, select_variant
+from kernels.linear import PackedLinear
+
+needs_kernel = pytest.mark.skipif(not kernel_available(), reason="C++ kernel could not be built here")
+FORMATS = [("bf16", None), ("int8", 64), ("int8", 32), ("int4", 32), ("int4", 64), ("int4_asym", 32)]
+SHAPES = [(8, 64), (13, 200), (300, 96), (1000, 72)]  # (N, K): odd N, K not a multiple of the group
+VARIANTS = ["generic", "avx2", *(["avx512"] if select_variant(detect()) == "avx512" else [])]
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    w[0, 0] = 0.5  # an outlier: exercises the group scales
+    return w
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    tol = 1e-4 * ref.abs().max().item() + 1e-5
+    assert (out - ref).abs().max().item() <= tol
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt,gs", FORMATS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_linear_matches_reference(fmt: str, gs: int | None, n: int, k: int) -> None:
+    packed = PackedLinear.pack(_weight(n, k), fmt, gs)
+    for m in (1, 2, 3, 4, 5, 8, 17, 64):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        ref = packed.reference(x)
+        out = packed(x)
+        assert_close(out, ref)
+        if fmt.startswith("int4"):  # W4A8 replayed step by step: equal but for rare double roundings
+            assert (out != ref).sum().item() <= max(1, ref.numel() // 1000)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "int4_asym"])
+def test_linear_reference_is_the_dequantized_weight(fmt: str) -> None:
+    """dequantize() is what the kernel multiplies by: close to W (quantization error) and, for the
+    fp32-activation formats, the reference is exactly x @ dequantize().T."""
+    w = _weight(40, 96)
+    packed = PackedLinear.pack(w, fmt)
+    deq = packed.dequantize()
+    assert deq.shape == w.shape
+    step = {"bf16": 2**-8, "int8": 1 / 127, "int4": 1 / 7, "int4_asym": 2 / 15}[fmt]  # asym: range <= 2 max|w|
+    assert (deq - w).abs().max() <= step * w.abs().max() * 0.51 + 1e-6
+    x = torch.randn(3, 96)
+    if not fmt.startswith("int4"):
+        assert torch.equal(packed.reference(x), x @ deq.T)
+    exact = x @ w.T
+    assert (packed.reference(x) - exact).norm() < 0.15 * exact.norm()  # int4: ~5% relative noise
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_linear_variants(variant: str, fmt: str) -> None:
+    packed = PackedLinear.pack(_weight(77, 200), fmt)
+    x = torch.randn(9, 200)
+    assert_close(packed(x, variant=variant), packed.reference(x))
+    if variant == "avx512":  # same bits as the avx2 build
+        assert torch.equal(packed(x, variant="avx512"), packed(x, variant="avx2"))
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_linear_row_is_batch_invariant(fmt: str) -> None:
+    """A row's output bits do not depend on the other rows of the call or on the thread count."""
+    packed = PackedLinear.pack(_weight(150, 128), fmt)
+    x = torch.randn(64, 128)
+    alone = torch.cat([packed(x[i : i + 1], num_threads=1) for i in range(64)])
+    for m, threads in ((64, 2), (7, 2), (33, 1)):
+        assert torch.equal(packed(x[:m], num_threads=threads), alone[:m])
+
+
+def test_linear_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="format"):
+        PackedLinear.pack(_weight(8, 16), "fp8")
+    packed = PackedLinear.pack(_weight(8, 64), "int8")
+    if kernel_available():
+        with pytest.raises(ValueError, match=r"\[M, 64\]"):
+            packed(torch.randn(2, 63))
