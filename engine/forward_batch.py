@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,6 +25,7 @@ class ForwardBatch:
     exact: bool = False  # execution mode: the exact precision profile, no deferral
     defer: int = 0  # exploration: experts per token deferred to the next MoE layer
     expert_worker: Executor | None = None  # runs deferred experts while the next layer's attention runs
+    rope: dict = field(default_factory=dict, repr=False)  # (head_dim, theta, dtype) -> (cos, sin), once per forward
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +47,7 @@ class ForwardBatch:
             slot_mapping=self.slot_mapping.to(device),
             context_slots=[s.to(device) for s in self.context_slots],
             logits_rows=self.logits_rows.to(device),
+            rope={},
         )
 
     @classmethod

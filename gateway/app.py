@@ -34,7 +34,8 @@ class FixedPolicy:
 
 
 def placement_from_policy(policy: Policy):
-    """The policy's precision profiles of the two modes -> the engine's expert placement (both resident)."""
+    """The policy's precision profiles of the two modes -> (expert placement with both profiles resident,
+    fp32 lm_head in execution, exploration lm_head format, exploration attention format)."""
     from engine.experts import PlacementConfig
 
     fast = policy.precision_profiles[policy.modes.exploration.precision]
@@ -42,15 +43,19 @@ def placement_from_policy(policy: Policy):
     if fast.formatting_layers:
         log.warning("exploration profile sets formatting_layers=%d: formatting layers apply to execution only",
                     fast.formatting_layers)
-    if exact.lm_head == "int8":
-        log.warning("execution lm_head int8 is not available: execution keeps the model's lm_head")
+    if exact.lm_head in ("int8", "int4"):
+        log.warning("execution lm_head %s is not available: execution keeps the model's lm_head", exact.lm_head)
+    if exact.attention != "model":
+        log.warning("execution attention %s is not available: execution keeps the model's weights", exact.attention)
     placement = PlacementConfig(
         fast_format=fast.routed_experts,
         execution_format=exact.routed_experts,
         exact_format=exact.formatting_dtype,
         formatting_layers=exact.formatting_layers,
     )
-    return placement, exact.lm_head == "fp32", fast.lm_head if fast.lm_head in ("int8", "bf16") else None
+    fast_lm_head = fast.lm_head if fast.lm_head != "fp32" else None
+    fast_dense = fast.attention if fast.attention != "model" else None
+    return placement, exact.lm_head == "fp32", fast_lm_head, fast_dense
 
 
 def numerics_fingerprint(llm, settings: Settings, mode: str = "execution") -> str:
@@ -205,11 +210,11 @@ def _start(settings: Settings, metrics: Metrics):
     if defer != policy.modes.exploration.deferral_depth:
         log.warning("policy deferral_depth %d clamped to %d for a top-%d model",
                     policy.modes.exploration.deferral_depth, defer, top_k)
-    placement, exact_lm_head, fast_lm_head = placement_from_policy(policy)
+    placement, exact_lm_head, fast_lm_head, fast_dense = placement_from_policy(policy)
     engine = LLMEngine(EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
                                     kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
                                     defer=defer, placement=placement, exact_lm_head=exact_lm_head,
-                                    fast_lm_head=fast_lm_head,
+                                    fast_lm_head=fast_lm_head, fast_dense=fast_dense,
                                     disk_cache_dir=str(_kv_dir(settings)),
                                     redis_url=settings.redis_url, progress=False))
     if engine.tokenizer is None:

@@ -90,7 +90,9 @@ class PrecisionProfile(_Strict):
     routed_experts: Literal["int4", "int8", "bf16"] = "int4"
     formatting_layers: Annotated[int, Field(ge=0, description="last N layers kept at formatting_dtype")] = 0
     formatting_dtype: Literal["int8", "bf16", "fp32"] = "bf16"
-    lm_head: Literal["int8", "bf16", "fp32"] = "bf16"
+    lm_head: Literal["int4", "int8", "bf16", "fp32"] = "bf16"
+    attention: Annotated[Literal["model", "int8", "int4", "bf16"], Field(
+        description="attention q/k/v/o projections on CPU; 'model' keeps the checkpoint's weights")] = "model"
 
 
 class SqlRules(_Strict):

@@ -1,4 +1,9 @@
-"""Grouped-query attention over a paged KV cache, with the per-architecture q/k norms."""
+"""Grouped-query attention over a paged KV cache, with the per-architecture q/k norms.
+
+Exploration batches on the CPU may run the q/k/v (fused) and o projections through quantized copies
+(`fast_qkv`, `fast_o`: kernels.linear.PackedLinear, set by the engine from its `fast_dense` format);
+execution batches always use the model's own weights.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +32,31 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(nkv * d, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(d, cfg.rope_theta)
         self.scale = d**-0.5
+        self.fast_qkv = None  # PackedLinear of [q; k; v] rows, exploration only
+        self.fast_o = None
+
+    def set_fast_dense(self, fmt: str) -> None:
+        """Quantized copies of the projections for exploration batches (the originals stay for execution)."""
+        from kernels.linear import PackedLinear
+
+        if self.q_proj.bias is not None:
+            raise ValueError("fast dense projections do not support attention biases; use fast_dense=None")
+        qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()  # [NH*D + 2*KV*D, H]
+        self.fast_qkv = PackedLinear.pack(qkv, fmt)
+        self.fast_o = PackedLinear.pack(self.o_proj.weight.detach(), fmt)
+
+    def _project_qkv(self, x: torch.Tensor, fast: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not fast:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        nq, nkv = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
+        qkv = self.fast_qkv(x).to(x.dtype)  # [T, NQ + 2 NKV]
+        return qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
+
+    def _rope(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (self.cfg.head_dim, self.cfg.rope_theta, dtype)  # the same tables for every layer of a forward
+        if key not in batch.rope:
+            batch.rope[key] = self.rotary(batch.positions, dtype)
+        return batch.rope[key]
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -34,7 +64,8 @@ class Attention(nn.Module):
         """x [T, H]; k_cache/v_cache [slots, KV, D] (written in place) -> [T, H]."""
         cfg = self.cfg
         T = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, NH*D], [T, KV*D] x2
+        fast = self.fast_qkv is not None and not batch.exact and x.device.type == "cpu"
+        q, k, v = self._project_qkv(x, fast)  # [T, NH*D], [T, KV*D] x2
         if cfg.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.clip_qkv is not None:
@@ -44,7 +75,7 @@ class Attention(nn.Module):
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rotary(batch.positions, q.dtype)
+        cos, sin = self._rope(batch, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
@@ -57,6 +88,8 @@ class Attention(nn.Module):
             ks = k_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [KV, ctx, D]
             vs = v_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)
             out[start : start + q_len] = self._attend(qs, ks, vs).transpose(0, 1)
+        if fast:
+            return self.fast_o(out.reshape(T, -1)).to(x.dtype)
         return self.o_proj(out.reshape(T, -1))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -79,12 +79,24 @@ class MoeForCausalLM(nn.Module):
 
 
 class QuantizedLMHead:
-    """lm_head in bf16, or int8 with one scale per vocabulary row (torch's int8 weight-only matmul)."""
+    """lm_head for exploration: bf16, int8 or int4. On the CPU int8 / int4 run the compiled kernel
+    (kernels.linear.PackedLinear: int8 per row and group of 64 with fp32 activations, int4 W4A8 groups of
+    32); elsewhere bf16 runs as a matmul and int8 as a weight-only matmul with one scale per row."""
+
+    FORMATS = ("bf16", "int8", "int4")
 
     def __init__(self, weight: torch.Tensor, fmt: str) -> None:
-        if fmt not in ("bf16", "int8"):
-            raise ValueError(f"lm_head format must be bf16 or int8, got {fmt!r}")
+        if fmt not in self.FORMATS:
+            raise ValueError(f"lm_head format must be one of {', '.join(self.FORMATS)}, got {fmt!r}")
         self.fmt = fmt
+        self.packed = None
+        if weight.device.type == "cpu" and fmt in ("int8", "int4"):
+            from kernels.linear import PackedLinear
+
+            self.packed = PackedLinear.pack(weight, fmt)
+            return
+        if fmt == "int4":
+            raise ValueError("an int4 lm_head runs on the CPU kernel only; use bf16 or int8 on CUDA")
         w = weight.detach().float()  # [V, H]
         if fmt == "bf16":
             self.weight = w.bfloat16()
@@ -93,11 +105,17 @@ class QuantizedLMHead:
             self.weight = torch.round(w / self.scales[:, None]).clamp(-127, 127).to(torch.int8)
             self.scales = self.scales.bfloat16()
 
+    @property
+    def nbytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.nbytes
+        return self.weight.numel() * self.weight.element_size()
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> fp32 logits [S, V]."""
+        if self.packed is not None:
+            return self.packed(hidden)
         x = hidden.bfloat16()
         if self.fmt == "bf16":
             return torch.nn.functional.linear(x, self.weight).float()
-        if x.device.type == "cpu":
-            return torch._weight_int8pack_mm(x, self.weight, self.scales).float()
         return (torch.nn.functional.linear(x, self.weight.to(x.dtype)) * self.scales).float()

@@ -187,3 +187,27 @@ def test_fast_lm_head_serves_exploration_only(ckpt):
     assert torch.equal(rows[None]["execution"], rows["int8"]["execution"])  # execution keeps its lm_head
     diff = (rows[None]["exploration"] - rows["int8"]["exploration"]).abs().max().item()
     assert 0 < diff < 0.05 * rows[None]["exploration"].abs().max().item()  # int8 rows: close, not equal
+
+
+@pytest.mark.parametrize("dense,head", [("int8", "int4"), ("int4", "int8")])
+def test_fast_dense_serves_exploration_only(ckpt, dense, head):
+    """Quantized attention projections and lm_head (CPU kernel) change exploration logits by little, leave
+    execution bit-identical, are named by the exploration fingerprint only, and decode many tokens."""
+    prompt = _prompts(1, 22)[0]
+    rows, fps = {}, {}
+    for cfg in ((None, None), (dense, head)):
+        llm = _llm(ckpt, fast_dense=cfg[0], fast_lm_head=cfg[1])
+        recs = {m: Recorder() for m in ("exploration", "execution")}
+        _run(llm, [(m, prompt, SamplingParams(max_tokens=6, ignore_eos=True, logits_processors=[r]), m)
+                   for m, r in recs.items()])
+        rows[cfg] = {m: torch.stack(r.rows) for m, r in recs.items()}
+        fps[cfg] = {m: llm.engine.numerics_fingerprint(m) for m in recs}
+    base, fast = rows[(None, None)], rows[(dense, head)]
+    assert torch.equal(base["execution"], fast["execution"])
+    assert fps[(None, None)]["execution"] == fps[(dense, head)]["execution"]
+    assert fps[(None, None)]["exploration"] != fps[(dense, head)]["exploration"]
+    first_base, first_fast = base["exploration"][0], fast["exploration"][0]  # same prefix: comparable
+    kl = torch.nn.functional.kl_div(first_fast.log_softmax(-1), first_base.log_softmax(-1), log_target=True,
+                                    reduction="sum").item()
+    assert not torch.equal(first_base, first_fast) and kl < 0.05
+    assert fast["exploration"].shape[0] == 6 and torch.isfinite(fast["exploration"]).all()

@@ -11,14 +11,16 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "policies" / "examples"
 
 
 def test_finance_profiles_map_to_placement():
-    placement, exact_lm_head, fast_lm_head = placement_from_policy(load_policy(EXAMPLES / "finance.yaml"))
+    placement, exact_lm_head, fast_lm_head, fast_dense = placement_from_policy(load_policy(EXAMPLES / "finance.yaml"))
     assert placement.fast_format == "int4"  # exploration: fast profile
     assert placement.execution_format == "int8"  # execution: routed experts
     assert (placement.formatting_layers, placement.exact_format) == (4, "bf16")  # formatting layers
     assert exact_lm_head and fast_lm_head == "bf16"  # lm_head: fp32 in execution, bf16 in exploration
+    assert fast_dense == "int8"  # exploration attention projections through the int8 CPU kernel
 
 
 def test_dev_profile_is_one_format_for_both_modes():
-    placement, exact_lm_head, fast_lm_head = placement_from_policy(load_policy(EXAMPLES / "dev.yaml"))
+    placement, exact_lm_head, fast_lm_head, fast_dense = placement_from_policy(load_policy(EXAMPLES / "dev.yaml"))
     assert placement.fast_format == placement.execution_format == "int4"
     assert placement.formatting_layers == 0 and not exact_lm_head and fast_lm_head == "int8"
+    assert fast_dense == "int8"
