@@ -48,6 +48,7 @@ class EngineConfig:
     exact_lm_head: bool = False  # execution mode computes logits with an fp32 copy of lm_head
     fast_lm_head: str | None = None  # exploration lm_head: None (model dtype), "bf16", "int8" or "int4" (CPU)
     fast_dense: str | None = None  # exploration attention projections on CPU: None (model dtype), int8, int4, bf16
+    fused_decode: bool = True  # with fast_dense on CPU: small exploration batches run each layer in one kernel call
     progress: bool = True
     # Prefix cache. The device tier (the KV pool) is on unless prefix_cache=False; RAM, disk and redis
     # hold demoted blocks. The library writes no disk cache unless told where (`moegate serve` passes
@@ -125,9 +126,14 @@ class LLMEngine:
             for layer in tqdm(model.model.layers, desc=f"pack attention {config.fast_dense}", leave=False,
                               disable=not config.progress):
                 layer.self_attn.set_fast_dense(config.fast_dense)
+            if config.fused_decode and config.dtype == "float32":
+                from engine.models.fused_decode import build_fused_layers
+
+                model.fused_layers = build_fused_layers(cfg, model.model.layers)
         elif config.fast_dense:
             log.warning("fast_dense=%s packs CPU attention projections; on %s the model's own weights run",
                         config.fast_dense, self.device)
+        self.fused_decode = model.fused_layers is not None  # small exploration batches: one call per layer
         self._identity = _model_identity(model_dir)
         spec = (
             KVCacheSpec(config.num_kv_blocks, config.block_size)
@@ -209,6 +215,7 @@ class LLMEngine:
             "hot": None if p is None else [p.fast_format, p.hot_experts, p.hot_strategy],
             "lm_head": ("fp32" if c.exact_lm_head else c.dtype) if mode == "execution" else (c.fast_lm_head or c.dtype),
             "dense": c.dtype if mode == "execution" or self.device.type != "cpu" else (c.fast_dense or c.dtype),
+            "fused": mode != "execution" and self.fused_decode,
             "defer": 0 if mode == "execution" else c.defer,
             "chunk": c.max_num_batched_tokens if mode == "execution" else None,
         }

@@ -57,15 +57,31 @@ class MoeForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.exact_lm_head: torch.Tensor | None = None  # fp32 copy used in execution mode, if set
         self.fast_lm_head: QuantizedLMHead | None = None  # int8 / bf16 copy used in exploration, if set
+        self.fused_layers: list | None = None  # engine.models.fused_decode layers for small exploration batches
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Runs the stack over the batch's new tokens, writing their KV; returns hidden [T, H]."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
+        if self._fused(batch, x):
+            from engine.models.fused_decode import FusedContext
+
+            cos, sin = self.model.layers[0].self_attn._rope(batch, torch.float32)
+            ctx = FusedContext(batch, cos, sin)
+            x = x.contiguous()
+            for fused, (k_cache, v_cache) in zip(self.fused_layers, kv_caches, strict=True):
+                fused(x, ctx, k_cache, v_cache)  # in place
+            return self.model.norm(x)
         pending = None
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
             x, pending = layer(x, batch, k_cache, v_cache, pending)
         assert pending is None, "the last MoE layer must not defer"
         return self.model.norm(x)
+
+    def _fused(self, batch: ForwardBatch, x: torch.Tensor) -> bool:
+        from engine.models.fused_decode import SMALL_BATCH_TOKENS
+
+        return (self.fused_layers is not None and not batch.exact and batch.defer == 0 and x.device.type == "cpu"
+                and x.dtype == torch.float32 and batch.num_tokens <= SMALL_BATCH_TOKENS)
 
     def compute_logits(self, hidden: torch.Tensor, exact: bool = False) -> torch.Tensor:
         """hidden [S, H] -> fp32 logits [S, V]: execution may use a higher-precision lm_head, exploration

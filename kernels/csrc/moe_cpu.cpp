@@ -373,6 +373,8 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
 
 }  // namespace
 
+#include "decode_layer.h"
+
 extern "C" {
 
 // Returns 0 on success, -1 if an expert id is out of range, -2 for an unknown format.

@@ -211,3 +211,26 @@ def test_fast_dense_serves_exploration_only(ckpt, dense, head):
                                     reduction="sum").item()
     assert not torch.equal(first_base, first_fast) and kl < 0.05
     assert fast["exploration"].shape[0] == 6 and torch.isfinite(fast["exploration"]).all()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_fused_decode_matches_the_torch_fast_path(hf_checkpoint, arch):
+    """Small exploration batches run each layer in one kernel call (engine.models.fused_decode); its
+    logits equal the torch modules' fast path up to fp32 summation order, for a batch of sequences
+    with different context lengths (decode steps and a short prefill mixed), and the KV it writes
+    serves later steps."""
+    ckpt = hf_checkpoint(arch, num_hidden_layers=2)
+    prompts = [p[:12] for p in _prompts(3, 23)]
+    res = {}
+    for fused in (False, True):
+        llm = _llm(ckpt, fast_dense="int8", fast_lm_head="int8", fused_decode=fused)
+        assert llm.engine.fused_decode == fused
+        recs = [Recorder() for _ in prompts]
+        _run(llm, [(f"r{i}", p, SamplingParams(max_tokens=8, ignore_eos=True, logits_processors=[r]), "exploration")
+                   for i, (p, r) in enumerate(zip(prompts, recs, strict=True))])
+        res[fused] = [torch.stack(r.rows) for r in recs]
+    for a, b in zip(res[False], res[True], strict=True):
+        finite = torch.isfinite(a[0])
+        assert torch.isfinite(b[:, finite]).all()
+        err = (a[:, finite] - b[:, finite]).abs().max().item()
+        assert err <= 1e-4 * a[:, finite].abs().max().item() + 1e-5, err

@@ -1,0 +1,139 @@
+"""The exploration fast path for small CPU batches: each decoder layer in one compiled call.
+
+`FusedDecodeLayer` binds one DecoderLayer's weights (RMSNorm weights, the quantized fused q/k/v and o
+projections from `Attention.set_fast_dense`, the fp32 router, the layer's single CPU expert shard) to
+`moegate_decode_layer` (kernels/csrc/decode_layer.h). The torch modules stay the reference and the
+path for everything else: execution batches, prefill chunks over SMALL_BATCH_TOKENS, deferral, and
+architectures the fused layer does not cover (attention biases, clip_qkv, whole-projection q/k norms,
+shared experts, dense MLP layers, experts on other devices, non-fp32 dense weights).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from kernels import build
+from kernels.formats import FORMAT_CODE
+
+log = logging.getLogger(__name__)
+
+SMALL_BATCH_TOKENS = 16  # above this many tokens the torch path (batched GEMMs) is faster
+_P = ctypes.c_void_p
+
+
+class DecodeLayerParams(ctypes.Structure):
+    """Mirror of struct DecodeLayerParams in kernels/csrc/decode_layer.h."""
+
+    _fields_ = [(n, ctypes.c_int64) for n in ("H", "NH", "KV", "D", "E", "topk", "I", "norm_topk", "qk_norm",
+                                              "window")] + [
+        ("eps", ctypes.c_double), ("scale", ctypes.c_double),
+        ("ln1", _P), ("ln2", _P), ("qn", _P), ("kn", _P),
+        ("dense_fmt", ctypes.c_int64), ("dense_gs", ctypes.c_int64),
+        ("qkv_w", _P), ("qkv_s", _P), ("qkv_m", _P), ("o_w", _P), ("o_s", _P), ("o_m", _P),
+        ("router", _P), ("exp_fmt", ctypes.c_int64), ("exp_gs", ctypes.c_int64),
+        ("gu_w", _P), ("gu_s", _P), ("gu_m", _P), ("dn_w", _P), ("dn_s", _P), ("dn_m", _P),
+    ]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None and t.numel() else None
+
+
+def unsupported_reason(cfg: ModelConfig, layer) -> str | None:
+    """Why `layer` cannot run fused (None: it can)."""
+    if cfg.attention_bias or cfg.clip_qkv is not None or cfg.qk_norm == "full":
+        return "attention biases / clip_qkv / whole-projection q/k norms"
+    if not layer.is_moe or layer.mlp.shared_expert is not None:
+        return "dense MLP layer or shared expert"
+    attn, packed = layer.self_attn, layer.mlp.experts.packed
+    if attn.fast_qkv is None:
+        return "no quantized attention projections (fast_dense)"
+    if packed is None or len(packed.fast) != 1 or packed.fast[0].device.type != "cpu":
+        return "routed experts not in one CPU shard"
+    if layer.input_layernorm.weight.dtype != torch.float32 or layer.mlp.gate.weight.dtype != torch.float32:
+        return "dense weights not fp32"
+    if cfg.head_dim > 1024 or cfg.head_dim % 2:
+        return "head_dim"
+    return None
+
+
+class FusedDecodeLayer:
+    def __init__(self, cfg: ModelConfig, layer, lib: ctypes.CDLL) -> None:
+        attn, moe = layer.self_attn, layer.mlp
+        experts = moe.experts.packed.fast[0].packed
+        if experts.expert_ids != tuple(range(cfg.num_experts)):
+            raise ValueError("the fused layer needs every expert in its CPU shard")
+        self.lib, self.top_k = lib, cfg.top_k
+        self._keep = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, moe.gate.weight]
+        ex, qkv, o = experts.tensors, attn.fast_qkv.tensors, attn.fast_o.tensors
+        qn = attn.q_norm.weight if cfg.qk_norm == "per_head" else None
+        kn = attn.k_norm.weight if cfg.qk_norm == "per_head" else None
+        self.params = DecodeLayerParams(
+            H=cfg.hidden_size, NH=cfg.num_heads, KV=cfg.num_kv_heads, D=cfg.head_dim, E=cfg.num_experts,
+            topk=cfg.top_k, I=experts.intermediate, norm_topk=int(cfg.norm_topk_prob),
+            qk_norm=int(cfg.qk_norm == "per_head"), window=cfg.sliding_window or 0,
+            eps=cfg.rms_norm_eps, scale=attn.scale,
+            ln1=_ptr(layer.input_layernorm.weight), ln2=_ptr(layer.post_attention_layernorm.weight),
+            qn=_ptr(qn), kn=_ptr(kn),
+            dense_fmt=FORMAT_CODE[attn.fast_qkv.fmt], dense_gs=attn.fast_qkv.group_size,
+            qkv_w=_ptr(qkv["weight"]), qkv_s=_ptr(qkv["scales"]), qkv_m=_ptr(qkv["mins"]),
+            o_w=_ptr(o["weight"]), o_s=_ptr(o["scales"]), o_m=_ptr(o["mins"]),
+            router=_ptr(moe.gate.weight), exp_fmt=FORMAT_CODE[experts.fmt], exp_gs=experts.group_size,
+            gu_w=_ptr(ex["gate_up"]), gu_s=_ptr(ex["gate_up_scales"]), gu_m=_ptr(ex["gate_up_mins"]),
+            dn_w=_ptr(ex["down"]), dn_s=_ptr(ex["down_scales"]), dn_m=_ptr(ex["down_mins"]),
+        )
+        self._keep += [qn, kn, experts, attn.fast_qkv, attn.fast_o]  # the pointers above stay valid
+        self.packed = moe.experts.packed
+        self.num_threads = self.packed.num_threads or torch.get_num_threads()
+
+    def __call__(self, x: torch.Tensor, ctx: FusedContext, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """x [T, H] fp32 contiguous, updated in place; writes the tokens' K/V."""
+        t = x.shape[0]
+        ids = torch.empty(t, self.top_k, dtype=torch.int64)
+        rc = self.lib.moegate_decode_layer(
+            ctypes.byref(self.params), x.data_ptr(), t, ctx.cos.data_ptr(), ctx.sin.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), ctx.slot_mapping.data_ptr(), ctx.slots.data_ptr(),
+            ctx.start.data_ptr(), ctx.length.data_ptr(), ids.data_ptr(), ctypes.c_int(self.num_threads))
+        if rc != 0:
+            raise RuntimeError(f"moegate_decode_layer failed with code {rc}")
+        self.packed.record(ids)
+
+
+class FusedContext:
+    """Per-forward inputs shared by every layer: rotary tables and each token's context slots."""
+
+    def __init__(self, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos.float().contiguous(), sin.float().contiguous()  # [T, D]
+        self.slot_mapping = batch.slot_mapping.contiguous()
+        starts, lengths, offset = [], [], 0
+        for q_len, ctx_len in zip(batch.query_lens, batch.context_lens, strict=True):
+            for i in range(q_len):  # token i of the chunk sees the context up to and including itself
+                starts.append(offset)
+                lengths.append(ctx_len - q_len + i + 1)
+            offset += ctx_len
+        self.slots = torch.cat(batch.context_slots).contiguous() if batch.context_slots else torch.empty(0, dtype=torch.long)
+        self.start = torch.tensor(starts, dtype=torch.int64)
+        self.length = torch.tensor(lengths, dtype=torch.int64)
+
+
+def build_fused_layers(cfg: ModelConfig, layers) -> list[FusedDecodeLayer] | None:
+    """Fused layers for the whole stack, or None (with the reason logged) if any layer cannot run fused."""
+    from kernels.fused_moe import cpp_disabled, kernel_variant
+
+    lib = None if cpp_disabled() else build.load(kernel_variant())
+    if lib is None:
+        return None
+    lib.moegate_decode_layer.restype = ctypes.c_int
+    lib.moegate_decode_layer.argtypes = [ctypes.POINTER(DecodeLayerParams), _P, ctypes.c_int64, _P, _P, _P, _P, _P,
+                                         _P, _P, _P, _P, ctypes.c_int]
+    for i, layer in enumerate(layers):
+        reason = unsupported_reason(cfg, layer)
+        if reason is not None:
+            log.info("fused exploration decode off: layer %d: %s", i, reason)
+            return None
+    return [FusedDecodeLayer(cfg, layer, lib) for layer in layers]

@@ -1,0 +1,185 @@
+// One decoder layer of the exploration fast path in a single call, for small batches (decode steps):
+// RMSNorm -> fused q/k/v projection (quantized, moegate_linear) -> per-head q/k RMSNorm -> RoPE
+// (rotate-half) -> KV-cache write -> attention over each token's paged context -> o projection ->
+// residual -> RMSNorm -> router (fp32 softmax, top-k, optional renormalisation) -> routed experts
+// (the fused MoE kernel) -> residual. The torch modules in engine/models/ are the reference; this
+// replaces ~60 small torch operations per layer with one call. Included by moe_cpu.cpp.
+#pragma once
+
+struct DecodeLayerParams {  // mirrored by engine/models/fused_decode.py (ctypes): keep in sync
+  int64_t H, NH, KV, D, E, topk, I;
+  int64_t norm_topk;  // 1: top-k weights renormalised to sum to 1
+  int64_t qk_norm;    // 0: none, 1: RMSNorm per head (Qwen3)
+  int64_t window;     // sliding window (0: none)
+  double eps, scale;
+  const float* ln1;
+  const float* ln2;
+  const float* qn;
+  const float* kn;
+  int64_t dense_fmt, dense_gs;
+  const void* qkv_w;
+  const uint16_t* qkv_s;
+  const uint16_t* qkv_m;
+  const void* o_w;
+  const uint16_t* o_s;
+  const uint16_t* o_m;
+  const float* router;  // [E, H] fp32
+  int64_t exp_fmt, exp_gs;
+  const void* gu_w;
+  const uint16_t* gu_s;
+  const uint16_t* gu_m;
+  const void* dn_w;
+  const uint16_t* dn_s;
+  const uint16_t* dn_m;
+};
+
+namespace {
+
+void rms_norm(const float* x, const float* w, float* out, int64_t n, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / (float)n + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);
+}
+
+void rope(float* v, const float* cos, const float* sin, int64_t d) {  // rotate-half layout, in place
+  const int64_t h = d / 2;
+  float tmp[1024];
+  for (int64_t i = 0; i < h; ++i) {
+    tmp[i] = v[i] * cos[i] - v[i + h] * sin[i];
+    tmp[i + h] = v[i + h] * cos[i + h] + v[i] * sin[i + h];
+  }
+  std::memcpy(v, tmp, sizeof(float) * d);
+}
+
+int linear_dispatch(int64_t fmt, const Mat& A, const float* x, float* out, int64_t M, int64_t K, int64_t n8,
+                    int nthreads) {
+  switch (fmt) {
+    case FP32: run_linear<FP32>(A, x, out, M, K, n8, nthreads); return 0;
+    case BF16: run_linear<BF16>(A, x, out, M, K, n8, nthreads); return 0;
+    case INT8: run_linear<INT8>(A, x, out, M, K, n8, nthreads); return 0;
+    case INT4: run_linear<INT4>(A, x, out, M, K, n8, nthreads); return 0;
+    case INT4A: run_linear<INT4A>(A, x, out, M, K, n8, nthreads); return 0;
+    default: return -2;
+  }
+}
+
+int moe_dispatch(int64_t fmt, const Problem& P, const float* x, const int64_t* ids, const float* wts, float* out,
+                 int nthreads) {
+  switch (fmt) {
+    case FP32: return run<FP32>(P, x, ids, wts, out, nthreads);
+    case BF16: return run<BF16>(P, x, ids, wts, out, nthreads);
+    case INT8: return run<INT8>(P, x, ids, wts, out, nthreads);
+    case INT4: return run<INT4>(P, x, ids, wts, out, nthreads);
+    case INT4A: return run<INT4A>(P, x, ids, wts, out, nthreads);
+    default: return -2;
+  }
+}
+
+}  // namespace
+
+extern "C" int moegate_decode_layer(const DecodeLayerParams* p, float* x, int64_t T, const float* cos,
+                                    const float* sin, float* k_cache, float* v_cache, const int64_t* slot_mapping,
+                                    const int64_t* ctx_slots, const int64_t* ctx_start, const int64_t* ctx_len,
+                                    int64_t* topk_ids_out, int nthreads) {
+  const int64_t H = p->H, NH = p->NH, KV = p->KV, D = p->D, E = p->E, K = p->topk;
+  const int64_t nq = NH * D, nkv = KV * D, nqkv = nq + 2 * nkv, group = NH / KV;
+  const float eps = (float)p->eps, scale = (float)p->scale;
+  if (D > 1024 || NH % KV) return -3;
+  const bool dq = p->dense_fmt >= INT8;
+  auto kpad = [&](int64_t k) { return dq ? (k + p->dense_gs - 1) / p->dense_gs * p->dense_gs : k; };
+  const Mat qkv{p->qkv_w, p->qkv_s, p->qkv_m, kpad(H), p->dense_gs};
+  const Mat om{p->o_w, p->o_s, p->o_m, kpad(nq), p->dense_gs};
+  const int64_t n8_qkv = (nqkv + 7) / 8, n8_h = (H + 7) / 8;
+  std::vector<float> xn(T * H), q(T * n8_qkv * 8), att(T * nq), o(T * n8_h * 8);
+  // 1. attention block
+  for (int64_t t = 0; t < T; ++t) rms_norm(x + t * H, p->ln1, &xn[t * H], H, eps);
+  int rc = linear_dispatch(p->dense_fmt, qkv, xn.data(), q.data(), T, H, n8_qkv, nthreads);
+  if (rc) return rc;
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = &q[t * n8_qkv * 8];  // [q heads | k heads | v heads]
+    for (int64_t h = 0; h < NH + KV; ++h) {
+      float* v = row + h * D;
+      if (p->qk_norm) rms_norm(v, h < NH ? p->qn : p->kn, v, D, eps);
+      rope(v, cos + t * D, sin + t * D, D);
+    }
+    const int64_t s = slot_mapping[t];
+    std::memcpy(k_cache + s * nkv, row + nq, sizeof(float) * nkv);
+    std::memcpy(v_cache + s * nkv, row + nq + nkv, sizeof(float) * nkv);
+  }
+  auto attend = [&](int64_t item) {  // one (token, head)
+    const int64_t t = item / NH, h = item % NH, g = h / group;
+    int64_t n = ctx_len[t];
+    const int64_t* slots = ctx_slots + ctx_start[t];
+    if (p->window > 0 && n > p->window) {
+      slots += n - p->window;
+      n = p->window;
+    }
+    const float* qv = &q[t * n8_qkv * 8 + h * D];
+    std::vector<float> sc(n);
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kv = k_cache + slots[j] * nkv + g * D;
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += qv[d] * kv[d];
+      sc[j] = dot * scale;
+      mx = std::max(mx, sc[j]);
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
+    float* out = &att[t * nq + h * D];
+    for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vv = v_cache + slots[j] * nkv + g * D;
+      const float pj = sc[j] / sum;
+      for (int64_t d = 0; d < D; ++d) out[d] += pj * vv[d];
+    }
+  };
+  moegate::WorkPool::instance().parallel_for(T * NH, 4, nthreads, attend);
+  rc = linear_dispatch(p->dense_fmt, om, att.data(), o.data(), T, nq, n8_h, nthreads);
+  if (rc) return rc;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < H; ++i) x[t * H + i] += o[t * n8_h * 8 + i];
+  // 2. MoE block
+  std::vector<float> wts(T * K), probs(E);
+  for (int64_t t = 0; t < T; ++t) {
+    rms_norm(x + t * H, p->ln2, &xn[t * H], H, eps);
+    float mx = -INFINITY;
+    for (int64_t e = 0; e < E; ++e) {
+      const float* w = p->router + e * H;
+      float dot = 0.f;
+      for (int64_t i = 0; i < H; ++i) dot += xn[t * H + i] * w[i];
+      probs[e] = dot;
+      mx = std::max(mx, dot);
+    }
+    float sum = 0.f;
+    for (int64_t e = 0; e < E; ++e) sum += (probs[e] = std::exp(probs[e] - mx));
+    for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
+    float wsum = 0.f;
+    for (int64_t k = 0; k < K; ++k) {  // top-k by weight, descending; ties -> lower expert id
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (probs[e] >= 0.f && (best < 0 || probs[e] > probs[best])) best = e;
+      topk_ids_out[t * K + k] = best;
+      wts[t * K + k] = probs[best];
+      wsum += probs[best];
+      probs[best] = -1.f;
+    }
+    if (p->norm_topk)
+      for (int64_t k = 0; k < K; ++k) wts[t * K + k] /= wsum;
+  }
+  Problem P;
+  P.T = T; P.K = K; P.E = E; P.H = H; P.I = p->I; P.gs = p->exp_gs;
+  P.h8 = (H + 7) / 8; P.i8 = (p->I + 7) / 8;
+  const bool eq = p->exp_fmt >= INT8;
+  P.hp = eq ? (H + P.gs - 1) / P.gs * P.gs : H;
+  P.ip = eq ? (P.I + P.gs - 1) / P.gs * P.gs : P.I;
+  P.hbuf = std::max(P.ip, P.i8 * 8);
+  P.gu = Mat{p->gu_w, p->gu_s, p->gu_m, P.hp, P.gs};
+  P.dn = Mat{p->dn_w, p->dn_s, p->dn_m, P.ip, P.gs};
+  rc = moe_dispatch(p->exp_fmt, P, xn.data(), topk_ids_out, wts.data(), o.data(), nthreads);
+  if (rc) return rc;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < H; ++i) x[t * H + i] += o[t * n8_h * 8 + i];
+  return 0;
+}
