@@ -74,8 +74,8 @@ def run(lane: Lane, steps: int, forward) -> list[float]:
         tokens = sample(logits, seqs, QWEN_TOKENIZER_VOCAB)
         times.append(time.perf_counter() - t0)
         for b, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
-            procs = seq.params.logits_processors
-            if not isinstance(token, int) or (procs and procs[0].is_terminated()):
+            # (not Constraint.is_terminated(): its next mask may be computing in the prefetch thread)
+            if not isinstance(token, int) or token in QWEN_EOS_IDS or len(seq.output_token_ids) >= 250:
                 seqs[b] = lane._seq(b)  # restart a finished sequence so every step stays constrained
             else:
                 seq.output_token_ids.append(token)

@@ -82,6 +82,11 @@ class BatchMasker:
             out[missing] = rows
         return out
 
+    def wait(self) -> None:
+        """Join the prefetches in flight (a constraint must not be touched while its mask computes)."""
+        for _, _, future, _, _ in self._pending.values():
+            future.result()
+
     def prefetch(self, constraints: Sequence[Constraint]) -> None:
         """Start filling the masks of the next step for `constraints` (just advanced by their new
         token) in the background thread; the previous step's unused prefetches are dropped."""

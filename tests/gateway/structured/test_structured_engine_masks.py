@@ -62,6 +62,7 @@ def test_a_stale_prefetch_is_recomputed(tokinfo):
     words = (tokinfo.vocab_size + 31) // 32
     masker.masks([c], words)
     masker.prefetch([c])
+    masker.wait()
     c.advance(tokinfo.encode("ab"))  # moved after the prefetch: its row no longer applies
     fresh = masker.masks([c], words)
     assert masker.prefetch_hits == 0
