@@ -1,10 +1,17 @@
-"""Next-token choice per row: logits processors, then greedy or temperature / top-k / top-p sampling."""
+"""Next-token choice per row: logits processors, then greedy or temperature / top-k / top-p sampling.
+
+Mask processors (engine.sampling_params.MaskProcessor, e.g. constrained decoding) are batched: the
+masks of every such row in a step come from one `MaskBatcher.masks` call and one `apply` over
+those rows; after sampling, each is advanced by its new token and `prefetch` starts the next masks
+in the background, so they are computed while the next forward pass runs.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from engine.errors import EngineError
+from engine.sampling_params import MaskProcessor
 from engine.sequence import Sequence
 
 # Temperatures below this sample like greedy (dividing by them overflows fp32).
@@ -35,21 +42,65 @@ def sample(
     sequence hit (it fails alone; the other rows are unaffected)."""
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         logits[:, vocab_limit:] = float("-inf")  # padded rows of the embedding are not tokens
+    groups = _apply_batched_masks(logits, seqs)
     tokens: list[int | SamplingError] = []
-    for row, seq in zip(logits, seqs, strict=True):
+    for i, (row, seq) in enumerate(zip(logits, seqs, strict=True)):
         try:
-            tokens.append(sample_row(row, seq))
+            tokens.append(sample_row(row, seq, batched=any(i in rows for rows in groups.values())))
         except Exception as exc:  # noqa: BLE001 - a processor's failure belongs to its request
             err = exc if isinstance(exc, SamplingError) else SamplingError(f"request {seq.request_id}: {exc}")
             tokens.append(err)
+    _prefetch(groups, seqs, tokens)
     return tokens
 
 
-def sample_row(row: torch.Tensor, seq: Sequence) -> int:
-    """logits row [V] -> the next token of `seq` under its SamplingParams."""
+def _batched(seq: Sequence) -> MaskProcessor | None:
+    """The one batchable mask processor of `seq` (None when it has none, or more than one)."""
+    procs = [p for p in seq.params.logits_processors
+             if isinstance(p, MaskProcessor) and getattr(p, "mask_batcher", None) is not None]
+    return procs[0] if len(procs) == 1 else None
+
+
+def _apply_batched_masks(logits: torch.Tensor, seqs: list[Sequence]):
+    """Mask the rows of batchable processors in place, one batcher call each -> {batcher: {row: processor}}."""
+    groups: dict[object, dict[int, MaskProcessor]] = {}
+    for i, seq in enumerate(seqs):
+        if (proc := _batched(seq)) is not None:
+            groups.setdefault(proc.mask_batcher, {})[i] = proc
+    words = (logits.shape[-1] + 31) // 32
+    for batcher, members in list(groups.items()):
+        rows = list(members)
+        try:
+            for i in rows:
+                members[i].advance(seqs[i].output_token_ids)
+            bitmask = batcher.masks([members[i] for i in rows], words)  # [n, W]
+            index = torch.tensor(rows, dtype=torch.long)
+            logits[index] = batcher.apply(logits[index], bitmask)  # [n, V]
+        except Exception:  # noqa: BLE001 - these rows go row by row: a failure stays with its request
+            del groups[batcher]
+    return groups
+
+
+def _prefetch(groups: dict, seqs: list[Sequence], tokens: list) -> None:
+    """Advance each batched processor by its sampled token and start its next mask."""
+    for batcher, members in groups.items():
+        ready = []
+        for i, proc in members.items():
+            if isinstance(tokens[i], int):
+                proc.advance([*seqs[i].output_token_ids, tokens[i]])
+                ready.append(proc)
+        if ready:
+            batcher.prefetch(ready)
+
+
+def sample_row(row: torch.Tensor, seq: Sequence, batched: bool = False) -> int:
+    """logits row [V] -> the next token of `seq` under its SamplingParams (`batched`: its mask
+    processor was already applied by `sample`)."""
     p = seq.params
+    skip = _batched(seq) if batched else None
     for proc in p.logits_processors:
-        row = proc(seq.output_token_ids, row)
+        if proc is not skip:
+            row = proc(seq.output_token_ids, row)
     if p.temperature < MIN_TEMPERATURE:
         if not torch.isfinite(row.max()):
             raise SamplingError(f"request {seq.request_id}: no token is allowed at this step")

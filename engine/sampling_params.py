@@ -4,12 +4,39 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
 # A logits processor sees the tokens generated so far for its sequence and that sequence's
 # logits row [V]; it returns the (possibly masked) row. Constrained decoding plugs in here.
 LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
+
+
+class MaskBatcher(Protocol):
+    """Fills the allowed-token bitmasks of many MaskProcessors at once (see engine/sampler.py)."""
+
+    def masks(self, processors: list, words: int) -> torch.Tensor:
+        """[n, words] int32 bitmask (bit j of word w allows id 32w+j), one row per processor."""
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """Mask logits [n, V] in place with bitmask [n, ceil(V/32)]."""
+
+    def prefetch(self, processors: list) -> None:
+        """Start computing the next masks in the background (the processors were just advanced)."""
+
+
+@runtime_checkable
+class MaskProcessor(Protocol):
+    """A logits processor whose whole effect is an allowed-token mask: the sampler advances it by
+    the sampled ids and masks every such row of a step through its `mask_batcher` in one call, then
+    starts the next step's masks while the forward pass runs. Still callable per row."""
+
+    mask_batcher: MaskBatcher | None
+
+    def advance(self, token_ids: Sequence[int]) -> None: ...
+
+    def __call__(self, token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass

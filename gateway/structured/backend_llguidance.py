@@ -11,6 +11,11 @@ from .errors import ConstraintCompileError, UnsupportedSchemaError
 from .json_schema import llguidance_json_grammar, parse_schema
 from .vocab import TokenizerInfo
 
+# Lexer budgets above llguidance's defaults (fuel 1M initial / 200k per step, 250k lexer states):
+# patterns like `^(?:\S+\s+){0,99}\S+$` under minLength/maxLength exhaust the defaults mid-string
+# ("too many expressions constructed", a dead end at runtime); fuel still bounds each mask.
+PARSER_LIMITS = dict(initial_lexer_fuel=20_000_000, step_lexer_fuel=5_000_000, max_lexer_states=2_000_000)
+
 
 class LLGuidanceMatcher(Matcher):
     def __init__(self, native: llguidance.LLMatcher, n_words: int) -> None:
@@ -40,7 +45,8 @@ class LLGuidanceCompiled(CompiledConstraint):
 
     def __init__(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, grammar: str) -> None:
         self.spec, self.tokenizer, self.grammar = spec, tokenizer, grammar
-        self._template = llguidance.LLMatcher(tokenizer.llg, grammar, log_level=0)
+        self._template = llguidance.LLMatcher(tokenizer.llg, grammar, log_level=0,
+                                              limits=llguidance.LLParserLimits(**PARSER_LIMITS))
         if self._template.is_error():
             raise _typed_error(spec.kind, self._template.get_error())
         self._n_words = (tokenizer.vocab_size + 31) // 32

@@ -1,5 +1,9 @@
 """Batched masks: fill every constrained row of a [B, W] bitmask at once, optionally while the
-forward pass runs (llguidance releases the GIL), then apply them to the [B, V] logits in one op."""
+forward pass runs (llguidance releases the GIL), then apply them to the [B, V] logits in one op.
+
+BatchMasker is the engine's MaskBatcher (engine/sampling_params.py): `masks` joins the rows
+prefetched after the previous sample and fills the others in one call; `prefetch` starts the next.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +23,10 @@ class BatchMasker:
     def __init__(self, num_threads: int | None = None) -> None:
         self._executor = llguidance.LLExecutor(num_threads=num_threads)
         self._thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mask-prefetch")
+        self._words = 0  # row width of the last `masks` call (the logits' vocabulary, padded)
+        # id(constraint) -> (constraint, consumed count, future, bitmask, row) of the last prefetch
+        self._pending: dict[int, tuple[Constraint, int, cf.Future, torch.Tensor, int]] = {}
+        self.prefetch_hits = 0  # rows served from a prefetch (for tests and metrics)
 
     def fill(self, constraints: Sequence[Constraint | None], bitmask: torch.Tensor) -> None:
         """bitmask [B, W] int32 CPU: row b gets constraints[b]'s mask, or all ones when None."""
@@ -51,10 +59,63 @@ class BatchMasker:
         """Start `fill` in the background (call after advancing the constraints, before the forward)."""
         return self._thread.submit(self.fill, list(constraints), bitmask)
 
+    def masks(self, constraints: Sequence[Constraint], words: int) -> torch.Tensor:
+        """[n, words] int32 bitmask of the (already advanced) constraints: prefetched rows whose
+        constraint has not moved since, the others filled now in one batched call."""
+        self._words = words
+        for _, _, future, _, _ in self._pending.values():
+            future.result()  # join every prefetch (re-raises a failed one) before touching any state
+        out = torch.empty(len(constraints), words, dtype=torch.int32)
+        missing = []
+        for i, c in enumerate(constraints):
+            pre = self._pending.pop(id(c), None)
+            if pre is not None:
+                owner, consumed, future, bitmask, row = pre
+                if owner is c and consumed == c.consumed and bitmask.shape[1] == words:
+                    out[i] = bitmask[row]
+                    self.prefetch_hits += 1
+                    continue
+            missing.append(i)
+        if missing:
+            rows = torch.empty(len(missing), words, dtype=torch.int32)
+            self.fill([constraints[i] for i in missing], rows)
+            out[missing] = rows
+        return out
+
+    def wait(self) -> None:
+        """Join the prefetches in flight (a constraint must not be touched while its mask computes)."""
+        for _, _, future, _, _ in self._pending.values():
+            future.result()
+
+    def prefetch(self, constraints: Sequence[Constraint]) -> None:
+        """Start filling the masks of the next step for `constraints` (just advanced by their new
+        token) in the background thread; the previous step's unused prefetches are dropped."""
+        for _, _, future, _, _ in self._pending.values():
+            future.result()
+        self._pending.clear()
+        if not self._words or not constraints:
+            return
+        bitmask = torch.empty(len(constraints), self._words, dtype=torch.int32)
+        future = self.fill_async(constraints, bitmask)
+        for row, c in enumerate(constraints):
+            self._pending[id(c)] = (c, c.consumed, future, bitmask, row)
+
     @staticmethod
     def apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         """Mask logits [B, V] in place with bitmask [B, ceil(V/32)]."""
         return apply_bitmask_(logits, bitmask)
 
     def close(self) -> None:
+        self._pending.clear()
         self._thread.shutdown(wait=True)
+
+
+_DEFAULT: BatchMasker | None = None
+
+
+def default_masker() -> BatchMasker:
+    """The process-wide BatchMasker that build_constraint attaches to each Constraint."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = BatchMasker()
+    return _DEFAULT

@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 
 from .base import ConstraintKind, ConstraintSpec
+from .batch import BatchMasker
 from .cache import ConstraintCache, default_cache
 from .constraint import Constraint
 from .json_schema import parse_schema
@@ -30,9 +31,13 @@ def build_constraint(
     backend: str | None = None,
     cache: ConstraintCache | None = None,
     closing_window: int | None = None,
+    mask_batcher: BatchMasker | None = None,
 ) -> Constraint:
-    """Compile (or fetch from the LRU) and bind to one sequence. Raises typed errors (HTTP 400)."""
+    """Compile (or fetch from the LRU) and bind to one sequence. Raises typed errors (HTTP 400).
+    With `mask_batcher` (e.g. batch.default_masker()) the engine batches its mask with the other rows
+    and prefetches it; off by default: on 2 shared cores it measured slower than the per-row path."""
     compiled = (cache if cache is not None else default_cache()).get_or_compile(spec, tokenizer, backend)
     if closing_window is None:  # the last quarter of the budget (at least 32 steps) closes the output
         closing_window = max(32, (max_tokens or 0) // 4)
-    return Constraint(compiled, eos_ids=eos_ids, max_tokens=max_tokens, closing_window=closing_window)
+    return Constraint(compiled, eos_ids=eos_ids, max_tokens=max_tokens, closing_window=closing_window,
+                      mask_batcher=mask_batcher)

@@ -8,8 +8,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .base import CompiledConstraint
+from .base import CompiledConstraint, ConstraintKind
 from .bitmask import apply_bitmask_, bitmask_words, ids_to_row
+from .closing import completion_hints, shortest_completion
+from .sql_scope import SQLScopeGuard
 from .vocab import TokenizerInfo
 
 # Tokens that close an open construct, by preference tier (bytes allowed, required first byte);
@@ -31,6 +33,11 @@ def _closer_ids(tokenizer: TokenizerInfo, closing: bytes, first: bytes) -> tuple
                  if b and set(b) <= allowed and b.startswith(first))
 
 
+@functools.lru_cache(maxsize=64)
+def _hints(spec) -> tuple[bytes, ...]:
+    return completion_hints(spec.source)
+
+
 @functools.lru_cache(maxsize=32)
 def _special_rows(tokenizer: TokenizerInfo, eos_ids: tuple[int, ...], n_words: int):
     """(EOS row, closing tiers, whitespace row) as uint32 [n_words] bitmask rows; shared, read-only."""
@@ -48,7 +55,12 @@ class Constraint:
     Whitespace is bounded: after `max_whitespace_run` consecutive whitespace bytes, whitespace-only
     tokens are masked out (so a grammar with free whitespace cannot loop on it). With `max_tokens`,
     the last `closing_window` steps prefer closing tokens (CLOSING_TIERS) and EOS as soon as the
-    output is complete, so output closes inside the budget when it can.
+    output is complete. Throughout (llguidance), the Constraint measures a completion path
+    (closing.shortest_completion) at adaptive intervals (a quarter of the way to the step where it
+    must start)
+    and, once the budget left is no more than the path plus EOS plus `closing_margin` (or at the
+    first path found inside the closing window), forces that path token by token, so output that
+    can close inside the budget does.
     """
 
     def __init__(
@@ -58,6 +70,8 @@ class Constraint:
         max_tokens: int | None = None,
         closing_window: int = 32,
         max_whitespace_run: int = 8,
+        closing_margin: int = 4,
+        mask_batcher=None,
     ) -> None:
         self.compiled = compiled
         self.matcher = compiled.new_matcher()
@@ -65,6 +79,15 @@ class Constraint:
         self.eos_ids = tuple(eos_ids if eos_ids is not None else tok.eos_ids)
         self.max_tokens, self.closing_window = max_tokens, closing_window
         self.max_whitespace_run = max_whitespace_run
+        self.closing_margin = closing_margin
+        # The engine batches this row's mask through it (engine.sampling_params.MaskProcessor).
+        self.mask_batcher = mask_batcher
+        # SQL: binds aliases and table qualifiers to FROM while decoding (see sql_scope.py)
+        self.guard_fallbacks = 0  # steps where the guard vetoed every token and was bypassed
+        self.guard = (SQLScopeGuard.from_grammar(compiled.spec.source, tok)
+                      if compiled.spec.kind is ConstraintKind.SQL else None)
+        self.plan: list[int] | None = None  # the forced completion path, once committed
+        self._next_plan_check = 0  # consumed count at which the completion path is measured again
         self._token_bytes = tok.token_bytes
         self._ws_run = 0  # trailing whitespace bytes of the output so far
         self.vocab_size = tok.vocab_size
@@ -86,21 +109,28 @@ class Constraint:
             self.error = self.error or f"token {token} after the end of the constrained output"
             return False
         if token in self.eos_ids:
-            if not self.matcher.is_accepting():
+            if not self._matcher_accepts():
                 self.error = f"EOS {token} before the output was complete"
             self.ended = True
             return not self.error
+        if self.plan is not None:
+            self.plan = self.plan[1:] if self.plan and self.plan[0] == token else None
         if not self.matcher.consume(token):
             self.error = self.matcher.error() or f"token {token} not allowed"
             return False
+        if self.guard is not None:
+            self.guard.consume(token)
         piece = self._token_bytes[token] if token < len(self._token_bytes) else None
         if piece:
             stripped = piece.rstrip()
             self._ws_run = self._ws_run + len(piece) if not stripped else len(piece) - len(stripped)
         return True
 
+    def _matcher_accepts(self) -> bool:
+        return self.matcher.is_accepting() and (self.guard is None or self.guard.allows_end())
+
     def is_accepting(self) -> bool:
-        return not self.error and (self.ended or self.matcher.is_accepting())
+        return not self.error and (self.ended or self._matcher_accepts())
 
     def is_terminated(self) -> bool:
         return self.ended or bool(self.error) or self.matcher.is_terminated()
@@ -129,11 +159,20 @@ class Constraint:
             return
         out[self.tok_words:] = 0
         out &= ~eos_row
+        if self.guard is not None:
+            before = out.copy()
+            self.guard.filter(out)
+            if not out.any():  # a dead end the guard cannot see ahead of (e.g. a keyword half typed):
+                out[:] = before  # stay grammatical; sqlglot then rejects the unbound qualifier
+                self.guard_fallbacks += 1
         if self._ws_run >= self.max_whitespace_run:
             no_ws = out & ~ws_row
             if no_ws.any():
                 out[:] = no_ws
-        accepting = self.matcher.is_accepting()
+        accepting = self._matcher_accepts()
+        if not accepting and (forced := self._planned_token()) is not None:
+            out[:] = ids_to_row((forced,), words)
+            return
         if self._closing():
             if accepting:
                 out[:] = eos_row
@@ -148,6 +187,24 @@ class Constraint:
         if not out.any():  # dead end (matcher error): end the sequence; validation reports it
             self.error = self.error or self.matcher.error() or "no token can continue the output"
             out[:] = eos_row
+
+    def _planned_token(self) -> int | None:
+        """Next token of the completion path when the budget requires following it now (else None)."""
+        llg = self.matcher.llg
+        if llg is None or self.max_tokens is None:
+            return None
+        remaining = self.max_tokens - self.consumed  # this step included; EOS needs one of them
+        if not self.plan and self.consumed >= self._next_plan_check:
+            path = shortest_completion(llg, self.compiled.tokenizer, remaining - 1, _hints(self.compiled.spec),
+                                       allow=self.guard.allows if self.guard is not None else None)
+            if path is None:  # nothing found that fits: back off (outside the closing window)
+                self._next_plan_check = self.consumed + (4 if self._closing() else max(4, remaining // 2))
+            elif len(path) + 1 + self.closing_margin >= remaining or self._closing():
+                self.plan = path  # inside the closing window the first path found is followed
+            else:  # room left: measure again a quarter of the way to where the path must start (each
+                # step can lengthen it by a few tokens: an opened object, a required key)
+                self._next_plan_check = self.consumed + max(1, (remaining - len(path) - 1 - self.closing_margin) // 4)
+        return self.plan[0] if self.plan else None
 
     def __call__(self, token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """Logits-processor form: advance by the new ids, then mask logits [V] in place."""

@@ -100,12 +100,23 @@ def audit(schema: dict | bool, keywords: frozenset[str], formats: frozenset[str]
                         raise UnsupportedSchemaError("type", path, f"unknown type {t!r}", backend)
 
 
+# date / time / date-time as the validator (jsonschema + rfc3339-validator) accepts them: llguidance's
+# own formats also admit second 60, lower-case t/z and 02-29 of any year, which it rejects.
+_DATE = (r"[1-9][0-9]{3}-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)"
+         r"|(?:0[13578]|1[02])-31)")
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+STRICT_FORMATS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{_TIME}$"}
+
+
 def normalise(schema: dict | bool) -> dict | bool:
-    """Rewrite draft-4 boolean exclusiveMinimum/Maximum into draft-6+ numbers (same meaning)."""
+    """Rewrite draft-4 boolean exclusiveMinimum/Maximum into draft-6+ numbers (same meaning), and
+    date/time/date-time formats into the anchored patterns of STRICT_FORMATS (a subset of each)."""
     if not isinstance(schema, dict):
         return schema
     out = json.loads(json.dumps(schema))
     for _, sub in walk(out):
+        if sub.get("format") in STRICT_FORMATS and "pattern" not in sub:
+            sub["pattern"] = STRICT_FORMATS[sub.pop("format")]
         for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
             if isinstance(sub.get(flag), bool):
                 if sub.pop(flag) and bound in sub:

@@ -5,6 +5,10 @@ names are new identifiers that are not keywords; a CTE is named `cte_*` so that 
 without letting the model invent table names (sqlglot then checks it is bound). Keywords and
 unquoted names are case-insensitive. Whitespace is explicit and bounded: two word tokens never
 touch, and each gap holds 1-4 whitespace bytes.
+
+A CFG cannot bind `T1.name` in the SELECT list to the `FROM t AS T1` after it: the grammar ends with
+a comment listing the tables and their columns, from which the Constraint builds the alias-binding
+guard (sql_scope.py) that vetoes unbound qualifiers while decoding.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import re
 
 from .base import ConstraintKind, ConstraintSpec
 from .sql_schema import AGGREGATES, DatabaseSchema, SQLPolicy
+from .sql_scope import SCHEMA_COMMENT
 
 # Identifier quoting and string-literal forms per dialect.
 _QUOTES = {
@@ -184,6 +189,8 @@ def sql_grammar(schema: DatabaseSchema, policy: SQLPolicy | None = None) -> str:
         lines.append('COUNT: "\\u0000never"')
     for kw in _KEYWORDS:
         lines.append(f"{kw.upper()}: {_lit(kw)}")
+    # The tables and columns for the alias-binding guard (sql_scope.py); a comment to the grammar.
+    lines.append(SCHEMA_COMMENT + json.dumps({t: list(schema.tables[t]) for t in tables}))
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,209 @@
+"""Budget closing: the shortest token path from a matcher's state to a complete (accepting) output.
+
+Used by Constraint when the token budget runs low: a breadth-first search over copies of the
+llguidance matcher, one level per token, expanding each state by its allowed one-byte tokens
+(all allowed tokens where the grammar forces a longer one). States at one depth that allow the same
+token set are merged (their futures are the same as far as the next mask can tell), so a level holds
+a handful of states and a depth-d search costs about d x (states x candidates) mask computations.
+Every path it returns was consumed by a real matcher copy, so following it can never break the
+grammar; it is the shortest among the candidate tokens (one-byte tokens), so budget checks that use
+its length are conservative.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import re
+from collections.abc import Callable
+
+import numpy as np
+
+from .vocab import TokenizerInfo
+
+# Bytes tried first at each level (they end strings, objects, arrays, SQL groups and values).
+_CLOSERS = b'"}])\';,'
+# Where a state allows many one-byte tokens (free text), try these (plus closers, punctuation and the
+# first bytes of the hints) instead of all of them: the same state is usually reached either way.
+_REPRESENTATIVE = b"a0A-_:/.@ "
+# At most this many candidate tokens per state.
+MAX_CANDIDATES = 48
+# Strings that satisfy a JSON Schema `format` (shortest sensible instances).
+_FORMAT_HINTS = {
+    "date-time": "2000-01-01T00:00:00Z", "date": "2000-01-01", "time": "00:00:00Z", "email": "a@a.aa",
+    "uri": "a:a", "uri-reference": "a", "uuid": "00000000-0000-0000-0000-000000000000",
+    "ipv4": "0.0.0.0", "ipv6": "::1", "hostname": "a", "duration": "P1D",
+}
+_PATTERN_KEY = re.compile(r'"pattern"\s*:\s*("(?:[^"\\]|\\.)*")')
+_FORMAT_KEY = re.compile(r'"format"\s*:\s*"([a-z-]+)"')
+
+
+def _shortest(items) -> str | None:
+    """A shortest string matching a parsed `re` pattern (None where this simple walk cannot tell)."""
+    out = []
+    for op, av in items:
+        name = str(op)
+        if name == "LITERAL":
+            out.append(chr(av))
+        elif name in ("NOT_LITERAL", "ANY"):
+            out.append("a" if name == "ANY" or av != ord("a") else "b")
+        elif name == "IN":
+            ch = _class_member(av)
+            if ch is None:
+                return None
+            out.append(ch)
+        elif name == "BRANCH":
+            alts = [a for a in (_shortest(b) for b in av[1]) if a is not None]
+            if not alts:
+                return None
+            out.append(min(alts, key=len))
+        elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            sub = _shortest(av[2])
+            if sub is None:
+                return None
+            out.append(sub * av[0])
+        elif name == "SUBPATTERN":
+            sub = _shortest(av[3])
+            if sub is None:
+                return None
+            out.append(sub)
+        elif name in ("AT", "ASSERT", "ASSERT_NOT"):
+            continue
+        else:
+            return None
+    return "".join(out)
+
+
+def _class_member(items) -> str | None:
+    negate = any(str(op) == "NEGATE" for op, _ in items)
+    for ch in ("a", "0", "A", "-", "_", ".", " ", "z", "9", "Z", "!", "~"):
+        hit = False
+        for op, av in items:
+            name = str(op)
+            if name == "LITERAL":
+                hit |= ord(ch) == av
+            elif name == "RANGE":
+                hit |= av[0] <= ord(ch) <= av[1]
+            elif name == "CATEGORY":
+                cat = str(av)
+                hit |= (("DIGIT" in cat and ch.isdigit()) or ("WORD" in cat and (ch.isalnum() or ch == "_"))
+                        or ("SPACE" in cat and ch.isspace())) != ("NOT" in cat)
+        if hit != negate:
+            return ch
+    if not negate:
+        for op, av in items:
+            if str(op) == "LITERAL":
+                return chr(av)
+            if str(op) == "RANGE":
+                return chr(av[0])
+    return None
+
+
+def completion_hints(source: str) -> tuple[bytes, ...]:
+    """Strings that satisfy the `pattern`s and `format`s found in a constraint's source (JSON Schema,
+    or a grammar embedding schemas), as JSON-escaped bytes: the search tries them as one move, so a
+    string that must contain e.g. `\\d{4}-\\d{2}` can close even though no single byte reveals progress."""
+    import re._parser as sre_parse
+
+    hints: list[str] = []
+    for m in _PATTERN_KEY.finditer(source):
+        try:
+            shortest = _shortest(sre_parse.parse(json.loads(m.group(1))))
+        except Exception:  # noqa: BLE001 - a pattern Python cannot parse gives no hint
+            continue
+        if shortest:
+            hints.append(shortest)
+    hints += [_FORMAT_HINTS[f] for f in _FORMAT_KEY.findall(source) if f in _FORMAT_HINTS]
+    return tuple(dict.fromkeys(json.dumps(h)[1:-1].encode() for h in hints if len(h) <= 64))
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_tokens(tokenizer: TokenizerInfo) -> tuple[np.ndarray, np.ndarray, dict[int, int]]:
+    """(ids of the one-byte tokens, closers first, whitespace other than ' ' left out; byte length per
+    id; byte -> its one-byte token id)."""
+    lengths = np.array([len(b) if b else 1 << 20 for b in tokenizer.token_bytes], dtype=np.int64)
+    singles = [(i, b) for i, b in enumerate(tokenizer.token_bytes) if b and len(b) == 1 and (b == b" " or b.strip())]
+    singles.sort(key=lambda ib: (_CLOSERS.find(ib[1]) if ib[1] in _CLOSERS else len(_CLOSERS), ib[1]))
+    by_byte = {b[0]: i for i, b in singles}
+    return np.array([i for i, _ in singles], dtype=np.int64), lengths, by_byte
+
+
+def _allowed(matcher, n_words: int, buf: np.ndarray) -> np.ndarray:
+    matcher.unsafe_compute_mask_ptr(buf.ctypes.data, n_words * 4)
+    return buf
+
+
+def _ids(mask: np.ndarray, vocab: int) -> np.ndarray:
+    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab]
+    return np.flatnonzero(bits)
+
+
+def shortest_completion(
+    matcher, tokenizer: TokenizerInfo, max_depth: int, hints: tuple[bytes, ...] = (),
+    allow: Callable[[list[int], bool], bool] | None = None, max_nodes: int = 2000,
+) -> list[int] | None:
+    """Token ids that take llguidance `matcher` (not modified) to an accepting state, or None if no
+    path of at most `max_depth` tokens was found within `max_nodes` expansions.
+
+    Depth-first, children in closing order: closers, the `hints` (byte strings tried as one move),
+    then forced or short tokens and representative bytes. A child whose allowed set and forced bytes
+    equal its parent's made no visible progress (one more char of a free string): it is tried last,
+    so counted repeats (`\\d{4}`, minLength) still complete but free text never loops.
+    `allow(path, final)` may veto a path (extra guards; `final`: as a complete output)."""
+    if matcher.is_accepting():
+        return []
+    vocab = tokenizer.vocab_size
+    n_words = (vocab + 31) // 32
+    singles, lengths, by_byte = _byte_tokens(tokenizer)
+    is_single = np.zeros(vocab, dtype=bool)
+    is_single[singles[singles < vocab]] = True
+    preferred = set(_CLOSERS) | set(_REPRESENTATIVE) | {h[0] for h in hints}
+    macros = [[by_byte[b] for b in h] for h in hints if all(b in by_byte for b in h)]
+    buf = np.zeros(n_words, dtype=np.uint32)
+    budget = [max_nodes]
+
+    def key_of(state) -> bytes:
+        h = hashlib.blake2b(_allowed(state, n_words, buf).tobytes(), digest_size=16)
+        h.update(bytes(state.compute_ff_bytes()))
+        return h.digest()
+
+    def moves(state) -> list[list[int]]:
+        allowed = _ids(_allowed(state, n_words, buf), vocab)
+        cands = singles[np.isin(singles, allowed[is_single[allowed]])]  # closers first
+        if cands.size > MAX_CANDIDATES:  # free text: closers, representatives, hint starts
+            cands = np.array([t for t in cands.tolist() if tokenizer.token_bytes[t][0] in preferred])
+        elif not cands.size:  # the grammar forces a multi-byte token here: the shortest ones
+            cands = allowed[np.argsort(lengths[allowed], kind="stable")][:MAX_CANDIDATES]
+        out = [[t] for t in cands.tolist() if t not in tokenizer.eos_ids]
+        n_close = sum(1 for m in out if (tokenizer.token_bytes[m[0]] or b"")[:1] in (b'"', b"}", b"]", b")", b"'"))
+        return out[:n_close] + macros + out[n_close:]
+
+    def search(state, path: list[int], key: bytes) -> list[int] | None:
+        stalled = []
+        for move in moves(state):
+            if budget[0] <= 0 or len(path) + len(move) > max_depth:
+                continue
+            budget[0] -= 1
+            child = state.deep_copy()
+            if child.try_consume_tokens(move) != len(move):
+                continue
+            child_path = path + move
+            if allow is not None and not allow(child_path, False):
+                continue
+            if child.is_accepting() and (allow is None or allow(child_path, True)):
+                return child_path
+            child_key = key_of(child)
+            if child_key == key:
+                if not stalled:
+                    stalled.append((child, child_path))
+                continue
+            if (found := search(child, child_path, child_key)) is not None:
+                return found
+        for child, child_path in stalled:
+            if (found := search(child, child_path, key)) is not None:
+                return found
+        return None
+
+    root = matcher.deep_copy()
+    return search(root, [], key_of(root))
