@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,18 +67,25 @@ def routing_skew(model, tokenizer, n: int, seed: int = 0) -> list[dict[str, Any]
     return rows
 
 
-@torch.no_grad()
-def sample(model, tokenizer, family: str, index: int, max_new_tokens: int = 160) -> dict[str, Any]:
-    """Greedy continuation of a held-out prompt, cut before its checked assistant turn."""
-    conv = conversation("heldout", index, family=family)
-    prompt_messages = conv.messages[:conv.answer_index]
-    prompt = tokenizer.apply_chat_template(prompt_messages, tools=conv.tools, tokenize=False,
-                                           add_generation_prompt=True)
-    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-    text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=False)
-    return {"family": family, "user": prompt_messages[-1]["content"], "generated": text,
-            "reference": _reference(conv.messages[conv.answer_index])}
+def exploration_samples(checkpoint: Path, prompts=SAMPLE_PROMPTS, max_tokens: int = 160) -> list[dict[str, Any]]:
+    """Greedy continuations of held-out prompts by the moegate engine in exploration mode (unconstrained)."""
+    from engine.sampling_params import SamplingParams
+    from evals.report import _llm
+
+    llm = _llm(str(checkpoint))
+    tok, out = llm.tokenizer, []
+    for title, family, index in tqdm(prompts, desc="samples"):
+        conv = conversation("heldout", index, family=family)
+        messages = conv.messages[:conv.answer_index]
+        ids = tok.encode(tok.apply_chat_template(messages, tools=conv.tools))
+        llm.engine.add_request(title, ids, SamplingParams(max_tokens=max_tokens), mode="exploration")
+        result = None
+        while llm.engine.has_work():
+            for o in llm.engine.step():
+                result = o
+        out.append({"title": title, "family": family, "user": messages[-1]["content"], "generated": result.text,
+                    "reference": _reference(conv.messages[conv.answer_index])})
+    return out
 
 
 def _reference(message: dict[str, Any]) -> str:
@@ -102,22 +110,62 @@ def split_overlap(phases: list[dict[str, Any]], n_heldout: int = 1000) -> dict[s
             "per_family": {k: v[0] / v[1] for k, v in sorted(per_family.items())}}
 
 
-def measure(checkpoint: Path, n_loss: int, n_routing: int) -> dict[str, Any]:
+def measure(checkpoint: Path, n_loss: int, n_routing: int, n_tasks: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeForCausalLM
 
-    torch.set_num_threads(2)
+    from evals.report import structured_tasks
+
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint)).float().eval()
     torch.manual_seed(0)
     random_model = Qwen3MoeForCausalLM(model.config).float().eval()
     return {
         "parameters": sum(p.numel() for p in model.parameters()),
+        "active_parameters": active_parameters(model),
         "vocab_size": len(tokenizer), "ln_vocab": math.log(len(tokenizer)),
         "heldout_conversations": n_loss,
         "trained": heldout_loss(model, tokenizer, n_loss), "random": heldout_loss(random_model, tokenizer, n_loss),
         "routing": routing_skew(model, tokenizer, n_routing),
-        "samples": [{"title": t, **sample(model, tokenizer, f, i)} for t, f, i in SAMPLE_PROMPTS],
+        "structured": {k: {f: v[f] for f in ("n", "valid", "correct", "examples")}
+                       for k, v in structured_tasks(str(checkpoint), n_tasks).items()},
+        "samples": exploration_samples(checkpoint),
     }
+
+
+def active_parameters(model) -> int:
+    """Parameters one token uses: everything except the routed experts it is not sent to."""
+    cfg = model.config
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    return sum(p.numel() for p in model.parameters()) - experts + experts * cfg.num_experts_per_tok // cfg.num_experts
+
+
+def step_seconds(checkpoint: Path, config: dict[str, Any], threads: int, steps: int = 4) -> float:
+    """Best wall time of one training step (forward, backward, AdamW) of the recipe's model at `threads` threads."""
+    from dataclasses import fields
+
+    from transformers import AutoTokenizer
+
+    from evals.demo.train import TrainConfig, build_model, lm_loss
+
+    cfg = TrainConfig(**{f.name: config[f.name] for f in fields(TrainConfig) if f.name in config})
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    model = build_model(cfg, tokenizer)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, len(tokenizer), (cfg.batch_size, cfg.seq_len), generator=gen)  # [B, S]
+    batch = torch.stack([ids, ids, torch.ones_like(ids)], 1)  # [B, 3, S]
+    best = float("inf")
+    for _ in range(steps):
+        start = time.perf_counter()
+        ce, aux = lm_loss(model, batch, cfg.autocast_bf16, True)
+        (ce + cfg.router_aux_loss_coef * aux).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(previous)
+    return best
 
 
 def training_metric_files(checkpoint: Path) -> list[Path]:
@@ -142,14 +190,19 @@ def main() -> None:
     parser.add_argument("--checkpoint", type=Path, default=Path("engine/assets/demo-moe"))
     parser.add_argument("--loss-conversations", type=int, default=48)
     parser.add_argument("--routing-conversations", type=int, default=48)
+    parser.add_argument("--tasks", type=int, default=120, help="held-out structured tasks (constrained decoding)")
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     phases = [json.loads(p.read_text()) for p in training_metric_files(args.checkpoint)]
-    card = measure(args.checkpoint, args.loss_conversations, args.routing_conversations)
+    card = measure(args.checkpoint, args.loss_conversations, args.routing_conversations, args.tasks)
     card["overlap"] = split_overlap(phases)
+    card["step_seconds"] = {str(t): step_seconds(args.checkpoint, phases[-1]["config"], t) for t in (1, 2)}
     (args.checkpoint / "card_metrics.json").write_text(json.dumps(card, indent=1) + "\n")
     save_loss_curve(merge_histories(phases), args.checkpoint / "loss_curve.png", card["ln_vocab"])
     write_card(args.checkpoint, card, phases)
-    print(json.dumps({k: card[k] for k in ("parameters", "trained", "random")}, indent=1))
+    print(json.dumps({k: card[k] for k in ("parameters", "active_parameters", "trained", "random")}, indent=1))
+    print(json.dumps({k: {f: v[f] for f in ("n", "valid", "correct")} for k, v in card["structured"].items()}))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Train the bundled demo Qwen3-MoE on the procedural corpus (CPU, 2 threads) and save it as a bf16 checkpoint."""
+"""Train the bundled demo Qwen3-MoE on the procedural corpus (CPU, `--threads`) and save it as a bf16 checkpoint."""
 
 from __future__ import annotations
 
@@ -20,30 +20,31 @@ IGNORE = -100
 
 @dataclass(frozen=True)
 class TrainConfig:
-    hidden_size: int = 128
+    hidden_size: int = 256
     num_layers: int = 4
-    num_experts: int = 16
+    num_experts: int = 32
     top_k: int = 2
-    moe_intermediate_size: int = 192
-    num_heads: int = 4
+    moe_intermediate_size: int = 256
+    num_heads: int = 8
     num_kv_heads: int = 2
     head_dim: int = 32
     seq_len: int = 1024
     batch_size: int = 2
-    steps: int = 5000
+    steps: int = 100_000
     time_budget_s: float = 0.0  # > 0: the schedule runs on wall-clock progress and stops at the budget
-    lr: float = 3e-3
+    lr: float = 2e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
+    warmup_steps: int = 50
     loss_on: str = "all"  # "all" tokens or "assistant" tokens only; held-out loss is always on assistant tokens
     weight_decay: float = 0.1
     router_aux_loss_coef: float = 0.01
-    train_conversations: int = 8_000
+    train_conversations: int = 12_000
     eval_conversations: int = 32
     eval_every: int = 50
     seed: int = 0
+    threads: int = 1  # torch CPU threads (the demo machine has 2 cores, shared)
     autocast_bf16: bool = False
-    experts_implementation: str = "eager"
+    experts_implementation: str = "grouped_mm"  # ~1.4x faster than "eager" for training on CPU
     init_from: str = ""  # a checkpoint directory to continue training from (a second phase)
     boost_family: str = ""  # draw this share of conversations from one family (e.g. short prose answers)
     boost_share: float = 0.0
@@ -189,7 +190,7 @@ def save_loss_curve(history: dict, path: Path, random_loss: float) -> None:
 
 
 def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
-    torch.set_num_threads(2)
+    torch.set_num_threads(cfg.threads)
     if cfg.init_from:
         from transformers import AutoModelForCausalLM
 
@@ -213,7 +214,7 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
     gen = torch.Generator().manual_seed(cfg.seed)
     order = torch.randperm(len(train_data), generator=gen)
     start = time.time()
-    bar = tqdm(range(cfg.steps), desc="train")
+    bar = tqdm(range(cfg.steps), desc="train", total=float("inf") if cfg.time_budget_s > 0 else cfg.steps)  # done=% of budget
     warm_progress, steps_done = None, 0
     for step in bar:
         progress = progress_at(step, time.time() - start, cfg)
@@ -234,7 +235,7 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
         steps_done = step + 1
         history["train"].append((step, float(ce)))
         history["aux"].append((step, float(aux)))
-        bar.set_postfix(ce=f"{float(ce):.3f}", aux=f"{float(aux):.3f}")
+        bar.set_postfix(ce=f"{float(ce):.3f}", aux=f"{float(aux):.3f}", done=f"{progress:.0%}")
         if (step + 1) % cfg.eval_every == 0:
             held = evaluate(model, eval_data, cfg.batch_size, cfg.autocast_bf16)
             history["heldout"].append((step + 1, held))
