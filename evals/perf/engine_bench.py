@@ -23,7 +23,7 @@ from evals.perf.common import machine_info, save_bar_plot
 
 
 def _moegate(model: str, fmt: str, dense: str, prompt: list[int], decode: int, defer: int = 0,
-             pack_dir: str | None = None, lm_head: str | None = None) -> dict:
+             pack_dir: str | None = None, lm_head: str | None = None, fast_dense: str | None = None) -> dict:
     from engine.experts import PlacementConfig
     from engine.llm_engine import LLM
     from engine.sampling_params import SamplingParams
@@ -31,7 +31,7 @@ def _moegate(model: str, fmt: str, dense: str, prompt: list[int], decode: int, d
     placement = PlacementConfig(fast_format=fmt, exact_format=fmt, pack_cache_dir=pack_dir)
     t = time.perf_counter()
     llm = LLM(model, dtype=dense, placement=placement, defer=defer, num_kv_blocks=64, prefix_cache=False,
-              fast_lm_head=lm_head, progress=False)  # no prefix cache: every prefill is computed
+              fast_lm_head=lm_head, fast_dense=fast_dense, progress=False)  # no prefix cache: every prefill is computed
     load_s = time.perf_counter() - t
     one = SamplingParams(max_tokens=1)
     llm.generate([prompt[:16]], one)  # warm-up (kernel build / first-touch)
@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--formats", default="int4,int8,bf16")
     ap.add_argument("--dense", default="float32", help="dtype of the dense path for moegate")
-    ap.add_argument("--lm-head", default="int8", help="exploration lm_head of the moegate-*+lmhead runs (int8|bf16)")
+    ap.add_argument("--lm-head", default="int8,int4",
+                    help="exploration lm_heads of the moegate-*+fast runs (comma list of int4|int8|bf16)")
+    ap.add_argument("--fast-dense", default="int8", help="exploration attention projections of the +fast runs")
     ap.add_argument("--gguf-q4", default=None)
     ap.add_argument("--gguf-q8", default=None)
     ap.add_argument("--no-transformers", action="store_true")
@@ -122,9 +124,9 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[str, dict] = {}
     plan = [(f"moegate-{f}", lambda f=f: _moegate(model, f, args.dense, prompt, args.decode,
                                                   pack_dir=str(out / "pack"))) for f in args.formats.split(",")]
-    plan += [(f"moegate-{f}+lmhead-{args.lm_head}", lambda f=f: _moegate(
-        model, f, args.dense, prompt, args.decode, pack_dir=str(out / "pack"), lm_head=args.lm_head))
-        for f in args.formats.split(",")]
+    plan += [(f"moegate-{f}+fast-lmhead-{h}-attn-{args.fast_dense}", lambda f=f, h=h: _moegate(
+        model, f, args.dense, prompt, args.decode, pack_dir=str(out / "pack"), lm_head=h, fast_dense=args.fast_dense))
+        for f in args.formats.split(",") for h in args.lm_head.split(",")]
     if not args.no_transformers:
         plan += [("transformers-eager-bf16", lambda: _transformers(model, torch.bfloat16, prompt, args.decode)),
                  ("transformers-eager-fp32", lambda: _transformers(model, torch.float32, prompt, args.decode))]
