@@ -48,13 +48,19 @@ def detect() -> CpuFeatures:
 
 
 def select_variant(features: CpuFeatures) -> str:
-    """Kernel variant for these features: "avx512" (AVX2 + FMA + F16C plus AVX-512 F/BW/VL/VNNI: the
-    int4 dot products use vpdpbusd), "avx2" (AVX2 + FMA + F16C, x86-64) or "generic". All three give
-    bitwise-identical int4 results (exact integer sums); avx2 and avx512 are identical for every format.
+    """Kernel variant for these features: "avx2" (AVX2 + FMA + F16C, x86-64) or "generic".
+
+    The "avx512" build (AVX-512 VNNI vpdpbusd for the W4A8 dot products; bitwise the same results) is
+    opt-in with MOEGATE_KERNEL_VARIANT=avx512 where `vnni_capable` holds: on the AMD EPYC (Zen 4) it was
+    measured on, it is no faster than avx2 at M = 8 and ~15% slower at M = 1.
     """
     x86 = features.arch in ("x86_64", "AMD64", "i686")
     if not (x86 and features.avx2 and features.fma and features.f16c):
         return "generic"
-    if features.avx512f and features.avx512bw and features.avx512vl and features.avx512_vnni:
-        return "avx512"
     return "avx2"
+
+
+def vnni_capable(features: CpuFeatures) -> bool:
+    """Whether the avx512 kernel variant can run here (AVX2 baseline plus AVX-512 F/BW/VL/VNNI)."""
+    return (select_variant(features) == "avx2" and features.avx512f and features.avx512bw and features.avx512vl
+            and features.avx512_vnni)

@@ -2,8 +2,9 @@
 
 n = rows (token, slot pairs of one expert), N = output rows, Kp = padded K, G = groups along K.
 Per row and group: q = round_half_even(x / sx) with sx = amax / 127 (int8 activations), the integer
-sum u . q (exact), then two fp32 fused multiply-adds in group order:
-acc = fma(s * sx, sum(u q), acc); acc = fma(b * sx, sum(q), acc), b = -8 s (int4) or the min.
+sum u . q (exact), then fp32 fused multiply-adds in group order: int4 (u = q_w + 8)
+acc = fma(s * sx, sum(u q) - 8 sum(q), acc) (the difference is an integer, exact in fp32); int4_asym
+acc = fma(s * sx, sum(u q), acc); acc = fma(m * sx, sum(q), acc) with m the group min.
 An fp32 fma is emulated in float64 (the product is exact there; one rounding to float64, one to
 float32 — a double rounding that differs from a true fma with probability ~2^-29 per operation).
 SiLU is computed in float64 and rounded once, as in the kernel.
@@ -43,11 +44,16 @@ def w4a8_tiles(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, mins:
     [N8, Kp/G, R, 8]) -> [n, R * N8 * 8] fp32, the kernel's arithmetic step by step."""
     u = _untile(tiles, fmt).double()  # [R, N8*8, Kp]
     s = _untile(scales, "fp32").float()  # [R, N8*8, G]
-    b = _untile(mins, "fp32").float() if fmt == "int4_asym" else s * -8.0
-    u, s, b = u.flatten(0, 1), s.flatten(0, 1), b.flatten(0, 1)  # [N', Kp], [N', G]
+    b = _untile(mins, "fp32").float() if fmt == "int4_asym" else None
+    u, s = u.flatten(0, 1), s.flatten(0, 1)  # [N', Kp], [N', G]
     q, sx, qs = quantize_parts(x, gs)  # [n, G, gs], [n, G], [n, G]
     isum = torch.einsum("tgk,ngk->tgn", q, u.unflatten(-1, (-1, gs))).float()  # [n, G, N'] exact
     acc = torch.zeros(x.shape[0], u.shape[0])  # [n, N']
+    if b is None:  # int4: one fma per group on sum(u q) - 8 sum(q) (integers, exact in fp32)
+        for g in range(s.shape[1]):
+            acc = fma32(s[None, :, g] * sx[:, g, None], isum[:, g] - 8.0 * qs[:, g, None], acc)
+        return acc
+    b = b.flatten(0, 1)
     for g in range(s.shape[1]):
         acc = fma32(s[None, :, g] * sx[:, g, None], isum[:, g], acc)
         acc = fma32(b[None, :, g] * sx[:, g, None], qs[:, g, None].expand_as(acc), acc)

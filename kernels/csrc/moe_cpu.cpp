@@ -16,7 +16,8 @@
 // int4 tiles hold blocks of 8 k: per row one dword whose nibble 2c is k0 + c and nibble 2c+1 is
 // k0 + 4 + c (c = 0..3). The int4 gate_up projection is W4A8: the layer input is quantized per
 // token and group to int8 (symmetric, round half to even), integer dot products via maddubs are
-// exact, and the group result is s*sx*sum(u*q) + b*sx*sum(q) (b = -8s or the min). The int4 down
+// exact, and the group result is s*sx*(sum(u*q) - 8*sum(q)) (int4; the difference is an exact fp32
+// integer) or s*sx*sum(u*q) + m*sx*sum(q) (int4_asym, m the group min). The int4 down
 // projection and every other format use fp32 activations with weights dequantized in registers.
 
 #include <omp.h>
@@ -142,11 +143,18 @@ void tile_dot_w4a8(const Mat& A, int64_t tile, const int8_t* const* q, const flo
         for (int r = 0; r < R8; ++r) isum[0][m][r] = i_add(isum[0][m][r], isum[p][m][r]);
     for (int r = 0; r < R8; ++r) {
       V8 s = load_f16(sc + (g * R8 + r) * 8);
-      V8 b = FMT == INT4A ? load_f16(mn + (g * R8 + r) * 8) : v_mul(s, v_set1(-8.f));
-      for (int m = 0; m < MT; ++m) {
-        V8 sxv = v_bcast(sx[m] + g);
-        acc[m][r] = v_fma_exact(v_mul(s, sxv), i_cvt(isum[0][m][r]), acc[m][r]);
-        acc[m][r] = v_fma_exact(v_mul(b, sxv), v_bcast(qs[m] + g), acc[m][r]);
+      if constexpr (FMT == INT4) {  // symmetric: s*sx*(sum(u q) - 8 sum(q)), the difference exact in fp32
+        for (int m = 0; m < MT; ++m) {
+          V8 d = v_sub(i_cvt(isum[0][m][r]), v_mul(v_set1(8.f), v_bcast(qs[m] + g)));
+          acc[m][r] = v_fma_exact(v_mul(s, v_bcast(sx[m] + g)), d, acc[m][r]);
+        }
+      } else {
+        V8 b = load_f16(mn + (g * R8 + r) * 8);
+        for (int m = 0; m < MT; ++m) {
+          V8 sxv = v_bcast(sx[m] + g);
+          acc[m][r] = v_fma_exact(v_mul(s, sxv), i_cvt(isum[0][m][r]), acc[m][r]);
+          acc[m][r] = v_fma_exact(v_mul(b, sxv), v_bcast(qs[m] + g), acc[m][r]);
+        }
       }
     }
   }

@@ -28,6 +28,7 @@ inline V8 v_bcast(const float* p) { return {_mm256_broadcast_ss(p)}; }
 inline V8 v_set1(float f) { return {_mm256_set1_ps(f)}; }
 inline V8 v_mul(V8 a, V8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline V8 v_add(V8 a, V8 b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline V8 v_sub(V8 a, V8 b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline V8 v_fma(V8 a, V8 b, V8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline V8 v_fma_exact(V8 a, V8 b, V8 c) { return v_fma(a, b, c); }  // single rounding
 inline V8 load_bf16(const uint16_t* p) {
@@ -97,6 +98,7 @@ inline V8 v_set1(float f) { V8 r; for (int i = 0; i < 8; ++i) r.v[i] = f; return
 inline V8 v_bcast(const float* p) { return v_set1(*p); }
 inline V8 v_mul(V8 a, V8 b) { V8 r; for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] * b.v[i]; return r; }
 inline V8 v_add(V8 a, V8 b) { V8 r; for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] + b.v[i]; return r; }
+inline V8 v_sub(V8 a, V8 b) { V8 r; for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] - b.v[i]; return r; }
 inline V8 v_fma(V8 a, V8 b, V8 c) {
   V8 r;
   for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];  // not contracted: -ffp-contract=off

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from kernels import kernel_available
-from kernels.cpu_features import detect, select_variant
+from kernels.cpu_features import detect, vnni_capable
 from kernels.linear import PackedLinear
 
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="C++ kernel could not be built here")
 FORMATS = [("bf16", None), ("int8", 64), ("int8", 32), ("int4", 32), ("int4", 64), ("int4_asym", 32)]
 SHAPES = [(8, 64), (13, 200), (300, 96), (1000, 72)]  # (N, K): odd N, K not a multiple of the group
-VARIANTS = ["generic", "avx2", *(["avx512"] if select_variant(detect()) == "avx512" else [])]
+VARIANTS = ["generic", "avx2", *(["avx512"] if vnni_capable(detect()) else [])]
 
 
 def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
