@@ -69,30 +69,6 @@ void rope(float* v, const float* cos, const float* sin, int64_t d) {  // rotate-
   std::memcpy(v, tmp, sizeof(float) * d);
 }
 
-int linear_dispatch(int64_t fmt, const Mat& A, const float* x, float* out, int64_t M, int64_t K, int64_t n8,
-                    int nthreads) {
-  switch (fmt) {
-    case FP32: run_linear<FP32>(A, x, out, M, K, n8, nthreads); return 0;
-    case BF16: run_linear<BF16>(A, x, out, M, K, n8, nthreads); return 0;
-    case INT8: run_linear<INT8>(A, x, out, M, K, n8, nthreads); return 0;
-    case INT4: run_linear<INT4>(A, x, out, M, K, n8, nthreads); return 0;
-    case INT4A: run_linear<INT4A>(A, x, out, M, K, n8, nthreads); return 0;
-    default: return -2;
-  }
-}
-
-int moe_dispatch(int64_t fmt, const Problem& P, const float* x, const int64_t* ids, const float* wts, float* out,
-                 int nthreads) {
-  switch (fmt) {
-    case FP32: return run<FP32>(P, x, ids, wts, out, nthreads);
-    case BF16: return run<BF16>(P, x, ids, wts, out, nthreads);
-    case INT8: return run<INT8>(P, x, ids, wts, out, nthreads);
-    case INT4: return run<INT4>(P, x, ids, wts, out, nthreads);
-    case INT4A: return run<INT4A>(P, x, ids, wts, out, nthreads);
-    default: return -2;
-  }
-}
-
 }  // namespace
 
 extern "C" int moegate_decode_layer(const DecodeLayerParams* p, float* x, int64_t T, const float* cos,
@@ -103,10 +79,8 @@ extern "C" int moegate_decode_layer(const DecodeLayerParams* p, float* x, int64_
   const int64_t nq = NH * D, nkv = KV * D, nqkv = nq + 2 * nkv, group = NH / KV;
   const float eps = (float)p->eps, scale = (float)p->scale;
   if (D > 1024 || NH % KV) return -3;
-  const bool dq = p->dense_fmt >= INT8;
-  auto kpad = [&](int64_t k) { return dq ? (k + p->dense_gs - 1) / p->dense_gs * p->dense_gs : k; };
-  const Mat qkv{p->qkv_w, p->qkv_s, p->qkv_m, kpad(H), p->dense_gs};
-  const Mat om{p->o_w, p->o_s, p->o_m, kpad(nq), p->dense_gs};
+  const Mat qkv{p->qkv_w, p->qkv_s, p->qkv_m, padded_k(H, p->dense_fmt, p->dense_gs), p->dense_gs};
+  const Mat om{p->o_w, p->o_s, p->o_m, padded_k(nq, p->dense_fmt, p->dense_gs), p->dense_gs};
   const int64_t n8_qkv = (nqkv + 7) / 8, n8_h = (H + 7) / 8;
   std::vector<float> xn(T * H), q(T * n8_qkv * 8), att(T * nq), o(T * n8_h * 8);
   // 1. attention block
@@ -179,15 +153,8 @@ extern "C" int moegate_decode_layer(const DecodeLayerParams* p, float* x, int64_
     if (p->norm_topk)
       for (int64_t k = 0; k < K; ++k) wts[t * K + k] /= wsum;
   }
-  Problem P;
-  P.T = T; P.K = K; P.E = E; P.H = H; P.I = p->I; P.gs = p->exp_gs;
-  P.h8 = (H + 7) / 8; P.i8 = (p->I + 7) / 8;
-  const bool eq = p->exp_fmt >= INT8;
-  P.hp = eq ? (H + P.gs - 1) / P.gs * P.gs : H;
-  P.ip = eq ? (P.I + P.gs - 1) / P.gs * P.gs : P.I;
-  P.hbuf = std::max(P.ip, P.i8 * 8);
-  P.gu = Mat{p->gu_w, p->gu_s, p->gu_m, P.hp, P.gs};
-  P.dn = Mat{p->dn_w, p->dn_s, p->dn_m, P.ip, P.gs};
+  const Problem P = make_problem(T, K, p->exp_fmt, E, H, p->I, p->exp_gs, p->gu_w, p->gu_s, p->gu_m, p->dn_w,
+                                 p->dn_s, p->dn_m);
   rc = moe_dispatch(p->exp_fmt, P, xn.data(), topk_ids_out, wts.data(), o.data(), nthreads);
   if (rc) return rc;
   for (int64_t t = 0; t < T; ++t)

@@ -379,6 +379,48 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
   });
 }
 
+// Group-padded K of a projection (quantized formats pad K to a multiple of the group size).
+inline int64_t padded_k(int64_t k, int64_t fmt, int64_t gs) { return fmt >= INT8 ? (k + gs - 1) / gs * gs : k; }
+
+Problem make_problem(int64_t T, int64_t K, int64_t fmt, int64_t E, int64_t H, int64_t I, int64_t gs,
+                     const void* gu_w, const uint16_t* gu_s, const uint16_t* gu_m, const void* dn_w,
+                     const uint16_t* dn_s, const uint16_t* dn_m) {
+  Problem P;
+  P.T = T; P.K = K; P.E = E; P.H = H; P.I = I; P.gs = gs;
+  P.h8 = (H + 7) / 8; P.i8 = (I + 7) / 8;
+  P.hp = padded_k(H, fmt, gs);
+  P.ip = padded_k(I, fmt, gs);
+  P.hbuf = std::max(P.ip, P.i8 * 8);
+  P.gu = Mat{gu_w, gu_s, gu_m, P.hp, gs};
+  P.dn = Mat{dn_w, dn_s, dn_m, P.ip, gs};
+  return P;
+}
+
+// Format dispatch: 0 on success, -1 for an expert id out of range (MoE), -2 for an unknown format.
+int moe_dispatch(int64_t fmt, const Problem& P, const float* x, const int64_t* ids, const float* wts, float* out,
+                 int nthreads) {
+  switch (fmt) {
+    case FP32: return run<FP32>(P, x, ids, wts, out, nthreads);
+    case BF16: return run<BF16>(P, x, ids, wts, out, nthreads);
+    case INT8: return run<INT8>(P, x, ids, wts, out, nthreads);
+    case INT4: return run<INT4>(P, x, ids, wts, out, nthreads);
+    case INT4A: return run<INT4A>(P, x, ids, wts, out, nthreads);
+    default: return -2;
+  }
+}
+
+int linear_dispatch(int64_t fmt, const Mat& A, const float* x, float* out, int64_t M, int64_t K, int64_t n8,
+                    int nthreads) {
+  switch (fmt) {
+    case FP32: run_linear<FP32>(A, x, out, M, K, n8, nthreads); return 0;
+    case BF16: run_linear<BF16>(A, x, out, M, K, n8, nthreads); return 0;
+    case INT8: run_linear<INT8>(A, x, out, M, K, n8, nthreads); return 0;
+    case INT4: run_linear<INT4>(A, x, out, M, K, n8, nthreads); return 0;
+    case INT4A: run_linear<INT4A>(A, x, out, M, K, n8, nthreads); return 0;
+    default: return -2;
+  }
+}
+
 }  // namespace
 
 #include "decode_layer.h"
@@ -391,42 +433,16 @@ int moegate_fused_moe(const float* x, const int64_t* ids, const float* wts, floa
                       int64_t fmt, int64_t E, int64_t H, int64_t I, int64_t gs, const void* gu_w,
                       const uint16_t* gu_s, const uint16_t* gu_m, const void* dn_w, const uint16_t* dn_s,
                       const uint16_t* dn_m, int nthreads) {
-  Problem P;
-  P.T = T; P.K = K; P.E = E; P.H = H; P.I = I; P.gs = gs;
-  P.h8 = (H + 7) / 8; P.i8 = (I + 7) / 8;
-  const bool quant = fmt >= INT8;
-  P.hp = quant ? (H + gs - 1) / gs * gs : H;
-  P.ip = quant ? (I + gs - 1) / gs * gs : I;
-  P.hbuf = std::max(P.ip, P.i8 * 8);
-  P.gu = Mat{gu_w, gu_s, gu_m, P.hp, gs};
-  P.dn = Mat{dn_w, dn_s, dn_m, P.ip, gs};
-  if (nthreads < 1) nthreads = 1;
-  switch (fmt) {
-    case FP32: return run<FP32>(P, x, ids, wts, out, nthreads);
-    case BF16: return run<BF16>(P, x, ids, wts, out, nthreads);
-    case INT8: return run<INT8>(P, x, ids, wts, out, nthreads);
-    case INT4: return run<INT4>(P, x, ids, wts, out, nthreads);
-    case INT4A: return run<INT4A>(P, x, ids, wts, out, nthreads);
-    default: return -2;
-  }
+  const Problem P = make_problem(T, K, fmt, E, H, I, gs, gu_w, gu_s, gu_m, dn_w, dn_s, dn_m);
+  return moe_dispatch(fmt, P, x, ids, wts, out, std::max(nthreads, 1));
 }
 
 // y [M, ceil(N/8)*8] = x [M, K] . W^T, W tiled as one down-style projection ([N8, Kp, 1, 8]).
 // Returns 0 on success, -2 for an unknown format.
 int moegate_linear(const float* x, float* out, int64_t M, int64_t N, int64_t K, int64_t fmt, int64_t gs,
                    const void* w, const uint16_t* s, const uint16_t* mins, int nthreads) {
-  const bool quant = fmt >= INT8;
-  const Mat A{w, s, mins, quant ? (K + gs - 1) / gs * gs : K, gs};
-  const int64_t n8 = (N + 7) / 8;
-  if (nthreads < 1) nthreads = 1;
-  switch (fmt) {
-    case FP32: run_linear<FP32>(A, x, out, M, K, n8, nthreads); return 0;
-    case BF16: run_linear<BF16>(A, x, out, M, K, n8, nthreads); return 0;
-    case INT8: run_linear<INT8>(A, x, out, M, K, n8, nthreads); return 0;
-    case INT4: run_linear<INT4>(A, x, out, M, K, n8, nthreads); return 0;
-    case INT4A: run_linear<INT4A>(A, x, out, M, K, n8, nthreads); return 0;
-    default: return -2;
-  }
+  const Mat A{w, s, mins, padded_k(K, fmt, gs), gs};
+  return linear_dispatch(fmt, A, x, out, M, K, (N + 7) / 8, std::max(nthreads, 1));
 }
 
 int moegate_is_avx2() {
