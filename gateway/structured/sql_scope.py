@@ -52,7 +52,7 @@ class _Frame:
 
 
 class _Veto(Exception):
-    pass
+    """A token the scope guard refuses (raised inside feed, caught by the callers)."""
 
 
 class SQLScope:
