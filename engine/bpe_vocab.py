@@ -74,9 +74,8 @@ def training_corpus(n_lines: int = 6000, seed: int = 0) -> list[str]:
     return lines
 
 
-@lru_cache(maxsize=4)
-def small_bpe_tokenizer_json(bpe_size: int = 2048) -> str:
-    """tokenizer.json text: byte-level BPE with `bpe_size` learned tokens, then the added tokens."""
+def byte_level_bpe() -> Tokenizer:
+    """An untrained byte-level BPE with Qwen2's normalizer, pre-tokenizer split and decoder."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = tk_normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -84,6 +83,13 @@ def small_bpe_tokenizer_json(bpe_size: int = 2048) -> str:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+@lru_cache(maxsize=4)
+def small_bpe_tokenizer_json(bpe_size: int = 2048) -> str:
+    """tokenizer.json text: byte-level BPE with `bpe_size` learned tokens, then the added tokens."""
+    tok = byte_level_bpe()
     trainer = trainers.BpeTrainer(
         vocab_size=bpe_size, min_frequency=2, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[],

@@ -6,25 +6,16 @@ import argparse
 import json
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, pre_tokenizers, trainers
 
+from engine.bpe_vocab import byte_level_bpe
 from evals.demo.chat_format import CHAT_TEMPLATE, SPECIAL_TOKENS
 from evals.demo.corpus import conversations
-
-# Qwen2's split pattern: digits one at a time, words with one leading non-letter, punctuation runs.
-QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     """A byte-level BPE whose first ids are the special tokens (<|endoftext|> = 0)."""
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
+    tok = byte_level_bpe()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
