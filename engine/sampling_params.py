@@ -13,6 +13,20 @@ import torch
 LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
 
 
+class LogitsRecorder:
+    """A logits processor that keeps a copy of every row it sees (evals and tests of the numerics)."""
+
+    def __init__(self) -> None:
+        self.rows: list[torch.Tensor] = []
+
+    def __call__(self, generated: Sequence[int], row: torch.Tensor) -> torch.Tensor:
+        self.rows.append(row.clone())
+        return row
+
+    def bytes(self) -> bytes:
+        return b"".join(r.numpy().tobytes() for r in self.rows)
+
+
 class MaskBatcher(Protocol):
     """Fills the allowed-token bitmasks of many MaskProcessors at once (see engine/sampler.py)."""
 

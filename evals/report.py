@@ -19,15 +19,6 @@ from tqdm.auto import tqdm
 DEMO = Path(__file__).resolve().parents[1] / "engine" / "assets" / "demo-moe"
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.rows: list[torch.Tensor] = []
-
-    def __call__(self, generated, row):
-        self.rows.append(row.clone())
-        return row
-
-
 def _llm(model: str, fmt: str = "bf16", **kw):
     from engine.experts import PlacementConfig
     from engine.llm_engine import LLM
@@ -185,20 +176,20 @@ def _plot_skew(path: Path, share: torch.Tensor) -> None:
 
 def determinism(model: str, repeats: int) -> dict:
     """Execution-mode logits bytes across repeats, alone and amid exploration traffic."""
-    from engine.sampling_params import SamplingParams
+    from engine.sampling_params import LogitsRecorder, SamplingParams
 
     llm = _llm(model, "int4", defer=0)
     engine = llm.engine
     prompts = _prompts(llm, 6)
     digests = set()
     for rep in range(repeats):
-        rec = Recorder()
+        rec = LogitsRecorder()
         for i, p in enumerate(prompts[1 : 1 + rep % 6]):
             engine.add_request(f"e{rep}-{i}", p, SamplingParams(max_tokens=8, temperature=0.9, seed=rep))
         engine.add_request("x", prompts[0], SamplingParams(max_tokens=16, logits_processors=[rec]), mode="execution")
         while engine.has_work():
             engine.step()
-        digests.add(hash(b"".join(r.numpy().tobytes() for r in rec.rows)))
+        digests.add(hash(rec.bytes()))
     return {"repeats": repeats, "distinct_outputs": len(digests)}
 
 

@@ -7,24 +7,15 @@ import torch
 
 from engine.experts import PlacementConfig
 from engine.llm_engine import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import LogitsRecorder, SamplingParams
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-class Recorder:
-    def __init__(self):
-        self.rows = []
-
-    def __call__(self, generated, row):
-        self.rows.append(row.clone())
-        return row
-
-
 def _first_logits(path, device: str, placement: PlacementConfig) -> torch.Tensor:
     llm = LLM(path, device=device, placement=placement, num_kv_blocks=32, block_size=8, progress=False)
-    rec = Recorder()
+    rec = LogitsRecorder()
     llm.generate([list(range(5, 30))], SamplingParams(max_tokens=4, ignore_eos=True, logits_processors=[rec]))
     return torch.stack(rec.rows)
 

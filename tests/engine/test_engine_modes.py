@@ -13,7 +13,7 @@ import torch
 
 from engine.experts import PlacementConfig
 from engine.llm_engine import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import LogitsRecorder, SamplingParams
 
 PLACEMENT = PlacementConfig(fast_format="int4", exact_format="bf16", formatting_layers=1)
 
@@ -35,20 +35,6 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-class Recorder:
-    """A logits processor that keeps every row it sees."""
-
-    def __init__(self) -> None:
-        self.rows: list[torch.Tensor] = []
-
-    def __call__(self, generated, row):
-        self.rows.append(row.clone())
-        return row
-
-    def bytes(self) -> bytes:
-        return b"".join(r.numpy().tobytes() for r in self.rows)
-
-
 def _run(llm: LLM, requests: list[tuple[str, list[int], SamplingParams, str]]) -> dict[str, list[int]]:
     engine = llm.engine
     for rid, prompt, params, mode in requests:
@@ -64,11 +50,11 @@ def _run(llm: LLM, requests: list[tuple[str, list[int], SamplingParams, str]]) -
 def test_execution_bytes_identical_alone_and_under_load_over_20_runs(ckpt):
     llm = _llm(ckpt, defer=1)
     prompt = _prompts(1, 99)[0]
-    alone = Recorder()
+    alone = LogitsRecorder()
     ref = _run(llm, [("x", prompt, SamplingParams(max_tokens=10, ignore_eos=True, logits_processors=[alone]),
                       "execution")])["x"]
     for rep in range(20):
-        rec = Recorder()
+        rec = LogitsRecorder()
         load = [(f"e{i}", p, SamplingParams(max_tokens=12, temperature=0.8, seed=rep * 10 + i), "exploration")
                 for i, p in enumerate(_prompts(8, rep))]
         # the execution request arrives at a different point of the exploration traffic each time
@@ -96,7 +82,7 @@ def test_deferral_differs_from_strict_within_documented_bound(ckpt):
     first_logits = {}
     for d in (0, 1):
         llm = _llm(ckpt, defer=d)
-        recs = [Recorder() for _ in prompts]
+        recs = [LogitsRecorder() for _ in prompts]
         _run(llm, [(f"r{i}", p, SamplingParams(max_tokens=1, logits_processors=[r]), "exploration")
                    for i, (p, r) in enumerate(zip(prompts, recs, strict=True))])
         first_logits[d] = torch.stack([r.rows[0] for r in recs])  # [12, V]
@@ -113,7 +99,7 @@ def test_resync_recompute_equals_all_strict_run(ckpt):
     engine = llm.engine
     prompt = _prompts(1, 7)[0]
     k = 5
-    rec = Recorder()
+    rec = LogitsRecorder()
     engine.add_request("s", prompt, SamplingParams(max_tokens=k + 8, ignore_eos=True, logits_processors=[rec]))
     out = None
     while out is None or len(out.token_ids) < k:
@@ -122,7 +108,7 @@ def test_resync_recompute_equals_all_strict_run(ckpt):
     while engine.has_work():
         out = engine.step()[0]
     switched_tail = out.token_ids[k:]
-    strict_rec = Recorder()
+    strict_rec = LogitsRecorder()
     strict = _run(llm, [("t", prompt + out.token_ids[:k],
                          SamplingParams(max_tokens=8, ignore_eos=True, logits_processors=[strict_rec]), "execution")])
     assert switched_tail == strict["t"]
@@ -181,7 +167,7 @@ def test_fast_lm_head_serves_exploration_only(ckpt):
     rows = {}
     for head in (None, "int8"):
         llm = _llm(ckpt, fast_lm_head=head)
-        recs = {m: Recorder() for m in ("exploration", "execution")}
+        recs = {m: LogitsRecorder() for m in ("exploration", "execution")}
         _run(llm, [(m, prompt, SamplingParams(max_tokens=1, logits_processors=[r]), m) for m, r in recs.items()])
         rows[head] = {m: r.rows[0] for m, r in recs.items()}
     assert torch.equal(rows[None]["execution"], rows["int8"]["execution"])  # execution keeps its lm_head
@@ -197,7 +183,7 @@ def test_fast_dense_serves_exploration_only(ckpt, dense, head):
     rows, fps = {}, {}
     for cfg in ((None, None), (dense, head)):
         llm = _llm(ckpt, fast_dense=cfg[0], fast_lm_head=cfg[1])
-        recs = {m: Recorder() for m in ("exploration", "execution")}
+        recs = {m: LogitsRecorder() for m in ("exploration", "execution")}
         _run(llm, [(m, prompt, SamplingParams(max_tokens=6, ignore_eos=True, logits_processors=[r]), m)
                    for m, r in recs.items()])
         rows[cfg] = {m: torch.stack(r.rows) for m, r in recs.items()}
@@ -225,7 +211,7 @@ def test_fused_decode_matches_the_torch_fast_path(hf_checkpoint, arch):
     for fused in (False, True):
         llm = _llm(ckpt, fast_dense="int8", fast_lm_head="int8", fused_decode=fused)
         assert llm.engine.fused_decode == fused
-        recs = [Recorder() for _ in prompts]
+        recs = [LogitsRecorder() for _ in prompts]
         _run(llm, [(f"r{i}", p, SamplingParams(max_tokens=8, ignore_eos=True, logits_processors=[r]), "exploration")
                    for i, (p, r) in enumerate(zip(prompts, recs, strict=True))])
         res[fused] = [torch.stack(r.rows) for r in recs]
