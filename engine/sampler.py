@@ -8,6 +8,9 @@ in the background, so they are computed while the next forward pass runs.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from engine.errors import EngineError
@@ -93,6 +96,14 @@ def _prefetch(groups: dict, seqs: list[Sequence], tokens: list) -> None:
             batcher.prefetch(ready)
 
 
+def greedy(row: torch.Tensor) -> int:
+    """Index of the first largest logit of row [V]. On CPU through numpy: torch's CPU argmax is a
+    scalar loop, ~240 us for a 152k-token row on a 2-core EPYC against ~17 us for numpy's."""
+    if row.device.type == "cpu" and row.dtype == torch.float32:
+        return int(np.argmax(row.numpy()))
+    return int(torch.argmax(row))
+
+
 def sample_row(row: torch.Tensor, seq: Sequence, batched: bool = False) -> int:
     """logits row [V] -> the next token of `seq` under its SamplingParams (`batched`: its mask
     processor was already applied by `sample`)."""
@@ -102,9 +113,10 @@ def sample_row(row: torch.Tensor, seq: Sequence, batched: bool = False) -> int:
         if proc is not skip:
             row = proc(seq.output_token_ids, row)
     if p.temperature < MIN_TEMPERATURE:
-        if not torch.isfinite(row.max()):
+        token = greedy(row)
+        if not math.isfinite(float(row[token])):
             raise SamplingError(f"request {seq.request_id}: no token is allowed at this step")
-        return int(torch.argmax(row))
+        return token
     row = apply_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
     probs = torch.softmax(row, dim=-1)
     if torch.isnan(probs).any() or not probs.sum() > 0:

@@ -110,5 +110,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.moegate_linear.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, p, ctypes.c_int]
     lib.moegate_is_avx2.restype = ctypes.c_int
     lib.moegate_is_vnni.restype = ctypes.c_int
+    lib.moegate_apply_bitmask.restype = ctypes.c_int
+    lib.moegate_apply_bitmask.argtypes = [p, p, i64, i64, i64, i64]
     lib.moegate_stream_triad.restype = ctypes.c_double
     lib.moegate_stream_triad.argtypes = [p, p, p, i64, ctypes.c_int, ctypes.c_int]

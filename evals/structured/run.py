@@ -20,6 +20,7 @@ from tqdm import tqdm
 from gateway.structured.base import ConstraintSpec, get_backend
 from gateway.structured.bitmask import apply_bitmask_, bitmask_words, row_ids
 from gateway.structured.build import json_schema_spec
+from gateway.structured.closing import completion_hints, shortest_completion
 from gateway.structured.constraint import Constraint
 from gateway.structured.errors import ConstraintCompileTimeout, StructuredOutputError, UnsupportedSchemaError
 from gateway.structured.sql_grammar import sql_spec
@@ -89,6 +90,13 @@ def generate(compiled, logits_fn: LogitsFn | None, vocab: int, max_tokens: int, 
     return ids, False
 
 
+def completion_length(compiled, tok: TokenizerInfo, max_tokens: int) -> int | None:
+    """Tokens of the shortest valid output the closing planner finds from the start (None: none fits
+    in `max_tokens` with its end-of-sequence token)."""
+    path = shortest_completion(compiled.new_matcher().llg, tok, max_tokens - 1, completion_hints(compiled.spec.source))
+    return None if path is None else len(path)
+
+
 def eval_json(tok: TokenizerInfo, args) -> dict:
     out = {}
     for split in SPLITS:
@@ -108,10 +116,19 @@ def eval_json(tok: TokenizerInfo, args) -> dict:
         valid = finished = 0
         gen = compiled[: args.gen_per_split] if args.gen_per_split else compiled
         bad = []
+        over_budget = []  # schemas whose shortest valid output does not fit in max_tokens
         for i, (row, c) in enumerate(tqdm(gen, desc=f"generate {split}")):
             logits_fn = random_logits(QWEN_MODEL_VOCAB, i) if i < args.timed_generations else None
             ids, done = generate(c, logits_fn, QWEN_MODEL_VOCAB, args.max_tokens, stats, seed=i)
             finished += done
+            if not done and (need := completion_length(c, tok, args.max_tokens)) is None:
+                # no valid output fits: decode again with room for one (the gateway ends such a
+                # request with finish_reason "length" and a typed error, never with invalid JSON)
+                need = completion_length(c, tok, args.retry_max_tokens)
+                ids, done = generate(c, None, QWEN_MODEL_VOCAB, args.retry_max_tokens, {"fill_us": [], "apply_us": []},
+                                     seed=i)
+                over_budget.append({"id": row.get("id"), "shortest_tokens": need, "retry_max_tokens":
+                                    args.retry_max_tokens, "finished_on_retry": done})
             try:
                 validate_json(tok.decode(ids[:-1] if done else ids), row["schema"])
                 valid += 1
@@ -129,6 +146,7 @@ def eval_json(tok: TokenizerInfo, args) -> dict:
             "mask_fill_us_per_token_p99": pct(stats["fill_us"], 0.99),
             "mask_apply_us_per_token_p50": pct(stats["apply_us"], 0.5),
             "tokens": len(stats["fill_us"]), "invalid_examples": bad[:5],
+            "over_budget": over_budget,
         }
         print(split, {k: v for k, v in out[split].items() if k != "invalid_examples"})
     return out
@@ -349,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="per split, the first N draw full Gaussian logits and time the apply; the rest draw "
                         "uniformly among the allowed ids (the same distribution, without the 152k-float draw)")
     p.add_argument("--max-tokens", type=int, default=384)
+    p.add_argument("--retry-max-tokens", type=int, default=16384,
+                   help="budget for a schema whose shortest valid output exceeds --max-tokens")
     p.add_argument("--compile-timeout", type=float, default=10.0)
     p.add_argument("--outlines-sample", type=int, default=3)
     p.add_argument("--outlines-timeout", type=float, default=120.0)

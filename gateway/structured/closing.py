@@ -29,6 +29,8 @@ _CLOSERS = b'"}])\';,'
 _REPRESENTATIVE = b"a0A-_:/.@ "
 # At most this many candidate tokens per state.
 MAX_CANDIDATES = 48
+# Longest hint tried as one move (a counted repeat such as `[a-z0-9]{162}` needs all of it).
+MAX_HINT = 512
 # Strings that satisfy a JSON Schema `format` (shortest sensible instances).
 _FORMAT_HINTS = {
     "date-time": "2000-01-01T00:00:00Z", "date": "2000-01-01", "time": "00:00:00Z", "email": "a@a.aa",
@@ -109,13 +111,24 @@ def completion_hints(source: str) -> tuple[bytes, ...]:
     hints: list[str] = []
     for m in _PATTERN_KEY.finditer(source):
         try:
-            shortest = _shortest(sre_parse.parse(json.loads(m.group(1))))
+            hints += _alternatives(sre_parse.parse(json.loads(m.group(1))))
         except Exception:  # noqa: BLE001 - a pattern Python cannot parse gives no hint
             continue
-        if shortest:
-            hints.append(shortest)
     hints += [_FORMAT_HINTS[f] for f in _FORMAT_KEY.findall(source) if f in _FORMAT_HINTS]
-    return tuple(dict.fromkeys(json.dumps(h)[1:-1].encode() for h in hints if len(h) <= 64))
+    return tuple(dict.fromkeys(json.dumps(h)[1:-1].encode() for h in hints if len(h) <= MAX_HINT))
+
+
+def _alternatives(items) -> list[str]:
+    """A shortest string per top-level alternative of a parsed pattern (`^all|tags$` -> both): JSON
+    Schema patterns search, so after the text already written only one of them may still fit."""
+    items = [it for it in items if str(it[0]) != "AT"]
+    if len(items) == 1 and str(items[0][0]) == "SUBPATTERN":
+        return _alternatives(items[0][1][3])
+    if len(items) == 1 and str(items[0][0]) == "BRANCH":
+        found = [_shortest(b) for b in items[0][1][1]]
+    else:
+        found = [_shortest(items)]
+    return [h for h in found if h]
 
 
 @functools.lru_cache(maxsize=8)
@@ -134,57 +147,79 @@ def _allowed(matcher, n_words: int, buf: np.ndarray) -> np.ndarray:
     return buf
 
 
+_SHIFTS = np.arange(32, dtype=np.uint32)
+
+
 def _ids(mask: np.ndarray, vocab: int) -> np.ndarray:
-    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab]
-    return np.flatnonzero(bits)
+    """Allowed ids of a uint32 mask row, visiting only its non-zero words."""
+    words = np.flatnonzero(mask)
+    hit = ((mask[words, None] >> _SHIFTS) & 1).astype(bool)  # [n, 32]
+    ids = (words[:, None] * 32 + _SHIFTS.astype(np.int64))[hit]
+    return ids[ids < vocab]
+
+
+def _has(mask: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Which of `ids` the uint32 mask row allows (bool per id)."""
+    return ((mask[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)
 
 
 def shortest_completion(
     matcher, tokenizer: TokenizerInfo, max_depth: int, hints: tuple[bytes, ...] = (),
-    allow: Callable[[list[int], bool], bool] | None = None, max_nodes: int = 2000,
+    allow: Callable[[list[int], bool], bool] | None = None, max_nodes: int | None = None,
 ) -> list[int] | None:
     """Token ids that take llguidance `matcher` (not modified) to an accepting state, or None if no
-    path of at most `max_depth` tokens was found within `max_nodes` expansions.
+    path of at most `max_depth` tokens was found within `max_nodes` expansions (default: enough to
+    walk a path of `max_depth` with some backtracking, at least 2000).
 
-    Depth-first, children in closing order: closers, the `hints` (byte strings tried as one move),
-    then forced or short tokens and representative bytes. A child whose allowed set and forced bytes
-    equal its parent's made no visible progress (one more char of a free string): it is tried last,
-    so counted repeats (`\\d{4}`, minLength) still complete but free text never loops.
-    `allow(path, final)` may veto a path (extra guards; `final`: as a complete output)."""
+    Depth-first (an explicit stack: paths may be thousands of tokens deep), children in closing
+    order: the grammar's forced tokens as one move where it forces any, closers, the `hints` (byte
+    strings tried as one move), then short tokens and representative bytes. A child whose allowed
+    set and forced bytes equal its parent's made no visible progress (one more char of a free
+    string): it is tried last, so counted repeats (`\\d{4}`, minLength) still complete but free text
+    never loops. `allow(path, final)` may veto a path (extra guards; `final`: as a complete output)."""
     if matcher.is_accepting():
         return []
     vocab = tokenizer.vocab_size
     n_words = (vocab + 31) // 32
     singles, lengths, by_byte = _byte_tokens(tokenizer)
-    is_single = np.zeros(vocab, dtype=bool)
-    is_single[singles[singles < vocab]] = True
+    singles = singles[singles < vocab]
     preferred = set(_CLOSERS) | set(_REPRESENTATIVE) | {h[0] for h in hints}
     macros = [[by_byte[b] for b in h] for h in hints if all(b in by_byte for b in h)]
     buf = np.zeros(n_words, dtype=np.uint32)
-    budget = [max_nodes]
+    budget = max_nodes if max_nodes is not None else max(2000, 3 * max_depth)
+
+    in_buf = [None]  # the state whose mask `buf` holds: a child's key, then its moves, use one mask
 
     def key_of(state) -> bytes:
+        in_buf[0] = state
         h = hashlib.blake2b(_allowed(state, n_words, buf).tobytes(), digest_size=16)
         h.update(bytes(state.compute_ff_bytes()))
         return h.digest()
 
     def moves(state) -> list[list[int]]:
-        allowed = _ids(_allowed(state, n_words, buf), vocab)
-        cands = singles[np.isin(singles, allowed[is_single[allowed]])]  # closers first
-        if cands.size > MAX_CANDIDATES:  # free text: closers, representatives, hint starts
-            cands = np.array([t for t in cands.tolist() if tokenizer.token_bytes[t][0] in preferred])
+        forced = [t for t in state.compute_ff_tokens() if t < vocab]
+        mask = buf if in_buf[0] is state else _allowed(state, n_words, buf)
+        in_buf[0] = state
+        cands = singles[_has(mask, singles)]  # closers first
+        if cands.size > MAX_CANDIDATES:  # free text: closers, representatives, hint starts (or, inside
+            # a multi-byte UTF-8 character, where only continuation bytes fit: the first of them)
+            picked = [t for t in cands.tolist() if tokenizer.token_bytes[t][0] in preferred]
+            cands = np.array(picked) if picked else cands[:MAX_CANDIDATES]
         elif not cands.size:  # the grammar forces a multi-byte token here: the shortest ones
+            allowed = _ids(mask, vocab)
             cands = allowed[np.argsort(lengths[allowed], kind="stable")][:MAX_CANDIDATES]
         out = [[t] for t in cands.tolist() if t not in tokenizer.eos_ids]
         n_close = sum(1 for m in out if (tokenizer.token_bytes[m[0]] or b"")[:1] in (b'"', b"}", b"]", b")", b"'"))
-        return out[:n_close] + macros + out[n_close:]
+        return ([forced] if forced else []) + out[:n_close] + macros + out[n_close:]
 
-    def search(state, path: list[int], key: bytes) -> list[int] | None:
+    def expand(state, path: list[int], key: bytes):
+        """Yields children to descend into, in order, or one complete path (a list) when found."""
+        nonlocal budget
         stalled = []
         for move in moves(state):
-            if budget[0] <= 0 or len(path) + len(move) > max_depth:
+            if budget <= 0 or len(path) + len(move) > max_depth:
                 continue
-            budget[0] -= 1
+            budget -= 1
             child = state.deep_copy()
             if child.try_consume_tokens(move) != len(move):
                 continue
@@ -192,18 +227,25 @@ def shortest_completion(
             if allow is not None and not allow(child_path, False):
                 continue
             if child.is_accepting() and (allow is None or allow(child_path, True)):
-                return child_path
+                yield child_path
+                return
             child_key = key_of(child)
             if child_key == key:
                 if not stalled:
                     stalled.append((child, child_path))
                 continue
-            if (found := search(child, child_path, child_key)) is not None:
-                return found
+            yield child, child_path, child_key
         for child, child_path in stalled:
-            if (found := search(child, child_path, key)) is not None:
-                return found
-        return None
+            yield child, child_path, key
 
     root = matcher.deep_copy()
-    return search(root, [], key_of(root))
+    stack = [expand(root, [], key_of(root))]
+    while stack:
+        item = next(stack[-1], None)
+        if item is None:
+            stack.pop()
+        elif isinstance(item, list):
+            return item
+        else:
+            stack.append(expand(*item))
+    return None

@@ -4,28 +4,51 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from gateway.structured.base import ConstraintKind, ConstraintSpec
 from gateway.structured.batch import BatchMasker
-from gateway.structured.bitmask import apply_bitmask_, bitmask_words, row_ids
+from gateway.structured.bitmask import _apply_by_table, apply_bitmask_, bitmask_words, row_ids
 from gateway.structured.build import build_constraint, json_schema_spec, regex_spec
 from gateway.structured.cache import CompileConfig, ConstraintCache
 from gateway.structured.constraint import Constraint
+from kernels.fused_moe import kernel_available
 
 
-def test_apply_matches_reference():
-    torch.manual_seed(0)
-    vocab = 1000
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, bitmask_words(vocab)), dtype=torch.int32)
-    logits = torch.randn(3, vocab)
+def _reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     ref = logits.clone()
-    for b in range(3):
-        allowed = torch.zeros(vocab, dtype=torch.bool)
-        allowed[torch.as_tensor(row_ids(bitmask[b], vocab))] = True
+    for b in range(logits.shape[0]):
+        allowed = torch.zeros(logits.shape[1], dtype=torch.bool)
+        allowed[torch.as_tensor(row_ids(bitmask[b], logits.shape[1]), dtype=torch.long)] = True
         ref[b][~allowed] = float("-inf")
-    apply_bitmask_(logits, bitmask)
+    return ref
+
+
+@pytest.mark.parametrize("path", ["compiled", "table"])
+@pytest.mark.parametrize("vocab", [1000, 1001, 32 * 7])
+def test_apply_matches_reference(path, vocab):
+    """Random words plus whole-word cases (all allowed, none allowed), rows with a stride (a slice
+    of a wider logits tensor, a padded bitmask), through the compiled kernel and the portable table."""
+    torch.manual_seed(vocab)
+    words = bitmask_words(vocab) + 2  # padded mask rows
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, words), dtype=torch.int32)
+    bitmask[1, ::3] = -1
+    bitmask[1, 1::3] = 0
+    bitmask[2] = -1
+    bitmask[3] = 0
+    bitmask[3, 5] = 1 << 4  # exactly one id: 5 * 32 + 4
+    wide = torch.randn(4, vocab + 7)
+    logits = wide[:, :vocab]  # [4, V], row stride V + 7
+    ref = _reference(logits, bitmask)
+    if path == "compiled":
+        if not kernel_available():
+            pytest.skip("the compiled kernel library is not available")
+        apply_bitmask_(logits, bitmask)
+    else:
+        _apply_by_table(logits, bitmask)
     assert torch.equal(logits, ref)
+    assert torch.equal(logits[2], ref[2]) and int(torch.isfinite(logits[3]).sum()) == 1
 
 
 def test_batched_fill_equals_rowwise_and_async(tokinfo):
