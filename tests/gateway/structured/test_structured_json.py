@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from evals.structured.driver import decode, random_logits
 from gateway.structured.build import build_constraint, json_schema_spec
 from gateway.structured.cache import ConstraintCache
+from gateway.structured.closing import shortest_completion
 from gateway.structured.validate import validate_json
 
 ORDER = {
@@ -126,6 +128,43 @@ def test_closing_window_finishes_inside_budget(tokinfo):
         out = decode(c, random_logits(tokinfo.vocab_size, seed), max_tokens=40)
         assert out.finished and len(out.ids) <= 40
         validate_json(tokinfo.decode(out.ids[:-1]), schema)
+
+
+@pytest.mark.parametrize("pattern", [
+    "^all|tags$",  # JSON Schema patterns search: after free text only the `tags$` branch still fits
+    "[a-z0-9_-]{100}",  # a counted repeat longer than any single-byte search would walk
+    r"\\d{4}-\\d{2}-\\d{2}T\\d{2}",
+])
+def test_unanchored_patterns_close_inside_budget(pattern, tokinfo):
+    schema = {"type": "object", "properties": {"v": {"type": "string", "pattern": pattern}}, "required": ["v"],
+              "additionalProperties": False}
+    spec = json_schema_spec(schema)
+    for seed in range(3):
+        c = build_constraint(spec, tokinfo, max_tokens=220, cache=ConstraintCache())
+        out = decode(c, random_logits(tokinfo.vocab_size, seed), max_tokens=220)
+        assert out.finished, (pattern, seed, tokinfo.decode(out.ids)[-80:])
+        validate_json(tokinfo.decode(out.ids[:-1]), schema)
+
+
+def test_completion_found_inside_a_multibyte_character(tokinfo):
+    """Half a UTF-8 character in a string: only continuation bytes fit (more of them than the search
+    samples per state), and a completion must still be found."""
+    c = build_constraint(json_schema_spec({"type": "string"}), tokinfo, cache=ConstraintCache())
+    lead = tokinfo.token_bytes.index(b"\xe2")
+    assert all(c.consume(t) for t in [*tokinfo.encode('"'), lead])
+    path = shortest_completion(c.matcher.llg, tokinfo, 16)
+    assert path is not None and all(c.consume(t) for t in path) and c.is_accepting()
+    json.loads(tokinfo.decode(tokinfo.encode('"') + [lead] + path))
+
+
+def test_completion_thousands_of_tokens_deep(tokinfo):
+    """minItems 1500: the shortest output is thousands of tokens; the search walks it without recursion."""
+    c = build_constraint(json_schema_spec({"type": "array", "items": {"type": "integer"}, "minItems": 1500}),
+                         tokinfo, cache=ConstraintCache())
+    path = shortest_completion(c.matcher.llg, tokinfo, 8000)
+    assert path is not None and len(path) > 1500
+    assert all(c.consume(t) for t in path) and c.is_accepting()
+    assert len(json.loads(tokinfo.decode(path))) == 1500
 
 
 @pytest.mark.parametrize("schema, good, bad", [
