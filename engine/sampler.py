@@ -77,8 +77,8 @@ def _apply_batched_masks(logits: torch.Tensor, seqs: list[Sequence]):
             for i in rows:
                 members[i].advance(seqs[i].output_token_ids)
             bitmask = batcher.masks([members[i] for i in rows], words)  # [n, W]
-            index = torch.tensor(rows, dtype=torch.long)
-            logits[index] = batcher.apply(logits[index], bitmask)  # [n, V]
+            for j, i in enumerate(rows):  # in place on row views: no gather / scatter copies of [n, V]
+                batcher.apply(logits[i:i + 1], bitmask[j:j + 1])
         except Exception:  # noqa: BLE001 - these rows go row by row: a failure stays with its request
             del groups[batcher]
     return groups

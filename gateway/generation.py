@@ -13,6 +13,7 @@ from engine.async_engine import AsyncLLM
 from engine.sampling_params import SamplingParams
 from gateway.classify import EXECUTION, Decision, SegmentDetector
 from gateway.plan import Plan
+from gateway.structured.batch import default_masker
 from gateway.structured.build import build_constraint
 from gateway.structured.constraint import Constraint
 from gateway.structured.errors import SQLPolicyViolation, StructuredOutputError, StructuredValidationError
@@ -192,7 +193,7 @@ class Generator:
         last: Exception | None = None
         for attempt in range(1 + self.strict_retries):
             constraint = await asyncio.to_thread(build_constraint, plan.spec, self.tok, eos_ids=self.eos_ids,
-                                                 max_tokens=plan.max_tokens)
+                                                 max_tokens=plan.max_tokens, mask_batcher=default_masker())
             params = self._params(plan, [constraint], strict=attempt > 0, index=index)
             ids, reason, hits = await self._collect(f"{rid}-a{attempt}" if attempt else rid, plan, params)
             text = self._text(ids)

@@ -1,10 +1,10 @@
 """Constrained-decoding overhead per decode step through the engine's sampler (engine/sampler.py).
 
 A stand-in forward pass (matmuls calibrated to --step-ms) then `engine.sampler.sample` over B
-sequences, three ways: unconstrained; `per_row` (each Constraint a plain logits processor: advance,
-fill, apply per row, the path before batching); `batched` (Constraints with a BatchMasker: one
-`masks` call and one apply per step, the next masks prefetched in a thread right after sampling, so
-they are computed while the next forward runs: llguidance drops the GIL).
+sequences, four ways: unconstrained; `per_row` (each Constraint a plain logits processor: advance,
+fill, apply per row); `batched` (Constraints with a BatchMasker: one `masks` call per step, the
+gateway's CPU default); `prefetched` (as batched, and the next masks computed in a thread right after
+sampling, while the next forward runs: llguidance drops the GIL; the default with CUDA).
 
     PYTHONPATH=. python -m evals.structured.overlap [--step-ms 11.5] [--batch 1 8]
 """
@@ -52,7 +52,7 @@ def calibrated_forward(step_ms: float):
 class Lane:
     """One mode's batch of sequences, kept across interleaved chunks."""
 
-    def __init__(self, batch: int, constraints_for, mode: str, masker: BatchMasker) -> None:
+    def __init__(self, batch: int, constraints_for, mode: str, masker: BatchMasker | None) -> None:
         self.mode, self.masker, self.constraints_for = mode, masker, constraints_for
         self.seqs = [self._seq(i) for i in range(batch)]
 
@@ -60,7 +60,7 @@ class Lane:
         procs = []
         if self.mode != "none":
             c = self.constraints_for(1)[0]
-            c.mask_batcher = self.masker if self.mode == "batched" else None
+            c.mask_batcher = self.masker
             procs = [c]
         return Sequence(f"s{i}", [0], SamplingParams(max_tokens=10**6, logits_processors=procs))
 
@@ -106,26 +106,27 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     forward = calibrated_forward(args.step_ms)
-    masker = BatchMasker(num_threads=1)
+    maskers = {"none": None, "per_row": None, "batched": BatchMasker(num_threads=2, prefetch=False),
+               "prefetched": BatchMasker(num_threads=2, prefetch=True)}
     result = {"step_ms_target": args.step_ms, "note": "median step = calibrated forward + engine.sampler.sample; "
-              "per_row: Constraint as a logits processor; batched: BatchMasker masks + prefetch during the forward"}
+              "per_row: Constraint as a logits processor; batched: one BatchMasker call per step; "
+              "prefetched: batched + next masks computed during the forward"}
     for batch in args.batch:
-        modes = ("none", "per_row", "batched")
-        lanes = {m: Lane(batch, constraints_for, m, masker) for m in modes}
-        times: dict[str, list[float]] = {m: [] for m in modes}
+        lanes = {m: Lane(batch, constraints_for, m, masker) for m, masker in maskers.items()}
+        times: dict[str, list[float]] = {m: [] for m in maskers}
         for _ in tqdm(range(args.steps // 10), desc=f"batch {batch}"):  # interleave: load drifts
-            for mode in modes:
+            for mode in maskers:
                 times[mode] += run(lanes[mode], 10, forward)
         med = {m: statistics.median(t) * 1e3 for m, t in times.items()}
         result[f"batch_{batch}"] = {
-            "step_ms_unconstrained": med["none"], "step_ms_per_row": med["per_row"],
-            "step_ms_batched": med["batched"],
-            "overhead_per_row_pct": 100 * (med["per_row"] / med["none"] - 1),
-            "overhead_batched_pct": 100 * (med["batched"] / med["none"] - 1),
-            "prefetch_hits": masker.prefetch_hits,
+            **{f"step_ms_{m}": med[m] for m in maskers},
+            **{f"overhead_{m}_pct": 100 * (med[m] / med["none"] - 1) for m in maskers if m != "none"},
+            "prefetch_hits": maskers["prefetched"].prefetch_hits,
         }
         print(batch, result[f"batch_{batch}"])
-    masker.close()
+    for masker in maskers.values():
+        if masker is not None:
+            masker.close()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "overlap.json").write_text(json.dumps(result, indent=2))
     return 0

@@ -1,8 +1,12 @@
-"""Batched masks: fill every constrained row of a [B, W] bitmask at once, optionally while the
-forward pass runs (llguidance releases the GIL), then apply them to the [B, V] logits in one op.
+"""Batched masks: fill every constrained row of a [B, W] bitmask at once (llguidance's executor
+computes the rows in parallel and releases the GIL), optionally while the forward pass runs, then
+apply them to the logits rows.
 
 BatchMasker is the engine's MaskBatcher (engine/sampling_params.py): `masks` joins the rows
 prefetched after the previous sample and fills the others in one call; `prefetch` starts the next.
+Prefetch pays where the forward pass leaves the CPU idle (a CUDA forward); where the forward itself
+runs on every CPU core the mask thread only competes with it (measured slower on 2 cores), so it
+is on by default only with CUDA.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from .constraint import Constraint
 class BatchMasker:
     """Owns an llguidance executor and one background thread for overlapping mask computation."""
 
-    def __init__(self, num_threads: int | None = None) -> None:
+    def __init__(self, num_threads: int | None = None, prefetch: bool | None = None) -> None:
         self._executor = llguidance.LLExecutor(num_threads=num_threads)
+        self.prefetching = torch.cuda.is_available() if prefetch is None else prefetch
         self._thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mask-prefetch")
         self._words = 0  # row width of the last `masks` call (the logits' vocabulary, padded)
         # id(constraint) -> (constraint, consumed count, future, bitmask, row) of the last prefetch
@@ -93,7 +98,7 @@ class BatchMasker:
         for _, _, future, _, _ in self._pending.values():
             future.result()
         self._pending.clear()
-        if not self._words or not constraints:
+        if not self.prefetching or not self._words or not constraints:
             return
         bitmask = torch.empty(len(constraints), self._words, dtype=torch.int32)
         future = self.fill_async(constraints, bitmask)

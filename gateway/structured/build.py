@@ -34,8 +34,9 @@ def build_constraint(
     mask_batcher: BatchMasker | None = None,
 ) -> Constraint:
     """Compile (or fetch from the LRU) and bind to one sequence. Raises typed errors (HTTP 400).
-    With `mask_batcher` (e.g. batch.default_masker()) the engine batches its mask with the other rows
-    and prefetches it; off by default: on 2 shared cores it measured slower than the per-row path."""
+    With `mask_batcher` (the gateway passes batch.default_masker()) the engine masks all constrained
+    rows of a step in one call (and prefetches them during the forward pass on CUDA); without one
+    the constraint is a plain per-row logits processor."""
     compiled = (cache if cache is not None else default_cache()).get_or_compile(spec, tokenizer, backend)
     if closing_window is None:  # the last quarter of the budget (at least 32 steps) closes the output
         closing_window = max(32, (max_tokens or 0) // 4)
