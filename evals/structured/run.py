@@ -231,12 +231,26 @@ def eval_regex(tok: TokenizerInfo, args) -> dict:
     return out
 
 
+def scope_vetoes(compiled, ids: list[int]) -> str | None:
+    """Feed a gold query through the full SQL Constraint (grammar mask, then the alias-scope guard's
+    filter): the first gold token the guard rules out (as text), or None when every one is allowed."""
+    c = Constraint(compiled)
+    bitmask = torch.empty(1, bitmask_words(c.vocab_size), dtype=torch.int32)
+    for t in ids:
+        fallbacks = c.guard_fallbacks
+        c.fill_bitmask(bitmask, 0)
+        if c.guard_fallbacks > fallbacks or not (int(bitmask[0, t >> 5]) >> (t & 31)) & 1:
+            return compiled.tokenizer.decode([t])
+        c.consume(t)
+    return None
+
+
 def eval_sql(tok: TokenizerInfo, args) -> dict:
     tables = {t["db_id"]: t for t in json.load(open(DATA / "sql" / "spider_tables.json"))}
     dev = json.load(open(DATA / "sql" / "spider_dev.json"))
     compiled, compile_s = {}, []
-    accepted = policy_ok = 0
-    rejected, policy_fail = [], Counter()
+    accepted = policy_ok = guard_ok = 0
+    rejected, policy_fail, guard_vetoes = [], Counter(), []
     for q in tqdm(dev, desc="spider"):
         db = q["db_id"]
         schema = DatabaseSchema.from_spider(tables[db])
@@ -244,10 +258,15 @@ def eval_sql(tok: TokenizerInfo, args) -> dict:
             compiled[db], dt = compile_timed(sql_spec(schema, SQLPolicy()), tok, "llguidance", args.compile_timeout)
             compile_s.append(dt)
         m = compiled[db].new_matcher()
-        ok = all(m.consume(t) for t in tok.encode(q["query"])) and m.is_accepting()
+        ids = tok.encode(q["query"])
+        ok = all(m.consume(t) for t in ids) and m.is_accepting()
         accepted += ok
         if not ok:
             rejected.append(q["query"])
+        elif (vetoed := scope_vetoes(compiled[db], ids)) is not None:  # grammar and alias-scope guard together
+            guard_vetoes.append({"query": q["query"], "token": vetoed})
+        else:
+            guard_ok += 1
         try:
             check_sql(q["query"], schema, SQLPolicy(max_limit=None))
             policy_ok += 1
@@ -255,7 +274,9 @@ def eval_sql(tok: TokenizerInfo, args) -> dict:
             policy_fail[getattr(e, "rule", type(e).__name__)] += 1
     return {"queries": len(dev), "grammar_accepts": accepted, "grammar_accepts_pct": 100 * accepted / len(dev),
             "databases": len(compiled), "grammar_compile_ms_p50": 1e3 * pct(compile_s, 0.5),
-            "grammar_compile_ms_max": 1e3 * max(compile_s), "sqlglot_policy_pass": policy_ok,
+            "grammar_compile_ms_max": 1e3 * max(compile_s),
+            "scope_guard_accepts": guard_ok, "scope_guard_accepts_pct": 100 * guard_ok / len(dev),
+            "scope_guard_vetoes": guard_vetoes[:10], "sqlglot_policy_pass": policy_ok,
             "sqlglot_policy_fail_rules": dict(policy_fail), "rejected_examples": rejected[:10]}
 
 

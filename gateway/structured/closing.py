@@ -39,6 +39,7 @@ _FORMAT_HINTS = {
 }
 _PATTERN_KEY = re.compile(r'"pattern"\s*:\s*("(?:[^"\\]|\\.)*")')
 _FORMAT_KEY = re.compile(r'"format"\s*:\s*"([a-z-]+)"')
+_REQUIRED_KEY = re.compile(r'"required"\s*:\s*(\[[^\]]*\])')
 
 
 def _shortest(items) -> str | None:
@@ -104,8 +105,9 @@ def _class_member(items) -> str | None:
 
 def completion_hints(source: str) -> tuple[bytes, ...]:
     """Strings that satisfy the `pattern`s and `format`s found in a constraint's source (JSON Schema,
-    or a grammar embedding schemas), as JSON-escaped bytes: the search tries them as one move, so a
-    string that must contain e.g. `\\d{4}-\\d{2}` can close even though no single byte reveals progress."""
+    or a grammar embedding schemas), and its required property names, as JSON-escaped bytes: the
+    search tries them as one move, so a string that must contain e.g. `\\d{4}-\\d{2}` can close even
+    though no single byte reveals progress, and an object gets its required keys first."""
     import re._parser as sre_parse
 
     hints: list[str] = []
@@ -115,6 +117,11 @@ def completion_hints(source: str) -> tuple[bytes, ...]:
         except Exception:  # noqa: BLE001 - a pattern Python cannot parse gives no hint
             continue
     hints += [_FORMAT_HINTS[f] for f in _FORMAT_KEY.findall(source) if f in _FORMAT_HINTS]
+    for m in _REQUIRED_KEY.finditer(source):  # required property names: the search writes these keys
+        try:  # first, instead of wandering through dozens of optional ones
+            hints += [k for k in json.loads(m.group(1)) if isinstance(k, str) and k]
+        except ValueError:
+            continue
     return tuple(dict.fromkeys(json.dumps(h)[1:-1].encode() for h in hints if len(h) <= MAX_HINT))
 
 
