@@ -46,7 +46,7 @@ class TrainConfig:
     autocast_bf16: bool = False
     experts_implementation: str = "grouped_mm"  # ~1.4x faster than "eager" for training on CPU
     init_from: str = ""  # a checkpoint directory to continue training from (a second phase)
-    boost_family: str = ""  # draw this share of conversations from one family (e.g. short prose answers)
+    boost_family: str = ""  # draw this share of conversations from these families ("a,b,c", uniformly)
     boost_share: float = 0.0
 
     def __post_init__(self) -> None:
@@ -115,10 +115,17 @@ def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int)
 
 
 def split_conversations(split: str, n: int, seed: int, boost_family: str = "", boost_share: float = 0.0):
-    """The conversations a run trains on: the default mixture, with `boost_share` of them from `boost_family`."""
+    """The conversations a run trains on: the default mixture, with `boost_share` of them from `boost_family`.
+
+    `boost_family` is one family name or a comma-separated list, drawn uniformly for each boosted conversation.
+    """
+    families = [f.strip() for f in boost_family.split(",") if f.strip()]
     boosted = random.Random(f"boost:{seed}")
     for i in range(n):
-        yield conversation(split, i, seed, boost_family if boosted.random() < boost_share else None)
+        if boosted.random() >= boost_share or not families:
+            yield conversation(split, i, seed, None)
+        else:  # one family keeps the old draw sequence; a comma-separated list is drawn uniformly
+            yield conversation(split, i, seed, families[0] if len(families) == 1 else boosted.choice(families))
 
 
 def encode_split(tokenizer, split: str, n: int, seq_len: int, seed: int, boost_family: str = "",
