@@ -46,12 +46,15 @@ def _commands(phases: list[dict[str, Any]]) -> str:
 
 
 def _structured_table(structured: dict[str, dict[str, Any]]) -> str:
-    lines = ["| kind | tasks | valid | semantically right |", "|---|---|---|---|"]
+    lines = ["| kind | tasks | valid | semantically right | fields right |", "|---|---|---|---|---|"]
     for kind, st in structured.items():
-        lines.append(f"| {kind} | {st['n']} | {st['valid'] / st['n']:.0%} | {st['correct'] / st['n']:.0%} |")
+        lines.append(f"| {kind} | {st['n']} | {st['valid'] / st['n']:.0%} | {st['correct'] / st['n']:.0%} | "
+                     f"{st['field_hits'] / max(1, st['fields']):.0%} |")
     n = sum(st["n"] for st in structured.values())
     right = sum(st["correct"] for st in structured.values())
-    lines.append(f"| **all** | {n} | {sum(st['valid'] for st in structured.values()) / n:.0%} | **{right / n:.0%}** |")
+    hits, fields = (sum(st[k] for st in structured.values()) for k in ("field_hits", "fields"))
+    lines.append(f"| **all** | {n} | {sum(st['valid'] for st in structured.values()) / n:.0%} | **{right / n:.0%}** | "
+                 f"{hits / max(1, fields):.0%} |")
     return "\n".join(lines)
 
 
@@ -201,7 +204,9 @@ decoded greedily by the moegate engine in execution mode under the gateway's con
 the tool-call syntax, the report's JSON Schema, the SQL grammar of the trading database) — the same code as
 `moegate eval` (`evals.report.structured_tasks`). *Valid*: passes the gateway's validator. *Semantically
 right*: a tool call with exactly the expected name and arguments, a JSON object equal to the expected one, a
-query whose result rows equal the reference query's.
+query whose result rows equal the reference query's. *Fields right*: the share of expected tool-call argument
+and JSON leaf fields reproduced exactly at their path, or for SQL of the reference query's string/number literals
+found in the output (a model that copies some of the user's entities scores here but not in the exact column).
 
 {_structured_table(card['structured'])}
 
