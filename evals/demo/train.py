@@ -41,6 +41,7 @@ class TrainConfig:
     train_conversations: int = 12_000
     eval_conversations: int = 32
     eval_every: int = 50
+    save_every: int = 0  # > 0: also save the model to <out>/latest every this many steps (to measure a long run)
     seed: int = 0
     threads: int = 1  # torch CPU threads (the demo machine has 2 cores, shared)
     autocast_bf16: bool = False
@@ -48,6 +49,7 @@ class TrainConfig:
     init_from: str = ""  # a checkpoint directory to continue training from (a second phase)
     boost_family: str = ""  # draw this share of conversations from these families ("a,b,c", uniformly)
     boost_share: float = 0.0
+    qk_norm_lr_mult: float = 1.0  # lr multiplier for the q_norm/k_norm gains (they cap attention sharpness)
 
     def __post_init__(self) -> None:
         if self.top_k > self.num_experts:
@@ -196,6 +198,17 @@ def save_loss_curve(history: dict, path: Path, random_loss: float) -> None:
     plt.close(fig)
 
 
+def save_snapshot(model, tokenizer, path: Path, step: int) -> None:
+    """A bf16 copy of the model being trained (with the tokenizer), loadable like the final checkpoint."""
+    import copy
+
+    snap = copy.deepcopy(model).to(torch.bfloat16)
+    snap.config.output_router_logits = False
+    snap.save_pretrained(str(path), safe_serialization=True)
+    tokenizer.save_pretrained(str(path))
+    (path / "step.txt").write_text(f"{step}\n")
+
+
 def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
     torch.set_num_threads(cfg.threads)
     if cfg.init_from:
@@ -213,10 +226,17 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
     train_data = encode_split(tokenizer, "train", cfg.train_conversations, cfg.seq_len, cfg.seed,
                               cfg.boost_family, cfg.boost_share)
     eval_data = encode_split(tokenizer, "heldout", cfg.eval_conversations, cfg.seq_len, cfg.seed)
+    # QK-norm bounds an attention logit by head_dim**0.5 * (q gain * k gain): ~5.7 at head_dim 32 and unit gains,
+    # too flat to single out one token (a ticker to copy) among hundreds; a larger lr lets the gains grow faster
+    qk = [p for n, p in model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight"))]
+    qk_ids = {id(p) for p in qk}
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    no_decay = [p for n, p in model.named_parameters()
+                if not (p.ndim >= 2 and "embed" not in n) and id(p) not in qk_ids]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+                             {"params": no_decay, "weight_decay": 0.0},
+                             {"params": qk, "weight_decay": 0.0, "lr_mult": cfg.qk_norm_lr_mult}],
+                            lr=cfg.lr, betas=(0.9, 0.95))
     history: dict = {"loss_on": cfg.loss_on, "train": [], "heldout": [], "aux": []}
     gen = torch.Generator().manual_seed(cfg.seed)
     order = torch.randperm(len(train_data), generator=gen)
@@ -233,7 +253,7 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
         done = 0.0 if warm_progress is None else (progress - warm_progress) / max(1e-9, 1 - warm_progress)
         idx = order[(torch.arange(cfg.batch_size) + step * cfg.batch_size) % len(order)]
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, done, cfg)
+            group["lr"] = lr_at(step, done, cfg) * group.get("lr_mult", 1.0)
         ce, aux = lm_loss(model, train_data[idx], cfg.autocast_bf16, cfg.loss_on == "all")
         (ce + cfg.router_aux_loss_coef * aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -248,6 +268,8 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
             history["heldout"].append((step + 1, held))
             print(f"step {step + 1}: train ce {float(ce):.4f} held-out ce {held:.4f} "
                   f"elapsed {time.time() - start:.0f}s", flush=True)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            save_snapshot(model, tokenizer, out_dir / "latest", step + 1)
     seconds = time.time() - start
     if not history["heldout"] or history["heldout"][-1][0] != steps_done:
         history["heldout"].append((steps_done, evaluate(model, eval_data, cfg.batch_size, cfg.autocast_bf16)))
