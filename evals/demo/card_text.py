@@ -144,8 +144,11 @@ and tool results come back as `<tool_response>` blocks inside a user turn. `gene
 `evals/demo/corpus.py`: seeded, procedural, no downloads. Conversation families (weights): market concepts in
 prose (14%), commentary on a given list of moves (8%), tool calls with tool results and a prose answer —
 quote (10%), price history (6%), positions (7%), order (10%), risk check then order (8%), risk check (4%) —,
-JSON reports against three fixed schemas (`order_ticket`, `position_summary`, `risk_report`; 19%), and SQLite
-queries over a six-table trading database (`instruments, prices, accounts, positions, orders, trades`; 14%).
+JSON reports against three fixed schemas (`order_ticket`, `position_summary`, `risk_report`; 19%), written
+compact (`,` and `:` separators, as the gateway's `response_format` JSON grammar emits them), and SQLite
+queries over a six-table trading database (`instruments, prices, accounts, positions, orders, trades`; 14%),
+half of them asked for in a ```` ```sql ```` block and half as a bare query (the gateway's `response_format`
+`sql`, constrained from the first token).
 Tickers, accounts, sides, quantities and prices are drawn at random per conversation and the answer repeats them from the user
 turn (or a tool result), so the only way to get the arguments right is to copy them from the context.
 
