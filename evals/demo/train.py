@@ -50,6 +50,7 @@ class TrainConfig:
     boost_family: str = ""  # draw this share of conversations from these families ("a,b,c", uniformly)
     boost_share: float = 0.0
     qk_norm_lr_mult: float = 1.0  # lr multiplier for the q_norm/k_norm gains (they cap attention sharpness)
+    qk_norm_rescale: float = 1.0  # with init_from: multiply the loaded q_norm/k_norm gains (attention logits by its square)
 
     def __post_init__(self) -> None:
         if self.top_k > self.num_experts:
@@ -218,6 +219,10 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
         model.config.output_router_logits = True
         model.config.router_aux_loss_coef = cfg.router_aux_loss_coef
         model.config._experts_implementation = cfg.experts_implementation
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.mul_(cfg.qk_norm_rescale)
         torch.manual_seed(cfg.seed)
     else:
         model = build_model(cfg, tokenizer)
