@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 DEMO = Path(__file__).resolve().parents[1] / "engine" / "assets" / "demo-moe"
+SQL_FENCE_OPEN = "```sql\n"
 
 
 def _llm(model: str, fmt: str = "bf16", **kw):
@@ -27,9 +28,16 @@ def _llm(model: str, fmt: str = "bf16", **kw):
 
 
 def structured_tasks(model: str, n: int) -> dict:
-    """Held-out tool-call, JSON and SQL tasks decoded under their constraints in execution mode."""
-    from evals.demo.corpus import create_trading_db, heldout_tasks
+    """Held-out tool-call, JSON and SQL tasks decoded under their constraints in execution mode.
+
+    Per kind: `n`, `valid` (passes the gateway's validator), `correct` (exactly the expected call / object /
+    result rows) and `field_hits` of `fields`: expected argument or JSON leaf fields reproduced exactly at
+    their path, or for SQL the reference query's literals found in the output (partial copying shows here).
+    """
+    from evals.demo.corpus import create_trading_db, heldout_tasks, wants_fenced_sql
+    from evals.structured_score import field_matches, sql_literal_matches
     from gateway.structured import build as sb
+    from gateway.structured.segment import segment_body, segment_spec
     from gateway.structured.sql_grammar import sql_spec
     from gateway.structured.sql_schema import DatabaseSchema
     from gateway.structured.tools import tool_call_spec
@@ -45,13 +53,20 @@ def structured_tasks(model: str, n: int) -> dict:
     schema = DatabaseSchema.from_mapping({t: [c[1] for c in db.execute(f"PRAGMA table_info({t})")] for t in tables})
     out: dict[str, dict] = {}
     for task in tqdm(heldout_tasks(n, seed=1), desc="structured tasks"):
-        stats = out.setdefault(task.kind, {"n": 0, "valid": 0, "correct": 0, "examples": []})
+        stats = out.setdefault(task.kind, {"n": 0, "valid": 0, "correct": 0, "field_hits": 0, "fields": 0,
+                                           "examples": []})
         stats["n"] += 1
-        prompt = tok.encode(tok.apply_chat_template(task.messages, tools=task.tools))
+        text = tok.apply_chat_template(task.messages, tools=task.tools)
+        fenced = task.kind == "sql" and wants_fenced_sql(task.messages)
+        # a chat that asks for a ```sql block gets the fence opened and the gateway's segment constraint (body +
+        # closing fence), as a free-text reply does when the segment detector sees the fence; else response_format
+        prompt = tok.encode(text + (SQL_FENCE_OPEN if fenced else ""))
         if task.kind == "tool_call":
             spec = tool_call_spec(task.tools, info, tool_choice="required", parallel_tool_calls=False)
         elif task.kind == "json":
             spec = sb.json_schema_spec(task.schema)
+        elif fenced:
+            spec = segment_spec("sql", db_schema=schema)
         else:
             spec = sql_spec(schema)
         max_tokens = 256
@@ -65,30 +80,41 @@ def structured_tasks(model: str, n: int) -> dict:
         while engine.has_work():
             for o in engine.step():
                 result = o
-        text = result.text
+        text = segment_body(result.text) if fenced else result.text
+        got: object = None  # the parsed output, scored per field below even when validation fails
         try:
             if task.kind == "tool_call":
                 calls = validate_tool_calls(text, task.tools, tool_choice="required", parallel_tool_calls=False)
                 stats["valid"] += 1
-                got = calls[0]
-                args = got["arguments"] if isinstance(got["arguments"], dict) else json.loads(got["arguments"])
-                want = task.expected["arguments"]
-                want = want if isinstance(want, dict) else json.loads(want)
-                stats["correct"] += int(got["name"] == task.expected["name"] and args == want)
+                call = calls[0]
+                got = call["arguments"] if isinstance(call["arguments"], dict) else json.loads(call["arguments"])
+                stats["correct"] += int(call["name"] == task.expected["name"] and got == _arguments(task))
             elif task.kind == "json":
-                value = validate_json(text, task.schema)
+                got = validate_json(text, task.schema)
                 stats["valid"] += 1
-                stats["correct"] += int(value == task.expected)
+                stats["correct"] += int(got == task.expected)
             else:
+                got = text
                 validate_sql(text, schema)
                 stats["valid"] += 1
                 rows = [list(r) for r in db.execute(text).fetchall()]
                 stats["correct"] += int(rows == task.expected["rows"])
         except Exception as exc:  # noqa: BLE001 - an invalid output is a finding, recorded below
             stats.setdefault("errors", []).append(f"{type(exc).__name__}: {exc}"[:200])
+        if task.kind == "sql":
+            hits, total = sql_literal_matches(got, task.expected["sql"])
+        else:
+            hits, total = field_matches(got, _arguments(task) if task.kind == "tool_call" else task.expected)
+        stats["field_hits"] += hits
+        stats["fields"] += total
         if len(stats["examples"]) < 2:
             stats["examples"].append({"output": text[:300], "expected": task.expected})
     return out
+
+
+def _arguments(task) -> dict:
+    want = task.expected["arguments"]
+    return want if isinstance(want, dict) else json.loads(want)
 
 
 def _prompts(llm, n: int) -> list[list[int]]:
@@ -239,9 +265,12 @@ def run(args: argparse.Namespace) -> int:
 def render_markdown(r: dict) -> str:
     lines = [f"# moegate eval report\n\nModel: `{r['model']}`\n"]
     lines.append("## Structured outputs (held-out tasks, constrained, execution mode)\n")
-    lines.append("| kind | tasks | valid | semantically right |\n|---|---|---|---|")
+    lines.append("| kind | tasks | valid | semantically right | fields right |\n|---|---|---|---|---|")
     for kind, s in r["structured"].items():
-        lines.append(f"| {kind} | {s['n']} | {s['valid'] / s['n']:.0%} | {s['correct'] / s['n']:.0%} |")
+        lines.append(f"| {kind} | {s['n']} | {s['valid'] / s['n']:.0%} | {s['correct'] / s['n']:.0%} | "
+                     f"{s['field_hits'] / max(1, s['fields']):.0%} |")
+    lines.append("\n*Fields right*: expected tool-call argument / JSON leaf fields reproduced exactly, or for SQL "
+                 "the reference query's literals found in the output.\n")
     d = r["determinism"]
     lines.append(f"\n## Determinism\n\nExecution-mode logits over {d['repeats']} runs amid varying exploration "
                  f"traffic: {d['distinct_outputs']} distinct byte string(s) (1 = bit-identical).\n")

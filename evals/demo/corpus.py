@@ -18,7 +18,12 @@ from evals.demo.trading_db import SCHEMA_SQL, create_trading_db
 SPLITS = ("train", "heldout")
 SQL_SYSTEM = ("You write SQLite queries for the trading database below. Reply with one SQL query in a ```sql "
               "code block.\n\n")
+# the gateway's response_format "sql" constrains the reply from its first token, so half the SQL chats ask for a bare query
+SQL_SYSTEM_BARE = ("You write SQLite queries for the trading database below. Reply with only the SQL query, no code "
+                   "block.\n\n")
 JSON_SYSTEM = "Reply with only a JSON object that matches this JSON Schema:\n"
+# JSON answers are compact, as the gateway's response_format grammar emits them (no free whitespace, "," and ":")
+JSON_SEPARATORS = (",", ":")
 
 
 @dataclass(frozen=True)
@@ -75,16 +80,17 @@ def _json_conversation(kind: str, make: Callable[[random.Random], tuple[str, dic
         user, obj = make(rng)
         messages = [{"role": "system", "content": JSON_SYSTEM + json.dumps(schema)},
                     {"role": "user", "content": user},
-                    {"role": "assistant", "content": json.dumps(obj)}]
+                    {"role": "assistant", "content": json.dumps(obj, separators=JSON_SEPARATORS)}]
         return Conversation(kind, messages, schema=schema, answer_index=2)
     return build
 
 
 def _sql_conversation(rng: random.Random) -> Conversation:
     question, sql = sample_sql_task(rng)
-    messages = [{"role": "system", "content": SQL_SYSTEM + SCHEMA_SQL},
+    bare = rng.random() < 0.5  # drawn after the task, so the question and query do not depend on it
+    messages = [{"role": "system", "content": (SQL_SYSTEM_BARE if bare else SQL_SYSTEM) + SCHEMA_SQL},
                 {"role": "user", "content": question},
-                {"role": "assistant", "content": f"```sql\n{sql}\n```"}]
+                {"role": "assistant", "content": sql if bare else f"```sql\n{sql}\n```"}]
     return Conversation("sql", messages, answer_index=2)
 
 
@@ -183,10 +189,18 @@ _ASSISTANT = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", re.DOTALL
 
 
 def extract_sql(text: str) -> str:
+    """The query of a ```sql block, or the whole text when it is a bare query (starts with SELECT or WITH)."""
     match = _SQL_FENCE.search(text)
-    if match is None:
-        raise ValueError(f"no ```sql block in {text[:80]!r}")
-    return match.group(1)
+    if match is not None:
+        return match.group(1)
+    if text.lstrip().upper().startswith(("SELECT", "WITH")):
+        return text.strip()
+    raise ValueError(f"no ```sql block or bare query in {text[:80]!r}")
+
+
+def wants_fenced_sql(messages: list[dict[str, Any]]) -> bool:
+    """Whether a SQL chat's system prompt asks for a ```sql code block (else for a bare query)."""
+    return bool(messages) and messages[0]["role"] == "system" and messages[0]["content"].startswith(SQL_SYSTEM)
 
 
 def assistant_spans(rendered: str) -> list[tuple[int, int]]:

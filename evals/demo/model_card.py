@@ -126,7 +126,7 @@ def measure(checkpoint: Path, n_loss: int, n_routing: int, n_tasks: int) -> dict
         "heldout_conversations": n_loss,
         "trained": heldout_loss(model, tokenizer, n_loss), "random": heldout_loss(random_model, tokenizer, n_loss),
         "routing": routing_skew(model, tokenizer, n_routing),
-        "structured": {k: {f: v[f] for f in ("n", "valid", "correct", "examples")}
+        "structured": {k: {f: v[f] for f in ("n", "valid", "correct", "field_hits", "fields", "examples")}
                        for k, v in structured_tasks(str(checkpoint), n_tasks).items()},
         "samples": exploration_samples(checkpoint),
     }
@@ -202,7 +202,8 @@ def main() -> None:
     save_loss_curve(merge_histories(phases), args.checkpoint / "loss_curve.png", card["ln_vocab"])
     write_card(args.checkpoint, card, phases)
     print(json.dumps({k: card[k] for k in ("parameters", "active_parameters", "trained", "random")}, indent=1))
-    print(json.dumps({k: {f: v[f] for f in ("n", "valid", "correct")} for k, v in card["structured"].items()}))
+    print(json.dumps({k: {f: v[f] for f in ("n", "valid", "correct", "field_hits", "fields")}
+                      for k, v in card["structured"].items()}))
 
 
 if __name__ == "__main__":

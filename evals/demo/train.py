@@ -41,13 +41,16 @@ class TrainConfig:
     train_conversations: int = 12_000
     eval_conversations: int = 32
     eval_every: int = 50
+    save_every: int = 0  # > 0: also save the model to <out>/latest every this many steps (to measure a long run)
     seed: int = 0
     threads: int = 1  # torch CPU threads (the demo machine has 2 cores, shared)
     autocast_bf16: bool = False
     experts_implementation: str = "grouped_mm"  # ~1.4x faster than "eager" for training on CPU
     init_from: str = ""  # a checkpoint directory to continue training from (a second phase)
-    boost_family: str = ""  # draw this share of conversations from one family (e.g. short prose answers)
+    boost_family: str = ""  # draw this share of conversations from these families ("a,b,c", uniformly)
     boost_share: float = 0.0
+    qk_norm_lr_mult: float = 1.0  # lr multiplier for the q_norm/k_norm gains (they cap attention sharpness)
+    qk_norm_rescale: float = 1.0  # with init_from: multiply the loaded q_norm/k_norm gains (attention logits by its square)
 
     def __post_init__(self) -> None:
         if self.top_k > self.num_experts:
@@ -115,10 +118,17 @@ def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int)
 
 
 def split_conversations(split: str, n: int, seed: int, boost_family: str = "", boost_share: float = 0.0):
-    """The conversations a run trains on: the default mixture, with `boost_share` of them from `boost_family`."""
+    """The conversations a run trains on: the default mixture, with `boost_share` of them from `boost_family`.
+
+    `boost_family` is one family name or a comma-separated list, drawn uniformly for each boosted conversation.
+    """
+    families = [f.strip() for f in boost_family.split(",") if f.strip()]
     boosted = random.Random(f"boost:{seed}")
     for i in range(n):
-        yield conversation(split, i, seed, boost_family if boosted.random() < boost_share else None)
+        if boosted.random() >= boost_share or not families:
+            yield conversation(split, i, seed, None)
+        else:  # one family keeps the old draw sequence; a comma-separated list is drawn uniformly
+            yield conversation(split, i, seed, families[0] if len(families) == 1 else boosted.choice(families))
 
 
 def encode_split(tokenizer, split: str, n: int, seq_len: int, seed: int, boost_family: str = "",
@@ -189,6 +199,17 @@ def save_loss_curve(history: dict, path: Path, random_loss: float) -> None:
     plt.close(fig)
 
 
+def save_snapshot(model, tokenizer, path: Path, step: int) -> None:
+    """A bf16 copy of the model being trained (with the tokenizer), loadable like the final checkpoint."""
+    import copy
+
+    snap = copy.deepcopy(model).to(torch.bfloat16)
+    snap.config.output_router_logits = False
+    snap.save_pretrained(str(path), safe_serialization=True)
+    tokenizer.save_pretrained(str(path))
+    (path / "step.txt").write_text(f"{step}\n")
+
+
 def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
     torch.set_num_threads(cfg.threads)
     if cfg.init_from:
@@ -198,6 +219,10 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
         model.config.output_router_logits = True
         model.config.router_aux_loss_coef = cfg.router_aux_loss_coef
         model.config._experts_implementation = cfg.experts_implementation
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.mul_(cfg.qk_norm_rescale)
         torch.manual_seed(cfg.seed)
     else:
         model = build_model(cfg, tokenizer)
@@ -206,10 +231,17 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
     train_data = encode_split(tokenizer, "train", cfg.train_conversations, cfg.seq_len, cfg.seed,
                               cfg.boost_family, cfg.boost_share)
     eval_data = encode_split(tokenizer, "heldout", cfg.eval_conversations, cfg.seq_len, cfg.seed)
+    # QK-norm bounds an attention logit by head_dim**0.5 * (q gain * k gain): ~5.7 at head_dim 32 and unit gains,
+    # too flat to single out one token (a ticker to copy) among hundreds; a larger lr lets the gains grow faster
+    qk = [p for n, p in model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight"))]
+    qk_ids = {id(p) for p in qk}
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    no_decay = [p for n, p in model.named_parameters()
+                if not (p.ndim >= 2 and "embed" not in n) and id(p) not in qk_ids]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+                             {"params": no_decay, "weight_decay": 0.0},
+                             {"params": qk, "weight_decay": 0.0, "lr_mult": cfg.qk_norm_lr_mult}],
+                            lr=cfg.lr, betas=(0.9, 0.95))
     history: dict = {"loss_on": cfg.loss_on, "train": [], "heldout": [], "aux": []}
     gen = torch.Generator().manual_seed(cfg.seed)
     order = torch.randperm(len(train_data), generator=gen)
@@ -226,7 +258,7 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
         done = 0.0 if warm_progress is None else (progress - warm_progress) / max(1e-9, 1 - warm_progress)
         idx = order[(torch.arange(cfg.batch_size) + step * cfg.batch_size) % len(order)]
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, done, cfg)
+            group["lr"] = lr_at(step, done, cfg) * group.get("lr_mult", 1.0)
         ce, aux = lm_loss(model, train_data[idx], cfg.autocast_bf16, cfg.loss_on == "all")
         (ce + cfg.router_aux_loss_coef * aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -241,6 +273,8 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
             history["heldout"].append((step + 1, held))
             print(f"step {step + 1}: train ce {float(ce):.4f} held-out ce {held:.4f} "
                   f"elapsed {time.time() - start:.0f}s", flush=True)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            save_snapshot(model, tokenizer, out_dir / "latest", step + 1)
     seconds = time.time() - start
     if not history["heldout"] or history["heldout"][-1][0] != steps_done:
         history["heldout"].append((steps_done, evaluate(model, eval_data, cfg.batch_size, cfg.autocast_bf16)))

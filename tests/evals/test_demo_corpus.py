@@ -19,6 +19,7 @@ from evals.demo.corpus import (
     extract_sql,
     heldout_tasks,
     rendered_set,
+    wants_fenced_sql,
 )
 from evals.demo.schemas import REPORT_SCHEMAS, TOOLS
 from evals.demo.trading_db import create_trading_db
@@ -59,10 +60,23 @@ def test_every_sql_answer_runs_on_the_trading_db(db):
     assert non_empty >= 0.8 * 2 * N_PER_FAMILY, "most questions should have an answer in the data"
 
 
+def test_sql_answers_follow_the_format_their_system_prompt_asks_for():
+    fenced = [wants_fenced_sql(c.messages) for c in _family("sql")]
+    assert 0.25 < sum(fenced) / len(fenced) < 0.75  # both the ```sql block and the bare response_format style
+    for conv, want_fence in zip(_family("sql"), fenced, strict=True):
+        answer = conv.messages[conv.answer_index]["content"]
+        assert answer.startswith("```sql\n") == want_fence
+        assert extract_sql(answer) == (answer[7:-4] if want_fence else answer)
+    with pytest.raises(ValueError, match="no ```sql block or bare query"):
+        extract_sql("The answer is 42.")
+
+
 @pytest.mark.parametrize("family", sorted(REPORT_SCHEMAS))
 def test_every_json_answer_validates_against_its_schema(family):
     for conv in _family(family) + _family(family, "heldout"):
-        answer = json.loads(conv.messages[conv.answer_index]["content"])
+        text = conv.messages[conv.answer_index]["content"]
+        answer = json.loads(text)
+        assert text == json.dumps(answer, separators=(",", ":"))  # compact, as the gateway's JSON grammar emits
         assert conv.schema is REPORT_SCHEMAS[family]
         jsonschema.validate(answer, conv.schema)
         assert json.dumps(conv.schema) in conv.messages[0]["content"]
@@ -105,7 +119,9 @@ def test_heldout_tasks_can_exclude_conversations_seen_in_training():
     novel = heldout_tasks(40, kinds=("sql",), exclude=seen)
 
     def full_chat(task):
-        return render(task.messages + [{"role": "assistant", "content": f"```sql\n{task.expected['sql']}\n```"}])
+        sql = task.expected["sql"]
+        answer = f"```sql\n{sql}\n```" if wants_fenced_sql(task.messages) else sql
+        return render(task.messages + [{"role": "assistant", "content": answer}])
 
     assert len(novel) == 40 and not any(full_chat(t) in seen for t in novel)
     # without the filter, short SQL chats recur verbatim across the seed streams
