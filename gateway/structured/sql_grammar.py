@@ -54,7 +54,7 @@ compound: select_core (_S set_op _S select_core)*
 set_op: UNION (_S ALL)? | INTERSECT | EXCEPT
 select_core: SELECT (_S DISTINCT)? _S select_list (_S from_clause)? (_S where_clause)? (_S group_by)? (_S having)?
 select_list: select_item (_O? "," _O? select_item)*
-select_item: "*" | qualifier _O? "." _O? "*" | expr (_S (AS _S)? NEW_NAME)?
+select_item: "*" | qualifier "." "*" | expr (_S (AS _S)? NEW_NAME)?
 from_clause: FROM _S source (_S join | _O? "," _O? source)*
 source: (table | CTE_NAME) (_S (AS _S)? NEW_NAME)? | "(" _O? query _O? ")" (_O? (AS _S)? NEW_NAME)?
 join: (join_kind _S)? JOIN _S source (_S ON _S expr | _S USING _O? "(" _O? column (_O? "," _O? column)* _O? ")")?
@@ -85,7 +85,7 @@ case_expr: CASE (_S expr)? (_S WHEN _S expr _S THEN _S expr)+ (_S ELSE _S expr)?
 expr_list: expr (_O? "," _O? expr)*
 call: (AGG | COUNT) _O? "(" _O? (DISTINCT _S)? expr _O? ")" | COUNT _O? "(" _O? "*" _O? ")"
     | FUNC _O? "(" _O? expr_list? _O? ")"
-column_ref: column | qualifier _O? "." _O? column
+column_ref: column | qualifier "." column
 qualifier: table | NEW_NAME
 literal: NUMBER | STRING | NULL | TRUE | FALSE
 

@@ -104,7 +104,10 @@ def test_grammar_accepts_select_language_and_only_real_names(tokinfo):
         check_sql(sql, DB)  # and the validator agrees
     for sql in ["SELECT secret FROM trades", "SELECT * FROM users", "DELETE FROM trades",
                 "SELECT id FROM trades; DROP TABLE trades", "SELECT Market Value FROM positions",
-                "SELECT * FROM big"]:
+                "SELECT * FROM big",
+                # a qualifier and its column are one name: no whitespace around the dot (the alias
+                # guard reads `t .x` as two names and would let an unbound qualifier through)
+                "SELECT t .id FROM trades AS t", "SELECT t.\n\nid FROM trades AS t", "SELECT t . * FROM trades AS t"]:
         assert not _accepts(compiled, tokinfo, sql), sql
 
 
