@@ -100,7 +100,7 @@ def structured_tasks(model: str, n: int) -> dict:
                 rows = [list(r) for r in db.execute(text).fetchall()]
                 stats["correct"] += int(rows == task.expected["rows"])
         except Exception as exc:  # noqa: BLE001 - an invalid output is a finding, recorded below
-            stats.setdefault("errors", []).append(f"{type(exc).__name__}: {exc}"[:200])
+            stats.setdefault("errors", []).append({"error": f"{type(exc).__name__}: {exc}"[:200], "output": text[:400]})
         if task.kind == "sql":
             hits, total = sql_literal_matches(got, task.expected["sql"])
         else:
