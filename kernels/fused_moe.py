@@ -41,8 +41,14 @@ def kernel_variant() -> str:
     return os.environ.get("MOEGATE_KERNEL_VARIANT") or select_variant(detect())
 
 
+def kernel_library(variant: str | None = None):
+    """The loaded compiled kernel library (a ctypes.CDLL), or None: MOEGATE_DISABLE_CPP is set or it
+    cannot be built (the caller falls back to its torch reference)."""
+    return None if cpp_disabled() else build.load(variant or kernel_variant())
+
+
 def kernel_available(variant: str | None = None) -> bool:
-    return not cpp_disabled() and build.load(variant or kernel_variant()) is not None
+    return kernel_library(variant) is not None
 
 
 def backend_summary() -> str:
@@ -145,9 +151,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     does not hold as -1 (for a subset of experts placed on this device).
     """
     _check(x, topk_ids, topk_weights, experts, act)
-    lib = None
-    if use_cpp is not False and not cpp_disabled() and x.device.type == "cpu":
-        lib = build.load(variant or kernel_variant())
+    lib = kernel_library(variant) if use_cpp is not False and x.device.type == "cpu" else None
     if lib is None or experts.tensors["gate_up"].device.type != "cpu":
         return fused_moe_reference(x, topk_ids, topk_weights, experts, act, skip_missing=skip_missing)
     xf = x.float().contiguous()  # [T, H]

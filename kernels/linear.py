@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import build
 from kernels.formats import DEFAULT_GROUP_SIZE, FORMAT_CODE, _pack_proj, _untile, check_format, is_quantized
 from kernels.w4a8 import w4a8_tiles
 
@@ -79,9 +78,9 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, num_threads: int | None = None, variant: str | None = None) -> torch.Tensor:
         """x [M, K] (CPU, any float dtype) -> [M, N] fp32 through the compiled kernel (the reference if
         it is unavailable)."""
-        from kernels.fused_moe import cpp_disabled, kernel_variant
+        from kernels.fused_moe import kernel_library
 
-        lib = None if cpp_disabled() else build.load(variant or kernel_variant())
+        lib = kernel_library(variant)
         if lib is None or x.device.type != "cpu":
             return self.reference(x)
         if x.dim() != 2 or x.shape[1] != self.in_features:

@@ -17,7 +17,6 @@ import torch
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from kernels import build
 from kernels.formats import FORMAT_CODE
 
 log = logging.getLogger(__name__)
@@ -123,9 +122,9 @@ class FusedContext:
 
 def build_fused_layers(cfg: ModelConfig, layers) -> list[FusedDecodeLayer] | None:
     """Fused layers for the whole stack, or None (with the reason logged) if any layer cannot run fused."""
-    from kernels.fused_moe import cpp_disabled, kernel_variant
+    from kernels.fused_moe import kernel_library
 
-    lib = None if cpp_disabled() else build.load(kernel_variant())
+    lib = kernel_library()
     if lib is None:
         return None
     lib.moegate_decode_layer.restype = ctypes.c_int

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from gateway.structured.base import ConstraintSpec, get_backend
-from gateway.structured.bitmask import apply_bitmask_, bitmask_words, row_ids
+from gateway.structured.bitmask import apply_bitmask_, bitmask_words, row_allows, row_ids
 from gateway.structured.build import json_schema_spec
 from gateway.structured.closing import completion_hints, shortest_completion
 from gateway.structured.constraint import Constraint
@@ -239,7 +239,7 @@ def scope_vetoes(compiled, ids: list[int]) -> str | None:
     for t in ids:
         fallbacks = c.guard_fallbacks
         c.fill_bitmask(bitmask, 0)
-        if c.guard_fallbacks > fallbacks or not (int(bitmask[0, t >> 5]) >> (t & 31)) & 1:
+        if c.guard_fallbacks > fallbacks or not row_allows(bitmask[0], np.array([t]))[0]:
             return compiled.tokenizer.decode([t])
         c.consume(t)
     return None

@@ -34,12 +34,27 @@ def ids_to_row(ids: list[int] | tuple[int, ...], n_words: int) -> np.ndarray:
     return row
 
 
-def row_ids(row: np.ndarray | torch.Tensor, limit: int | None = None) -> np.ndarray:
-    """Allowed ids of one bitmask row (for tests and debugging)."""
+_SHIFTS = np.arange(32, dtype=np.uint32)
+
+
+def _words(row: np.ndarray | torch.Tensor) -> np.ndarray:
     arr = row.numpy() if isinstance(row, torch.Tensor) else row
-    bits = np.unpackbits(np.ascontiguousarray(arr).view(np.uint8), bitorder="little")
-    ids = np.flatnonzero(bits)
+    return np.ascontiguousarray(arr).view(np.uint32)
+
+
+def row_ids(row: np.ndarray | torch.Tensor, limit: int | None = None) -> np.ndarray:
+    """Allowed ids of one bitmask row, ascending, visiting only its non-zero words."""
+    words = _words(row)
+    nonzero = np.flatnonzero(words)
+    hit = ((words[nonzero, None] >> _SHIFTS) & 1).astype(bool)  # [n, 32]
+    ids = (nonzero[:, None] * 32 + _SHIFTS.astype(np.int64))[hit]
     return ids if limit is None else ids[ids < limit]
+
+
+def row_allows(row: np.ndarray | torch.Tensor, ids: np.ndarray) -> np.ndarray:
+    """Whether one bitmask row allows each of `ids` (int64 array) -> bool array."""
+    words = _words(row)
+    return ((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)
 
 
 @functools.cache
@@ -52,10 +67,9 @@ def _byte_table(dtype: torch.dtype, device: str) -> torch.Tensor:
 @functools.cache
 def _compiled():
     """The compiled kernel library (None: MOEGATE_DISABLE_CPP set, or no compiler)."""
-    from kernels.build import load
-    from kernels.fused_moe import cpp_disabled, kernel_variant
+    from kernels.fused_moe import kernel_library
 
-    return None if cpp_disabled() else load(kernel_variant())
+    return kernel_library()
 
 
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .bitmask import row_allows, row_ids
 from .vocab import TokenizerInfo
 
 # Bytes tried first at each level (they end strings, objects, arrays, SQL groups and values).
@@ -154,22 +155,6 @@ def _allowed(matcher, n_words: int, buf: np.ndarray) -> np.ndarray:
     return buf
 
 
-_SHIFTS = np.arange(32, dtype=np.uint32)
-
-
-def _ids(mask: np.ndarray, vocab: int) -> np.ndarray:
-    """Allowed ids of a uint32 mask row, visiting only its non-zero words."""
-    words = np.flatnonzero(mask)
-    hit = ((mask[words, None] >> _SHIFTS) & 1).astype(bool)  # [n, 32]
-    ids = (words[:, None] * 32 + _SHIFTS.astype(np.int64))[hit]
-    return ids[ids < vocab]
-
-
-def _has(mask: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Which of `ids` the uint32 mask row allows (bool per id)."""
-    return ((mask[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)
-
-
 def shortest_completion(
     matcher, tokenizer: TokenizerInfo, max_depth: int, hints: tuple[bytes, ...] = (),
     allow: Callable[[list[int], bool], bool] | None = None, max_nodes: int | None = None,
@@ -195,25 +180,27 @@ def shortest_completion(
     buf = np.zeros(n_words, dtype=np.uint32)
     budget = max_nodes if max_nodes is not None else max(2000, 3 * max_depth)
 
-    in_buf = [None]  # the state whose mask `buf` holds: a child's key, then its moves, use one mask
+    in_buf = None  # the state whose mask `buf` holds: a child's key, then its moves, use one mask
 
     def key_of(state) -> bytes:
-        in_buf[0] = state
+        nonlocal in_buf
+        in_buf = state
         h = hashlib.blake2b(_allowed(state, n_words, buf).tobytes(), digest_size=16)
         h.update(bytes(state.compute_ff_bytes()))
         return h.digest()
 
     def moves(state) -> list[list[int]]:
+        nonlocal in_buf
         forced = [t for t in state.compute_ff_tokens() if t < vocab]
-        mask = buf if in_buf[0] is state else _allowed(state, n_words, buf)
-        in_buf[0] = state
-        cands = singles[_has(mask, singles)]  # closers first
+        mask = buf if in_buf is state else _allowed(state, n_words, buf)
+        in_buf = state
+        cands = singles[row_allows(mask, singles)]  # closers first
         if cands.size > MAX_CANDIDATES:  # free text: closers, representatives, hint starts (or, inside
             # a multi-byte UTF-8 character, where only continuation bytes fit: the first of them)
             picked = [t for t in cands.tolist() if tokenizer.token_bytes[t][0] in preferred]
             cands = np.array(picked) if picked else cands[:MAX_CANDIDATES]
         elif not cands.size:  # the grammar forces a multi-byte token here: the shortest ones
-            allowed = _ids(mask, vocab)
+            allowed = row_ids(mask, vocab)
             cands = allowed[np.argsort(lengths[allowed], kind="stable")][:MAX_CANDIDATES]
         out = [[t] for t in cands.tolist() if t not in tokenizer.eos_ids]
         n_close = sum(1 for m in out if (tokenizer.token_bytes[m[0]] or b"")[:1] in (b'"', b"}", b"]", b")", b"'"))
