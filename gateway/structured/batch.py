@@ -12,6 +12,7 @@ is on by default only with CUDA.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 from collections.abc import Sequence
 
 import llguidance
@@ -115,12 +116,7 @@ class BatchMasker:
         self._thread.shutdown(wait=True)
 
 
-_DEFAULT: BatchMasker | None = None
-
-
+@functools.cache
 def default_masker() -> BatchMasker:
-    """The process-wide BatchMasker that build_constraint attaches to each Constraint."""
-    global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = BatchMasker()
-    return _DEFAULT
+    """The process-wide BatchMasker the gateway attaches to each whole-request Constraint."""
+    return BatchMasker()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import concurrent.futures as cf
 import threading
 import time
@@ -67,11 +68,7 @@ class ConstraintCache:
         return compiled
 
 
-_default: ConstraintCache | None = None
-
-
+@functools.cache
 def default_cache() -> ConstraintCache:
-    global _default
-    if _default is None:
-        _default = ConstraintCache()
-    return _default
+    """The process-wide constraint cache (LRU of compiled constraints)."""
+    return ConstraintCache()
