@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import concurrent.futures as cf
+import functools
 import threading
 import time
 from collections import OrderedDict
