@@ -133,11 +133,22 @@ void tile_dot_w4a8(const Mat& A, int64_t tile, const int8_t* const* q, const flo
     for (int p = 0; p < 2 * S; ++p)
       for (int m = 0; m < MT; ++m)
         for (int r = 0; r < R8; ++r) isum[p][m][r] = i_zero();
-    for (int64_t kb = g * gs / 8; kb < (g + 1) * gs / 8; ++kb) {
+    // S blocks per step, block p into accumulator set p: the set index is a compile-time constant,
+    // so the sums stay in registers (a set chosen at run time by kb parity spilled them to the stack).
+    const int64_t kb1 = (g + 1) * gs / 8;
+    int64_t kb = g * gs / 8;
+    for (; kb + S <= kb1; kb += S) {
+#pragma GCC unroll 2
+      for (int p = 0; p < S; ++p) {
+        U4 b[R8];
+        for (int r = 0; r < R8; ++r) b[r] = load_u4(w4 + ((kb + p) * R8 + r) * 32);
+        w4a8_block<R8, MT>(b, q, (kb + p) * 8, isum[2 * p], isum[2 * p + 1]);
+      }
+    }
+    for (; kb < kb1; ++kb) {
       U4 b[R8];
       for (int r = 0; r < R8; ++r) b[r] = load_u4(w4 + (kb * R8 + r) * 32);
-      const int p = S == 2 ? (int)(kb & 1) : 0;
-      w4a8_block<R8, MT>(b, q, kb * 8, isum[2 * p], isum[2 * p + 1]);
+      w4a8_block<R8, MT>(b, q, kb * 8, isum[0], isum[1]);
     }
     for (int p = 1; p < 2 * S; ++p)
       for (int m = 0; m < MT; ++m)
