@@ -85,8 +85,13 @@ def build(variant: str) -> Path:
     return out
 
 
+_FALLBACK = {"avx512": "avx2"}  # a variant whose build fails -> the next one to try (same results)
+
+
 def load(variant: str) -> ctypes.CDLL | None:
-    """The loaded kernel library for ``variant``, or None (with one logged warning) if it cannot be built."""
+    """The loaded kernel library for ``variant``, or None (with one logged warning) if it cannot be built.
+
+    An avx512 build that fails (a compiler without AVX-512 VNNI support) falls back to the avx2 build."""
     with _lock:
         if variant in _loaded:
             return _loaded[variant]
@@ -95,8 +100,18 @@ def load(variant: str) -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(build(variant)))
             _declare(lib)
         except (KernelBuildError, OSError) as exc:
-            log.warning("moegate CPU MoE kernel (%s) unavailable, using the torch reference: %s", variant, exc)
-            lib = None
+            lib, tried = None, variant
+            while lib is None and tried in _FALLBACK:
+                tried = _FALLBACK[tried]
+                try:
+                    lib = ctypes.CDLL(str(build(tried)))
+                    _declare(lib)
+                except (KernelBuildError, OSError):
+                    lib = None
+            if lib is None:
+                log.warning("moegate CPU MoE kernel (%s) unavailable, using the torch reference: %s", variant, exc)
+            else:
+                log.warning("moegate CPU MoE kernel (%s) unavailable, using the %s build: %s", variant, tried, exc)
         _loaded[variant] = lib
         return lib
 

@@ -331,7 +331,10 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
     }
   };
   auto& pool = moegate::WorkPool::instance();
-  pool.parallel_for(n1 + n2, 4, nthreads, [&](int64_t it) {
+  // ~16 claims per thread: a claim of a few tiles (~1 us at M = 1) made the shared counter's cache line
+  // travel between cores for every few kilobytes of weights; 16 still balance the threads.
+  const int64_t chunk = std::max<int64_t>(1, (n1 + n2) / (16 * std::max(1, nthreads)));
+  pool.parallel_for(n1 + n2, chunk, nthreads, [&](int64_t it) {
     if (it < n1) gate_up_item(it);
     else down_item(it - n1);
   });
@@ -378,8 +381,8 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
     qsr[m] = &xqs[m * ng];
   }
   constexpr int kRows = kMaxMT * 16;
-  // ~32 claims per thread: large enough to amortise the atomic, small enough to balance
-  const int64_t chunk = std::max<int64_t>(1, n8 / (32 * std::max(1, nthreads)));
+  // ~16 claims per thread, as in run(): few enough to keep the shared counter quiet, enough to balance
+  const int64_t chunk = std::max<int64_t>(1, n8 / (16 * std::max(1, nthreads)));
   moegate::WorkPool::instance().parallel_for(n8, chunk, nthreads, [&](int64_t tile) {
     float* orow[kRows];
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {

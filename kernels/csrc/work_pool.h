@@ -81,8 +81,9 @@ class WorkPool {
     std::function<void(int64_t)> fn;  // only called for claimed indices, i.e. while the caller waits
     int64_t total, chunk;
     int max_helpers;
-    std::atomic<int64_t> next{0}, done{0};
-    std::atomic<int> joined{0};
+    alignas(64) std::atomic<int64_t> next{0};  // claimed by every thread: its own cache line
+    alignas(64) std::atomic<int64_t> done{0};
+    alignas(64) std::atomic<int> joined{0};
     void work() {
       for (;;) {
         const int64_t b = next.fetch_add(chunk, std::memory_order_relaxed);

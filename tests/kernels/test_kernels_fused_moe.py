@@ -63,13 +63,14 @@ def test_variant_selection() -> None:
     f = detect()
     simd = f.avx2 and f.fma and f.f16c and f.arch == "x86_64"
     vnni = f.avx512f and f.avx512bw and f.avx512vl and f.avx512_vnni
-    assert select_variant(f) == ("avx2" if simd else "generic")
+    assert select_variant(f) == ("generic" if not simd else "avx512" if vnni else "avx2")
     assert vnni_capable(f) == bool(simd and vnni)
     base = dict(avx2=True, fma=True, f16c=True)
     assert select_variant(type(f)("x86_64", **{**base, "avx2": False}, avx512f=True)) == "generic"
     assert not vnni_capable(type(f)("x86_64", **base, avx512f=True))  # no VNNI / BW / VL
     full = type(f)("x86_64", **base, avx512f=True, avx512bw=True, avx512vl=True, avx512_vnni=True)
-    assert select_variant(full) == "avx2" and vnni_capable(full)  # avx512 is opt-in (measured no faster)
+    assert select_variant(full) == "avx512" and vnni_capable(full)
+    assert select_variant(type(f)("x86_64", **base)) == "avx2"
     assert select_variant(type(f)("aarch64", **base)) == "generic"
 
 
@@ -166,6 +167,24 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch, tmp_path, caplog)
     assert torch.equal(out1, fused_moe_reference(x, ids, w, packed)) and torch.equal(out1, out2)
     warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "torch reference" in warnings[0].getMessage()
+
+
+@pytest.mark.skipif(not kernel_available("avx2"), reason="no C++ compiler")
+def test_failed_avx512_build_falls_back_to_avx2(monkeypatch, caplog) -> None:
+    real_build = build.build
+
+    def no_avx512(variant: str):
+        if variant == "avx512":
+            raise build.KernelBuildError("compiler without AVX-512 VNNI")
+        return real_build(variant)
+
+    monkeypatch.setattr(build, "build", no_avx512)
+    monkeypatch.setattr(build, "_loaded", {})
+    with caplog.at_level(logging.WARNING, logger="kernels.build"):
+        lib = build.load("avx512")
+    assert lib is not None and lib.moegate_is_vnni() == 0 and lib.moegate_is_avx2() == 1
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "using the avx2 build" in warnings[0]
 
 
 def test_rejects_bad_arguments() -> None:
