@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from kernels.hugepages import hugepage_copy
+
 LAYOUT_VERSION = 2
 FORMATS = ("fp32", "bf16", "int8", "int4", "int4_asym")
 FORMAT_CODE = {name: code for code, name in enumerate(FORMATS)}
@@ -135,6 +137,10 @@ class PackedExperts:
     group_size: int
     expert_ids: tuple[int, ...]
     tensors: dict[str, torch.Tensor] = field(repr=False)
+
+    def __post_init__(self) -> None:  # CPU weights the kernel streams: in huge pages (kernels/hugepages.py)
+        for name, t in self.tensors.items():
+            self.tensors[name] = hugepage_copy(t)
 
     @property
     def num_experts(self) -> int:

@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dense", default="float32", help="dtype of the dense path for moegate")
     ap.add_argument("--lm-head", default="int8,int4",
                     help="exploration lm_heads of the moegate-*+fast runs (comma list of int4|int8|bf16)")
-    ap.add_argument("--fast-dense", default="int8", help="exploration attention projections of the +fast runs")
+    ap.add_argument("--fast-dense", default="match",
+                    help="exploration attention projections of the +fast runs: int4|int8|bf16, or 'match' for the "
+                         "experts' format (as llama.cpp's Q4_0 / Q8_0 quantize attention like the experts)")
     ap.add_argument("--gguf-q4", default=None)
     ap.add_argument("--gguf-q8", default=None)
     ap.add_argument("--no-transformers", action="store_true")
@@ -124,8 +126,11 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[str, dict] = {}
     plan = [(f"moegate-{f}", lambda f=f: _moegate(model, f, args.dense, prompt, args.decode,
                                                   pack_dir=str(out / "pack"))) for f in args.formats.split(",")]
-    plan += [(f"moegate-{f}+fast-lmhead-{h}-attn-{args.fast_dense}", lambda f=f, h=h: _moegate(
-        model, f, args.dense, prompt, args.decode, pack_dir=str(out / "pack"), lm_head=h, fast_dense=args.fast_dense))
+    def attn(f: str) -> str:
+        return f if args.fast_dense == "match" else args.fast_dense
+
+    plan += [(f"moegate-{f}+fast-lmhead-{h}-attn-{attn(f)}", lambda f=f, h=h: _moegate(
+        model, f, args.dense, prompt, args.decode, pack_dir=str(out / "pack"), lm_head=h, fast_dense=attn(f)))
         for f in args.formats.split(",") for h in args.lm_head.split(",")]
     if not args.no_transformers:
         plan += [("transformers-eager-bf16", lambda: _transformers(model, torch.bfloat16, prompt, args.decode)),

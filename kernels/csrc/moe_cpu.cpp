@@ -48,6 +48,15 @@ struct Mat {
   int64_t gs;              // group size along K (quantized formats)
 };
 
+// Software prefetch of a weight stream kPrefetch bytes ahead of the bytes [p, p + n) being read, one
+// per cache line. The hardware prefetchers alone left each core latency-bound (int4 M = 1 at 2 threads:
+// 16 -> 21 GB/s; 1 KiB and 4 KiB ahead measured a little slower, 8 KiB slower still).
+constexpr int64_t kPrefetch = 2048;
+inline void prefetch_ahead(const void* p, int64_t n) {
+  const char* c = static_cast<const char*>(p) + kPrefetch;
+  for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
 // out[m][0 .. R8*8) = tile rows . X[m] for MT activation rows (fp32, bf16, int8 weights). Even and
 // odd k accumulate in separate registers (two fma dependency chains, summed at the end / per group):
 // a fixed order for every row whatever MT is, so a row's result never depends on its batch.
@@ -86,6 +95,7 @@ void tile_dot(const Mat& A, int64_t tile, const float* const* X, float* const* o
     const uint16_t* sc = A.scales + tile * ng * R8 * 8;
     const int8_t* w8 = static_cast<const int8_t*>(A.w) + tile * kp * R8 * 8;
     for (int64_t g = 0; g < ng; ++g) {
+      prefetch_ahead(w8 + g * gs * R8 * 8, gs * R8 * 8);
       V8 (*gacc)[R8] = acc[1];  // the group's partial sums (even k here, odd k in `odd`)
       V8 odd[MT][R8];
       for (int m = 0; m < MT; ++m)
@@ -138,6 +148,7 @@ void tile_dot_w4a8(const Mat& A, int64_t tile, const int8_t* const* q, const flo
     const int64_t kb1 = (g + 1) * gs / 8;
     int64_t kb = g * gs / 8;
     for (; kb + S <= kb1; kb += S) {
+      prefetch_ahead(w4 + kb * R8 * 32, S * R8 * 32);
 #pragma GCC unroll 2
       for (int p = 0; p < S; ++p) {
         U4 b[R8];
