@@ -7,8 +7,9 @@ unquoted names are case-insensitive. Whitespace is explicit and bounded: two wor
 touch, and each gap holds 1-4 whitespace bytes.
 
 A CFG cannot bind `T1.name` in the SELECT list to the `FROM t AS T1` after it: the grammar ends with
-a comment listing the tables and their columns, from which the Constraint builds the alias-binding
-guard (sql_scope.py) that vetoes unbound qualifiers while decoding.
+comments listing the tables and their columns and the grammar's words, from which the Constraint
+builds the alias-binding guard (sql_scope.py) that vetoes unbound qualifiers while decoding (and
+words that could only go on as one).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import re
 
 from .base import ConstraintKind, ConstraintSpec
 from .sql_schema import AGGREGATES, DatabaseSchema, SQLPolicy
-from .sql_scope import SCHEMA_COMMENT
+from .sql_scope import SCHEMA_COMMENT, WORDS_COMMENT
 
 # Identifier quoting and string-literal forms per dialect.
 _QUOTES = {
@@ -44,6 +45,14 @@ _KEYWORDS = (
     "intersect", "except", "with", "case", "when", "then", "else", "end", "cast", "true", "false",
 )
 
+# For the scope guard's word check (sql_scope.py), written into the grammar after WORDS_COMMENT: the
+# tokens after which an operand starts (there a new name may begin a qualifier), the keywords that
+# may start an operand, and those that may also start one right after a given token.
+_BEFORE_OPERAND = ("where", "on", "and", "or", "not", "by", "having", "when", "then", "else", "case",
+                   "like", "between", "distinct", "(", ",", "=", "<", ">", "!", "+", "-", "*", "/", "%", "|")
+_OPERAND_KEYWORDS = ("not", "exists", "case", "cast", "null", "true", "false")
+_OPERAND_AFTER = {"(": ("select", "with", "distinct"), "case": ("when",), "not": ("in", "between", "like")}
+
 SQL_START = 'start: query (_O? ";")?'
 _RULES = r"""
 start: query (_O? ";")?
@@ -63,7 +72,7 @@ where_clause: WHERE _S expr
 group_by: GROUP _S BY _S expr (_O? "," _O? expr)*
 having: HAVING _S expr
 order_by: ORDER _S BY _S order_item (_O? "," _O? order_item)*
-order_item: expr (_S (ASC | DESC))?
+order_item: (expr | OUTPUT_NAME) (_S (ASC | DESC))?
 limit_clause: LIMIT _S INT (_S OFFSET _S INT)?
 
 expr: and_expr (_S OR _S and_expr)*
@@ -176,6 +185,8 @@ def sql_grammar(schema: DatabaseSchema, policy: SQLPolicy | None = None) -> str:
     aggs = [f for f in policy.allowed_functions if f.lower() in AGGREGATES and f.lower() != "count"]
     lines = [_RULES,
              f"NEW_NAME: /{_identifier_except(_KEYWORDS)}/",
+             # ORDER BY may name a SELECT-list alias (the scope guard checks that it is one)
+             f"OUTPUT_NAME: /{_identifier_except(_KEYWORDS + tuple(f.lower() for f in policy.allowed_functions))}/",
              "TYPE_NAME: " + " | ".join(_lit(t) for t in _TYPES),
              "table: TABLE", "column: COLUMN",
              "TABLE: " + " | ".join(table_alts),
@@ -191,6 +202,10 @@ def sql_grammar(schema: DatabaseSchema, policy: SQLPolicy | None = None) -> str:
         lines.append(f"{kw.upper()}: {_lit(kw)}")
     # The tables and columns for the alias-binding guard (sql_scope.py); a comment to the grammar.
     lines.append(SCHEMA_COMMENT + json.dumps({t: list(schema.tables[t]) for t in tables}))
+    lines.append(WORDS_COMMENT + json.dumps({
+        "keywords": _KEYWORDS, "functions": [f.lower() for f in policy.allowed_functions],
+        "before_operand": _BEFORE_OPERAND, "operand": _OPERAND_KEYWORDS,
+        "after": _OPERAND_AFTER}))
     return "\n".join(lines) + "\n"
 
 

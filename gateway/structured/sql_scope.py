@@ -12,8 +12,14 @@ grammar admits any alias and this guard binds them while decoding:
   pending qualifier of its scope is declared, and an alias that is pending can only be declared for a
   table that has its columns; a scope cannot end or skip FROM with qualifiers pending.
 
+- where every qualifier must already be bound (no scope before its FROM) and a word starts an operand
+  of WHERE/ON/GROUP BY/HAVING/ORDER BY, an unquoted word must stay a prefix of a word that can be
+  written there: a column of the tables in scope, a bound alias/table/CTE (as a qualifier), in ORDER
+  BY a word of the scope's SELECT lists (an alias), a function, or a keyword that can start an
+  operand there (so a name that could only go on as an unbound qualifier is never started).
+
 Tables named by a subquery or a CTE have columns the guard does not track: their columns are left to
-sqlglot (validate.py), which still rejects unknown columns.
+sqlglot (validate.py), which still rejects unknown columns, and with one in scope words are not checked.
 """
 
 from __future__ import annotations
@@ -28,11 +34,19 @@ import numpy as np
 from .vocab import TokenizerInfo
 
 SCHEMA_COMMENT = "// moegate-sql-tables: "  # sql_grammar.py writes the tables it allows after this
+WORDS_COMMENT = "// moegate-sql-words: "  # and its keywords, functions and operand positions after this
 _ID = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 _CLAUSE_END = frozenset(("where", "group", "having", "order", "limit", "union", "intersect", "except"))
 _JOIN_WORDS = frozenset(("inner", "left", "right", "full", "outer", "cross", "natural"))
 _QUOTE_CLOSE = {'"': '"', "`": "`", "[": "]"}
+_BARE = re.compile(r"[a-z_][a-z0-9_]*\Z")  # a name the grammar takes unquoted (unless a keyword)
 DERIVED = ""  # the table of an alias bound to a subquery or a CTE (columns not tracked)
+
+
+@functools.lru_cache(maxsize=4096)
+def _bare(names: frozenset[str], keywords: frozenset[str]) -> frozenset[str]:
+    """The names that the grammar takes unquoted."""
+    return frozenset(n for n in names if _BARE.match(n) and n not in keywords)
 
 
 @dataclass
@@ -45,10 +59,45 @@ class _Frame:
     declared: dict[str, str] = field(default_factory=dict)  # alias -> table (DERIVED: untracked)
     pending: dict[str, set[str]] = field(default_factory=dict)  # qualifier -> columns used before FROM
     source_name: str | None = None  # the last FROM source (table name, DERIVED) awaiting an alias
+    outputs: set[str] = field(default_factory=set)  # words of its SELECT lists (aliases, columns)
+    clause: str = ""  # the last clause keyword of the scope (where, group, having, order, limit, union...)
 
     def clone(self) -> _Frame:
         return _Frame(self.scope, self.fresh, self.source, self.phase, self.expect, dict(self.declared),
-                      {q: set(c) for q, c in self.pending.items()}, self.source_name)
+                      {q: set(c) for q, c in self.pending.items()}, self.source_name, set(self.outputs),
+                      self.clause)
+
+
+@dataclass(frozen=True)
+class SQLWords:
+    """The grammar's words for the word check (from its WORDS_COMMENT line)."""
+
+    keywords: frozenset[str]
+    functions: frozenset[str]
+    before_operand: frozenset[str]  # a word or punctuation after which an operand starts
+    operand: frozenset[str]  # keywords and functions that may start an operand
+    after: dict[str, frozenset[str]]  # keywords that may also start one right after a word/punctuation
+
+    @classmethod
+    def from_json(cls, d: dict) -> SQLWords:
+        functions = frozenset(d["functions"])
+        return cls(frozenset(d["keywords"]), functions, frozenset(d["before_operand"]),
+                   frozenset(d["operand"]) | functions, {k: frozenset(v) for k, v in d["after"].items()})
+
+
+@dataclass(frozen=True)
+class WordPool:
+    """The words an operand may be where a word starts: `ends` may end there, `quals` only before a `.`."""
+
+    ends: frozenset[str]
+    quals: frozenset[str]
+
+    @functools.cached_property
+    def words(self) -> frozenset[str]:
+        return self.ends | self.quals
+
+    def admits(self, prefix: str) -> bool:
+        return any(w.startswith(prefix) for w in self.words)
 
 
 class _Veto(Exception):
@@ -58,14 +107,16 @@ class _Veto(Exception):
 class SQLScope:
     """Scope state over the text so far; `feed` raises _Veto on the first unbindable construct."""
 
-    def __init__(self, tables: dict[str, frozenset[str]], fenced: bool) -> None:
-        self.tables, self.fenced = tables, fenced
+    def __init__(self, tables: dict[str, frozenset[str]], fenced: bool, words: SQLWords | None = None) -> None:
+        self.tables, self.fenced, self.words = tables, fenced, words
         self.stack = [_Frame(scope=True)]
         self.mode = ""  # "" normal, "'" string, or a quote's closing char (quoted identifier)
         self.word, self.quoted = "", False
-        self.last: str | None = None  # the last word, if only whitespace followed it
+        self.last: str | None = None  # the word that the current character ended
         self.dot_q: str | None = None  # qualifier of the column being written
         self.prev = ""
+        self.at = ""  # the last word (lower case, unquoted) or punctuation; "" after a value
+        self.pool: WordPool | None = None  # what the word being written may become (None: unchecked)
         self.ctes: set[str] = set()
         self.done = False  # the statement ended (the closing fence of a segment)
 
@@ -110,7 +161,7 @@ class SQLScope:
     def end(self) -> None:
         """The statement ends here (EOS, `;`, the closing fence)."""
         if self.word and not self.mode:
-            self._complete(quoted=False)
+            self._complete(quoted=False, follow="")
         for f in self.stack:
             if f.scope:
                 self._end_scope(f)
@@ -126,20 +177,25 @@ class SQLScope:
         f.declared[alias] = table
 
     # -- words -----------------------------------------------------------------------------
-    def _word(self, w: str, quoted: bool) -> None:
+    def _word(self, w: str, quoted: bool, follow: str) -> None:
         kw = "" if quoted else w
+        self.at = kw
         if w.startswith("cte_"):
             self.ctes.add(w)
         if self.dot_q is not None:  # the column of a qualified reference (checked as it was typed)
             q, self.dot_q = self.dot_q, None
             self._column(q, w, final=True)
-            self.last = None
+            self.last, self.at = None, ""
             return
         top = self.stack[-1]
         if not top.scope and top.fresh and kw in ("select", "with"):
             top.scope = True
         top.fresh = False
         f = self._scope()
+        if f.phase == "select" and follow not in ".(" and kw not in self._keywords():
+            f.outputs.add(w)
+        if kw in _CLAUSE_END and self.stack[-1] is f:
+            f.clause = kw
         if kw == "select":
             if f.phase != "start":
                 self._end_scope(f)
@@ -151,6 +207,9 @@ class SQLScope:
         elif f.phase == "from" and self.stack[-1] is f:
             self._from_word(f, w, kw)
         self.last = w
+
+    def _keywords(self) -> frozenset[str]:
+        return self.words.keywords if self.words is not None else frozenset()
 
     def _from_word(self, f: _Frame, w: str, kw: str) -> None:
         if f.expect == "source":
@@ -199,6 +258,32 @@ class SQLScope:
         return {c for t, cols in self.tables.items() if (t == q or q not in self.tables) and used <= cols
                 for c in cols}
 
+    def word_pool(self, at: str | None = None) -> WordPool | None:
+        """What an unquoted word starting here (after `at`, default the last word or punctuation) may
+        be, or None where words are not checked: outside an operand, while a scope before its FROM
+        may still bind a new qualifier, or with a derived table (its columns are unknown) in scope."""
+        at = self.at if at is None else at
+        if self.words is None or self.done or self.mode or self.dot_q is not None:
+            return None
+        if at not in self.words.before_operand:
+            return None
+        scopes = [f for f in self.stack if f.scope]
+        f = scopes[-1]
+        if not (f.phase == "after" or (f.phase == "from" and f.expect == "on")):
+            return None
+        if any(g.phase in ("start", "select") for g in scopes):
+            return None
+        tables = {t for g in scopes for t in g.declared.values()}
+        if DERIVED in tables:
+            return None
+        # names that can be written unquoted (the others are not checked)
+        ends = {c for t in tables for c in _bare(self.tables[t], self._keywords())}
+        if f.clause == "order":  # the grammar takes a SELECT-list alias (OUTPUT_NAME) there only
+            ends |= _bare(frozenset(f.outputs), self._keywords())
+        ends |= self.words.operand | self.words.after.get(at, frozenset())
+        quals = {q for g in scopes for q in g.declared} | self.ctes
+        return WordPool(frozenset(ends), _bare(frozenset(quals - ends), self._keywords()))
+
     def _qualifier(self, q: str) -> None:
         if self._lookup(q) is None and q not in self.ctes:
             if not any(f.scope and f.phase in ("start", "select") for f in self.stack):
@@ -218,31 +303,37 @@ class SQLScope:
             return
         if self.mode == "'":
             if ch == "'":
-                self.mode = ""
+                self.mode, self.at = "", ""
             return
         if self.mode:
             if ch == self.mode:
                 self.mode = ""
-                self._complete(quoted=True)
+                self._complete(quoted=True, follow="")
             else:
                 self.word += ch.lower()
                 if self.dot_q is not None:
                     self._column(self.dot_q, self.word, final=False)
             return
         if ch in _ID or (ch == "." and self.word[:1].isdigit()):
+            if not self.word:
+                self.pool = None if ch.isdigit() else self.word_pool()
             self.word += ch.lower()
             if self.dot_q is not None and ch != ".":
                 self._column(self.dot_q, self.word, final=False)
+            elif self.pool is not None and not self.pool.admits(self.word):
+                raise _Veto(f"{self.word} can only go on as an unbound name")
             return
         if self.word:
-            self._complete(quoted=False)
-        if ch.isspace():
+            self._complete(quoted=False, follow=ch)
+        if ch.isspace():  # (the grammar puts no whitespace before a qualifier's ".": `.5` is a number)
+            self.last = None
             return
         if self.fenced and ch == "`" and prev == "\n":
             self.end()
             self.done = True
             return
         last, self.last = self.last, None
+        self.at = ch
         if self.stack[-1].fresh and ch != "(":
             self.stack[-1].fresh = False
         if ch == ".":
@@ -263,26 +354,31 @@ class SQLScope:
             if closed.source:
                 f = self._scope()
                 f.source_name, f.expect = None, "after_source"
+                f.declared[""] = DERIVED  # its columns are in scope even without an alias
         elif ch == "," and self.stack[-1] is self._scope() and self._scope().phase == "from":
             self._scope().expect = "source"
         elif ch == ";":
             self.end()
 
-    def _complete(self, quoted: bool) -> None:
+    def _complete(self, quoted: bool, follow: str) -> None:
         w, self.word = self.word, ""
+        pool, self.pool = self.pool, None
         if w[:1].isdigit():
-            self.last = None
+            self.last, self.at = None, ""
             return
-        self._word(w, quoted)
+        if pool is not None and follow != "." and w not in pool.ends:
+            raise _Veto(f"{w} is not a column, alias or function here")
+        self._word(w, quoted, follow)
 
 
 _QUAL_HEAD = re.compile(r"^[ \t\r\n]*([A-Za-z0-9_]*)\.$")
 _HOT_CHARS = frozenset(".);'\"`[]")
+_SAFE_HEAD = frozenset(" \t\r\n=<>!+-*/%|(")  # a head of these changes no scope: only where a word starts
 # Words whose completion can end a FROM clause or a scope (the others cannot veto, except aliases).
 _RELEVANT = _CLAUSE_END | {"select"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _TokenTable:
     """Per-tokenizer arrays that let `filter` simulate only the tokens that can veto."""
 
@@ -297,23 +393,46 @@ class _TokenTable:
     inners: dict[str, np.ndarray]  # a word that starts and ends inside the token's head -> ids
     qual: np.ndarray  # [V] int: >= 0 where the head is `<whitespace><identifier>.` (a qualifier)
     quals: dict[str, np.ndarray]  # that identifier, lower case -> ids
+    idents: dict[str, np.ndarray]  # lower-case text of identifier-only tokens -> ids
+    tails: dict[str, np.ndarray]  # lower-case identifier after the last non-identifier byte -> ids
+    tailed: np.ndarray  # [V] bool: holds a non-identifier byte and identifier bytes after the last one
+    tail_at: np.ndarray  # [V] uint8: its head's last non-whitespace byte (0: none, 1: an identifier byte)
+    safe: np.ndarray  # [V] bool: its head holds only whitespace and "=<>!+-*/%|(" (_SAFE_HEAD)
+    safe_comma: np.ndarray  # [V] bool: those and ","
+    lead_empty: np.ndarray  # [V] bool: starts with a non-identifier byte
+    first_dot: np.ndarray  # [V] bool: its first non-identifier byte is "."
+    digit_start: np.ndarray  # [V] bool: starts with a digit (a number, where a word would start)
+    digit_tail: np.ndarray  # [V] bool: the identifier after its last non-identifier byte starts with a digit
 
 
 @functools.lru_cache(maxsize=8)
 def _token_table(tokenizer: TokenizerInfo) -> _TokenTable:
-    texts, index, leads, inners, quals = [], {}, {}, {}, {}
+    texts, index, leads, inners, quals, idents, tails = [], {}, {}, {}, {}, {}, {}
     n = tokenizer.vocab_size
-    delim, dots, hot = (np.zeros(n, dtype=bool) for _ in range(3))
+    delim, dots, hot, tailed, lead_empty, first_dot, digit_start, digit_tail = (
+        np.zeros(n, dtype=bool) for _ in range(8))
+    tail_at = np.zeros(n, dtype=np.uint8)
+    safe, safe_comma = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
     qual = np.full(n, -1, dtype=np.int64)
     head = np.zeros(n, dtype=np.int64)
     for i, b in enumerate(tokenizer.token_bytes[:n]):
         t = (b or b"").decode("latin-1")
         texts.append(t)
+        digit_start[i] = t[:1].isdigit()
         cuts = [k for k, ch in enumerate(t) if ch not in _ID]
         if not cuts:
+            if t:
+                idents.setdefault(t.lower(), []).append(i)
             continue
         h = t[: cuts[-1] + 1]
         delim[i], dots[i] = True, "." in t
+        lead_empty[i], first_dot[i] = cuts[0] == 0, t[cuts[0]] == "."
+        if tail := t[len(h):].lower():
+            tailed[i], digit_tail[i] = True, tail[0].isdigit()
+            body = h.rstrip(" \t\r\n")
+            tail_at[i] = 0 if not body else 1 if body[-1] in _ID else ord(body[-1])
+            safe[i], safe_comma[i] = set(h) <= _SAFE_HEAD, set(h) <= _SAFE_HEAD | {","}
+            tails.setdefault(tail, []).append(i)
         words = [t[a + 1:c].lower() for a, c in zip(cuts, cuts[1:], strict=False) if c > a + 1]
         for w in words:
             inners.setdefault(w, []).append(i)
@@ -323,17 +442,81 @@ def _token_table(tokenizer: TokenizerInfo) -> _TokenTable:
         if (m := _QUAL_HEAD.match(h)) and "." not in t[len(h):]:
             qual[i] = 1
             quals.setdefault(m.group(1).lower(), []).append(i)
-    return _TokenTable(texts, [t.lower() for t in texts], delim, dots, hot, head, list(index),
-                       {k: np.array(v, dtype=np.int64) for k, v in leads.items()},
-                       {k: np.array(v, dtype=np.int64) for k, v in inners.items()}, qual,
-                       {k: np.array(v, dtype=np.int64) for k, v in quals.items()})
+    def arrays(d: dict[str, list[int]]) -> dict[str, np.ndarray]:
+        return {k: np.array(v, dtype=np.int64) for k, v in d.items()}
+
+    return _TokenTable(texts, [t.lower() for t in texts], delim, dots, hot, head, list(index), arrays(leads),
+                       arrays(inners), qual, arrays(quals), arrays(idents), arrays(tails), tailed, tail_at,
+                       safe, safe_comma, lead_empty, first_dot, digit_start, digit_tail)
+
+
+@functools.lru_cache(maxsize=64)
+def _tail_checks(tt: _TokenTable, before_operand: frozenset[str]) -> np.ndarray:
+    """[V] bool: tokens whose identifier after the last non-identifier byte may start a checked word
+    (the head ends in punctuation that may precede an operand, or in a word or whitespace)."""
+    codes = [0, 1] + [ord(c) for c in before_operand if len(c) == 1]
+    return tt.tailed & np.isin(tt.tail_at, np.array(codes, dtype=np.uint8))
+
+
+@functools.lru_cache(maxsize=64)
+def _tail_classes(tt: _TokenTable, before_operand: frozenset[str], after: frozenset[str]) -> dict[str, np.ndarray]:
+    """Tokens with an identifier after their head, by the punctuation before it ("" for whitespace),
+    one class per pool: the bytes with words of their own (in `after`), and one for the rest."""
+    own = sorted(c for c in after if len(c) == 1 and c in before_operand)
+    rest = sorted(c for c in before_operand if len(c) == 1 and c not in own)
+    classes = {"": tt.tailed & (tt.tail_at == 0)}
+    classes |= {c: tt.tailed & (tt.tail_at == ord(c)) for c in own}
+    if rest:
+        classes[rest[0]] = tt.tailed & np.isin(tt.tail_at, np.array([ord(c) for c in rest], dtype=np.uint8))
+    return classes
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+def _word_ids(tt: _TokenTable, pool: WordPool, word: str) -> np.ndarray:
+    """Tokens that keep `word` a prefix of a word of `pool`: identifier-only ones that extend it, and
+    ones whose leading identifier completes it (before a "." only as a qualifier)."""
+    n, ids = len(word), []
+    pieces = {a[n:k] for a in pool.words if a.startswith(word) for k in range(n + 1, len(a) + 1)}
+    ids += [x for p in pieces if (x := tt.idents.get(p)) is not None]
+    for a in pool.words:
+        if len(a) > n and a.startswith(word) and (x := tt.leads.get(a[n:])) is not None:
+            ids.append(x if a in pool.ends else x[tt.first_dot[x]])
+    return np.concatenate(ids) if ids else _NONE
+
+
+@functools.lru_cache(maxsize=64)
+def _word_mask(tt: _TokenTable, pool: WordPool, word: str) -> np.ndarray:
+    """[V] bool: the tokens that keep `word` (being written where `pool` applies) within it."""
+    ok = np.zeros(len(tt.texts), dtype=bool)
+    ok[_word_ids(tt, pool, word)] = True
+    if not word:  # a token that starts with a delimiter or a digit starts no word
+        ok |= tt.lead_empty | tt.digit_start
+    elif word in pool.ends:  # ended by the token's first byte
+        ok |= tt.lead_empty
+    else:  # only as a qualifier
+        ok |= tt.lead_empty & tt.first_dot
+    return ok
+
+
+@functools.lru_cache(maxsize=64)
+def _tail_mask(tt: _TokenTable, pool: WordPool) -> np.ndarray:
+    """[V] bool: tokens whose identifier after their last non-identifier byte starts a word of
+    `pool` (or a number)."""
+    ok = tt.digit_tail.copy()
+    pieces = {a[:k] for a in pool.words for k in range(1, len(a) + 1)}
+    if ids := [x for p in pieces if (x := tt.tails.get(p)) is not None]:
+        ok[np.concatenate(ids)] = True
+    return ok
 
 
 class SQLScopeGuard:
     """Per-sequence guard: `consume` each generated token, `filter` each mask row, `allows_end`."""
 
-    def __init__(self, tables: dict[str, frozenset[str]], tokenizer: TokenizerInfo, fenced: bool) -> None:
-        self.scope = SQLScope(tables, fenced)
+    def __init__(self, tables: dict[str, frozenset[str]], tokenizer: TokenizerInfo, fenced: bool,
+                 words: SQLWords | None = None) -> None:
+        self.scope = SQLScope(tables, fenced, words)
         self.table = _token_table(tokenizer)
 
     @classmethod
@@ -344,7 +527,10 @@ class SQLScopeGuard:
             return None
         line = grammar[at + len(SCHEMA_COMMENT):].split("\n", 1)[0]
         tables = {t.lower(): frozenset(c.lower() for c in cols) for t, cols in json.loads(line).items()}
-        return cls(tables, tokenizer, fenced='"\\n```"' in grammar)
+        at = grammar.find(WORDS_COMMENT)
+        words = (SQLWords.from_json(json.loads(grammar[at + len(WORDS_COMMENT):].split("\n", 1)[0]))
+                 if at >= 0 else None)
+        return cls(tables, tokenizer, fenced='"\\n```"' in grammar, words=words)
 
     def _text(self, token: int) -> str:
         return self.table.texts[token] if token < len(self.table.texts) else ""
@@ -371,44 +557,54 @@ class SQLScopeGuard:
         return self.allows([], final=True)
 
     def filter(self, out: np.ndarray) -> None:
-        """Clear, in mask row `out` (uint32 words), the tokens that would leave a qualifier unbound.
+        """Clear, in mask row `out` (uint32 words), the tokens that would leave a qualifier unbound
+        (or start a word that could only go on as one).
 
         Only tokens that can veto are simulated. While a column name is written: identifier-only
         tokens by a prefix test, the others one by one. Otherwise, with nothing pending: tokens with
         a "."; with qualifiers pending: tokens whose text holds . ) ; or a quote, or completes a word
         that ends a clause or names a pending qualifier (or the word being written, in a FROM
-        clause); grouped by their text up to the last non-identifier byte (the tail cannot veto)."""
+        clause); grouped by their text up to the last non-identifier byte. Where words are checked
+        (SQLScope.word_pool), a prefix test rules on the word being written (identifier-only tokens
+        and the leading identifier of the others), and after a simulated head the identifier that
+        follows it is tested the same way."""
         s, tt = self.scope, self.table
         bits = np.unpackbits(out.view(np.uint8), bitorder="little")[: len(tt.texts)].astype(bool)
-        veto: list[int] = []
+        drop = np.zeros(len(out) * 32, dtype=bool)  # the vetoed tokens
         keep = bits & tt.delim
         if s.dot_q is not None:  # identifier-only tokens extend the column name: a prefix test
             columns = s.columns_for(s.dot_q)
             if columns:
                 prefixes = {c[:k] for c in columns for k in range(len(c) + 1)}
-                veto = [t for t in np.flatnonzero(bits & ~tt.delim).tolist() if s.word + tt.lower[t] not in prefixes]
+                drop[[t for t in np.flatnonzero(bits & ~tt.delim).tolist() if s.word + tt.lower[t] not in prefixes]] = True
                 ends = np.zeros(len(tt.texts), dtype=bool)  # tokens whose leading identifier ends a column
                 for c in columns:
                     if c.startswith(s.word) and (ids := tt.leads.get(c[len(s.word):])) is not None:
                         ends[ids] = True
-                veto += np.flatnonzero(keep & ~ends).tolist()
+                drop[: len(keep)] |= keep & ~ends
                 keep &= ends
         else:
+            if (pool := s.pool if s.word else s.word_pool()) is not None:
+                ok = _word_mask(tt, pool, s.word)
+                drop[: len(bits)] |= bits & ~ok
+                keep &= ok
             pending = {q for f in s.stack if f.scope for q in f.pending}
             if not pending:
-                keep &= tt.dots
+                sim = tt.dots.copy()
             else:
-                rel = tt.hot.copy()
+                sim = tt.hot.copy()
                 for w in pending:
                     if (ids := tt.inners.get(w)) is not None:
-                        rel[ids] = True
+                        sim[ids] = True
                 in_from = any(f.scope and f.phase == "from" for f in s.stack)
                 for w in _RELEVANT | pending | ({s.word} if in_from else set()):
                     if w.startswith(s.word) and (ids := tt.leads.get(w[len(s.word):])) is not None:
-                        rel[ids] = True
-                keep &= rel
+                        sim[ids] = True
+            if s.words is not None and not s.mode:  # the identifier after the head may start a checked word
+                drop[self._safe_tails(np.flatnonzero(keep & _tail_checks(tt, s.words.before_operand)), sim)] = True
+            keep &= sim
         cands = np.flatnonzero(keep)
-        veto += self._qualifier_heads(cands, tt.qual[cands] >= 0)
+        drop[self._qualifier_heads(cands, tt.qual[cands] >= 0)] = True
         cands = cands[tt.qual[cands] < 0]
         heads = tt.head[cands]
         order = np.argsort(heads, kind="stable")
@@ -420,12 +616,43 @@ class SQLScopeGuard:
             try:
                 state.feed(tt.heads[h])
             except _Veto:
-                veto += members.tolist()
+                drop[members] = True
                 continue
             if state.dot_q is not None:  # the identifier tail starts a column name: check each
-                veto += [t for t in members.tolist() if not self.allows([t], final=False)]
-        for t in veto:
-            out[t >> 5] &= ~np.uint32(1 << (t & 31))
+                drop[[t for t in members.tolist() if not self.allows([t], final=False)]] = True
+            elif (tailed := members[tt.tailed[members]]).size and not state.word \
+                    and (pool := state.word_pool()) is not None:
+                drop[tailed[~_tail_mask(tt, pool)[tailed]]] = True
+        out &= ~np.packbits(drop, bitorder="little").view(np.uint32)
+
+    def _safe_tails(self, checks: np.ndarray, sim: np.ndarray) -> np.ndarray:
+        """Vetoes among tokens (ids `checks`) with an identifier after their head, without simulating
+        the heads that change nothing but where a word starts (_SAFE_HEAD), by the byte before that
+        identifier (classes with one pool each); sets the other tokens in `sim`."""
+        s, tt = self.scope, self.table
+        veto = [_NONE]
+        if not checks.size:
+            return _NONE
+        base = s
+        if s.word:  # the token's first byte ends the word being written (as whitespace would)
+            base = s.clone()
+            try:
+                base.feed(" ")
+            except _Veto:  # those tokens are vetoed by the word check already
+                base = None
+        if base is not None:
+            f = base._scope()
+            comma = not (f.phase == "from" and base.stack[-1] is f)  # "," there starts a new source
+            is_fast = (tt.safe_comma if comma else tt.safe)[checks]
+            fast, checks = checks[is_fast], checks[~is_fast]
+            classes = _tail_classes(tt, s.words.before_operand, frozenset(s.words.after))
+            if base.word_pool(next(iter(classes.keys() - {""}), "")) is not None:  # else no class has one
+                for at, members in classes.items():
+                    if (pool := base.word_pool(at or base.at)) is not None:
+                        m = fast[members[fast]]
+                        veto.append(m[~_tail_mask(tt, pool)[m]])
+        sim[checks] = True
+        return np.concatenate(veto)
 
     def _qualifier_heads(self, cands: np.ndarray, is_qual: np.ndarray) -> list[int]:
         """Vetoes among tokens whose head is `<whitespace><identifier>.` (thousands where any name
@@ -446,6 +673,8 @@ class SQLScopeGuard:
                 except _Veto:
                     veto += group.tolist()
                     continue
+            if state.mode:
+                continue  # inside a string or a quoted name
             if any(f.scope and f.phase in ("start", "select") for f in state.stack):
                 continue  # any name may be bound later (its columns are checked as they are written)
             prefix = "" if after_space else state.word
@@ -453,6 +682,8 @@ class SQLScopeGuard:
                 continue  # a number's decimal point
             bound = {q for f in state.stack if f.scope for q in f.declared} | state.ctes
             ok = np.zeros(len(tt.texts), dtype=bool)
+            if not prefix:  # a "." after no word: a number's decimal point (`.5`)
+                ok[tt.quals.get("", _NONE)] = True
             for b in bound:
                 if b.startswith(prefix) and (ids := tt.quals.get(b[len(prefix):])) is not None:
                     ok[ids] = True
