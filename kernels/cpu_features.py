@@ -55,8 +55,8 @@ def select_variant(features: CpuFeatures) -> str:
     """Kernel variant for these features: "avx512" (the AVX2 build plus AVX-512 VNNI vpdpbusd for the
     W4A8 dot products and 32 vector registers), "avx2" (AVX2 + FMA + F16C, x86-64) or "generic".
 
-    All three give bitwise the same results. On the 2-vCPU Intel Xeon (AVX-512 VNNI) it was measured on, avx512 decodes
-    ~10% and prefills ~15% faster than avx2 (reference model, int4 experts, 1 thread).
+    All three give bitwise the same results. On the 2-vCPU Intel Xeon (AVX-512 VNNI) it was measured on,
+    avx512 decodes ~10% and prefills ~15% faster than avx2 (reference model, int4 experts, 1 thread).
     """
     if not _avx2_baseline(features):
         return "generic"
