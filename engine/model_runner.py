@@ -99,8 +99,12 @@ class ModelRunner:
         hidden = self.model(batch, self.kv_caches)  # [T, H]
         if batch.logits_rows.numel() == 0:
             return torch.empty(0, self.model.config.vocab_size)
-        if self.device.type == "cpu" and torch.get_num_threads() != self.max_threads:
-            torch.set_num_threads(self.max_threads)  # lm_head streams [V, H]: worth every core
+        if (self.device.type == "cpu" and torch.get_num_threads() != self.max_threads
+                and self.model.logits_on_torch(batch.exact)):
+            # a torch lm_head streams [V, H]: worth every core. A compiled one has its own pool; raising
+            # torch's here left its OpenMP workers spinning through the next decode step on the same cores
+            # as the kernel (17% of decode samples on 2 cores).
+            torch.set_num_threads(self.max_threads)
         return self.model.compute_logits(hidden[batch.logits_rows], exact=batch.exact).cpu()
 
     def shutdown(self) -> None:

@@ -83,6 +83,10 @@ class MoeForCausalLM(nn.Module):
         return (self.fused_layers is not None and not batch.exact and batch.defer == 0 and x.device.type == "cpu"
                 and x.dtype == torch.float32 and batch.num_tokens <= SMALL_BATCH_TOKENS)
 
+    def logits_on_torch(self, exact: bool = False) -> bool:
+        """Whether compute_logits runs torch ops (worth torch's threads) rather than the compiled kernel's pool."""
+        return exact or self.fast_lm_head is None or self.fast_lm_head.packed is None
+
     def compute_logits(self, hidden: torch.Tensor, exact: bool = False) -> torch.Tensor:
         """hidden [S, H] -> fp32 logits [S, V]: execution may use a higher-precision lm_head, exploration
         a cheaper one (decode streams the whole [V, H] matrix once per step)."""
@@ -110,6 +114,7 @@ class QuantizedLMHead:
             from kernels.linear import PackedLinear
 
             self.packed = PackedLinear.pack(weight, fmt)
+            self.num_threads = torch.get_num_threads()  # the kernel's own pool: torch's may be at 1 in decode
             return
         if fmt == "int4":
             raise ValueError("an int4 lm_head runs on the CPU kernel only; use bf16 or int8 on CUDA")
@@ -130,7 +135,7 @@ class QuantizedLMHead:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> fp32 logits [S, V]."""
         if self.packed is not None:
-            return self.packed(hidden)
+            return self.packed(hidden, num_threads=self.num_threads)
         x = hidden.bfloat16()
         if self.fmt == "bf16":
             return torch.nn.functional.linear(x, self.weight).float()
