@@ -220,3 +220,25 @@ def test_fused_decode_matches_the_torch_fast_path(hf_checkpoint, arch):
         assert torch.isfinite(b[:, finite]).all()
         err = (a[:, finite] - b[:, finite]).abs().max().item()
         assert err <= 1e-4 * a[:, finite].abs().max().item() + 1e-5, err
+
+
+def test_decode_with_a_kernel_lm_head_keeps_torch_single_threaded(ckpt, monkeypatch):
+    """A decode step whose lm_head is the compiled kernel must not raise torch's thread count: torch's
+    OpenMP workers would then spin on the cores the kernel's own pool is using."""
+    prompt = _prompts(1, 24)[0][:8]
+    calls = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), real(n))[1])
+    before = torch.get_num_threads()
+    try:
+        real(2)
+        llm = _llm(ckpt, fast_dense="int8", fast_lm_head="int4")
+        llm.engine.runner.max_threads = 2
+        calls.clear()
+        _run(llm, [("r", prompt, SamplingParams(max_tokens=6, ignore_eos=True), "exploration")])
+        assert calls and set(calls) == {1}  # dropped to 1 for the small forwards, never raised back
+        calls.clear()
+        _run(llm, [("e", prompt, SamplingParams(max_tokens=3, ignore_eos=True), "execution")])
+        assert 2 in calls  # an execution lm_head runs on torch: worth every core
+    finally:
+        real(before)
