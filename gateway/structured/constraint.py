@@ -11,7 +11,7 @@ import torch
 from .base import CompiledConstraint, ConstraintKind
 from .bitmask import apply_bitmask_, bitmask_words, ids_to_row
 from .closing import completion_hints, shortest_completion
-from .sql_scope import SQLScopeGuard
+from .sql_guard import SQLScopeGuard
 from .vocab import TokenizerInfo
 
 # Tokens that close an open construct, by preference tier (bytes allowed, required first byte);
@@ -82,7 +82,7 @@ class Constraint:
         self.closing_margin = closing_margin
         # The engine batches this row's mask through it (engine.sampling_params.MaskProcessor).
         self.mask_batcher = mask_batcher
-        # SQL: binds aliases and table qualifiers to FROM while decoding (see sql_scope.py)
+        # SQL: binds aliases and table qualifiers to FROM while decoding (sql_scope.py tracks scopes, sql_guard.py filters tokens)
         self.guard_fallbacks = 0  # steps where the guard vetoed every token and was bypassed
         self.guard = (SQLScopeGuard.from_grammar(compiled.spec.source, tok)
                       if compiled.spec.kind is ConstraintKind.SQL else None)

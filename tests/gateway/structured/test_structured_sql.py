@@ -160,7 +160,7 @@ def test_allowed_tables_narrow_grammar_and_validator(tokinfo):
 
 def test_alias_guard_binds_qualifiers(tokinfo):
     """A qualifier must be declared by FROM (before or after its use), with a table that has its column."""
-    from gateway.structured.sql_scope import SQLScopeGuard
+    from gateway.structured.sql_guard import SQLScopeGuard
 
     grammar = sql_spec(DB).source
     ok = ["SELECT T1.id FROM trades AS T1", "SELECT trades.id FROM trades",

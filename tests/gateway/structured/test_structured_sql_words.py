@@ -13,8 +13,8 @@ from gateway.structured.bitmask import bitmask_words
 from gateway.structured.cache import ConstraintCache
 from gateway.structured.constraint import Constraint
 from gateway.structured.sql_grammar import sql_spec
+from gateway.structured.sql_guard import SQLScopeGuard
 from gateway.structured.sql_schema import DatabaseSchema
-from gateway.structured.sql_scope import SQLScopeGuard
 from gateway.structured.sql_validate import check_sql
 
 DB = DatabaseSchema.from_mapping({
