@@ -1,6 +1,17 @@
 """moegate's embedded hybrid MoE inference engine."""
 
-from engine.sampling_params import SamplingParams
+import os
+
+# torch's OpenMP workers keep spinning after each parallel region (libgomp's GOMP_SPINCOUNT, 300000 by
+# default), on the cores the expert kernel's own pool uses between torch ops: prefill on 2 cores measured
+# 705 -> 825 tok/s with 30000. libgomp reads it once, when torch loads, so it only applies where `engine`
+# is imported before torch (the moegate CLI, `from engine import LLM` first); an explicit setting wins.
+OPENMP_ENV = {"GOMP_SPINCOUNT": "30000"}
+USER_OPENMP_ENV = {key: os.environ.get(key) for key in OPENMP_ENV}  # as found (benchmarks restore it)
+for _key, _value in OPENMP_ENV.items():
+    os.environ.setdefault(_key, _value)
+
+from engine.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "AsyncLLM", "EngineConfig", "RequestOutput", "SamplingParams"]
 

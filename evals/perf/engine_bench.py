@@ -158,8 +158,19 @@ def main(argv: list[str] | None = None) -> dict:
             plan.append((name, _llama_cpp, (gguf, prompt, args.decode, threads), {}))
     # Each run in a fresh process: a run must not inherit the previous one's heap, thread pools or page
     # cache state (in one process a third engine decoded ~40% slower than the same engine run first).
+    # moegate's runs get the OpenMP settings `import engine` makes before torch loads (engine.OPENMP_ENV);
+    # the baselines run with the environment as it was.
+    from engine import OPENMP_ENV, USER_OPENMP_ENV
+
     spawn = multiprocessing.get_context("spawn")
     for name, fn, fargs, fkw in tqdm(plan, desc="engine bench"):
+        for key, value in OPENMP_ENV.items():
+            if fn is _moegate:
+                os.environ[key] = USER_OPENMP_ENV[key] or value
+            elif USER_OPENMP_ENV[key] is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = USER_OPENMP_ENV[key]
         try:
             with spawn.Pool(1) as pool:
                 runs[name] = pool.apply(fn, fargs, fkw)
