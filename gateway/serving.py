@@ -48,7 +48,7 @@ class Job:
     audit_input: str
     fences: SegmentFences | None = None
     shape: Callable[..., dict] | None = None  # (id, created, results) -> response body
-    chunker: Any = None  # streaming chunk builder
+    chunker: type[Chunker] | None = None  # streaming chunk builder (a Chunker subclass)
     extra: dict = field(default_factory=dict)  # more audit metadata (the OpenAI `user`)
 
 
@@ -284,6 +284,25 @@ async def _run_until_disconnect(request: Request, ctx: _Ctx) -> list:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+def usage_of(prompt: int, completion: int) -> dict:
+    """The OpenAI `usage` object."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class Chunker:
+    """Base of a route's SSE chunk builder (`Job.chunker`): the fields every chunk of one streamed choice
+    carries, and the closing usage chunk. Subclasses name `object` and build start/text/tool_call/finish."""
+
+    object = ""
+
+    def __init__(self, rid: str, created: int, model: str, fingerprint: str):
+        self.base = {"id": rid, "object": self.object, "created": created, "model": model,
+                     "system_fingerprint": fingerprint}
+
+    def usage(self, prompt: int, completion: int) -> dict:
+        return {**self.base, "choices": [], "usage": usage_of(prompt, completion)}
 
 
 def sse(obj: dict | str) -> bytes:

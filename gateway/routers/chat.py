@@ -13,7 +13,7 @@ from gateway.errors import bad_request
 from gateway.generation import Finished, SegmentFences, ToolCall
 from gateway.plan import chat_plan, dumps_args, policy_error, sql_target
 from gateway.schemas import ChatCompletion, ChatCompletionRequest, ErrorBody, Message, new_id
-from gateway.serving import Job, budget, resolve_policy, serve
+from gateway.serving import Chunker, Job, budget, resolve_policy, serve, usage_of
 from policies.resolve import PolicyDenied
 
 ROUTE = "/v1/chat/completions"
@@ -61,17 +61,14 @@ def shape(rid: str, created: int, results: list[tuple[str, list[ToolCall], Finis
     ext = {"choices": [{"decisions": [d.to_dict() for d in f.decisions], "validations": f.validations,
                         "retries": f.retries} for _, _, f in results]}
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                      "total_tokens": prompt_tokens + completion},
+            "usage": usage_of(prompt_tokens, completion),
             "system_fingerprint": fingerprint, "moegate": ext}
 
 
-class ChatChunker:
+class ChatChunker(Chunker):
     """SSE chunks of one streamed choice (`chat.completion.chunk`)."""
 
-    def __init__(self, rid: str, created: int, model: str, fingerprint: str):
-        self.base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "system_fingerprint": fingerprint}
+    object = "chat.completion.chunk"
 
     def _chunk(self, delta: dict, finish: str | None = None, **extra) -> dict:
         return {**self.base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
@@ -93,9 +90,6 @@ class ChatChunker:
                "retries": fin.retries}
         return self._chunk({}, fin.reason, moegate=ext)
 
-    def usage(self, prompt: int, completion: int) -> dict:
-        return {**self.base, "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                                                      "total_tokens": prompt + completion}}
 
 
 @router.post(ROUTE, response_model=ChatCompletion, responses=_ERRORS)

@@ -9,7 +9,7 @@ from gateway.errors import bad_request
 from gateway.generation import Finished, ToolCall
 from gateway.plan import completion_plan
 from gateway.schemas import Completion, CompletionRequest, ErrorBody, new_id
-from gateway.serving import Job, budget, resolve_policy, serve
+from gateway.serving import Chunker, Job, budget, resolve_policy, serve, usage_of
 
 ROUTE = "/v1/completions"
 router = APIRouter()
@@ -22,16 +22,13 @@ def shape(rid: str, created: int, results: list[tuple[str, list[ToolCall], Finis
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": i, "text": text, "finish_reason": fin.reason, "logprobs": None}
                         for i, (text, _, fin) in enumerate(results)],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                      "total_tokens": prompt_tokens + completion},
+            "usage": usage_of(prompt_tokens, completion),
             "system_fingerprint": fingerprint,
             "moegate": {"choices": [{"decisions": [d.to_dict() for d in f.decisions]} for _, _, f in results]}}
 
 
-class CompletionChunker:
-    def __init__(self, rid: str, created: int, model: str, fingerprint: str):
-        self.base = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                     "system_fingerprint": fingerprint}
+class CompletionChunker(Chunker):
+    object = "text_completion"
 
     def _chunk(self, text: str, finish: str | None = None) -> dict:
         return {**self.base, "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
@@ -48,9 +45,6 @@ class CompletionChunker:
     def finish(self, fin: Finished) -> dict:
         return self._chunk("", fin.reason)
 
-    def usage(self, prompt: int, completion: int) -> dict:
-        return {**self.base, "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                                                      "total_tokens": prompt + completion}}
 
 
 @router.post(ROUTE, response_model=Completion, responses=_ERRORS)
