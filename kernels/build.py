@@ -8,6 +8,7 @@ build or missing compiler returns None and the caller falls back to the torch re
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -85,7 +86,13 @@ def build(variant: str) -> Path:
     return out
 
 
-_FALLBACK = {"avx512": "avx2"}  # a variant whose build fails -> the next one to try (same results)
+_FALLBACK = {"avx512": "avx2"}  # a variant whose build fails -> the one to use instead (same results)
+
+
+def _open(variant: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build(variant)))
+    _declare(lib)
+    return lib
 
 
 def load(variant: str) -> ctypes.CDLL | None:
@@ -97,21 +104,14 @@ def load(variant: str) -> ctypes.CDLL | None:
             return _loaded[variant]
         lib: ctypes.CDLL | None = None
         try:
-            lib = ctypes.CDLL(str(build(variant)))
-            _declare(lib)
+            lib = _open(variant)
         except (KernelBuildError, OSError) as exc:
-            lib, tried = None, variant
-            while lib is None and tried in _FALLBACK:
-                tried = _FALLBACK[tried]
-                try:
-                    lib = ctypes.CDLL(str(build(tried)))
-                    _declare(lib)
-                except (KernelBuildError, OSError):
-                    lib = None
-            if lib is None:
-                log.warning("moegate CPU MoE kernel (%s) unavailable, using the torch reference: %s", variant, exc)
-            else:
-                log.warning("moegate CPU MoE kernel (%s) unavailable, using the %s build: %s", variant, tried, exc)
+            fallback = _FALLBACK.get(variant)
+            if fallback is not None:
+                with contextlib.suppress(KernelBuildError, OSError):
+                    lib = _open(fallback)
+            instead = "the torch reference" if lib is None else f"the {fallback} build"
+            log.warning("moegate CPU MoE kernel (%s) unavailable, using %s: %s", variant, instead, exc)
         _loaded[variant] = lib
         return lib
 

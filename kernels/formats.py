@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from kernels.hugepages import hugepage_copy
+from kernels.hugepages import to_hugepages
 
 LAYOUT_VERSION = 2
 FORMATS = ("fp32", "bf16", "int8", "int4", "int4_asym")
@@ -139,8 +139,7 @@ class PackedExperts:
     tensors: dict[str, torch.Tensor] = field(repr=False)
 
     def __post_init__(self) -> None:  # CPU weights the kernel streams: in huge pages (kernels/hugepages.py)
-        for name, t in self.tensors.items():
-            self.tensors[name] = hugepage_copy(t)
+        to_hugepages(self.tensors)
 
     @property
     def num_experts(self) -> int:

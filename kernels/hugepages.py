@@ -7,6 +7,7 @@ no-op); elsewhere, for tensors under 2 MiB and with ``MOEGATE_HUGEPAGES=0``, the
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -21,14 +22,19 @@ def hugepage_copy(t: torch.Tensor) -> torch.Tensor:
     (the tensor keeps the mapping alive), or ``t`` itself where that does not apply."""
     nbytes = t.numel() * t.element_size()
     if (t.device.type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE")
-            or os.environ.get("MOEGATE_HUGEPAGES", "1") == "0"):
+            or os.environ.get("MOEGATE_HUGEPAGES", "1") == "0"
+            or (t.is_contiguous() and t.data_ptr() % HUGE_PAGE == 0)):  # already in such a mapping: no copy
         return t
     # private anonymous memory: a shared one (mmap's default) is shmem, which THP leaves alone
     buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     offset = (-ctypes.addressof(ctypes.c_char.from_buffer(buf))) % HUGE_PAGE
-    try:
+    with contextlib.suppress(OSError):  # THP disabled in this kernel: plain pages, same data
         buf.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
-    except OSError:  # THP disabled in this kernel: plain pages, same data
-        pass
     out = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
     return out.view(t.dtype).view(t.shape).copy_(t)
+
+
+def to_hugepages(tensors: dict[str, torch.Tensor]) -> None:
+    """Replace, in place, each tensor of a packed-weights dict by its `hugepage_copy`."""
+    for name, t in tensors.items():
+        tensors[name] = hugepage_copy(t)

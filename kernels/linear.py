@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.formats import DEFAULT_GROUP_SIZE, FORMAT_CODE, _pack_proj, _untile, check_format, is_quantized
-from kernels.hugepages import hugepage_copy
+from kernels.hugepages import to_hugepages
 from kernels.w4a8 import w4a8_tiles
 
 LINEAR_FORMATS = ("bf16", "int8", "int4", "int4_asym")
@@ -34,8 +34,7 @@ class PackedLinear:
     tensors: dict[str, torch.Tensor] = field(repr=False)  # weight [N8, Kp(/8), 1, 8(, 4)], scales, mins
 
     def __post_init__(self) -> None:  # CPU weights the kernel streams: in huge pages (kernels/hugepages.py)
-        for name, t in self.tensors.items():
-            self.tensors[name] = hugepage_copy(t)
+        to_hugepages(self.tensors)
 
     @classmethod
     def pack(cls, weight: torch.Tensor, fmt: str, group_size: int | None = None) -> PackedLinear:

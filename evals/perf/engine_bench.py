@@ -165,12 +165,11 @@ def main(argv: list[str] | None = None) -> dict:
     spawn = multiprocessing.get_context("spawn")
     for name, fn, fargs, fkw in tqdm(plan, desc="engine bench"):
         for key, value in OPENMP_ENV.items():
-            if fn is _moegate:
-                os.environ[key] = USER_OPENMP_ENV[key] or value
-            elif USER_OPENMP_ENV[key] is None:
+            chosen = (USER_OPENMP_ENV[key] or value) if fn is _moegate else USER_OPENMP_ENV[key]
+            if chosen is None:
                 os.environ.pop(key, None)
             else:
-                os.environ[key] = USER_OPENMP_ENV[key]
+                os.environ[key] = chosen
         try:
             with spawn.Pool(1) as pool:
                 runs[name] = pool.apply(fn, fargs, fkw)

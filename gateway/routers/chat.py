@@ -91,7 +91,6 @@ class ChatChunker(Chunker):
         return self._chunk({}, fin.reason, moegate=ext)
 
 
-
 @router.post(ROUTE, response_model=ChatCompletion, responses=_ERRORS)
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: State, tenant: TenantDep):
     """OpenAI chat completions; `response_format.type = "sql"` is moegate's SQL extension."""

@@ -46,7 +46,6 @@ class CompletionChunker(Chunker):
         return self._chunk("", fin.reason)
 
 
-
 @router.post(ROUTE, response_model=Completion, responses=_ERRORS)
 async def completions(body: CompletionRequest, request: Request, state: State, tenant: TenantDep):
     rp = resolve_policy(state, tenant, ROUTE, body.model)

@@ -21,6 +21,7 @@ def test_copy_is_equal_aligned_and_outlives_the_source() -> None:
     out = hugepage_copy(src)
     assert out.data_ptr() % HUGE_PAGE == 0 and out.dtype == src.dtype and out.shape == src.shape
     assert torch.equal(out, src) and out.data_ptr() != src.data_ptr()
+    assert hugepage_copy(out) is out  # already in such a mapping: re-wrapping packed weights copies nothing
     expected = src.clone()
     del src
     gc.collect()
