@@ -3,7 +3,8 @@
 Sections: constrained tool calls / JSON / SQL on held-out tasks (validity and semantic accuracy),
 execution-mode determinism, quantization error of each expert format vs bf16 (KL, top-1), routing skew
 per layer and what it means for `uniform` vs `frequency` hot-expert placement, deferral speed and
-drift (evals/perf/modes_bench.py), and the speed figures of the other benchmarks found under --out.
+drift (evals/perf/modes_bench.py), the gateway's constraints on JSONSchemaBench, Spider and BFCL
+(evals/structured, sampled), and the speed figures of the other benchmarks found under --out.
 """
 
 from __future__ import annotations
@@ -248,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
         ("routing", lambda: routing_skew(args.model, n, report_dir)),
         ("modes", lambda: modes_bench.main(["--model", args.model, "--out", str(report_dir)]
                                            + (["--quick"] if args.quick else []))),
+        ("constraints", lambda: constraint_suite(report_dir / "constraints", args.quick)),
     ]
     for name, fn in tqdm(steps, desc="moegate eval"):
         results[name] = fn()
@@ -260,6 +262,44 @@ def run(args: argparse.Namespace) -> int:
     (report_dir / "report.md").write_text(render_markdown(results))
     print(f"report written to {report_dir / 'report.md'}")
     return 0
+
+
+def constraint_suite(out_dir: Path, quick: bool) -> dict:
+    """The gateway's constraints on public benchmarks (evals/structured/run.py), on a spread sample.
+
+    JSONSchemaBench (schemas compiled, outputs valid), Spider dev gold queries (accepted by the SQL grammar and
+    scope guard, passing the sqlglot policy) and BFCL function-calling entries (tool-call grammar compiled,
+    outputs valid), all with the Qwen vocabulary and random logits: every token choice the grammar allows.
+    """
+    from evals.structured import run as suite
+
+    if not (suite.DATA / "jsonschemabench").is_dir():
+        return {"skipped": f"no benchmark data under {suite.DATA}"}
+    limits = ["--schemas-per-split", "10", "--gen-per-split", "5", "--sql-limit", "20", "--bfcl-limit", "5"] if quick \
+        else ["--schemas-per-split", "150", "--gen-per-split", "40", "--sql-limit", "300", "--bfcl-limit", "60"]
+    suite.main(["--out", str(out_dir), "--parts", "json,sql,bfcl", "--timed-generations", "5", *limits])
+    return json.loads((out_dir / "results.json").read_text())
+
+
+def _constraint_section(c: dict) -> list[str]:
+    lines = ["## Constraints on public benchmarks (evals/structured, sampled)\n"]
+    if "skipped" in c:
+        return lines + [f"Skipped: {c['skipped']}.\n"]
+    lines.append("Qwen vocabulary, random logits under the constraint (any token the grammar allows); the full "
+                 "runs are in `evals/structured/results/`.\n\n![constraints](constraints/results.png)\n")
+    lines.append("| JSONSchemaBench split | schemas | compiled | valid of generated |\n|---|---|---|---|")
+    for split, x in c["json_schema"].items():
+        lines.append(f"| {split} | {x['schemas']} | {x['compiled_pct']:.0f}% | "
+                     f"{x['valid']}/{x['generated']} |")
+    q = c["sql"]
+    lines.append(f"\nSpider dev gold SQL: {q['grammar_accepts']}/{q['queries']} accepted by the grammar, "
+                 f"{q['scope_guard_accepts']}/{q['queries']} by grammar and scope guard, "
+                 f"{q['sqlglot_policy_pass']}/{q['queries']} pass the sqlglot policy.\n")
+    lines.append("| BFCL set | entries | tool_choice | compiled | valid | with calls |\n|---|---|---|---|---|---|")
+    for name, b in c["bfcl"].items():
+        lines.append(f"| {name} | {b['entries']} | {b['tool_choice']} | {b['compiled']} | {b['valid']} | "
+                     f"{b['outputs_with_calls']} |")
+    return lines
 
 
 def render_markdown(r: dict) -> str:
@@ -291,6 +331,7 @@ def render_markdown(r: dict) -> str:
                      f"{x['top1_agreement']:.0%} |")
     lines.append(f"\nExecution mode decodes at {m['execution_decode_tok_s']:.1f} tok/s "
                  f"({m['execution_cost']:.2f}x the time per token of strict exploration).\n")
+    lines += _constraint_section(r["constraints"])
     for name in ("kernels/kernel_bench.json", "engine/engine_bench.json"):
         if name in r:
             lines.append(f"## {name}\n\n```json\n{json.dumps(r[name].get('ratios', r[name]), indent=1)[:3000]}\n```\n")

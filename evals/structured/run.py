@@ -97,10 +97,18 @@ def completion_length(compiled, tok: TokenizerInfo, max_tokens: int) -> int | No
     return None if path is None else len(path)
 
 
+def _sample(rows: list, n: int) -> list:
+    """`n` rows evenly spread over `rows` (0: all of them)."""
+    if not n or n >= len(rows):
+        return rows
+    return [rows[i * len(rows) // n] for i in range(n)]
+
+
 def eval_json(tok: TokenizerInfo, args) -> dict:
     out = {}
     for split in SPLITS:
         rows = [json.loads(line) for line in open(DATA / "jsonschemabench" / f"{split}.jsonl")]
+        rows = _sample(rows, args.schemas_per_split)
         errors: Counter = Counter()
         compiled, times = [], []
         for row in tqdm(rows, desc=f"compile {split}"):
@@ -160,6 +168,7 @@ def eval_outlines(tok: TokenizerInfo, args) -> dict:
     out = {}
     for split in SPLITS:
         rows = [json.loads(line) for line in open(DATA / "jsonschemabench" / f"{split}.jsonl")]
+        rows = _sample(rows, args.schemas_per_split)
         ok, errors = [], Counter()
         for row in rows:
             try:
@@ -247,7 +256,7 @@ def scope_vetoes(compiled, ids: list[int]) -> str | None:
 
 def eval_sql(tok: TokenizerInfo, args) -> dict:
     tables = {t["db_id"]: t for t in json.load(open(DATA / "sql" / "spider_tables.json"))}
-    dev = json.load(open(DATA / "sql" / "spider_dev.json"))
+    dev = _sample(json.load(open(DATA / "sql" / "spider_dev.json")), args.sql_limit)
     compiled, compile_s = {}, []
     accepted = policy_ok = guard_ok = 0
     rejected, policy_fail, guard_vetoes = [], Counter(), []
@@ -306,7 +315,7 @@ def eval_bfcl(tok: TokenizerInfo, args) -> dict:
         # irrelevance: no tool fits the question, so the call is optional (tool_choice auto)
         choice = "auto" if name == "irrelevance" else "required"
         rows = [json.loads(line) for line in open(DATA / "bfcl" / f"BFCL_v4_{name}.jsonl")]
-        rows = rows[: args.bfcl_limit] if args.bfcl_limit else rows
+        rows = _sample(rows, args.bfcl_limit)
         compiled_n = valid = with_calls = 0
         errors: Counter = Counter()
         stats = {"fill_us": [], "apply_us": []}
@@ -399,7 +408,9 @@ def overhead_summary(splits: dict, decode_step_ms: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", type=Path, default=Path("evals/structured/results"))
+    p.add_argument("--schemas-per-split", type=int, default=0, help="schemas per split, evenly spread (0: all)")
     p.add_argument("--gen-per-split", type=int, default=0, help="generations per split (0: all compiled)")
+    p.add_argument("--sql-limit", type=int, default=0, help="Spider dev queries, evenly spread (0: all)")
     p.add_argument("--timed-generations", type=int, default=50,
                    help="per split, the first N draw full Gaussian logits and time the apply; the rest draw "
                         "uniformly among the allowed ids (the same distribution, without the 152k-float draw)")

@@ -17,5 +17,12 @@ def test_quick_report_on_the_demo_model(tmp_path):
     assert data["determinism"]["distinct_outputs"] == 1
     assert set(data["quantization"]) == {"int8", "int4"}
     assert data["routing"]["mean_coverage_frequency"] >= data["routing"]["mean_coverage_uniform"]
+    constraints = data["constraints"]
+    if "skipped" not in constraints:  # the public benchmark data is present: every sampled output is valid
+        for split in constraints["json_schema"].values():
+            assert split["valid"] == split["generated"] > 0
+        assert constraints["sql"]["grammar_accepts"] == constraints["sql"]["queries"] > 0
+        assert all(b["valid"] == b["compiled"] > 0 for b in constraints["bfcl"].values())
+        assert "Spider dev gold SQL" in (report / "report.md").read_text()
     for name in ("report.md", "routing_skew.png", "modes_bench.png", "modes_timeline.png"):
         assert (report / name).stat().st_size > 0
