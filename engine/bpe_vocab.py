@@ -74,12 +74,12 @@ def training_corpus(n_lines: int = 6000, seed: int = 0) -> list[str]:
     return lines
 
 
-def byte_level_bpe() -> Tokenizer:
-    """An untrained byte-level BPE with Qwen2's normalizer, pre-tokenizer split and decoder."""
+def byte_level_bpe(pretokenize_regex: str = QWEN_PRETOKENIZE_REGEX) -> Tokenizer:
+    """An untrained byte-level BPE with Qwen2's normalizer, pre-tokenizer split (or `pretokenize_regex`) and decoder."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = tk_normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.Split(Regex(pretokenize_regex), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()

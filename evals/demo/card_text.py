@@ -29,21 +29,22 @@ def _samples(samples: list[dict[str, Any]]) -> str:
 
 
 def _commands(phases: list[dict[str, Any]]) -> str:
+    """The `evals.demo.train` command of each phase: every setting that differs from `TrainConfig`'s default."""
+    from dataclasses import asdict
+
+    from evals.demo.train import TrainConfig
+
+    defaults = asdict(TrainConfig())
     lines = []
     for i, p in enumerate(phases, start=1):
-        c = p["config"]
         out = "engine/assets/demo-moe" if i == len(phases) else f"/tmp/demo_phase{i}"
+        flags = [f"--init-from /tmp/demo_phase{i - 1}"] if p["config"].get("init_from") else []
+        flags += [f"--{k.replace('_', '-')} {v:.0f}" if k == "time_budget_s" else f"--{k.replace('_', '-')} {v}"
+                  for k, v in p["config"].items()
+                  if k in defaults and k not in ("init_from", "save_every", "eval_conversations") and v != defaults[k]]
         cmd = f"PYTHONPATH=. python -m evals.demo.train --out {out} --tokenizer /tmp/demo_tok"
-        if c.get("init_from"):
-            cmd += (f" \\\n    --init-from /tmp/demo_phase{i - 1} --lr {c['lr']} --warmup-steps {c['warmup_steps']}"
-                    f" --seed {c['seed']}")
-        if c.get("loss_on", "all") != "all" or c.get("qk_norm_rescale", 1.0) != 1.0 or c.get("qk_norm_lr_mult", 1.0) != 1.0:
-            cmd += (f" \\\n    --loss-on {c.get('loss_on', 'all')} --min-lr-ratio {c['min_lr_ratio']}"
-                    f" --qk-norm-rescale {c.get('qk_norm_rescale', 1.0)} --qk-norm-lr-mult {c.get('qk_norm_lr_mult', 1.0)}")
-        if c.get("boost_share"):
-            cmd += f" \\\n    --boost-family {c['boost_family']} --boost-share {c['boost_share']}"
-        cmd += (f" \\\n    --train-conversations {c['train_conversations']} --eval-every {c['eval_every']}"
-                f" --threads {c.get('threads', 2)} --time-budget-s {c['time_budget_s']:.0f}")
+        for j in range(0, len(flags), 3):
+            cmd += " \\\n    " + " ".join(flags[j:j + 3])
         lines.append(cmd)
     return "\n".join(lines)
 
@@ -67,15 +68,16 @@ def _share_right(structured: dict[str, dict[str, Any]]) -> float:
 
 def _qk_note(phases: list[dict[str, Any]]) -> str:
     """A recipe bullet for phases that rescaled the QK-norm gains (none: empty)."""
-    notes = [f"phase {i} multiplied them by {p['config']['qk_norm_rescale']} (attention logits by "
-             f"{p['config']['qk_norm_rescale'] ** 2:.2f}) and trained them at {p['config'].get('qk_norm_lr_mult', 1.0)}x "
-             "the lr" for i, p in enumerate(phases, start=1) if p["config"].get("qk_norm_rescale", 1.0) != 1.0]
+    notes = [f"phase {i} multiplied the {'loaded' if p['config'].get('init_from') else 'initial'} gains by "
+             f"{p['config']['qk_norm_rescale']} (attention logits by {p['config']['qk_norm_rescale'] ** 2:.2f}) and "
+             f"trained them at {p['config'].get('qk_norm_lr_mult', 1.0)}x the lr"
+             for i, p in enumerate(phases, start=1) if p["config"].get("qk_norm_rescale", 1.0) != 1.0]
     if not notes:
         return ""
     return ("\n- QK-norm gains: with head_dim 32 and gains near 1, an attention logit is at most about 5.7, too flat "
-            "to pick one token out of a 500-token prompt; after phase 1 every head was diffuse (entropy 4-5 nats) and "
-            "the model copied nothing from the prompt (tickers, accounts and quantities at chance). "
-            + "; ".join(notes) + ", after which it learned to copy.")
+            "to pick one token out of a 500-token prompt. An earlier recipe trained 55 minutes with unit gains: every "
+            "head stayed diffuse (entropy 4-5 nats) and the model copied nothing from the prompt (tickers, accounts "
+            "and quantities at chance). Here " + "; ".join(notes) + ".")
 
 
 def _share_fields(structured: dict[str, dict[str, Any]]) -> float:
@@ -141,17 +143,20 @@ about two dozen market concepts, and nothing else.
 | attention | {cfg['num_heads']} query heads, {cfg['num_kv_heads']} KV heads, head_dim {cfg['head_dim']}, RoPE θ=10000, QK-norm |
 | experts | {cfg['num_experts']} routed experts, top-{cfg['top_k']}, moe_intermediate {cfg['moe_intermediate_size']}, normalised top-k weights |
 | context | {cfg['seq_len']} tokens |
-| vocabulary | {card['vocab_size']} (byte-level BPE, Qwen2 pre-tokenizer, Qwen special-token strings) |
+| vocabulary | {card['vocab_size']} (byte-level BPE, Qwen2 pre-tokenizer split with capitals kept whole, Qwen special-token strings) |
 | weights | `model.safetensors`, bfloat16 |
 
 ## Tokenizer and chat template
 
 Byte-level BPE trained with `tokenizers` on 20,000 rendered training conversations
 (`evals/demo/tokenizer_build.py`). Asked for 4,096 tokens, the trainer stops at {card['vocab_size']}: the
-procedural corpus has no more mergeable pairs inside Qwen2's pre-tokenizer pieces (digits are single tokens),
-so a bigger vocabulary buys nothing. Entities tokenize the way copying needs: every digit is its own token
-(`ACC-1012` is `ACC`, `-`, `1`, `0`, `1`, `2`; `668.16` is six tokens), and each ticker is one token (` MSFT` in
-prose, `MSFT` after a JSON quote). Special tokens, same
+procedural corpus has no more mergeable pairs inside the pre-tokenizer's pieces (digits are single tokens),
+so a bigger vocabulary buys nothing. Entities tokenize the way copying needs, as the same tokens wherever they
+appear: every digit is its own token (`ACC-1012` is `ACC`, `-`, `1`, `0`, `1`, `2`; `668.16` is six tokens),
+and each ticker is one token that never carries the space or quote before it. The pre-tokenizer is Qwen2's split
+except that an all-capitals word does not absorb the character before it (`DEMO_PRETOKENIZE_REGEX`): with
+Qwen2's split, ` MSFT` in prose and `MSFT` after a JSON quote are two unrelated tokens, and copying a ticker
+from the user's words into a tool call means learning that mapping for every ticker. Special tokens, same
 strings as Qwen2.5/Qwen3: `<|endoftext|>` (id 0, pad), `<|im_start|>`, `<|im_end|>` (eos), `<tool_call>`,
 `</tool_call>`, `<tool_response>`, `</tool_response>`, `<think>`, `</think>`.
 The chat template (in `tokenizer_config.json`) is Qwen2.5's ChatML with tools: the tools are listed as JSON
@@ -195,10 +200,13 @@ PYTHONPATH=. python -m evals.demo.model_card   # measures and writes this card
 - Experts computed with transformers' `grouped_mm` experts implementation (about 1.4× faster per training step
   than the per-expert `eager` loop on this CPU).
 - Router load-balancing loss (`output_router_logits=True`, `router_aux_loss_coef={cfg['router_aux_loss_coef']}`).
-- Loss on `{cfg['loss_on']}` tokens (`--loss-on`). In equal-step pilots (246 steps) loss on all tokens reached a
-  held-out loss of 0.88 on assistant tokens against 1.10 for loss on assistant tokens only: the prompt tokens
-  (tool JSON schemas, SQL DDL, report schemas) teach exactly the syntax the answers use. The held-out figures
-  below are on **assistant tokens** (the answers), the number that matters.{_qk_note(phases)}
+- Loss on every token, with the prompt's tokens (system, user and tool turns) weighted
+  {cfg['prompt_loss_weight']} against the answers' 1 (`--prompt-loss-weight`). In equal-step pilots (246 steps)
+  loss on all tokens reached a held-out loss of 0.88 on assistant tokens against 1.10 for loss on assistant
+  tokens only: the prompt tokens (tool JSON schemas, SQL DDL, report schemas) teach exactly the syntax the
+  answers use, but most of them are random prices and schema text, and at full weight they dominate the
+  gradient. The held-out figures below are on **assistant tokens** (the answers), the number that
+  matters.{_qk_note(phases)}
 - The schedule runs on wall-clock progress (`--time-budget-s`): the cores are shared, so a step count cannot
   be fixed in advance. **{steps} steps, {tokens / 1e6:.2f}M tokens, {minutes:.1f} minutes** with torch threads =
   {cfg.get('threads', 2)} on a 2-core CPU shared with other jobs. One uncontended training step of this recipe
@@ -217,7 +225,7 @@ PYTHONPATH=. python -m evals.demo.model_card   # measures and writes this card
 | **demo-moe** | **{card['trained']['assistant']:.3f}** | **{card['trained']['all']:.3f}** |
 
 Measured on {card['heldout_conversations']} held-out conversations (`python -m evals.demo.model_card`).
-Final training loss (mean of the last 50 steps, {hist['loss_on']} tokens): {train['final_train_ce_last50']:.3f}.
+Final training loss (mean of the last 50 steps, prompt tokens weighted {hist['prompt_loss_weight']}): {train['final_train_ce_last50']:.3f}.
 
 ![loss curve](loss_curve.png)
 

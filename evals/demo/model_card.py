@@ -159,7 +159,7 @@ def step_seconds(checkpoint: Path, config: dict[str, Any], threads: int, steps: 
     best = float("inf")
     for _ in range(steps):
         start = time.perf_counter()
-        ce, aux = lm_loss(model, batch, cfg.autocast_bf16, True)
+        ce, aux = lm_loss(model, batch, cfg.autocast_bf16, prompt_weight=1.0)
         (ce + cfg.router_aux_loss_coef * aux).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -176,7 +176,8 @@ def training_metric_files(checkpoint: Path) -> list[Path]:
 
 def merge_histories(phases: list[dict[str, Any]]) -> dict[str, Any]:
     """One loss history across training phases, later phases' steps offset by the earlier ones."""
-    merged: dict[str, Any] = {"loss_on": phases[-1]["history"]["loss_on"], "train": [], "heldout": []}
+    merged: dict[str, Any] = {"prompt_loss_weight": phases[-1]["history"]["prompt_loss_weight"], "train": [],
+                              "heldout": []}
     offset = 0
     for phase in phases:
         for key in ("train", "heldout"):

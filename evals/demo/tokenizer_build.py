@@ -9,13 +9,23 @@ from pathlib import Path
 from tokenizers import Tokenizer, pre_tokenizers, trainers
 
 from engine.bpe_vocab import byte_level_bpe
+from engine.qwen_vocab import QWEN_PRETOKENIZE_REGEX
 from evals.demo.chat_format import CHAT_TEMPLATE, SPECIAL_TOKENS
 from evals.demo.corpus import conversations
+
+# Qwen2's split, except that an all-capitals word (a ticker, `ACC`, `SELECT`) never takes the space or quote before
+# it: ` MSFT` in prose and `MSFT` after a JSON quote are then the same token, so copying a ticker from the user's
+# words into a tool call is the identity, as it is for digits. With Qwen2's split they are two unrelated tokens.
+_QWEN_WORD = r"[^\r\n\p{L}\p{N}]?\p{L}+"
+_DEMO_WORD = r"(?:[^\r\n\p{L}\p{N}](?!\p{Lu}+(?!\p{L})))?\p{L}+"
+if _QWEN_WORD not in QWEN_PRETOKENIZE_REGEX:
+    raise RuntimeError("Qwen2's pre-tokenizer pattern changed: update _QWEN_WORD")
+DEMO_PRETOKENIZE_REGEX = QWEN_PRETOKENIZE_REGEX.replace(_QWEN_WORD, _DEMO_WORD)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     """A byte-level BPE whose first ids are the special tokens (<|endoftext|> = 0)."""
-    tok = byte_level_bpe()
+    tok = byte_level_bpe(DEMO_PRETOKENIZE_REGEX)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)

@@ -35,7 +35,9 @@ class TrainConfig:
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
-    loss_on: str = "all"  # "all" tokens or "assistant" tokens only; held-out loss is always on assistant tokens
+    # weight of a non-assistant token's loss against an assistant token's 1: 1.0 trains on all tokens, 0.0 on the
+    # answers only; held-out loss is always on assistant tokens
+    prompt_loss_weight: float = 1.0
     weight_decay: float = 0.1
     router_aux_loss_coef: float = 0.01
     train_conversations: int = 12_000
@@ -50,13 +52,13 @@ class TrainConfig:
     boost_family: str = ""  # draw this share of conversations from these families ("a,b,c", uniformly)
     boost_share: float = 0.0
     qk_norm_lr_mult: float = 1.0  # lr multiplier for the q_norm/k_norm gains (they cap attention sharpness)
-    qk_norm_rescale: float = 1.0  # with init_from: multiply the loaded q_norm/k_norm gains (attention logits by its square)
+    qk_norm_rescale: float = 1.0  # multiply the initial (or loaded) q_norm/k_norm gains (attention logits by its square)
 
     def __post_init__(self) -> None:
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
-        if self.loss_on not in ("all", "assistant"):
-            raise ValueError(f"loss_on must be 'all' or 'assistant', not {self.loss_on!r}")
+        if not 0.0 <= self.prompt_loss_weight <= 1.0:
+            raise ValueError(f"prompt_loss_weight must be in [0, 1], not {self.prompt_loss_weight}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
 
@@ -141,13 +143,19 @@ def encode_split(tokenizer, split: str, n: int, seq_len: int, seed: int, boost_f
 
 
 def lm_loss(model, batch: torch.Tensor, autocast_bf16: bool = False,
-            all_tokens: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cross-entropy on assistant tokens, or on all real tokens, and the router load-balancing loss)."""
-    labels = torch.where(batch[:, 2] == 1, batch[:, 0], IGNORE) if all_tokens else batch[:, 1]  # [B, S]
+            prompt_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted mean next-token cross-entropy, router load-balancing loss).
+
+    Assistant tokens weigh 1, the other real tokens `prompt_weight`: 0.0 is the loss on the answers only.
+    """
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
-        out = model(input_ids=batch[:, 0], labels=labels, attention_mask=batch[:, 2])
+        out = model(input_ids=batch[:, 0], attention_mask=batch[:, 2])
+    target = batch[:, 0, 1:]  # [B, S-1]
+    answer = batch[:, 1, 1:] != IGNORE
+    weight = torch.where(answer, 1.0, torch.where(batch[:, 2, 1:] == 1, prompt_weight, 0.0))
+    ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].float().flatten(0, 1), target.flatten(), reduction="none")
     aux = out.aux_loss if out.aux_loss is not None else torch.zeros(())
-    return out.loss - model.config.router_aux_loss_coef * aux, aux
+    return (ce * weight.flatten()).sum() / weight.sum().clamp_min(1e-9), aux
 
 
 @torch.no_grad()
@@ -186,7 +194,8 @@ def save_loss_curve(history: dict, path: Path, random_loss: float) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(*zip(*history["train"], strict=True), label=f"train ({history['loss_on']} tokens)", alpha=0.6)
+    ax.plot(*zip(*history["train"], strict=True), label=f"train (prompt tokens x{history['prompt_loss_weight']:g})",
+            alpha=0.6)
     ax.plot(*zip(*history["heldout"], strict=True), "o-", label="held-out (assistant tokens)")
     ax.axhline(random_loss, color="grey", ls="--", label=f"random model ln(V) = {random_loss:.2f}")
     ax.set_yscale("log")
@@ -219,13 +228,13 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
         model.config.output_router_logits = True
         model.config.router_aux_loss_coef = cfg.router_aux_loss_coef
         model.config._experts_implementation = cfg.experts_implementation
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith(("q_norm.weight", "k_norm.weight")):
-                    p.mul_(cfg.qk_norm_rescale)
         torch.manual_seed(cfg.seed)
     else:
         model = build_model(cfg, tokenizer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.mul_(cfg.qk_norm_rescale)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"parameters: {n_params / 1e6:.2f}M", flush=True)
     train_data = encode_split(tokenizer, "train", cfg.train_conversations, cfg.seq_len, cfg.seed,
@@ -242,7 +251,7 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
                              {"params": no_decay, "weight_decay": 0.0},
                              {"params": qk, "weight_decay": 0.0, "lr_mult": cfg.qk_norm_lr_mult}],
                             lr=cfg.lr, betas=(0.9, 0.95))
-    history: dict = {"loss_on": cfg.loss_on, "train": [], "heldout": [], "aux": []}
+    history: dict = {"prompt_loss_weight": cfg.prompt_loss_weight, "train": [], "heldout": [], "aux": []}
     gen = torch.Generator().manual_seed(cfg.seed)
     order = torch.randperm(len(train_data), generator=gen)
     start = time.time()
@@ -259,19 +268,20 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
         idx = order[(torch.arange(cfg.batch_size) + step * cfg.batch_size) % len(order)]
         for group in opt.param_groups:
             group["lr"] = lr_at(step, done, cfg) * group.get("lr_mult", 1.0)
-        ce, aux = lm_loss(model, train_data[idx], cfg.autocast_bf16, cfg.loss_on == "all")
+        ce, aux = lm_loss(model, train_data[idx], cfg.autocast_bf16, cfg.prompt_loss_weight)
         (ce + cfg.router_aux_loss_coef * aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         steps_done = step + 1
-        history["train"].append((step, float(ce)))
-        history["aux"].append((step, float(aux)))
-        bar.set_postfix(ce=f"{float(ce):.3f}", aux=f"{float(aux):.3f}", done=f"{progress:.0%}")
+        ce, aux = ce.item(), aux.item()
+        history["train"].append((step, ce))
+        history["aux"].append((step, aux))
+        bar.set_postfix(ce=f"{ce:.3f}", aux=f"{aux:.3f}", done=f"{progress:.0%}")
         if (step + 1) % cfg.eval_every == 0:
             held = evaluate(model, eval_data, cfg.batch_size, cfg.autocast_bf16)
             history["heldout"].append((step + 1, held))
-            print(f"step {step + 1}: train ce {float(ce):.4f} held-out ce {held:.4f} "
+            print(f"step {step + 1}: train ce {ce:.4f} held-out ce {held:.4f} "
                   f"elapsed {time.time() - start:.0f}s", flush=True)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             save_snapshot(model, tokenizer, out_dir / "latest", step + 1)

@@ -1,0 +1,52 @@
+"""The demo trainer's loss: assistant tokens weigh 1, the prompt's tokens `prompt_weight`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from evals.demo.train import IGNORE, TrainConfig, build_model, lm_loss
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(__file__).resolve().parents[2] / "engine/assets/demo-moe"))
+    cfg = TrainConfig(hidden_size=32, num_layers=1, num_experts=4, top_k=2, moe_intermediate_size=16, num_heads=2,
+                      num_kv_heads=1, head_dim=16, seq_len=24)
+    model = build_model(cfg, tokenizer).eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, len(tokenizer), (2, 24), generator=gen)  # [B, S]
+    labels = torch.full_like(ids, IGNORE)
+    labels[:, 10:18] = ids[:, 10:18]  # the "assistant" span
+    mask = torch.ones_like(ids)
+    mask[1, 20:] = 0  # padding at the end of the second row
+    return model, torch.stack([ids, labels, mask], 1)  # [B, 3, S]
+
+
+def test_prompt_weight_zero_is_the_assistant_loss_and_one_is_the_all_token_loss():
+    model, batch = _tiny()
+    with torch.no_grad():
+        logits = model(input_ids=batch[:, 0], attention_mask=batch[:, 2]).logits[:, :-1]  # [B, S-1, V]
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 0, 1:].flatten(),
+                                                reduction="none").view(2, -1)  # [B, S-1]
+        answer = batch[:, 1, 1:] != IGNORE
+        real = batch[:, 2, 1:] == 1
+        assistant, _ = lm_loss(model, batch, prompt_weight=0.0)
+        everything, _ = lm_loss(model, batch, prompt_weight=1.0)
+        half, _ = lm_loss(model, batch, prompt_weight=0.5)
+    torch.testing.assert_close(assistant, nll[answer].mean())
+    torch.testing.assert_close(everything, nll[real].mean())
+    prompt = real & ~answer
+    expected = (nll[answer].sum() + 0.5 * nll[prompt].sum()) / (answer.sum() + 0.5 * prompt.sum())
+    torch.testing.assert_close(half, expected)
+    assert not torch.isclose(half, everything) and not torch.isclose(half, assistant)
+
+
+def test_prompt_weight_outside_zero_to_one_is_rejected():
+    with pytest.raises(ValueError, match="prompt_loss_weight"):
+        TrainConfig(prompt_loss_weight=1.5)
