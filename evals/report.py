@@ -28,15 +28,17 @@ def _llm(model: str, fmt: str = "bf16", **kw):
     return LLM(model, placement=PlacementConfig(fast_format=fmt, exact_format=fmt), progress=False, **kw)
 
 
-def structured_tasks(model: str, n: int) -> dict:
+def structured_tasks(model: str, n: int, exclude: frozenset[str] = frozenset()) -> dict:
     """Held-out tool-call, JSON and SQL tasks decoded under their constraints in execution mode.
 
     Per kind: `n`, `valid` (passes the gateway's validator), `correct` (exactly the expected call / object /
     result rows) and `field_hits` of `fields`: expected argument or JSON leaf fields reproduced exactly at
-    their path, or for SQL the reference query's literals found in the output (partial copying shows here).
+    their path, or for SQL the reference query's literals found in the output (partial copying shows here);
+    for tool calls and JSON, `missed_fields` counts the expected fields got wrong, by path.
+    `exclude`: rendered conversations to skip (those a model trained on, for tasks it never saw verbatim).
     """
     from evals.demo.corpus import create_trading_db, heldout_tasks, wants_fenced_sql
-    from evals.structured_score import field_matches, sql_literal_matches
+    from evals.structured_score import field_matches, missed_fields, sql_literal_matches
     from gateway.structured import build as sb
     from gateway.structured.segment import segment_body, segment_spec
     from gateway.structured.sql_grammar import sql_spec
@@ -53,7 +55,7 @@ def structured_tasks(model: str, n: int) -> dict:
     tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
     schema = DatabaseSchema.from_mapping({t: [c[1] for c in db.execute(f"PRAGMA table_info({t})")] for t in tables})
     out: dict[str, dict] = {}
-    for task in tqdm(heldout_tasks(n, seed=1), desc="structured tasks"):
+    for task in tqdm(heldout_tasks(n, seed=1, exclude=exclude), desc="structured tasks"):
         stats = out.setdefault(task.kind, {"n": 0, "valid": 0, "correct": 0, "field_hits": 0, "fields": 0,
                                            "examples": []})
         stats["n"] += 1
@@ -105,7 +107,11 @@ def structured_tasks(model: str, n: int) -> dict:
         if task.kind == "sql":
             hits, total = sql_literal_matches(got, task.expected["sql"])
         else:
-            hits, total = field_matches(got, _arguments(task) if task.kind == "tool_call" else task.expected)
+            want = _arguments(task) if task.kind == "tool_call" else task.expected
+            hits, total = field_matches(got, want)
+            missed = stats.setdefault("missed_fields", {})
+            for path in missed_fields(got, want):
+                missed[path] = missed.get(path, 0) + 1
         stats["field_hits"] += hits
         stats["fields"] += total
         if len(stats["examples"]) < 2:

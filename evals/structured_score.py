@@ -30,12 +30,17 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def missed_fields(got: Any, want: Any) -> list[str]:
+    """Paths of the expected leaf fields that `got` does not reproduce (list indices written as `*`)."""
+    produced = leaves(got) if got is not None else {}
+    return [".".join("*" if part.isdigit() else part for part in path.split("."))
+            for path, value in leaves(want).items() if not (path in produced and _same(produced[path], value))]
+
+
 def field_matches(got: Any, want: Any) -> tuple[int, int]:
     """(expected leaf fields whose value `got` reproduces at the same path, expected leaf fields)."""
     expected = leaves(want)
-    produced = leaves(got) if got is not None else {}
-    hits = sum(1 for path, value in expected.items() if path in produced and _same(produced[path], value))
-    return hits, len(expected)
+    return len(expected) - len(missed_fields(got, want)), len(expected)
 
 
 def sql_literals(sql: str) -> list[str]:

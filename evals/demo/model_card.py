@@ -95,11 +95,15 @@ def _reference(message: dict[str, Any]) -> str:
     return message["content"]
 
 
-def split_overlap(phases: list[dict[str, Any]], n_heldout: int = 1000) -> dict[str, Any]:
-    """Share of held-out conversations that occur verbatim among the conversations the model trained on."""
-    seen = frozenset(conv.render() for p in phases for conv in split_conversations(
+def trained_conversations(phases: list[dict[str, Any]]) -> frozenset[str]:
+    """The rendered conversations the model trained on, over all phases."""
+    return frozenset(conv.render() for p in phases for conv in split_conversations(
         "train", p["config"]["train_conversations"], p["config"]["seed"], p["config"].get("boost_family", ""),
         p["config"].get("boost_share", 0.0)))
+
+
+def split_overlap(seen: frozenset[str], n_heldout: int = 1000) -> dict[str, Any]:
+    """Share of held-out conversations that occur verbatim among the conversations the model trained on."""
     per_family: dict[str, list[int]] = {}
     for conv in conversations("heldout", n_heldout):
         counts = per_family.setdefault(conv.kind, [0, 0])
@@ -110,7 +114,8 @@ def split_overlap(phases: list[dict[str, Any]], n_heldout: int = 1000) -> dict[s
             "per_family": {k: v[0] / v[1] for k, v in sorted(per_family.items())}}
 
 
-def measure(checkpoint: Path, n_loss: int, n_routing: int, n_tasks: int) -> dict[str, Any]:
+def measure(checkpoint: Path, n_loss: int, n_routing: int, n_tasks: int,
+            seen: frozenset[str] = frozenset()) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeForCausalLM
 
     from evals.report import structured_tasks
@@ -126,8 +131,9 @@ def measure(checkpoint: Path, n_loss: int, n_routing: int, n_tasks: int) -> dict
         "heldout_conversations": n_loss,
         "trained": heldout_loss(model, tokenizer, n_loss), "random": heldout_loss(random_model, tokenizer, n_loss),
         "routing": routing_skew(model, tokenizer, n_routing),
-        "structured": {k: {f: v[f] for f in ("n", "valid", "correct", "field_hits", "fields", "examples")}
-                       for k, v in structured_tasks(str(checkpoint), n_tasks).items()},
+        "structured": {k: {f: v[f] for f in ("n", "valid", "correct", "field_hits", "fields", "examples",
+                                              "missed_fields") if f in v}
+                       for k, v in structured_tasks(str(checkpoint), n_tasks, exclude=seen).items()},
         "samples": exploration_samples(checkpoint),
     }
 
@@ -155,7 +161,7 @@ def step_seconds(checkpoint: Path, config: dict[str, Any], threads: int, steps: 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, len(tokenizer), (cfg.batch_size, cfg.seq_len), generator=gen)  # [B, S]
-    batch = torch.stack([ids, ids, torch.ones_like(ids)], 1)  # [B, 3, S]
+    batch = torch.stack([ids, ids, torch.ones_like(ids), torch.zeros_like(ids)], 1)  # [B, 4, S]
     best = float("inf")
     for _ in range(steps):
         start = time.perf_counter()
@@ -196,8 +202,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     phases = [json.loads(p.read_text()) for p in training_metric_files(args.checkpoint)]
-    card = measure(args.checkpoint, args.loss_conversations, args.routing_conversations, args.tasks)
-    card["overlap"] = split_overlap(phases)
+    seen = trained_conversations(phases)
+    card = measure(args.checkpoint, args.loss_conversations, args.routing_conversations, args.tasks, seen)
+    card["overlap"] = split_overlap(seen)
     card["step_seconds"] = {str(t): step_seconds(args.checkpoint, phases[-1]["config"], t) for t in (1, 2)}
     (args.checkpoint / "card_metrics.json").write_text(json.dumps(card, indent=1) + "\n")
     save_loss_curve(merge_histories(phases), args.checkpoint / "loss_curve.png", card["ln_vocab"])

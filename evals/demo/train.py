@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import random
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,6 +39,9 @@ class TrainConfig:
     # weight of a non-assistant token's loss against an assistant token's 1: 1.0 trains on all tokens, 0.0 on the
     # answers only; held-out loss is always on assistant tokens
     prompt_loss_weight: float = 1.0
+    # weight of the answer tokens that spell a JSON value (tool-call arguments, report fields: what must be copied
+    # from the prompt) against the other answer tokens' 1
+    value_loss_weight: float = 1.0
     weight_decay: float = 0.1
     router_aux_loss_coef: float = 0.01
     train_conversations: int = 12_000
@@ -59,6 +63,8 @@ class TrainConfig:
             raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
         if not 0.0 <= self.prompt_loss_weight <= 1.0:
             raise ValueError(f"prompt_loss_weight must be in [0, 1], not {self.prompt_loss_weight}")
+        if self.value_loss_weight < 1.0:
+            raise ValueError(f"value_loss_weight must be at least 1, not {self.value_loss_weight}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
 
@@ -86,37 +92,52 @@ def build_model(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
     return model
 
 
-def tokenize_with_mask(tokenizer, text: str) -> tuple[list[int], list[int]]:
-    """Token ids and labels that keep only assistant tokens (others are IGNORE)."""
+# a JSON member's value: a string (group 1, inside its quotes) or a number / literal (group 2)
+_JSON_VALUE = re.compile(r'"\w+": ?(?:"((?:[^"\\]|\\.)*)"|(-?\d+(?:\.\d+)?|true|false|null))')
+
+
+def tokenize_with_mask(tokenizer, text: str, values: bool = False):
+    """Token ids and labels that keep only assistant tokens (others are IGNORE).
+
+    `values`: also a 0/1 flag per token, 1 for answer tokens inside a JSON member's value (tool-call arguments,
+    report fields), the entities an answer must copy from the prompt.
+    """
     enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
     spans = assistant_spans(text)
-    labels, j = [], 0
+    value_spans = [m.span(1) if m.group(1) is not None else m.span(2)
+                   for s, e in spans for m in _JSON_VALUE.finditer(text, s, e)]
+    labels, flags, j, k = [], [], 0, 0
     for tid, (start, _) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
         while j < len(spans) and start >= spans[j][1]:
             j += 1
-        labels.append(tid if j < len(spans) and spans[j][0] <= start else IGNORE)
-    return enc["input_ids"], labels
+        while k < len(value_spans) and start >= value_spans[k][1]:
+            k += 1
+        answer = j < len(spans) and spans[j][0] <= start
+        labels.append(tid if answer else IGNORE)
+        flags.append(int(answer and k < len(value_spans) and value_spans[k][0] <= start))
+    return (enc["input_ids"], labels, flags) if values else (enc["input_ids"], labels)
 
 
-def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> torch.Tensor:
-    """Greedy packing of whole conversations into rows: returns [N, 3, seq_len] (ids, labels, mask)."""
+def pack(examples: list[tuple[list[int], list[int], list[int]]], seq_len: int, pad_id: int) -> torch.Tensor:
+    """Greedy packing of whole conversations into rows: returns [N, 4, seq_len] (ids, labels, mask, value flags)."""
     rows: list[list[list[int]]] = []
-    for ids, labels in examples:
-        ids, labels = ids[:seq_len], labels[:seq_len]
+    for example in examples:
+        example = [list(x[:seq_len]) for x in example]
         for row in rows[-16:]:  # next-fit over a small window keeps packing linear
-            if len(row[0]) + len(ids) <= seq_len:
-                row[0] += ids
-                row[1] += labels
+            if len(row[0]) + len(example[0]) <= seq_len:
+                for part, more in zip(row, example, strict=True):
+                    part += more
                 break
         else:
-            rows.append([list(ids), list(labels)])
-    out = torch.full((len(rows), 3, seq_len), 0, dtype=torch.long)
-    for r, (ids, labels) in enumerate(rows):
+            rows.append(example)
+    out = torch.full((len(rows), 4, seq_len), 0, dtype=torch.long)
+    for r, (ids, labels, values) in enumerate(rows):
         n = len(ids)
         out[r, 0] = torch.tensor(ids + [pad_id] * (seq_len - n))
         out[r, 1] = torch.tensor(labels + [IGNORE] * (seq_len - n))
         out[r, 2, :n] = 1
-    return out  # [N, 3, S]
+        out[r, 3, :n] = torch.tensor(values)
+    return out  # [N, 4, S]
 
 
 def split_conversations(split: str, n: int, seed: int, boost_family: str = "", boost_share: float = 0.0):
@@ -137,22 +158,25 @@ def encode_split(tokenizer, split: str, n: int, seq_len: int, seed: int, boost_f
                  boost_share: float = 0.0) -> torch.Tensor:
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     convs = split_conversations(split, n, seed, boost_family, boost_share)
-    examples = [tokenize_with_mask(tokenizer, c.render()) for c in tqdm(convs, total=n, desc=f"tokenize {split}")]
+    examples = [tokenize_with_mask(tokenizer, c.render(), values=True)
+                for c in tqdm(convs, total=n, desc=f"tokenize {split}")]
     random.Random(seed).shuffle(examples)
     return pack(examples, seq_len, pad_id)
 
 
-def lm_loss(model, batch: torch.Tensor, autocast_bf16: bool = False,
-            prompt_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weighted mean next-token cross-entropy, router load-balancing loss).
+def lm_loss(model, batch: torch.Tensor, autocast_bf16: bool = False, prompt_weight: float = 0.0,
+            value_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted mean next-token cross-entropy, router load-balancing loss) of a [B, 4, S] batch (`pack`).
 
-    Assistant tokens weigh 1, the other real tokens `prompt_weight`: 0.0 is the loss on the answers only.
+    Assistant tokens weigh 1, those inside a JSON value `value_weight`, the other real tokens `prompt_weight`:
+    0.0 and 1.0 is the plain loss on the answers only.
     """
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
         out = model(input_ids=batch[:, 0], attention_mask=batch[:, 2])
     target = batch[:, 0, 1:]  # [B, S-1]
     answer = batch[:, 1, 1:] != IGNORE
-    weight = torch.where(answer, 1.0, torch.where(batch[:, 2, 1:] == 1, prompt_weight, 0.0))
+    weight = torch.where(answer, torch.where(batch[:, 3, 1:] == 1, value_weight, 1.0),
+                         torch.where(batch[:, 2, 1:] == 1, prompt_weight, 0.0))
     ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].float().flatten(0, 1), target.flatten(), reduction="none")
     aux = out.aux_loss if out.aux_loss is not None else torch.zeros(())
     return (ce * weight.flatten()).sum() / weight.sum().clamp_min(1e-9), aux
@@ -268,7 +292,7 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
         idx = order[(torch.arange(cfg.batch_size) + step * cfg.batch_size) % len(order)]
         for group in opt.param_groups:
             group["lr"] = lr_at(step, done, cfg) * group.get("lr_mult", 1.0)
-        ce, aux = lm_loss(model, train_data[idx], cfg.autocast_bf16, cfg.prompt_loss_weight)
+        ce, aux = lm_loss(model, train_data[idx], cfg.autocast_bf16, cfg.prompt_loss_weight, cfg.value_loss_weight)
         (ce + cfg.router_aux_loss_coef * aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -25,7 +25,9 @@ def _tiny():
     labels[:, 10:18] = ids[:, 10:18]  # the "assistant" span
     mask = torch.ones_like(ids)
     mask[1, 20:] = 0  # padding at the end of the second row
-    return model, torch.stack([ids, labels, mask], 1)  # [B, 3, S]
+    values = torch.zeros_like(ids)
+    values[:, 12:14] = 1  # a JSON value inside the answer
+    return model, torch.stack([ids, labels, mask, values], 1)  # [B, 4, S]
 
 
 def test_prompt_weight_zero_is_the_assistant_loss_and_one_is_the_all_token_loss():
@@ -45,6 +47,27 @@ def test_prompt_weight_zero_is_the_assistant_loss_and_one_is_the_all_token_loss(
     expected = (nll[answer].sum() + 0.5 * nll[prompt].sum()) / (answer.sum() + 0.5 * prompt.sum())
     torch.testing.assert_close(half, expected)
     assert not torch.isclose(half, everything) and not torch.isclose(half, assistant)
+    with torch.no_grad():
+        weighted, _ = lm_loss(model, batch, prompt_weight=0.0, value_weight=4.0)
+    value = batch[:, 3, 1:] == 1
+    expected = (nll[answer & ~value].sum() + 4.0 * nll[value].sum()) / ((answer & ~value).sum() + 4.0 * value.sum())
+    torch.testing.assert_close(weighted, expected)
+
+
+def test_value_flags_mark_the_json_values_of_answers_only():
+    from transformers import AutoTokenizer
+
+    from evals.demo.corpus import conversation
+    from evals.demo.train import tokenize_with_mask
+
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(__file__).resolve().parents[2] / "engine/assets/demo-moe"))
+    conv = conversation("heldout", 1, family="order")
+    ids, labels, flags = tokenize_with_mask(tokenizer, conv.render(), values=True)
+    call = conv.messages[conv.answer_index]["tool_calls"][0]["function"]
+    flagged = tokenizer.decode([i for i, f in zip(ids, flags, strict=True) if f])
+    expected = call["name"] + "".join(str(v) if not isinstance(v, float) else f"{v}" for v in call["arguments"].values())
+    assert flagged == expected
+    assert all(label != IGNORE for label, f in zip(labels, flags, strict=True) if f)  # answers only
 
 
 def test_prompt_weight_outside_zero_to_one_is_rejected():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from evals.structured_score import field_matches, leaves, sql_literal_matches, sql_literals
+from evals.structured_score import field_matches, leaves, missed_fields, sql_literal_matches, sql_literals
 
 
 def test_leaves_flattens_objects_and_arrays():
@@ -17,6 +17,14 @@ def test_field_matches_counts_partial_copies():
     assert field_matches({"account_id": "ACC-1004", "symbol": "TSLA", "side": "buy", "quantity": 170}, want) == (2, 4)
     assert field_matches(None, want) == (0, 4)
     assert field_matches({"symbol": "SIE"}, want) == (1, 4)  # missing fields are misses
+
+
+def test_missed_fields_names_the_paths_got_wrong():
+    want = {"account_id": "ACC-1003", "positions": [{"symbol": "V", "quantity": 10}, {"symbol": "KO", "quantity": 5}]}
+    got = {"account_id": "ACC-1003", "positions": [{"symbol": "V", "quantity": 12}, {"symbol": "PG", "quantity": 5}]}
+    assert missed_fields(got, want) == ["positions.*.quantity", "positions.*.symbol"]
+    assert missed_fields(want, want) == []
+    assert missed_fields(None, {"side": "buy"}) == ["side"]
 
 
 def test_field_matches_keeps_json_types_apart():
