@@ -93,10 +93,10 @@ def _missed_text(structured: dict[str, dict[str, Any]]) -> str:
             + ", ".join(f"`{path}` {count}" for path, count in top) + ".")
     if top[0][0] == "side":
         text += (" It writes the order side at chance (teacher-forced, `buy` and `sell` get about 0.5 each), though "
-                 "it copies the ticker, account and quantity next to it. Unlike those, both side words also appear "
-                 "in the system turn, in the tool schema's `enum`, so the copy has to pick the user turn's one; a "
-                 "tokenizer that makes ` sell` in prose the same token as `sell` in JSON did not fix it (still at "
-                 "chance after 4,000 steps).")
+                 "it copies the ticker, account and quantity next to it. Why is not established: a tokenizer that "
+                 "makes ` sell` in prose the same token as `sell` in JSON left it at chance after 4,000 steps, and "
+                 "removing the side `enum` (both words) from the tool schema in the prompt does not change the "
+                 "greedy side.")
     return text
 
 
