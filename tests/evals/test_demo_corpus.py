@@ -205,15 +205,16 @@ def test_shipped_checkpoint_is_small_bf16_and_trained(tokenizer):
     assert heldout < 0.5 * math.log(len(tokenizer)), f"held-out loss {heldout:.3f} vs ln(V) {math.log(len(tokenizer)):.3f}"
 
 
-def test_shipped_model_copies_tickers_accounts_and_quantities_from_the_prompt(tokenizer):
-    """Teacher-forced on held-out tool calls and reports: the first token of each ticker, account number and
-    quantity in the answer is the model's top choice. These are drawn at random per conversation, so only copying
+def test_shipped_model_copies_tickers_accounts_quantities_and_sides_from_the_prompt(tokenizer):
+    """Teacher-forced on held-out tool calls and reports: the first token of each ticker, account number,
+    quantity and order side in the answer is the model's top choice. These are drawn at random per conversation, so only copying
     from the user turn (or a tool result) gets them right; a prior-driven model scores about 1/30 on tickers."""
     import re
 
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(CHECKPOINT)).float().eval()
-    patterns = {"ticker": r'"symbol": ?"([A-Z])', "account": r'"account_id": ?"ACC-(\d)', "quantity": r'"quantity": ?(\d)'}
+    patterns = {"ticker": r'"symbol": ?"([A-Z])', "account": r'"account_id": ?"ACC-(\d)', "quantity": r'"quantity": ?(\d)',
+                "side": r'"side": ?"([bs])'}
     hits = {k: [0, 0] for k in patterns}
     for conv in conversations("heldout", 80, seed=13):
         text = conv.render()
