@@ -68,14 +68,15 @@ def _share_right(structured: dict[str, dict[str, Any]]) -> float:
 
 def _value_note(phases: list[dict[str, Any]]) -> str:
     """A recipe bullet for phases that upweighted the answer tokens inside JSON values (none: empty)."""
-    notes = [f"phase {i} weighted them {p['config']['value_loss_weight']:g}" for i, p in enumerate(phases, start=1)
-             if p["config"].get("value_loss_weight", 1.0) != 1.0]
-    if not notes:
+    weighted = [(i, p) for i, p in enumerate(phases, start=1) if p["config"].get("value_loss_weight", 1.0) != 1.0]
+    if not weighted:
         return ""
     return ("\n- Answer tokens inside JSON values (tool-call arguments, report fields: what must be copied from the "
-            "prompt) can weigh more than other answer tokens (`--value-loss-weight`); " + "; ".join(notes) + ". "
+            "prompt) can weigh more than other answer tokens (`--value-loss-weight`); "
+            + "; ".join(f"phase {i} weighted them {p['config']['value_loss_weight']:g} for "
+                        f"{p['train_seconds'] / 60:.0f} minutes" for i, p in weighted) + ". "
             "Before it, the model copied tickers, accounts and quantities but wrote the order side (`buy`/`sell`) "
-            "at chance (teacher-forced 21/40); after its 10 minutes, 24/24.")
+            "at chance (teacher-forced 21/40); after it, 24/24.")
 
 
 def _qk_note(phases: list[dict[str, Any]]) -> str:

@@ -32,7 +32,7 @@ def heldout_loss(model, tokenizer, n: int, seed: int = 0) -> dict[str, float]:
     """Token-weighted cross-entropy of held-out conversations, on assistant tokens and on all tokens."""
     sums = {"assistant": [0.0, 0], "all": [0.0, 0]}
     for conv in tqdm(list(conversations("heldout", n, seed)), desc="held-out loss"):
-        ids, labels = tokenize_with_mask(tokenizer, conv.render())
+        ids, labels, _ = tokenize_with_mask(tokenizer, conv.render())
         input_ids = torch.tensor([ids])  # [1, T]
         logits = model(input_ids=input_ids).logits[0, :-1].float()  # [T-1, V]
         nll = torch.nn.functional.cross_entropy(logits, input_ids[0, 1:], reduction="none")  # [T-1]

@@ -96,12 +96,10 @@ def build_model(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
 _JSON_VALUE = re.compile(r'"\w+": ?(?:"((?:[^"\\]|\\.)*)"|(-?\d+(?:\.\d+)?|true|false|null))')
 
 
-def tokenize_with_mask(tokenizer, text: str, values: bool = False):
-    """Token ids and labels that keep only assistant tokens (others are IGNORE).
-
-    `values`: also a 0/1 flag per token, 1 for answer tokens inside a JSON member's value (tool-call arguments,
-    report fields), the entities an answer must copy from the prompt.
-    """
+def tokenize_with_mask(tokenizer, text: str) -> tuple[list[int], list[int], list[int]]:
+    """Token ids, labels that keep only assistant tokens (others are IGNORE), and a 0/1 flag per token: 1 for
+    answer tokens inside a JSON member's value (tool-call arguments, report fields), the entities an answer must
+    copy from the prompt."""
     enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
     spans = assistant_spans(text)
     value_spans = [m.span(1) if m.group(1) is not None else m.span(2)
@@ -115,7 +113,7 @@ def tokenize_with_mask(tokenizer, text: str, values: bool = False):
         answer = j < len(spans) and spans[j][0] <= start
         labels.append(tid if answer else IGNORE)
         flags.append(int(answer and k < len(value_spans) and value_spans[k][0] <= start))
-    return (enc["input_ids"], labels, flags) if values else (enc["input_ids"], labels)
+    return enc["input_ids"], labels, flags
 
 
 def pack(examples: list[tuple[list[int], list[int], list[int]]], seq_len: int, pad_id: int) -> torch.Tensor:
@@ -158,8 +156,7 @@ def encode_split(tokenizer, split: str, n: int, seq_len: int, seed: int, boost_f
                  boost_share: float = 0.0) -> torch.Tensor:
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     convs = split_conversations(split, n, seed, boost_family, boost_share)
-    examples = [tokenize_with_mask(tokenizer, c.render(), values=True)
-                for c in tqdm(convs, total=n, desc=f"tokenize {split}")]
+    examples = [tokenize_with_mask(tokenizer, c.render()) for c in tqdm(convs, total=n, desc=f"tokenize {split}")]
     random.Random(seed).shuffle(examples)
     return pack(examples, seq_len, pad_id)
 

@@ -5,6 +5,7 @@ non-identifier byte) and testing identifier-only tokens by prefix masks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -180,10 +181,8 @@ class SQLScopeGuard:
         return self.table.texts[token] if token < len(self.table.texts) else ""
 
     def consume(self, token: int) -> None:
-        try:
+        with contextlib.suppress(_Veto):  # only reachable if a vetoed token was forced in; validation reports it
             self.scope.feed(self._text(token))
-        except _Veto:  # only reachable if a vetoed token was forced in; validation reports it
-            pass
 
     def allows(self, tokens: list[int], final: bool) -> bool:
         """Whether `tokens` (after the text so far) keep every qualifier bindable (and, `final`, bound)."""

@@ -196,7 +196,7 @@ def test_shipped_checkpoint_is_small_bf16_and_trained(tokenizer):
     total, count = 0.0, 0
     with torch.no_grad():
         for conv in conversations("heldout", 6, seed=11):
-            ids, labels = tokenize_with_mask(tokenizer, conv.render())
+            ids, labels, _ = tokenize_with_mask(tokenizer, conv.render())
             labels_t = torch.tensor([labels])
             out = model(input_ids=torch.tensor([ids]), labels=labels_t)
             n = int((labels_t[:, 1:] != IGNORE).sum())

@@ -62,7 +62,7 @@ def test_value_flags_mark_the_json_values_of_answers_only():
 
     tokenizer = AutoTokenizer.from_pretrained(str(Path(__file__).resolve().parents[2] / "engine/assets/demo-moe"))
     conv = conversation("heldout", 1, family="order")
-    ids, labels, flags = tokenize_with_mask(tokenizer, conv.render(), values=True)
+    ids, labels, flags = tokenize_with_mask(tokenizer, conv.render())
     call = conv.messages[conv.answer_index]["tool_calls"][0]["function"]
     flagged = tokenizer.decode([i for i, f in zip(ids, flags, strict=True) if f])
     expected = call["name"] + "".join(str(v) if not isinstance(v, float) else f"{v}" for v in call["arguments"].values())
