@@ -75,8 +75,8 @@ def _value_note(phases: list[dict[str, Any]]) -> str:
             "prompt) can weigh more than other answer tokens (`--value-loss-weight`); "
             + "; ".join(f"phase {i} weighted them {p['config']['value_loss_weight']:g} for "
                         f"{p['train_seconds'] / 60:.0f} minutes" for i, p in weighted) + ". "
-            "Before it, the model copied tickers, accounts and quantities but wrote the order side (`buy`/`sell`) "
-            "at chance (teacher-forced 21/40); after it, 24/24.")
+            "Without it, an earlier recipe's model copied tickers, accounts and quantities but wrote the order side "
+            "(`buy`/`sell`) at chance; see *Copying from the prompt* below.")
 
 
 def _qk_note(phases: list[dict[str, Any]]) -> str:
@@ -117,6 +117,28 @@ def _structured_examples(structured: dict[str, dict[str, Any]]) -> str:
         for ex in st["examples"][:1]:
             out.append(f"- `{kind}`: output `{ex['output'].strip()}`; expected `{json.dumps(ex['expected'])[:300]}`")
     return "\n".join(out)
+
+
+def _copy_table(copy: dict[str, list[int]]) -> str:
+    """The copy probe (`evals.demo.probes.copy_probe`) as a markdown table."""
+    lines = ["| entity in the answer | top choice right | share |", "|---|---|---|"]
+    lines += [f"| {kind} | {right}/{n} | {right / max(1, n):.0%} |" for kind, (right, n) in copy.items()]
+    return "\n".join(lines)
+
+
+def _machine_text(phases: list[dict[str, Any]]) -> str:
+    """Where the recipe ran: CPU model and core count as the training metrics recorded them."""
+    cpus = sorted({f"{p['cpu']} ({p['cpu_count']} cores)" for p in phases if p.get("cpu")})
+    return f" on {' and '.join(cpus)}" if cpus else " on a 2-core CPU"
+
+
+def _setup_text(phases: list[dict[str, Any]]) -> str:
+    """Time outside the training budget (building the model, generating and tokenizing the corpus), when recorded."""
+    if not all("setup_seconds" in p for p in phases):
+        return ""
+    setup = sum(p["setup_seconds"] for p in phases) / 60
+    total = setup + sum(p["train_seconds"] for p in phases) / 60
+    return f", plus {setup:.1f} minutes of corpus generation and tokenization: {total:.0f} minutes end to end"
 
 
 def _phases_text(phases: list[dict[str, Any]]) -> str:
@@ -235,8 +257,9 @@ PYTHONPATH=. python -m evals.demo.model_card   # measures and writes this card
   matters.{_value_note(phases)}{_qk_note(phases)}
 - The schedule runs on wall-clock progress (`--time-budget-s`), so a run takes the same time on a slower or
   busier machine and trains fewer steps there. **{steps} steps, {tokens / 1e6:.2f}M tokens, {minutes:.1f} minutes**
-  with torch threads = {cfg.get('threads', 2)} on a 2-core CPU; one uncontended training step of this recipe takes
-  {card['step_seconds']['1']:.2f} s at 1 thread and {card['step_seconds']['2']:.2f} s at 2 threads.
+  of training with torch threads = {cfg.get('threads', 2)}{_machine_text(phases)}{_setup_text(phases)}; one uncontended
+  training step of this recipe takes {card['step_seconds']['1']:.2f} s at 1 thread and
+  {card['step_seconds']['2']:.2f} s at 2 threads on the machine that measured this card ({card.get('step_cpu', 'not recorded')}).
 
 {_phases_text(phases)}
 
@@ -268,6 +291,15 @@ found in the output (a model that copies some of the user's entities scores here
 {_structured_table(card['structured'])}
 
 {_structured_examples(card['structured'])}
+
+### Copying from the prompt
+
+Tickers, account numbers, quantities and order sides are drawn at random per conversation, so an answer gets them
+right only by copying them from the user turn or a tool result. Teacher-forced on held-out conversations
+(`evals.demo.probes.copy_probe`): how often the first token of each in the answer's JSON is the model's top choice
+(guessing from the prior scores about 1/30 on tickers and 1/2 on sides).
+
+{_copy_table(card['copy'])}
 
 ### Routing skew
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ from tqdm import tqdm
 
 from evals.demo.card_text import write_card
 from evals.demo.corpus import conversation, conversations
-from evals.demo.train import IGNORE, save_loss_curve, split_conversations, tokenize_with_mask
+from evals.demo.probes import copy_probe
+from evals.demo.train import IGNORE, cpu_name, save_loss_curve, split_conversations, tokenize_with_mask
 
 SAMPLE_PROMPTS: tuple[tuple[str, str, int], ...] = (  # (title, family, held-out index)
     ("Free text: a market concept", "concept", 0),
@@ -131,6 +133,7 @@ def measure(checkpoint: Path, n_loss: int, n_routing: int, n_tasks: int,
         "heldout_conversations": n_loss,
         "trained": heldout_loss(model, tokenizer, n_loss), "random": heldout_loss(random_model, tokenizer, n_loss),
         "routing": routing_skew(model, tokenizer, n_routing),
+        "copy": copy_probe(model, tokenizer),
         "structured": {k: {f: v[f] for f in ("n", "valid", "correct", "field_hits", "fields", "examples",
                                               "missed_fields") if f in v}
                        for k, v in structured_tasks(str(checkpoint), n_tasks, exclude=seen).items()},
@@ -158,7 +161,7 @@ def step_seconds(checkpoint: Path, config: dict[str, Any], threads: int, steps: 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     model = build_model(cfg, tokenizer)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, len(tokenizer), (cfg.batch_size, cfg.seq_len), generator=gen)  # [B, S]
     batch = torch.stack([ids, ids, torch.ones_like(ids), torch.zeros_like(ids)], 1)  # [B, 4, S]
@@ -206,6 +209,7 @@ def main() -> None:
     card = measure(args.checkpoint, args.loss_conversations, args.routing_conversations, args.tasks, seen)
     card["overlap"] = split_overlap(seen)
     card["step_seconds"] = {str(t): step_seconds(args.checkpoint, phases[-1]["config"], t) for t in (1, 2)}
+    card["step_cpu"] = f"{cpu_name()}, {os.cpu_count()} cores"
     (args.checkpoint / "card_metrics.json").write_text(json.dumps(card, indent=1) + "\n")
     save_loss_curve(merge_histories(phases), args.checkpoint / "loss_curve.png", card["ln_vocab"])
     write_card(args.checkpoint, card, phases)

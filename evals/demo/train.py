@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import re
 import time
@@ -169,7 +170,9 @@ def lm_loss(model, batch: torch.Tensor, autocast_bf16: bool = False, prompt_weig
     0.0 and 1.0 is the plain loss on the answers only.
     """
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
-        out = model(input_ids=batch[:, 0], attention_mask=batch[:, 2])
+        # rows pad only at their end, so causal attention alone keeps real tokens off the padding; without a mask
+        # the attention kernel takes its causal path (~10% faster per training step)
+        out = model(input_ids=batch[:, 0])
     target = batch[:, 0, 1:]  # [B, S-1]
     answer = batch[:, 1, 1:] != IGNORE
     weight = torch.where(answer, torch.where(batch[:, 3, 1:] == 1, value_weight, 1.0),
@@ -240,7 +243,21 @@ def save_snapshot(model, tokenizer, path: Path, step: int) -> None:
     (path / "step.txt").write_text(f"{step}\n")
 
 
+def cpu_name() -> str:
+    """The CPU's model name (a run's wall time and step count depend on it)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
+    setup_start = time.time()
     torch.set_num_threads(cfg.threads)
     if cfg.init_from:
         from transformers import AutoModelForCausalLM
@@ -271,11 +288,12 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0},
                              {"params": qk, "weight_decay": 0.0, "lr_mult": cfg.qk_norm_lr_mult}],
-                            lr=cfg.lr, betas=(0.9, 0.95))
+                            lr=cfg.lr, betas=(0.9, 0.95), fused=True)
     history: dict = {"prompt_loss_weight": cfg.prompt_loss_weight, "train": [], "heldout": [], "aux": []}
     gen = torch.Generator().manual_seed(cfg.seed)
     order = torch.randperm(len(train_data), generator=gen)
     start = time.time()
+    setup_seconds = start - setup_start  # model init and corpus generation + tokenization, outside the budget
     bar = tqdm(range(cfg.steps), desc="train", total=float("inf") if cfg.time_budget_s > 0 else cfg.steps)  # done=% of budget
     warm_progress, steps_done = None, 0
     for step in bar:
@@ -316,7 +334,9 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
     random_loss = math.log(len(tokenizer))
     save_loss_curve(history, out_dir / "loss_curve.png", random_loss)
     tail = [loss for _, loss in history["train"][-50:]]
-    metrics = {"config": asdict(cfg), "parameters": n_params, "train_seconds": round(seconds, 1), "steps": steps_done,
+    metrics = {"config": asdict(cfg), "parameters": n_params, "train_seconds": round(seconds, 1),
+               "setup_seconds": round(setup_seconds, 1), "cpu": cpu_name(), "cpu_count": os.cpu_count(),
+               "steps": steps_done,
                "tokens_per_step": cfg.batch_size * cfg.seq_len, "train_rows": len(train_data),
                "final_train_ce_last50": sum(tail) / len(tail), "final_heldout_ce": history["heldout"][-1][1],
                "random_model_ce": random_loss, "history": history}

@@ -209,26 +209,20 @@ def test_shipped_model_copies_tickers_accounts_quantities_and_sides_from_the_pro
     """Teacher-forced on held-out tool calls and reports: the first token of each ticker, account number,
     quantity and order side in the answer is the model's top choice. These are drawn at random per conversation, so only copying
     from the user turn (or a tool result) gets them right; a prior-driven model scores about 1/30 on tickers."""
-    import re
-
     transformers = pytest.importorskip("transformers")
+    from evals.demo.probes import copy_probe
+
     model = transformers.AutoModelForCausalLM.from_pretrained(str(CHECKPOINT)).float().eval()
-    patterns = {"ticker": r'"symbol": ?"([A-Z])', "account": r'"account_id": ?"ACC-(\d)', "quantity": r'"quantity": ?(\d)',
-                "side": r'"side": ?"([bs])'}
-    hits = {k: [0, 0] for k in patterns}
-    for conv in conversations("heldout", 80, seed=13):
-        text = conv.render()
-        enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
-        starts = {start: i for i, (start, _) in enumerate(enc["offset_mapping"])}
-        targets = [(kind, s + m.start(1)) for s, e in assistant_spans(text) for kind, p in patterns.items()
-                   for m in re.finditer(p, text[s:e])]
-        if not targets:
-            continue
-        with torch.no_grad():
-            predicted = model(input_ids=torch.tensor([enc["input_ids"]])).logits[0].argmax(-1)  # [T]
-        for kind, pos in targets:
-            i = starts[pos]
-            hits[kind][0] += int(predicted[i - 1]) == enc["input_ids"][i]
-            hits[kind][1] += 1
-    for kind, (right, n) in hits.items():
+    for kind, (right, n) in copy_probe(model, tokenizer, n=80, seed=13).items():
         assert n >= 15 and right >= 0.9 * n, (kind, right, n)
+
+
+def test_shipped_model_card_renders_its_shipped_metrics(tmp_path):
+    """The committed README is exactly what `evals.demo.card_text` makes of the committed metrics (no hand edits)."""
+    from evals.demo.card_text import write_card
+    from evals.demo.model_card import training_metric_files
+
+    card = json.loads((CHECKPOINT / "card_metrics.json").read_text())
+    phases = [json.loads(p.read_text()) for p in training_metric_files(CHECKPOINT)]
+    write_card(tmp_path, card, phases)
+    assert (tmp_path / "README.md").read_text() == (CHECKPOINT / "README.md").read_text()

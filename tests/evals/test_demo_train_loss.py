@@ -73,3 +73,15 @@ def test_value_flags_mark_the_json_values_of_answers_only():
 def test_prompt_weight_outside_zero_to_one_is_rejected():
     with pytest.raises(ValueError, match="prompt_loss_weight"):
         TrainConfig(prompt_loss_weight=1.5)
+
+
+def test_packed_rows_pad_only_at_their_end():
+    """`lm_loss` runs the model without an attention mask: causal attention keeps real tokens off end padding only."""
+    from evals.demo.train import pack
+
+    examples = [([5] * n, [IGNORE] * n, [0] * n) for n in (7, 3, 9, 4, 12, 1)]
+    rows = pack(examples, seq_len=16, pad_id=0)  # [N, 4, S]
+    mask = rows[:, 2]
+    lengths = mask.sum(1)
+    assert int(lengths.sum()) == sum(len(e[0]) for e in examples)
+    assert torch.equal(mask, (torch.arange(16) < lengths[:, None]).long())
