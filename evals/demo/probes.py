@@ -40,3 +40,37 @@ def copy_probe(model, tokenizer, n: int = 80, seed: int = 13) -> dict[str, list[
             hits[kind][0] += int(predicted[i - 1]) == enc["input_ids"][i]
             hits[kind][1] += 1
     return hits
+
+
+@torch.no_grad()
+def side_attention(model, tokenizer, n: int = 80, seed: int = 13) -> torch.Tensor:
+    """[layers, heads]: mean attention from the slot that predicts an answer's order side to the user's buy/sell word.
+
+    A model that writes the side right has a head that reads the verb from there (the shipped demo model: one head at
+    about 0.95); one that writes the prior has none. `model` must run eager attention (`attn_implementation="eager"`),
+    the only implementation that returns attention weights.
+    """
+    if model.config._attn_implementation != "eager":
+        raise ValueError("side_attention needs a model loaded with attn_implementation='eager'")
+    cfg = model.config
+    total, count = torch.zeros(cfg.num_hidden_layers, cfg.num_attention_heads), 0
+    for conv in conversations("heldout", n, seed=seed):
+        text = conv.render()
+        spans = assistant_spans(text)
+        slots = [s + m.start(1) for s, e in spans for m in re.finditer(COPY_PATTERNS["side"], text[s:e])]
+        if not slots:
+            continue
+        user = text.rfind("<|im_start|>user", 0, spans[0][0])
+        verb = re.search(r"(?i)\b(buy|sell)\b", text[user:spans[0][0]])
+        if verb is None:
+            continue
+        lo, hi = user + verb.start(), user + verb.end()
+        enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+        keys = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if s < hi and e > lo]
+        starts = {s: i for i, (s, _) in enumerate(enc["offset_mapping"])}
+        attentions = model(input_ids=torch.tensor([enc["input_ids"]]), output_attentions=True).attentions
+        for pos in slots:
+            query = starts[pos] - 1
+            total += torch.stack([a[0, :, query, keys].sum(-1) for a in attentions])  # [L, H]
+            count += 1
+    return total / max(count, 1)

@@ -226,3 +226,15 @@ def test_shipped_model_card_renders_its_shipped_metrics(tmp_path):
     phases = [json.loads(p.read_text()) for p in training_metric_files(CHECKPOINT)]
     write_card(tmp_path, card, phases)
     assert (tmp_path / "README.md").read_text() == (CHECKPOINT / "README.md").read_text()
+
+
+def test_shipped_model_has_a_head_that_reads_the_order_side_from_the_user_turn(tokenizer):
+    """The circuit behind the side copy: from the slot that predicts `buy`/`sell`, one head looks at the user's verb."""
+    transformers = pytest.importorskip("transformers")
+    from evals.demo.probes import side_attention
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(CHECKPOINT), attn_implementation="eager").float().eval()
+    attention = side_attention(model, tokenizer, n=40, seed=13)  # [L, H]
+    assert attention.max() > 0.8, attention
+    random_model = transformers.Qwen3MoeForCausalLM(model.config).float().eval()  # same config, untrained
+    assert side_attention(random_model, tokenizer, n=40, seed=13).max() < 0.2
