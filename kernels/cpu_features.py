@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import platform
 from dataclasses import dataclass
@@ -23,10 +24,11 @@ class CpuFeatures:
     avx512_vnni: bool = False
     avx512_bf16: bool = False
     amx: bool = False
+    model: str = ""  # /proc/cpuinfo's "model name" ("" where it is not known)
 
     @classmethod
-    def from_flags(cls, arch: str, flags: set[str]) -> CpuFeatures:
-        return cls(arch, **{field: flag in flags for field, flag in _FLAG_NAMES.items()})
+    def from_flags(cls, arch: str, flags: set[str], model: str = "") -> CpuFeatures:
+        return cls(arch, **{field: flag in flags for field, flag in _FLAG_NAMES.items()}, model=model)
 
     def summary(self) -> str:
         have = [f for f in _FLAG_NAMES if getattr(self, f)]
@@ -35,16 +37,19 @@ class CpuFeatures:
 
 @functools.cache
 def detect() -> CpuFeatures:
-    """Features of this machine; baseline (no SIMD extensions assumed) if /proc/cpuinfo is unreadable."""
-    arch = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return CpuFeatures.from_flags(arch, set(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return CpuFeatures(arch)
+    """Features and model name of this machine; baseline (no SIMD extensions assumed) if /proc/cpuinfo is
+    unreadable."""
+    arch, found = platform.machine(), {}
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "model name"):
+                found.setdefault(key.strip(), value.strip())
+            if len(found) == 2:
+                break
+    if "flags" not in found:
+        return CpuFeatures(arch, model=found.get("model name", ""))
+    return CpuFeatures.from_flags(arch, set(found["flags"].split()), found.get("model name", ""))
 
 
 def _avx2_baseline(features: CpuFeatures) -> bool:

@@ -247,13 +247,9 @@ def cpu_name() -> str:
     """The CPU's model name (a run's wall time and step count depend on it)."""
     import platform
 
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from kernels.cpu_features import detect
+
+    return detect().model or platform.processor() or platform.machine()
 
 
 def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:

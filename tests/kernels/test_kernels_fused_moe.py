@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,6 +73,14 @@ def test_variant_selection() -> None:
     assert select_variant(full) == "avx512" and vnni_capable(full)
     assert select_variant(type(f)("x86_64", **base)) == "avx2"
     assert select_variant(type(f)("aarch64", **base)) == "generic"
+
+
+def test_detect_reads_the_cpu_model_name() -> None:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+    assert detect().model == (names[0] if names else "")
 
 
 @pytest.mark.skipif(not (kernel_available("avx2") and vnni_capable(detect())),
