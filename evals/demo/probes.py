@@ -18,6 +18,20 @@ COPY_PATTERNS: dict[str, str] = {
 }
 
 
+def _answer_slots(tokenizer, n: int, seed: int, patterns: dict[str, str]):
+    """Per held-out conversation with an entity to predict: (text, token offsets, token ids, [(kind, token index)]),
+    the token index of each match of a `patterns` group 1 inside the assistant's answers."""
+    for conv in conversations("heldout", n, seed=seed):
+        text = conv.render()
+        targets = [(kind, s + m.start(1)) for s, e in assistant_spans(text) for kind, p in patterns.items()
+                   for m in re.finditer(p, text[s:e])]
+        if not targets:
+            continue
+        enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+        starts = {start: i for i, (start, _) in enumerate(enc["offset_mapping"])}
+        yield text, enc["offset_mapping"], enc["input_ids"], [(kind, starts[pos]) for kind, pos in targets]
+
+
 @torch.no_grad()
 def copy_probe(model, tokenizer, n: int = 80, seed: int = 13) -> dict[str, list[int]]:
     """{entity: [right, total]}: how often the first token of each entity in held-out answers is the model's top choice.
@@ -26,18 +40,10 @@ def copy_probe(model, tokenizer, n: int = 80, seed: int = 13) -> dict[str, list[
     copying scores about 1/30 on tickers and 1/2 on sides.
     """
     hits = {kind: [0, 0] for kind in COPY_PATTERNS}
-    for conv in conversations("heldout", n, seed=seed):
-        text = conv.render()
-        enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
-        starts = {start: i for i, (start, _) in enumerate(enc["offset_mapping"])}
-        targets = [(kind, s + m.start(1)) for s, e in assistant_spans(text) for kind, p in COPY_PATTERNS.items()
-                   for m in re.finditer(p, text[s:e])]
-        if not targets:
-            continue
-        predicted = model(input_ids=torch.tensor([enc["input_ids"]])).logits[0].argmax(-1)  # [T]
-        for kind, pos in targets:
-            i = starts[pos]
-            hits[kind][0] += int(predicted[i - 1]) == enc["input_ids"][i]
+    for _, _, ids, slots in _answer_slots(tokenizer, n, seed, COPY_PATTERNS):
+        predicted = model(input_ids=torch.tensor([ids])).logits[0].argmax(-1)  # [T]
+        for kind, i in slots:
+            hits[kind][0] += int(predicted[i - 1]) == ids[i]
             hits[kind][1] += 1
     return hits
 
@@ -54,23 +60,16 @@ def side_attention(model, tokenizer, n: int = 80, seed: int = 13) -> torch.Tenso
         raise ValueError("side_attention needs a model loaded with attn_implementation='eager'")
     cfg = model.config
     total, count = torch.zeros(cfg.num_hidden_layers, cfg.num_attention_heads), 0
-    for conv in conversations("heldout", n, seed=seed):
-        text = conv.render()
-        spans = assistant_spans(text)
-        slots = [s + m.start(1) for s, e in spans for m in re.finditer(COPY_PATTERNS["side"], text[s:e])]
-        if not slots:
-            continue
-        user = text.rfind("<|im_start|>user", 0, spans[0][0])
-        verb = re.search(r"(?i)\b(buy|sell)\b", text[user:spans[0][0]])
+    for text, offsets, ids, slots in _answer_slots(tokenizer, n, seed, {"side": COPY_PATTERNS["side"]}):
+        answer = assistant_spans(text)[0][0]
+        user = text.rfind("<|im_start|>user", 0, answer)
+        verb = re.search(r"(?i)\b(buy|sell)\b", text[user:answer])
         if verb is None:
             continue
         lo, hi = user + verb.start(), user + verb.end()
-        enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
-        keys = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if s < hi and e > lo]
-        starts = {s: i for i, (s, _) in enumerate(enc["offset_mapping"])}
-        attentions = model(input_ids=torch.tensor([enc["input_ids"]]), output_attentions=True).attentions
-        for pos in slots:
-            query = starts[pos] - 1
-            total += torch.stack([a[0, :, query, keys].sum(-1) for a in attentions])  # [L, H]
+        keys = [i for i, (s, e) in enumerate(offsets) if s < hi and e > lo]
+        attentions = model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+        for _, i in slots:
+            total += torch.stack([a[0, :, i - 1, keys].sum(-1) for a in attentions])  # [L, H]
             count += 1
     return total / max(count, 1)
