@@ -52,6 +52,7 @@ class TrainConfig:
     seed: int = 0
     threads: int = 1  # torch CPU threads (the demo machine has 2 cores, shared)
     autocast_bf16: bool = False
+    document_mask: bool = False  # attend within each packed conversation only (see lm_loss)
     experts_implementation: str = "grouped_mm"  # ~1.4x faster than "eager" for training on CPU
     init_from: str = ""  # a checkpoint directory to continue training from (a second phase)
     boost_family: str = ""  # draw this share of conversations from these families ("a,b,c", uniformly)
@@ -118,10 +119,12 @@ def tokenize_with_mask(tokenizer, text: str) -> tuple[list[int], list[int], list
 
 
 def pack(examples: list[tuple[list[int], list[int], list[int]]], seq_len: int, pad_id: int) -> torch.Tensor:
-    """Greedy packing of whole conversations into rows: returns [N, 4, seq_len] (ids, labels, mask, value flags)."""
+    """Greedy packing of whole conversations into rows: returns [N, 5, seq_len] (ids, labels, mask, value flags,
+    position ids that restart at 0 with each conversation, and with the padding)."""
     rows: list[list[list[int]]] = []
     for example in examples:
         example = [list(x[:seq_len]) for x in example]
+        example.append(list(range(len(example[0]))))
         for row in rows[-16:]:  # next-fit over a small window keeps packing linear
             if len(row[0]) + len(example[0]) <= seq_len:
                 for part, more in zip(row, example, strict=True):
@@ -129,14 +132,15 @@ def pack(examples: list[tuple[list[int], list[int], list[int]]], seq_len: int, p
                 break
         else:
             rows.append(example)
-    out = torch.full((len(rows), 4, seq_len), 0, dtype=torch.long)
-    for r, (ids, labels, values) in enumerate(rows):
+    out = torch.full((len(rows), 5, seq_len), 0, dtype=torch.long)
+    for r, (ids, labels, values, positions) in enumerate(rows):
         n = len(ids)
         out[r, 0] = torch.tensor(ids + [pad_id] * (seq_len - n))
         out[r, 1] = torch.tensor(labels + [IGNORE] * (seq_len - n))
         out[r, 2, :n] = 1
         out[r, 3, :n] = torch.tensor(values)
-    return out  # [N, 4, S]
+        out[r, 4] = torch.tensor(positions + list(range(seq_len - n)))
+    return out  # [N, 5, S]
 
 
 def split_conversations(split: str, n: int, seed: int, boost_family: str = "", boost_share: float = 0.0):
@@ -162,17 +166,51 @@ def encode_split(tokenizer, split: str, n: int, seq_len: int, seed: int, boost_f
     return pack(examples, seq_len, pad_id)
 
 
+def packed_causal_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                            dropout: float = 0.0, scaling: float | None = None, position_ids: torch.Tensor | None = None,
+                            **kwargs) -> tuple[torch.Tensor, None]:
+    """Causal attention inside each conversation of a packed row (`position_ids` restart at 0 with each one), for
+    transformers' attention interface ("packed_sdpa"): one SDPA call per conversation, so a row costs the sum of its
+    conversations' squared lengths rather than the square of the row, and no [S, S] mask is built.
+
+    query [B, H, S, D], key/value [B, KV, S, D] -> [B, S, H, D].
+    """
+    rows = []
+    for b in range(query.shape[0]):
+        starts = (position_ids[b] == 0).nonzero().flatten().tolist() + [query.shape[2]]
+        rows.append(torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e], dropout_p=dropout, is_causal=True,
+            scale=scaling, enable_gqa=True) for s, e in zip(starts, starts[1:], strict=False) if e > s], 2))
+    return torch.cat(rows).transpose(1, 2).contiguous(), None
+
+
+def _register_packed_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("packed_sdpa", packed_causal_attention)
+    AttentionMaskInterface.register("packed_sdpa", lambda *args, **kwargs: None)  # the boundaries are in position_ids
+
+
 def lm_loss(model, batch: torch.Tensor, autocast_bf16: bool = False, prompt_weight: float = 0.0,
-            value_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weighted mean next-token cross-entropy, router load-balancing loss) of a [B, 4, S] batch (`pack`).
+            value_weight: float = 1.0, document_mask: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted mean next-token cross-entropy, router load-balancing loss) of a [B, 5, S] batch (`pack`).
 
     Assistant tokens weigh 1, those inside a JSON value `value_weight`, the other real tokens `prompt_weight`:
-    0.0 and 1.0 is the plain loss on the answers only.
+    0.0 and 1.0 is the plain loss on the answers only. `document_mask`: each conversation in a row attends only to
+    itself, from position 0, as it does when served; else a row is one causal sequence (faster per step).
     """
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
-        # rows pad only at their end, so causal attention alone keeps real tokens off the padding; without a mask
-        # the attention kernel takes its causal path (~10% faster per training step)
-        out = model(input_ids=batch[:, 0])
+        if document_mask:  # position ids restart per conversation; attention stays inside each one
+            _register_packed_attention()
+            implementation = model.config._attn_implementation
+            model.set_attn_implementation("packed_sdpa")
+            try:
+                out = model(input_ids=batch[:, 0], position_ids=batch[:, 4], use_cache=False)
+            finally:
+                model.set_attn_implementation(implementation)
+        else:  # rows pad only at their end, so causal attention alone keeps real tokens off the padding
+            out = model(input_ids=batch[:, 0], use_cache=False)
     target = batch[:, 0, 1:]  # [B, S-1]
     answer = batch[:, 1, 1:] != IGNORE
     weight = torch.where(answer, torch.where(batch[:, 3, 1:] == 1, value_weight, 1.0),
@@ -183,14 +221,15 @@ def lm_loss(model, batch: torch.Tensor, autocast_bf16: bool = False, prompt_weig
 
 
 @torch.no_grad()
-def evaluate(model, data: torch.Tensor, batch_size: int, autocast_bf16: bool = False) -> float:
+def evaluate(model, data: torch.Tensor, batch_size: int, autocast_bf16: bool = False,
+             document_mask: bool = False) -> float:
     """Token-weighted mean cross-entropy over the assistant tokens of `data`."""
     model.eval()
     total, count = 0.0, 0
     for i in range(0, len(data), batch_size):
         batch = data[i:i + batch_size]
         n = int((batch[:, 1, 1:] != IGNORE).sum())
-        ce, _ = lm_loss(model, batch, autocast_bf16)
+        ce, _ = lm_loss(model, batch, autocast_bf16, document_mask=document_mask)
         total, count = total + float(ce) * n, count + n
     model.train()
     return total / max(count, 1)
@@ -303,7 +342,8 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
         idx = order[(torch.arange(cfg.batch_size) + step * cfg.batch_size) % len(order)]
         for group in opt.param_groups:
             group["lr"] = lr_at(step, done, cfg) * group.get("lr_mult", 1.0)
-        ce, aux = lm_loss(model, train_data[idx], cfg.autocast_bf16, cfg.prompt_loss_weight, cfg.value_loss_weight)
+        ce, aux = lm_loss(model, train_data[idx], cfg.autocast_bf16, cfg.prompt_loss_weight, cfg.value_loss_weight,
+                          cfg.document_mask)
         (ce + cfg.router_aux_loss_coef * aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -314,7 +354,7 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
         history["aux"].append((step, aux))
         bar.set_postfix(ce=f"{ce:.3f}", aux=f"{aux:.3f}", done=f"{progress:.0%}")
         if (step + 1) % cfg.eval_every == 0:
-            held = evaluate(model, eval_data, cfg.batch_size, cfg.autocast_bf16)
+            held = evaluate(model, eval_data, cfg.batch_size, cfg.autocast_bf16, cfg.document_mask)
             history["heldout"].append((step + 1, held))
             print(f"step {step + 1}: train ce {ce:.4f} held-out ce {held:.4f} "
                   f"elapsed {time.time() - start:.0f}s", flush=True)
@@ -322,7 +362,7 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
             save_snapshot(model, tokenizer, out_dir / "latest", step + 1)
     seconds = time.time() - start
     if not history["heldout"] or history["heldout"][-1][0] != steps_done:
-        history["heldout"].append((steps_done, evaluate(model, eval_data, cfg.batch_size, cfg.autocast_bf16)))
+        history["heldout"].append((steps_done, evaluate(model, eval_data, cfg.batch_size, cfg.autocast_bf16, cfg.document_mask)))
     print(f"final held-out ce {history['heldout'][-1][1]:.4f} after {steps_done} steps, {seconds:.0f}s", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.config.output_router_logits = False  # inference default; training turns it on
