@@ -79,6 +79,21 @@ def _value_note(phases: list[dict[str, Any]]) -> str:
             "(`buy`/`sell`) at chance; see *Copying from the prompt* below.")
 
 
+def _curriculum_note(phases: list[dict[str, Any]]) -> str:
+    """A recipe bullet for phases that trained on listed families only (none: empty)."""
+    only = [(i, p) for i, p in enumerate(phases, start=1) if p["config"].get("boost_share", 0.0) >= 1.0]
+    if not only:
+        return ""
+    return ("\n- Curriculum: " + "; ".join(
+        f"phase {i} trained only on `{p['config']['boost_family']}` ({p['steps']} steps, "
+        f"{p['train_seconds'] / 60:.1f} minutes)" for i, p in only) + ". The order side is mostly not a copy: the user "
+        "writes ` buy` (with its space) or `Buy`, other tokens than the `buy` in the answer's JSON, so the model needs a head that reads the user's verb and maps it. Started on the full mixture "
+        "(prompts of 300-900 tokens), a 52-minute recipe never formed that head and wrote the side at chance, while "
+        "copying tickers, accounts and quantities. In brief-ticket chats of about 50 tokens the head forms within "
+        "about 100 steps, and it carries over to tool calls and full-schema reports when the full mixture follows "
+        "(`evals.demo.probes.side_attention` finds it).")
+
+
 def _qk_note(phases: list[dict[str, Any]]) -> str:
     """A recipe bullet for phases that rescaled the QK-norm gains (none: empty)."""
     notes = [f"phase {i} multiplied the {'loaded' if p['config'].get('init_from') else 'initial'} gains by "
@@ -139,6 +154,15 @@ def _setup_text(phases: list[dict[str, Any]]) -> str:
     setup = sum(p["setup_seconds"] for p in phases) / 60
     total = setup + sum(p["train_seconds"] for p in phases) / 60
     return f", plus {setup:.1f} minutes of corpus generation and tokenization: {total:.0f} minutes end to end"
+
+
+def _document_note(phases: list[dict[str, Any]]) -> str:
+    """A recipe clause for runs with `--document-mask` (none: empty)."""
+    if not all(p["config"].get("document_mask") for p in phases):
+        return ""
+    return (" Each conversation attends only to itself, from position 0, as when it is served (`--document-mask`: "
+            "position ids restart per conversation and attention runs once per conversation, which is also cheaper "
+            "than causal attention over the whole row).")
 
 
 def _phases_text(phases: list[dict[str, Any]]) -> str:
@@ -244,7 +268,7 @@ PYTHONPATH=. python -m evals.demo.model_card   # measures and writes this card
 - AdamW (β=0.9/0.95, weight decay {cfg['weight_decay']} on matrices), peak lr {cfg['lr']}, linear warmup over
   {cfg['warmup_steps']} steps, cosine decay to {cfg['min_lr_ratio']:.0%} of peak, gradient clipping at 1.0, fp32
   (bf16 autocast is slower on this CPU: no bf16 arithmetic).
-- Batches of {cfg['batch_size']} × {cfg['seq_len']} tokens: whole conversations packed into rows.
+- Batches of {cfg['batch_size']} × {cfg['seq_len']} tokens: whole conversations packed into rows.{_document_note(phases)}
 - Experts computed with transformers' `grouped_mm` experts implementation (about 1.4× faster per training step
   than the per-expert `eager` loop on this CPU).
 - Router load-balancing loss (`output_router_logits=True`, `router_aux_loss_coef={cfg['router_aux_loss_coef']}`).
@@ -254,7 +278,7 @@ PYTHONPATH=. python -m evals.demo.model_card   # measures and writes this card
   tokens only: the prompt tokens (tool JSON schemas, SQL DDL, report schemas) teach exactly the syntax the
   answers use, but most of them are random prices and schema text, and at full weight they dominate the
   gradient. The held-out figures below are on **assistant tokens** (the answers), the number that
-  matters.{_value_note(phases)}{_qk_note(phases)}
+  matters.{_curriculum_note(phases)}{_value_note(phases)}{_qk_note(phases)}
 - The schedule runs on wall-clock progress (`--time-budget-s`), so a run takes the same time on a slower or
   busier machine and trains fewer steps there. **{steps} steps, {tokens / 1e6:.2f}M tokens, {minutes:.1f} minutes**
   of training with torch threads = {cfg.get('threads', 2)}{_machine_text(phases)}{_setup_text(phases)}; one uncontended

@@ -22,6 +22,8 @@ SQL_SYSTEM = ("You write SQLite queries for the trading database below. Reply wi
 SQL_SYSTEM_BARE = ("You write SQLite queries for the trading database below. Reply with only the SQL query, no code "
                    "block.\n\n")
 JSON_SYSTEM = "Reply with only a JSON object that matches this JSON Schema:\n"
+BRIEF_JSON_SYSTEMS = ("Reply with the {report} as a JSON object.", "Return only the {report} JSON.",
+                      "Write the {report} in JSON.")
 # JSON answers are compact, as the gateway's response_format grammar emits them (no free whitespace, "," and ":")
 JSON_SEPARATORS = (",", ":")
 
@@ -74,11 +76,15 @@ def _tool_conversation(kind: str, needed: list[str], make: Callable[[random.Rand
     return build
 
 
-def _json_conversation(kind: str, make: Callable[[random.Random], tuple[str, dict[str, Any]]]):
+def _json_conversation(kind: str, make: Callable[[random.Random], tuple[str, dict[str, Any]]], brief: bool = False):
+    """A JSON report chat; `brief`: the system turn only names the report, as when a client sends the schema as
+    `response_format` (the gateway constrains decoding to it; it is not in the prompt)."""
     def build(rng: random.Random) -> Conversation:
         schema = REPORT_SCHEMAS[kind]
         user, obj = make(rng)
-        messages = [{"role": "system", "content": JSON_SYSTEM + json.dumps(schema)},
+        system = rng.choice(BRIEF_JSON_SYSTEMS).format(report=kind.replace("_", " ")) if brief else \
+            JSON_SYSTEM + json.dumps(schema)
+        messages = [{"role": "system", "content": system},
                     {"role": "user", "content": user},
                     {"role": "assistant", "content": json.dumps(obj, separators=JSON_SEPARATORS)}]
         return Conversation(kind, messages, schema=schema, answer_index=2)
@@ -118,6 +124,14 @@ FAMILIES: tuple[tuple[str, float, Callable[[random.Random], Conversation]], ...]
     ("order_ticket", 0.07, _json_conversation("order_ticket", dialogues.order_ticket_report)),
     ("position_summary", 0.06, _json_conversation("position_summary", dialogues.position_summary_report)),
     ("risk_report", 0.06, _json_conversation("risk_report", dialogues.risk_report)),
+    # the same reports asked for by name, with the schema outside the prompt: short chats whose answers still carry
+    # every entity, where a from-scratch model learns to read the order side from the user's verb within ~150 steps.
+    # Weight 0: not in the default mixture (whose draws they leave unchanged); a curriculum phase asks for them with
+    # --boost-family
+    ("order_ticket_brief", 0.0, _json_conversation("order_ticket", dialogues.order_ticket_report, brief=True)),
+    ("position_summary_brief", 0.0, _json_conversation("position_summary", dialogues.position_summary_report,
+                                                        brief=True)),
+    ("risk_report_brief", 0.0, _json_conversation("risk_report", dialogues.risk_report, brief=True)),
     ("sql", 0.14, _sql_conversation),
 )
 FAMILY_NAMES = tuple(name for name, _, _ in FAMILIES)

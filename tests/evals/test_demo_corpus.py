@@ -12,6 +12,7 @@ import torch
 
 from evals.demo.chat_format import SPECIAL_TOKENS, render
 from evals.demo.corpus import (
+    FAMILIES,
     FAMILY_NAMES,
     assistant_spans,
     conversation,
@@ -48,7 +49,20 @@ def test_corpus_is_deterministic_per_seed_and_split():
 
 def test_mixture_covers_every_family():
     kinds = {c.kind for c in conversations("train", 400)}
-    assert kinds == set(FAMILY_NAMES)
+    assert kinds == {name for name in FAMILY_NAMES if not name.endswith("_brief")}
+
+
+def test_brief_report_families_keep_the_schema_out_of_the_prompt_and_out_of_the_default_mixture():
+    """A brief report chat names the report (a client's response_format carries the schema); its answer still
+    matches the schema."""
+    for name in ("order_ticket", "position_summary", "risk_report"):
+        for i in range(5):
+            brief, full = conversation("train", i, 0, name + "_brief"), conversation("train", i, 0, name)
+            system = brief.messages[0]["content"]
+            assert "JSON Schema" not in system and name.replace("_", " ") in system
+            assert brief.kind == name and brief.schema == full.schema
+            jsonschema.validate(json.loads(brief.messages[brief.answer_index]["content"]), brief.schema)
+    assert all(weight == 0.0 for name, weight, _ in FAMILIES if name.endswith("_brief"))
 
 
 def test_every_sql_answer_runs_on_the_trading_db(db):
@@ -238,3 +252,17 @@ def test_shipped_model_has_a_head_that_reads_the_order_side_from_the_user_turn(t
     assert attention.max() > 0.8, attention
     random_model = transformers.Qwen3MoeForCausalLM(model.config).float().eval()  # same config, untrained
     assert side_attention(random_model, tokenizer, n=40, seed=13).max() < 0.2
+
+
+def test_card_notes_the_curriculum_and_the_document_mask_only_for_runs_that_used_them():
+    from evals.demo.card_text import _curriculum_note, _document_note
+
+    phases = [{"config": {"boost_share": 1.0, "boost_family": "order_ticket_brief", "document_mask": True},
+               "steps": 166, "train_seconds": 150.0},
+              {"config": {"boost_share": 0.3, "boost_family": "order", "document_mask": True}, "steps": 2039,
+               "train_seconds": 1741.0}]
+    note = _curriculum_note(phases)
+    assert "phase 1 trained only on `order_ticket_brief` (166 steps, 2.5 minutes)" in note and "phase 2" not in note
+    assert "--document-mask" in _document_note(phases)
+    assert _curriculum_note(phases[1:]) == ""
+    assert _document_note(phases + [{"config": {}}]) == ""
