@@ -21,11 +21,15 @@ _DEMO_WORD = r"(?:[^\r\n\p{L}\p{N}](?!\p{Lu}+(?!\p{L})))?\p{L}+"
 if _QWEN_WORD not in QWEN_PRETOKENIZE_REGEX:
     raise RuntimeError("Qwen2's pre-tokenizer pattern changed: update _QWEN_WORD")
 DEMO_PRETOKENIZE_REGEX = QWEN_PRETOKENIZE_REGEX.replace(_QWEN_WORD, _DEMO_WORD)
+# each capital of an all-capitals word as its own piece (`AAPL` is `A`, `A`, `P`, `L`, as `1012` is four digits): a
+# whole-ticker token is rare and a model learns to copy it slowly; letters are frequent, like digits. In 330-step pilots
+# on brief reports, the first token of a ticker was copied 99/105 with this split against 6/105 without it
+SPLIT_CAPITALS_REGEX = r"\p{Lu}(?=\p{Lu}*(?!\p{L}))|" + DEMO_PRETOKENIZE_REGEX
 
 
-def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+def train_tokenizer(texts: list[str], vocab_size: int, split_capitals: bool = False) -> Tokenizer:
     """A byte-level BPE whose first ids are the special tokens (<|endoftext|> = 0)."""
-    tok = byte_level_bpe(DEMO_PRETOKENIZE_REGEX)
+    tok = byte_level_bpe(SPLIT_CAPITALS_REGEX if split_capitals else DEMO_PRETOKENIZE_REGEX)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
@@ -55,9 +59,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--vocab-size", type=int, default=6144)
     parser.add_argument("--conversations", type=int, default=20_000)
+    parser.add_argument("--split-capitals", action=argparse.BooleanOptionalAction, default=False,
+                        help="every capital of an all-capitals word (tickers, SQL keywords) as its own token")
     args = parser.parse_args()
     texts = [c.render() for c in conversations("train", args.conversations)]
-    tok = train_tokenizer(texts, args.vocab_size)
+    tok = train_tokenizer(texts, args.vocab_size, args.split_capitals)
     args.out.mkdir(parents=True, exist_ok=True)
     save_hf_tokenizer(tok, args.out)
     held = [c.render() for c in conversations("heldout", 500)]

@@ -266,3 +266,18 @@ def test_card_notes_the_curriculum_and_the_document_mask_only_for_runs_that_used
     assert "--document-mask" in _document_note(phases)
     assert _curriculum_note(phases[1:]) == ""
     assert _document_note(phases + [{"config": {}}]) == ""
+
+
+def test_split_capitals_tokenizer_spells_tickers_in_letters_everywhere_and_keeps_other_words():
+    """`tokenizer_build --split-capitals`: an all-capitals word is one token per letter in prose, JSON and SQL alike
+    (copying it is then the digit-like copy of frequent letters); capitalised and lower-case words split as before."""
+    from evals.demo.tokenizer_build import train_tokenizer
+
+    tok = train_tokenizer([c.render() for c in conversations("train", 300)], 4096, split_capitals=True)
+    for text in ("Buy 10 AAPL now", '{"symbol": "AAPL"}', '{"symbol":"AAPL"}', "WHERE i.symbol = 'AAPL'", "(AAPL)"):
+        pieces = tok.encode(text).tokens
+        start = next(i for i, p in enumerate(pieces) if p == "A" and pieces[i + 1:i + 4] == ["A", "P", "L"])
+        assert pieces[start:start + 4] == ["A", "A", "P", "L"], (text, pieces)
+    assert tok.encode("Buy 10 AAPL").tokens[0] == "Buy"
+    assert tok.encode(" shares").tokens == ["Ġshares"]
+    assert tok.encode("ACC-1012").tokens == ["A", "C", "C", "-", "1", "0", "1", "2"]
