@@ -149,12 +149,13 @@ def active_parameters(model) -> int:
 
 
 def step_seconds(checkpoint: Path, config: dict[str, Any], threads: int, steps: int = 4) -> float:
-    """Best wall time of one training step (forward, backward, AdamW) of the recipe's model at `threads` threads."""
+    """Best wall time of one training step (forward, backward, AdamW) of the recipe's model at `threads` threads, on
+    the recipe's first packed training rows with its loss weights and attention (`document_mask`)."""
     from dataclasses import fields
 
     from transformers import AutoTokenizer
 
-    from evals.demo.train import TrainConfig, build_model, lm_loss
+    from evals.demo.train import TrainConfig, build_model, encode_split, lm_loss
 
     cfg = TrainConfig(**{f.name: config[f.name] for f in fields(TrainConfig) if f.name in config})
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
@@ -162,13 +163,15 @@ def step_seconds(checkpoint: Path, config: dict[str, Any], threads: int, steps: 
     torch.set_num_threads(threads)
     model = build_model(cfg, tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, len(tokenizer), (cfg.batch_size, cfg.seq_len), generator=gen)  # [B, S]
-    batch = torch.stack([ids, ids, torch.ones_like(ids), torch.zeros_like(ids)], 1)  # [B, 4, S]
+    # every chat is longer than 32 tokens, so this many fill at least batch_size rows
+    rows = encode_split(tokenizer, "train", cfg.batch_size * cfg.seq_len // 32, cfg.seq_len, cfg.seed,
+                        cfg.boost_family, cfg.boost_share)
+    batch = rows[:cfg.batch_size]  # [B, 5, S]
     best = float("inf")
     for _ in range(steps):
         start = time.perf_counter()
-        ce, aux = lm_loss(model, batch, cfg.autocast_bf16, prompt_weight=1.0)
+        ce, aux = lm_loss(model, batch, cfg.autocast_bf16, cfg.prompt_loss_weight, cfg.value_loss_weight,
+                          cfg.document_mask)
         (ce + cfg.router_aux_loss_coef * aux).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -180,7 +181,7 @@ def packed_causal_attention(module, query: torch.Tensor, key: torch.Tensor, valu
         starts = (position_ids[b] == 0).nonzero().flatten().tolist() + [query.shape[2]]
         rows.append(torch.cat([torch.nn.functional.scaled_dot_product_attention(
             query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e], dropout_p=dropout, is_causal=True,
-            scale=scaling, enable_gqa=True) for s, e in zip(starts, starts[1:], strict=False) if e > s], 2))
+            scale=scaling, enable_gqa=True) for s, e in itertools.pairwise(starts)], 2))
     return torch.cat(rows).transpose(1, 2).contiguous(), None
 
 
@@ -362,7 +363,8 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
             save_snapshot(model, tokenizer, out_dir / "latest", step + 1)
     seconds = time.time() - start
     if not history["heldout"] or history["heldout"][-1][0] != steps_done:
-        history["heldout"].append((steps_done, evaluate(model, eval_data, cfg.batch_size, cfg.autocast_bf16, cfg.document_mask)))
+        held = evaluate(model, eval_data, cfg.batch_size, cfg.autocast_bf16, cfg.document_mask)
+        history["heldout"].append((steps_done, held))
     print(f"final held-out ce {history['heldout'][-1][1]:.4f} after {steps_done} steps, {seconds:.0f}s", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.config.output_router_logits = False  # inference default; training turns it on
