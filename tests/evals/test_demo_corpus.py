@@ -281,3 +281,7 @@ def test_split_capitals_tokenizer_spells_tickers_in_letters_everywhere_and_keeps
     assert tok.encode("Buy 10 AAPL").tokens[0] == "Buy"
     assert tok.encode(" shares").tokens == ["Ġshares"]
     assert tok.encode("ACC-1012").tokens == ["A", "C", "C", "-", "1", "0", "1", "2"]
+    words = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("SELECT symbol FROM t WHERE qty IS NOT NULL")]
+    assert [p for p in words if p.isalpha() and p.upper() == p and p != "Ġ"] == ["SELECT", "FROM", "WHERE", "IS", "NOT", "NULL"]
+    assert tok.encode("SELECT").tokens == ["SELECT"]
+    assert tok.encode("XIN").tokens == ["X", "I", "N"]  # a keyword inside a ticker is still letters
