@@ -130,6 +130,7 @@ def measure(checkpoint: Path, n_loss: int, n_routing: int, n_tasks: int,
         "parameters": sum(p.numel() for p in model.parameters()),
         "active_parameters": active_parameters(model),
         "vocab_size": len(tokenizer), "ln_vocab": math.log(len(tokenizer)),
+        "split_capitals": splits_capitals(checkpoint),
         "heldout_conversations": n_loss,
         "trained": heldout_loss(model, tokenizer, n_loss), "random": heldout_loss(random_model, tokenizer, n_loss),
         "routing": routing_skew(model, tokenizer, n_routing),
@@ -139,6 +140,15 @@ def measure(checkpoint: Path, n_loss: int, n_routing: int, n_tasks: int,
                        for k, v in structured_tasks(str(checkpoint), n_tasks, exclude=seen).items()},
         "samples": exploration_samples(checkpoint),
     }
+
+
+def splits_capitals(checkpoint: Path) -> bool:
+    """Whether the checkpoint's tokenizer was built with `tokenizer_build --split-capitals` (its pre-tokenizer pattern)."""
+    from evals.demo.tokenizer_build import SPLIT_CAPITALS_REGEX
+
+    pre = json.loads((checkpoint / "tokenizer.json").read_text(encoding="utf-8"))["pre_tokenizer"]
+    steps = pre.get("pretokenizers", [pre])
+    return any(p.get("pattern", {}).get("Regex") == SPLIT_CAPITALS_REGEX for p in steps)
 
 
 def active_parameters(model) -> int:

@@ -220,7 +220,7 @@ def test_shipped_checkpoint_is_small_bf16_and_trained(tokenizer):
 
 
 def test_shipped_model_copies_tickers_accounts_quantities_and_sides_from_the_prompt(tokenizer):
-    """Teacher-forced on held-out tool calls and reports: the first token of each ticker, account number,
+    """Teacher-forced on held-out tool calls and reports: every token of each ticker, account number,
     quantity and order side in the answer is the model's top choice. These are drawn at random per conversation, so only copying
     from the user turn (or a tool result) gets them right; a prior-driven model scores about 1/30 on tickers."""
     transformers = pytest.importorskip("transformers")
@@ -285,3 +285,23 @@ def test_split_capitals_tokenizer_spells_tickers_in_letters_everywhere_and_keeps
     assert [p for p in words if p.isalpha() and p.upper() == p and p != "Ġ"] == ["SELECT", "FROM", "WHERE", "IS", "NOT", "NULL"]
     assert tok.encode("SELECT").tokens == ["SELECT"]
     assert tok.encode("XIN").tokens == ["X", "I", "N"]  # a keyword inside a ticker is still letters
+
+
+def test_card_describes_the_tokenizer_the_checkpoint_has(tmp_path):
+    """A checkpoint whose tokenizer splits capitals gets the letter-split paragraph and `--split-capitals` in its
+    recipe; the shipped one keeps whole-ticker tokens and a recipe without the flag."""
+    from evals.demo.card_text import write_card
+    from evals.demo.model_card import splits_capitals, training_metric_files
+    from evals.demo.tokenizer_build import train_tokenizer
+
+    card = json.loads((CHECKPOINT / "card_metrics.json").read_text())
+    phases = [json.loads(p.read_text()) for p in training_metric_files(CHECKPOINT)]
+    assert not splits_capitals(CHECKPOINT)
+    train_tokenizer(["Buy 10 AAPL"], 300, split_capitals=True).save(str(tmp_path / "tokenizer.json"))
+    assert splits_capitals(tmp_path)
+    write_card(tmp_path, {**card, "split_capitals": True}, phases)
+    text = (tmp_path / "README.md").read_text()
+    assert "tokenizer_build --out /tmp/demo_tok --vocab-size 4096 --split-capitals\n" in text
+    assert "`AAPL` is `A`, `A`, `P`, `L`" in text and "each ticker is one token" not in text
+    shipped = (CHECKPOINT / "README.md").read_text()
+    assert "--split-capitals" not in shipped and "each ticker is one token" in shipped
