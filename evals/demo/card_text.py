@@ -53,6 +53,14 @@ from the user's words into a tool call means learning that mapping for every tic
             "with letters against 6/105 with one token per ticker, a rare token whose copy map is learned slowly.")
 
 
+def _flag(key: str, value: Any) -> str:
+    """One `evals.demo.train` option as typed: switches as `--name` / `--no-name`, the time budget in whole seconds."""
+    name = key.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--no-{name}"
+    return f"--{name} {value:.0f}" if key == "time_budget_s" else f"--{name} {value}"
+
+
 def _commands(phases: list[dict[str, Any]]) -> str:
     """The `evals.demo.train` command of each phase: every setting that differs from `TrainConfig`'s default."""
     from dataclasses import asdict
@@ -64,8 +72,7 @@ def _commands(phases: list[dict[str, Any]]) -> str:
     for i, p in enumerate(phases, start=1):
         out = "engine/assets/demo-moe" if i == len(phases) else f"/tmp/demo_phase{i}"
         flags = [f"--init-from /tmp/demo_phase{i - 1}"] if p["config"].get("init_from") else []
-        flags += [f"--{k.replace('_', '-')} {v:.0f}" if k == "time_budget_s" else f"--{k.replace('_', '-')} {v}"
-                  for k, v in p["config"].items()
+        flags += [_flag(k, v) for k, v in p["config"].items()
                   if k in defaults and k not in ("init_from", "save_every", "eval_conversations") and v != defaults[k]]
         cmd = f"PYTHONPATH=. python -m evals.demo.train --out {out} --tokenizer /tmp/demo_tok"
         for j in range(0, len(flags), 3):
@@ -115,8 +122,8 @@ def _curriculum_note(phases: list[dict[str, Any]]) -> str:
         "writes ` buy` (with its space) or `Buy`, other tokens than the `buy` in the answer's JSON, so the model needs a head that reads the user's verb and maps it. Started on the full mixture "
         "(prompts of 300-900 tokens), a 52-minute recipe never formed that head and wrote the side at chance, while "
         "copying tickers, accounts and quantities. In brief-ticket chats of about 50 tokens the head forms within "
-        "about 100 steps, and it carries over to tool calls and full-schema reports when the full mixture follows "
-        "(`evals.demo.probes.side_attention` finds it).")
+        "about 100 steps (`evals.demo.probes.side_attention` finds it). It carries over at once to full-schema reports; "
+        "tool calls, whose prompts also list the tools' `buy`/`sell` enums, took the value-weighted phases after it.")
 
 
 def _qk_note(phases: list[dict[str, Any]]) -> str:

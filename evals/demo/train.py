@@ -382,7 +382,8 @@ def train(cfg: TrainConfig, out_dir: Path, tokenizer) -> dict:
     return metrics
 
 
-def main() -> None:
+def arg_parser() -> argparse.ArgumentParser:
+    """The command line: `--out`, `--tokenizer` and one option per `TrainConfig` field."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("engine/assets/demo-moe"))
     parser.add_argument("--tokenizer", type=Path, help="directory with a trained tokenizer (else train one)")
@@ -392,7 +393,11 @@ def main() -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
         else:
             parser.add_argument(flag, type=type(value), default=value)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arg_parser().parse_args()
     cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(TrainConfig())})
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
