@@ -122,8 +122,9 @@ def _curriculum_note(phases: list[dict[str, Any]]) -> str:
         "writes ` buy` (with its space) or `Buy`, other tokens than the `buy` in the answer's JSON, so the model needs a head that reads the user's verb and maps it. Started on the full mixture "
         "(prompts of 300-900 tokens), a 52-minute recipe never formed that head and wrote the side at chance, while "
         "copying tickers, accounts and quantities. In brief-ticket chats of about 50 tokens the head forms within "
-        "about 100 steps (`evals.demo.probes.side_attention` finds it). It carries over at once to full-schema reports; "
-        "tool calls, whose prompts also list the tools' `buy`/`sell` enums, took the value-weighted phases after it.")
+        "about 100 steps (`evals.demo.probes.side_attention` finds it), and it carries over to tool calls and "
+        "full-schema reports when the mixture follows: after the shipped recipe's 20 minutes on it, the side "
+        "(teacher-forced, `buy` against `sell`) was right in 36/36 held-out tool calls and reports.")
 
 
 def _qk_note(phases: list[dict[str, Any]]) -> str:
