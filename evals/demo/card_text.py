@@ -61,6 +61,11 @@ def _flag(key: str, value: Any) -> str:
     return f"--{name} {value:.0f}" if key == "time_budget_s" else f"--{name} {value}"
 
 
+# TrainConfig fields a recipe command does not write as options: `--init-from` is written from the phase order, and
+# snapshots and the held-out sample size do not change the trained model
+RECIPE_OMITS = ("init_from", "save_every", "eval_conversations")
+
+
 def _commands(phases: list[dict[str, Any]]) -> str:
     """The `evals.demo.train` command of each phase: every setting that differs from `TrainConfig`'s default."""
     from dataclasses import asdict
@@ -73,7 +78,7 @@ def _commands(phases: list[dict[str, Any]]) -> str:
         out = "engine/assets/demo-moe" if i == len(phases) else f"/tmp/demo_phase{i}"
         flags = [f"--init-from /tmp/demo_phase{i - 1}"] if p["config"].get("init_from") else []
         flags += [_flag(k, v) for k, v in p["config"].items()
-                  if k in defaults and k not in ("init_from", "save_every", "eval_conversations") and v != defaults[k]]
+                  if k in defaults and k not in RECIPE_OMITS and v != defaults[k]]
         cmd = f"PYTHONPATH=. python -m evals.demo.train --out {out} --tokenizer /tmp/demo_tok"
         for j in range(0, len(flags), 3):
             cmd += " \\\n    " + " ".join(flags[j:j + 3])

@@ -60,8 +60,8 @@ def side_attention(model, tokenizer, n: int = 80, seed: int = 13) -> torch.Tenso
     """[layers, heads]: mean attention from the slot that predicts an answer's order side to the user's buy/sell word.
 
     A model that writes the side right has heads that read the verb from there (the shipped demo model: 0.45 and 0.41
-    of two last-layer heads' attention); an untrained one has none (under 0.01). `model` must run eager attention (`attn_implementation="eager"`),
-    the only implementation that returns attention weights.
+    of two last-layer heads' attention); an untrained one has none (under 0.01). `model` must run eager attention
+    (`attn_implementation="eager"`), the only implementation that returns attention weights.
     """
     if model.config._attn_implementation != "eager":
         raise ValueError("side_attention needs a model loaded with attn_implementation='eager'")

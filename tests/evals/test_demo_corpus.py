@@ -316,6 +316,7 @@ def test_card_recipe_commands_parse_back_to_each_phase_config():
     import shlex
     from dataclasses import asdict
 
+    from evals.demo.card_text import RECIPE_OMITS
     from evals.demo.model_card import training_metric_files
     from evals.demo.train import TrainConfig, arg_parser
 
@@ -327,5 +328,5 @@ def test_card_recipe_commands_parse_back_to_each_phase_config():
     for command, phase in zip(commands, phases, strict=True):
         args = vars(arg_parser().parse_args(shlex.split(command.split("evals.demo.train", 1)[1])))
         for key in asdict(TrainConfig()):
-            if key not in ("init_from", "save_every", "eval_conversations") and key in phase["config"]:
+            if key not in RECIPE_OMITS and key in phase["config"]:
                 assert args[key] == phase["config"][key], (key, args[key], phase["config"][key])
