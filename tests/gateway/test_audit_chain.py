@@ -103,14 +103,36 @@ def test_removed_record_detected(tmp_path):
     assert "expected seq 4, found seq 5" in result.reason and "removed" in result.reason
 
 
-def test_truncation_mid_record_detected_and_blocks_appends(tmp_path):
+def test_torn_tail_detected_then_quarantined_on_open(tmp_path, capsys):
     path = tmp_path / "audit.jsonl"
-    _write_log(path)
+    records = _write_log(path)
     data = path.read_bytes()
-    path.write_bytes(data[:-20])
+    path.write_bytes(data[:-20])  # a crash tore the last record
     result = verify(path)
     assert not result.ok and result.first_bad_index == 7 and result.reason.startswith("truncated")
-    with pytest.raises(AuditLogError, match="incomplete"):
+    torn = data[data.rindex(b"\n", 0, len(data) - 1) + 1:-20]
+    with AuditLog(path, fsync="always") as log:  # starts: the torn bytes go aside, the chain goes on
+        nxt = log.append("chat.completion", {"after": "restart"})
+    asides = list(tmp_path.glob("audit.jsonl.torn-*"))
+    assert len(asides) == 1 and asides[0].read_bytes() == torn
+    lines = [json.loads(line) for line in _lines(path)]
+    assert [r["seq"] for r in lines] == list(range(9)) and lines[7]["event"] == "audit.quarantine"
+    assert lines[7]["prev"] == records[6].hash and nxt.seq == 8
+    assert lines[7]["data"]["bytes"] == len(torn) and lines[7]["data"]["file"] == asides[0].name
+    result = verify(path)
+    assert result.ok and result.records == 9
+    assert [(q["index"], q["bytes"], q["kept"]) for q in result.quarantined] == [(7, len(torn), True)]
+    assert _cli(["audit", "verify", str(path)]) == 0
+    assert f"record 7: a torn tail of {len(torn)} bytes was quarantined in {asides[0]} (kept)" in capsys.readouterr().out
+    asides[0].write_bytes(b"other")
+    assert verify(path).quarantined[0]["kept"] is False
+
+
+def test_altered_last_record_still_blocks_appends(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    _write_log(path)
+    path.write_bytes(path.read_bytes().replace(b'"row 7"', b'"row 9"'))
+    with pytest.raises(AuditLogError, match="does not verify"):
         AuditLog(path)
 
 
@@ -196,3 +218,83 @@ def test_cli_verify(tmp_path, capsys):
     path.write_bytes(b"".join(lines))
     assert _cli(["audit", "verify", str(path)]) == 1
     assert f"{path}: record 2 (line 3): out of sequence" in capsys.readouterr().err
+
+
+KEY = b"k" * 32
+
+
+def test_keyed_chain_needs_the_key(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "audit.jsonl"
+    with AuditLog(path, fsync="never", key=KEY) as log:
+        for i in range(4):
+            log.append("x", {"i": i})
+    assert all(json.loads(line)["v"] == 2 for line in _lines(path))
+    result = verify(path, key=KEY)
+    assert result.ok and result.keyed_records == 4 and result.chain == "keyed (HMAC-SHA256)"
+    no_key = verify(path)
+    assert not no_key.ok and no_key.first_bad_index == 0 and no_key.reason.startswith("keyed")
+    assert not verify(path, key=b"another key").ok
+    with pytest.raises(AuditLogError, match="MOEGATE_AUDIT_KEY"):
+        AuditLog(path)
+    with pytest.raises(AuditLogError, match="another key"):
+        AuditLog(path, key=b"another key")
+    # a forger without the key: an edited record rehashed with sha256 reads as a downgrade
+    lines = _lines(path)
+    rec = json.loads(lines[2])
+    rec["data"]["i"], rec["v"] = 99, 1
+    rec["hash"] = record_hash(rec)
+    forged = tmp_path / "forged.jsonl"
+    forged.write_bytes(b"".join([*lines[:2], canonical_json(rec) + b"\n", *lines[3:]]))
+    assert verify(forged, key=KEY, use_head=False).reason.startswith("downgraded")
+    # ... and a whole chain rewritten unkeyed verifies only without the key
+    rewritten = tmp_path / "rewritten.jsonl"
+    _write_log(rewritten, 4)
+    assert verify(rewritten).ok
+    assert verify(rewritten, key=KEY).reason.startswith("not keyed")
+    # the CLI takes the key from the environment or a file, and says the chain is keyed
+    monkeypatch.setenv("MOEGATE_AUDIT_KEY", KEY.decode())
+    assert _cli(["audit", "verify", str(path)]) == 0
+    assert "ok: 4 records, keyed (HMAC-SHA256)" in capsys.readouterr().out
+    monkeypatch.delenv("MOEGATE_AUDIT_KEY")
+    (tmp_path / "key").write_bytes(KEY + b"\n")
+    assert _cli(["audit", "verify", "--key-file", str(tmp_path / "key"), str(path)]) == 0
+    assert _cli(["audit", "verify", str(path)]) == 1
+    assert "give its key" in capsys.readouterr().err
+
+
+def test_unkeyed_log_continues_keyed(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 3)
+    with AuditLog(path, fsync="never", key=KEY) as log:
+        log.append("x", {})
+    result = verify(path, key=KEY)
+    assert result.ok and result.keyed_records == 1 and result.chain.startswith("3 unkeyed records, then keyed")
+
+
+def test_lone_surrogates_are_escaped_not_fatal(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    odd = {"user": "\ud800", "stop": ["a\udfffb"], "pair": "\ud83d\ude00", "emoji": "\U0001f600", "text": "é"}
+    with AuditLog(path, fsync="never", key=KEY) as log:
+        log.append("x", odd)
+        log.append("x", {"after": 1})
+    raw = path.read_bytes()
+    raw.decode("utf-8")  # valid UTF-8 on disk
+    assert b"\\ud800" in raw and "é".encode() in raw
+    rec = json.loads(_lines(path)[0])
+    assert rec["data"]["user"] == "\ud800" and rec["data"]["stop"] == ["a\udfffb"]
+    assert rec["data"]["pair"] == "\U0001f600"  # as any JSON reader pairs them
+    assert verify(path, key=KEY).ok
+    meta = audit_data("metadata", {}, {"input": "\ud800"})
+    assert len(meta["input_sha256"]) == 64
+
+
+def test_fsync_never_still_detects_a_cut_tail(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path, fsync="never")
+    for i in range(6):
+        log.append("x", {"i": i})
+    # the process dies here (no close); later the file loses its last two records
+    path.write_bytes(b"".join(_lines(path)[:4]))
+    result = verify(path)
+    assert not result.ok and "seq 5" in result.reason and result.reason.startswith("truncated")
+    log._file.close()
