@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from gateway.deps import AppState
 from gateway.errors import APIError, install_handlers
 from gateway.metrics import Metrics
+from gateway.request_audit import AuditEveryRequest
 from gateway.settings import Settings
 from policies.model import ModelEntry, Policy
 
@@ -77,7 +78,8 @@ def numerics_fingerprint(llm, settings: Settings, mode: str = "execution") -> st
 
 
 class BodyLimit:
-    """ASGI middleware: refuse bodies over `limit` bytes with 413 (declared or streamed)."""
+    """ASGI middleware: refuse bodies over `limit` bytes with 413, whether declared (Content-Length) or
+    streamed (chunked): the body is read up to the limit before the app sees it, then replayed."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -88,28 +90,29 @@ class BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await _too_large(self.limit, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
+        body, first = bytearray(), None
+        while first is None:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _too_large_error(self.limit)
-            return message
+            if message["type"] != "http.request":  # the client left before the body ended: the app sees it
+                first = message
+            body += message.get("body", b"")
+            if len(body) > self.limit:
+                return await _too_large(self.limit, send)
+            if not message.get("more_body", False):
+                first = {"type": "http.request", "body": bytes(body), "more_body": False}
+        pending = [first]
 
-        return await self.app(scope, limited, send)
+        async def replayed():
+            return pending.pop() if pending else await receive()
 
-
-def _too_large_error(limit: int) -> APIError:
-    return APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+        return await self.app(scope, replayed, send)
 
 
 async def _too_large(limit: int, send) -> None:
     import json
 
-    body = json.dumps(_too_large_error(limit).body()).encode()
+    error = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+    body = json.dumps(error.body()).encode()
     await send({"type": "http.response.start", "status": 413,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
@@ -169,6 +172,7 @@ def create_app(settings: Settings) -> FastAPI:
     for r in (chat.router, completions.router, models.router, health.router):
         app.include_router(r)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
+    app.add_middleware(AuditEveryRequest)  # outside BodyLimit: a 413 is audited too
     app.add_middleware(RequestMetrics, metrics=metrics)
     return app
 
@@ -188,7 +192,7 @@ def _start(settings: Settings, metrics: Metrics):
     from engine.async_engine import AsyncLLM
     from engine.config import ModelConfig
     from engine.llm_engine import EngineConfig, LLMEngine
-    from gateway.audit import AuditLog
+    from gateway.audit import KEY_ENV, AuditLog, key_from_env
     from gateway.generation import Generator
     from gateway.stores import make_store
     from gateway.structured.vocab import TokenizerInfo
@@ -225,7 +229,11 @@ def _start(settings: Settings, metrics: Metrics):
     store = make_store(settings.redis_url or "", policy.stores.on_unavailable)
     Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
     tel = setup_tracing("moegate", settings.otlp_endpoint, jsonl_path=settings.trace_path)
-    audit = AuditLog(settings.audit_path, fsync=policy.audit.fsync, fsync_interval_s=policy.audit.fsync_interval_s)
+    key = key_from_env()
+    audit = AuditLog(settings.audit_path, fsync=policy.audit.fsync, fsync_interval_s=policy.audit.fsync_interval_s,
+                     key=key)
+    if key is None:
+        log.warning("audit chain unkeyed (sha256): set %s to make it HMAC-SHA256", KEY_ENV)
     state = AppState(settings=settings, llm=llm, generator=Generator(llm, tok, settings.strict_retries),
                      policies=policies, open_access=open_access, store=store, telemetry=tel, audit=audit,
                      metrics=metrics, fingerprints={m: numerics_fingerprint(llm, settings, m) for m in ("exploration", "execution")}, created=int(time.time()))

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Header, Request
 
 from gateway.errors import APIError
+from gateway.request_audit import request_audit
 from policies.model import Policy, Tenant
 
 
@@ -51,8 +52,15 @@ def _bearer(authorization: str | None) -> str:
     return key.strip() if scheme.lower() == "bearer" else ""
 
 
-def get_tenant(state: State, authorization: Annotated[str | None, Header()] = None) -> Tenant:
-    """The tenant owning the bearer key; 401 with an OpenAI error body otherwise."""
+def get_tenant(request: Request, state: State, authorization: Annotated[str | None, Header()] = None) -> Tenant:
+    """The tenant owning the bearer key (named in the request's audit record); 401 with an OpenAI error body
+    otherwise."""
+    tenant = _authenticate(state, authorization)
+    request_audit(request.scope).tenant = tenant.id
+    return tenant
+
+
+def _authenticate(state: AppState, authorization: str | None) -> Tenant:
     key = _bearer(authorization)
     policy = state.policy
     if state.open_access:

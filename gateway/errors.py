@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -31,7 +32,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return _ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _ErrorResponse(JSONResponse):
+    """Error bodies in ASCII JSON: a message or param that quotes the client's input (an unpaired surrogate
+    included) always renders."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gateway.errors import bad_request
+
+INT64 = (-(2**63), 2**63 - 1)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (a value or an object key) that holds an unpaired UTF-16
+    surrogate, which JSON can carry as an escape but which is not Unicode text."""
+    if isinstance(value, str):
+        return (path or "body") if _SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        here = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return here
+        found = lone_surrogate_at(item, here)
+        if found is not None:
+            return found
+    return None
 
 
 class _Request(BaseModel):
@@ -134,11 +156,19 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=INT64[0], le=INT64[1], description="a signed 64-bit integer")] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     user: str | None = None
+
+    def reject_invalid_unicode(self) -> None:
+        """400 naming the first field whose text holds an unpaired surrogate: no tokenizer, grammar or stop
+        matcher can take it. `user`, an opaque caller id, is kept as sent (the audit log escapes it)."""
+        where = lone_surrogate_at(self.model_dump(by_alias=True, exclude_none=True, exclude={"user"}))
+        if where is not None:
+            raise bad_request(f"'{where}' contains an unpaired UTF-16 surrogate (e.g. \\ud800), which is not "
+                              "Unicode text; send valid UTF-8 text", where, "invalid_unicode")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -20,6 +22,7 @@ from gateway.errors import APIError, bad_request
 from gateway.generation import Finished, SegmentFences, TextDelta, ToolCall, generate_complete
 from gateway.limits import LimitExceeded, admit, settle
 from gateway.plan import Plan, policy_error
+from gateway.request_audit import RequestAudit, request_audit
 from gateway.stores import (
     IdempotencyKeyMismatch,
     IdemState,
@@ -148,7 +151,13 @@ async def _serve(state: AppState, request: Request, tenant: Tenant, rp: Resolved
     m.in_flight.inc()
     m.mode.labels(plan.decision.mode).inc()
 
-    async def done() -> None:
+    released = False
+
+    async def done() -> None:  # once, whichever path ends the request first
+        nonlocal released
+        if released:
+            return
+        released = True
         state.in_flight -= 1
         m.in_flight.dec()
         await adm.release()
@@ -159,14 +168,14 @@ async def _serve(state: AppState, request: Request, tenant: Tenant, rp: Resolved
             policy_digest=rp.policy_digest, mode=plan.decision.mode, numerics_fingerprint=state.fingerprints[plan.decision.mode],
             params=plan.sampling_fields())
 
-    created = int(time.time())
+    created, marker = int(time.time()), request_audit(request.scope)
     if job.stream:
-        ctx = _Ctx(state, None, tenant, rp, job, rid, created)
-        return StreamingResponse(_stream(ctx, span, done), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        ctx, sent = _Ctx(state, None, tenant, rp, job, rid, created, marker), _Sent()
+        return _ClosingStream(_stream(ctx, sent, span, done), lambda: _end_stream(ctx, sent, done),
+                              media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
     try:
         with span() as rt:
-            ctx = _Ctx(state, rt, tenant, rp, job, rid, created)
+            ctx = _Ctx(state, rt, tenant, rp, job, rid, created, marker)
             _classified(rt, plan)
             try:
                 results = await _run_until_disconnect(request, ctx)
@@ -199,6 +208,7 @@ class _Ctx:
     job: Job
     rid: str
     created: int
+    marker: RequestAudit  # settled once this request's record is written (or its level writes none)
 
     async def finish(self, results: list[tuple[str, list[ToolCall], Finished]], body: dict | None) -> None:
         m, rt, plan = self.state.metrics, self.rt, self.job.plan
@@ -241,6 +251,14 @@ class _Ctx:
     async def audit_failure(self, err: APIError) -> None:
         await self._audit({"status": err.status, "error": err.code, "message": err.message[:300]}, "")
 
+    async def audit_cut(self, sent: _Sent) -> None:
+        """A stream the client closed before its end: what was sent, marked as cut."""
+        output = json.dumps([{"content": "".join(sent.text), "tool_calls": [
+            {"name": c.name, "arguments": c.arguments} for c in sent.calls]}], ensure_ascii=False)
+        await self._audit({"status": 499, "error": "client_disconnected", "cut": True, "chunks_sent": sent.chunks,
+                           "finish_reasons": [sent.fin.reason] if sent.fin else None,
+                           "message": "the client closed the stream; generation was aborted"}, output)
+
     async def _audit(self, meta: dict, output: str) -> None:
         plan = self.job.plan
         base = {"request_id": self.rid, "route": self.job.route, "tenant": self.tenant.id, "model": self.job.model,
@@ -251,12 +269,18 @@ class _Ctx:
         data = audit_data(self.rp.audit_level, base, {"input": self.job.audit_input, "output": output},
                           self.rp.redact)
         if data is None:
+            self.marker.settled = True
             return
         try:
-            rec = await self.state.audit.aappend(f"{self.job.operation}.completion", data, trace_id=self.rt.trace_id)
-            self.rt.audit_record(rec.seq, rec.hash)
-        except Exception:  # noqa: BLE001 - logged; the response is not lost for an audit hiccup
+            rec = await self.state.audit.aappend(f"{self.job.operation}.completion", data,
+                                                 trace_id=self.rt.trace_id if self.rt else None)
+        except Exception as e:  # noqa: BLE001 - logged; the middleware writes the request's record instead
             log.exception("audit append failed for %s", self.rid)
+            self.marker.failure = f"{type(e).__name__}: {e}"
+            return
+        self.marker.settled = True
+        if self.rt is not None:
+            self.rt.audit_record(rec.seq, rec.hash)
 
     async def run_one(self, index: int) -> tuple[str, list[ToolCall], Finished]:
         gen = self.state.generator
@@ -309,45 +333,88 @@ def sse(obj: dict | str) -> bytes:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-async def _stream(ctx: _Ctx, span: Callable, done: Callable) -> AsyncIterator[bytes]:
+@dataclass
+class _Sent:
+    """What a stream has handed to the client so far."""
+
+    text: list[str] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
+    fin: Finished | None = None
+    chunks: int = 0
+
+
+class _ClosingStream(StreamingResponse):
+    """An SSE response that closes its generator, then runs `on_close`, before returning: also when the client
+    cut it while a chunk was in flight, or before the first one, so the request is settled (audit record,
+    admission released) before it ends."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable, **kw):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+                await self.on_close()
+
+
+async def _end_stream(ctx: _Ctx, sent: _Sent, done: Callable) -> None:
+    """Settle a stream once: a `cut` record when it ended without its own, then release admission."""
+    with anyio.CancelScope(shield=True):
+        try:
+            if not ctx.marker.settled and ctx.marker.failure is None:
+                ctx.state.metrics.aborts.labels("disconnect").inc()
+                if ctx.rt is not None:
+                    ctx.rt.error("client_disconnected", "the client closed the stream")
+                await ctx.audit_cut(sent)
+        finally:
+            await done()
+
+
+async def _stream(ctx: _Ctx, sent: _Sent, span: Callable, done: Callable) -> AsyncIterator[bytes]:
+    """The SSE chunks of one choice. Its record is written before [DONE] (a client that saw [DONE] finds it);
+    a client that leaves earlier gets a `cut` record of what was sent."""
     job, gen = ctx.job, ctx.state.generator
     chunker = job.chunker(ctx.rid, ctx.created, job.model, ctx.state.fingerprints[job.plan.decision.mode])
-    text_parts: list[str] = []
-    calls: list[ToolCall] = []
-    fin: Finished | None = None
-    try:
-        with span() as rt:
-            ctx.rt = rt
-            _classified(rt, job.plan)
-            try:
-                yield sse(chunker.start())
-                async with asyncio.timeout(ctx.state.settings.request_timeout_s):
-                    events = gen.run(job.plan, f"{ctx.rid}-0", 0, job.fences)
-                    async for ev in events:
-                        if isinstance(ev, TextDelta):
-                            rt.first_token()
-                            text_parts.append(ev.text)
-                            yield sse(chunker.text(ev.text))
-                        elif isinstance(ev, ToolCall):
-                            rt.first_token()
-                            for chunk in chunker.tool_call(len(calls), ev):
-                                yield sse(chunk)
-                            calls.append(ev)
-                        else:
-                            fin = ev
-                yield sse(chunker.finish(fin))
-                if job.include_usage:
-                    yield sse(chunker.usage(len(job.plan.prompt_ids), fin.completion_tokens))
-                yield sse("[DONE]")
-                await ctx.finish([("".join(text_parts), calls, fin)], None)
-            except asyncio.CancelledError:
-                ctx.state.metrics.aborts.labels("disconnect").inc()
-                raise
-            except Exception as e:  # noqa: BLE001 - reported in the stream, as OpenAI does
-                err = _error_of(e)
-                rt.error(err.code or type(e).__name__, err.message)
-                ctx.record_failed_validations(e)
+    with span() as rt:
+        ctx.rt = rt
+        _classified(rt, job.plan)
+        try:
+            yield sse(chunker.start())
+            sent.chunks += 1
+            async with asyncio.timeout(ctx.state.settings.request_timeout_s), \
+                    contextlib.aclosing(gen.run(job.plan, f"{ctx.rid}-0", 0, job.fences)) as events:
+                async for ev in events:
+                    if isinstance(ev, TextDelta):
+                        rt.first_token()
+                        yield sse(chunker.text(ev.text))
+                        sent.text.append(ev.text)
+                        sent.chunks += 1
+                    elif isinstance(ev, ToolCall):
+                        rt.first_token()
+                        for chunk in chunker.tool_call(len(sent.calls), ev):
+                            yield sse(chunk)
+                            sent.chunks += 1
+                        sent.calls.append(ev)
+                    else:
+                        sent.fin = ev
+            yield sse(chunker.finish(sent.fin))
+            sent.chunks += 1
+            if job.include_usage:
+                yield sse(chunker.usage(len(job.plan.prompt_ids), sent.fin.completion_tokens))
+                sent.chunks += 1
+            with anyio.CancelScope(shield=True):
+                await ctx.finish([("".join(sent.text), sent.calls, sent.fin)], None)
+            yield sse("[DONE]")
+        except Exception as e:  # noqa: BLE001 - reported in the stream, as OpenAI does
+            err = _error_of(e)
+            rt.error(err.code or type(e).__name__, err.message)
+            ctx.record_failed_validations(e)
+            with anyio.CancelScope(shield=True):
                 await ctx.audit_failure(err)
-                yield sse(err.body())
-    finally:
-        await done()
+            yield sse(err.body())
+        finally:
+            await _end_stream(ctx, sent, done)

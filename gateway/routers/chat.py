@@ -12,7 +12,14 @@ from gateway.deps import State, TenantDep
 from gateway.errors import bad_request
 from gateway.generation import Finished, SegmentFences, ToolCall
 from gateway.plan import chat_plan, dumps_args, policy_error, sql_target
-from gateway.schemas import ChatCompletion, ChatCompletionRequest, ErrorBody, Message, new_id
+from gateway.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    ErrorBody,
+    Message,
+    lone_surrogate_at,
+    new_id,
+)
 from gateway.serving import Chunker, Job, budget, resolve_policy, serve, usage_of
 from policies.resolve import PolicyDenied
 
@@ -23,7 +30,7 @@ _ERRORS = {s: {"model": ErrorBody} for s in (400, 401, 403, 404, 413, 429, 500, 
 
 def _template_messages(messages: list[Message]) -> list[dict]:
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         if m.name:
             d["name"] = m.name
@@ -31,11 +38,15 @@ def _template_messages(messages: list[Message]) -> list[dict]:
             d["tool_call_id"] = m.tool_call_id
         if getattr(m, "tool_calls", None):
             calls = []
-            for c in m.tool_calls:
+            for j, c in enumerate(m.tool_calls):
+                param = f"messages.{i}.tool_calls.{j}.function.arguments"
                 try:
                     args = json.loads(c.function.arguments)
                 except json.JSONDecodeError:
-                    raise bad_request(f"tool call {c.id} arguments are not JSON", "messages") from None
+                    raise bad_request(f"tool call {c.id} arguments are not JSON", param) from None
+                if lone_surrogate_at(args) is not None:
+                    raise bad_request(f"tool call {c.id} arguments hold an unpaired UTF-16 surrogate (e.g. \\ud800), "
+                                      "which is not Unicode text", param, "invalid_unicode")
                 calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
             d["tool_calls"] = calls
         out.append(d)
@@ -94,6 +105,7 @@ class ChatChunker(Chunker):
 @router.post(ROUTE, response_model=ChatCompletion, responses=_ERRORS)
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: State, tenant: TenantDep):
     """OpenAI chat completions; `response_format.type = "sql"` is moegate's SQL extension."""
+    body.reject_invalid_unicode()
     rp = resolve_policy(state, tenant, ROUTE, body.model)
     if body.stream and body.n > 1:
         raise bad_request("n > 1 is not supported with stream=true", "n", "unsupported_parameter")

@@ -48,6 +48,7 @@ class CompletionChunker(Chunker):
 
 @router.post(ROUTE, response_model=Completion, responses=_ERRORS)
 async def completions(body: CompletionRequest, request: Request, state: State, tenant: TenantDep):
+    body.reject_invalid_unicode()
     rp = resolve_policy(state, tenant, ROUTE, body.model)
     if body.stream and body.n > 1:
         raise bad_request("n > 1 is not supported with stream=true", "n", "unsupported_parameter")

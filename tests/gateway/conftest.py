@@ -60,6 +60,12 @@ class Server:
     def state(self):
         return self.app.state.moegate
 
+    def audit_records(self) -> list[dict]:
+        """Every record of the server's audit log, oldest first."""
+        import json
+
+        return [json.loads(line) for line in (self.state_dir / "audit.jsonl").read_bytes().splitlines()]
+
     def client(self, key: str = KEY_ALPHA, **kw):
         from openai import OpenAI
 

@@ -102,6 +102,7 @@ async def _saturate(url: str, key: str, n: int, no_eos: dict) -> tuple[list[int]
 
 def test_queue_full_429_and_disconnect_aborts(gateway_server):
     state = gateway_server.state
+    audited = len(gateway_server.audit_records())
     codes, extra = asyncio.run(_saturate(gateway_server.url, gateway_server.key_alpha,
                                              state.settings.max_queue,
                                              {str(t): -100 for t in state.generator.eos_ids}))
@@ -115,6 +116,9 @@ def test_queue_full_429_and_disconnect_aborts(gateway_server):
     metrics = state.metrics.render().decode()
     aborted = re.search(r'^moegate_aborted_requests_total\{reason="disconnect"\} (\S+)$', metrics, re.M)
     assert aborted and float(aborted.group(1)) >= 1  # the dropped streams were aborted, not run to the end
+    records = [r["data"] for r in gateway_server.audit_records()[audited:]]  # one each: the 429, the cut streams
+    assert sorted((r["status"], r["error"], r.get("cut")) for r in records) == \
+        [(429, "server_busy", None)] + [(499, "client_disconnected", True)] * state.settings.max_queue
 
 
 def test_idempotency_key_replays_and_guards(gateway_server):
@@ -151,12 +155,17 @@ def test_non_streaming_disconnect_aborts(gateway_server):
 
 def test_policy_rate_limit_is_429_with_retry_after(gateway_server):
     gamma = gateway_server.client(key=gateway_server.key_gamma)
+    audited = len(gateway_server.audit_records())
     for _ in range(2):
         gamma.completions.create(model="moegate-demo", prompt="x", max_tokens=1)
     with pytest.raises(openai.RateLimitError) as e:
         gamma.completions.create(model="moegate-demo", prompt="x", max_tokens=1)
     assert e.value.code == "requests_per_min_exceeded"
     assert int(e.value.response.headers["Retry-After"]) >= 1
+    records = gateway_server.audit_records()[audited:]  # the denial is recorded too, once
+    assert [(r["event"], r["data"]["status"], r["data"]["tenant"]) for r in records] == \
+        [("text_completion.completion", 200, "gamma")] * 2 + [("request.rejected", 429, "gamma")]
+    assert records[-1]["data"]["error"] == "requests_per_min_exceeded"
 
 
 def test_timeout_aborts_with_504(gateway_server):
