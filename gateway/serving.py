@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from engine.errors import EngineError, RequestError
 from gateway.audit import audit_data
@@ -23,6 +23,7 @@ from gateway.generation import Finished, SegmentFences, TextDelta, ToolCall, gen
 from gateway.limits import LimitExceeded, admit, settle
 from gateway.plan import Plan, policy_error
 from gateway.request_audit import RequestAudit, request_audit
+from gateway.sse import Chunker, ClosingStream, Sent, sse
 from gateway.stores import (
     IdempotencyKeyMismatch,
     IdemState,
@@ -170,8 +171,8 @@ async def _serve(state: AppState, request: Request, tenant: Tenant, rp: Resolved
 
     created, marker = int(time.time()), request_audit(request.scope)
     if job.stream:
-        ctx, sent = _Ctx(state, None, tenant, rp, job, rid, created, marker), _Sent()
-        return _ClosingStream(_stream(ctx, sent, span, done), lambda: _end_stream(ctx, sent, done),
+        ctx, sent = _Ctx(state, None, tenant, rp, job, rid, created, marker), Sent()
+        return ClosingStream(_stream(ctx, sent, span, done), lambda: _end_stream(ctx, sent, done),
                               media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
     try:
         with span() as rt:
@@ -251,7 +252,7 @@ class _Ctx:
     async def audit_failure(self, err: APIError) -> None:
         await self._audit({"status": err.status, "error": err.code, "message": err.message[:300]}, "")
 
-    async def audit_cut(self, sent: _Sent) -> None:
+    async def audit_cut(self, sent: Sent) -> None:
         """A stream the client closed before its end: what was sent, marked as cut."""
         output = json.dumps([{"content": "".join(sent.text), "tool_calls": [
             {"name": c.name, "arguments": c.arguments} for c in sent.calls]}], ensure_ascii=False)
@@ -310,58 +311,7 @@ async def _run_until_disconnect(request: Request, ctx: _Ctx) -> list:
             await asyncio.gather(task, return_exceptions=True)
 
 
-def usage_of(prompt: int, completion: int) -> dict:
-    """The OpenAI `usage` object."""
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-class Chunker:
-    """Base of a route's SSE chunk builder (`Job.chunker`): the fields every chunk of one streamed choice
-    carries, and the closing usage chunk. Subclasses name `object` and build start/text/tool_call/finish."""
-
-    object = ""
-
-    def __init__(self, rid: str, created: int, model: str, fingerprint: str):
-        self.base = {"id": rid, "object": self.object, "created": created, "model": model,
-                     "system_fingerprint": fingerprint}
-
-    def usage(self, prompt: int, completion: int) -> dict:
-        return {**self.base, "choices": [], "usage": usage_of(prompt, completion)}
-
-
-def sse(obj: dict | str) -> bytes:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n".encode()
-
-
-@dataclass
-class _Sent:
-    """What a stream has handed to the client so far."""
-
-    text: list[str] = field(default_factory=list)
-    calls: list[ToolCall] = field(default_factory=list)
-    fin: Finished | None = None
-    chunks: int = 0
-
-
-class _ClosingStream(StreamingResponse):
-    """An SSE response that closes its generator, then runs `on_close`, before returning: also when the client
-    cut it while a chunk was in flight, or before the first one, so the request is settled (audit record,
-    admission released) before it ends."""
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable, **kw):
-        super().__init__(content, **kw)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
-                await self.on_close()
-
-
-async def _end_stream(ctx: _Ctx, sent: _Sent, done: Callable) -> None:
+async def _end_stream(ctx: _Ctx, sent: Sent, done: Callable) -> None:
     """Settle a stream once: a `cut` record when it ended without its own, then release admission."""
     with anyio.CancelScope(shield=True):
         try:
@@ -374,7 +324,7 @@ async def _end_stream(ctx: _Ctx, sent: _Sent, done: Callable) -> None:
             await done()
 
 
-async def _stream(ctx: _Ctx, sent: _Sent, span: Callable, done: Callable) -> AsyncIterator[bytes]:
+async def _stream(ctx: _Ctx, sent: Sent, span: Callable, done: Callable) -> AsyncIterator[bytes]:
     """The SSE chunks of one choice. Its record is written before [DONE] (a client that saw [DONE] finds it);
     a client that leaves earlier gets a `cut` record of what was sent."""
     job, gen = ctx.job, ctx.state.generator

@@ -20,7 +20,8 @@ from gateway.schemas import (
     lone_surrogate_at,
     new_id,
 )
-from gateway.serving import Chunker, Job, budget, resolve_policy, serve, usage_of
+from gateway.serving import Job, budget, resolve_policy, serve
+from gateway.sse import Chunker, usage_of
 from policies.resolve import PolicyDenied
 
 ROUTE = "/v1/chat/completions"

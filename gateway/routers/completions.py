@@ -9,7 +9,8 @@ from gateway.errors import bad_request
 from gateway.generation import Finished, ToolCall
 from gateway.plan import completion_plan
 from gateway.schemas import Completion, CompletionRequest, ErrorBody, new_id
-from gateway.serving import Chunker, Job, budget, resolve_policy, serve, usage_of
+from gateway.serving import Job, budget, resolve_policy, serve
+from gateway.sse import Chunker, usage_of
 
 ROUTE = "/v1/completions"
 router = APIRouter()
