@@ -67,6 +67,19 @@ def test_answers_and_denials_each_get_one_record(gateway_server):
     assert verify(s.state_dir / "audit.jsonl").ok
 
 
+def test_answers_without_an_endpoint_record_get_one(gateway_server):
+    s = gateway_server
+    models, rec = _one_new_record(s, lambda: httpx.get(s.url + "/v1/models",
+                                                       headers={"Authorization": f"Bearer {s.key_alpha}"}))
+    assert models.status_code == 200 and rec["event"] == "request"
+    assert (rec["data"]["route"], rec["data"]["status"], rec["data"]["tenant"]) == ("/v1/models", 200, "alpha")
+    kw = dict(model="moegate-demo", messages=MSG, max_tokens=2, extra_headers={"Idempotency-Key": "audit-replay"})
+    first, rec = _one_new_record(s, lambda: s.client().chat.completions.create(**kw))
+    assert rec["event"] == "chat.completion"
+    again, rec = _one_new_record(s, lambda: s.client().chat.completions.create(**kw))
+    assert again.id == first.id and rec["event"] == "request" and rec["data"]["idempotent_replayed"] is True
+
+
 def test_a_stream_cut_after_the_first_chunk_is_recorded_as_cut(gateway_server):
     s = gateway_server
     no_eos = {str(t): -100 for t in s.state.generator.eos_ids}  # 256 tokens: the client leaves well before
