@@ -44,7 +44,7 @@ def _template_messages(messages: list[Message]) -> list[dict]:
                 try:
                     args = json.loads(c.function.arguments)
                 except json.JSONDecodeError:
-                    raise bad_request(f"tool call {c.id} arguments are not JSON", param) from None
+                    raise bad_request(f"tool call {c.id} arguments are not JSON", param, "invalid_value") from None
                 if lone_surrogate_at(args) is not None:
                     raise bad_request(f"tool call {c.id} arguments hold an unpaired UTF-16 surrogate (e.g. \\ud800), "
                                       "which is not Unicode text", param, "invalid_unicode")

@@ -94,3 +94,69 @@ def test_oversized_chunked_body_is_413(gateway_server):
     r = httpx.post(gateway_server.url + "/v1/chat/completions", content=iter([small[:10], small[10:]]), timeout=60,
                    headers={"Authorization": f"Bearer {gateway_server.key_alpha}", "Content-Type": "application/json"})
     assert r.status_code == 200, r.text  # a chunked body within the limit is served
+
+
+BASES = [
+    {"model": "moegate-demo", "max_tokens": 2, "user": "u", "stop": ["x", "y"], "tools": [TOOL],
+     "messages": [{"role": "system", "content": "s", "name": "n"},
+                  {"role": "user", "content": [{"type": "text", "text": "t"}]},
+                  {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                      "name": "get_quote", "arguments": '{"t": "AAPL"}'}}]},
+                  {"role": "tool", "tool_call_id": "c1", "content": "1"}]},
+    {"model": "moegate-demo", "max_tokens": 2, "messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "description": "d", "schema": {
+            "type": "object", "description": "o", "properties": {"a": {"type": "string", "enum": ["p", "q"]}}}}}},
+]
+
+
+def _string_slots(value, path=()):
+    """Every place a string sits in a JSON value: ("value", path) and ("key", path) entries."""
+    if isinstance(value, str):
+        yield "value", path
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield "key", (*path, k)
+            yield from _string_slots(v, (*path, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _string_slots(v, (*path, i))
+
+
+def _replaced(body, kind, path, text):
+    body = json.loads(json.dumps(body))
+    *parents, last = path
+    holder = body
+    for p in parents:
+        holder = holder[p]
+    if kind == "value":
+        holder[last] = text
+    else:
+        holder[text] = holder.pop(last)
+    return body
+
+
+SLOTS = [(i, kind, path) for i, base in enumerate(BASES) for kind, path in _string_slots(base)]
+
+
+def test_any_text_anywhere_is_answered_without_a_5xx_and_recorded_once(gateway_server):
+    """Any code points (unpaired surrogates, controls, astral, NUL) in any string or key of a request."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    odd = st.text(st.characters(codec=None, exclude_categories=()), max_size=6) | st.sampled_from(
+        ["\ud800", "\udfff", "a\ud83d", "\x00", "\U0010ffff", "\ufeff"])
+
+    @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(slot=st.sampled_from(SLOTS), text=odd)
+    def probe(slot, text):
+        i, kind, path = slot
+        body = _replaced(BASES[i], kind, path, text)
+        before = len(gateway_server.audit_records())
+        r = _post(gateway_server, body)
+        assert r.status_code < 500, (path, kind, repr(text), r.text[-300:])
+        assert r.status_code in (200, 400, 404, 413), (path, kind, repr(text), r.text[-300:])
+        if r.status_code != 200:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert len(gateway_server.audit_records()) == before + 1
+
+    probe()
