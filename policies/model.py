@@ -59,6 +59,14 @@ class Limits(_Strict):
 class ModeSettings(_Strict):
     precision: Annotated[str, Field(description="name of a precision profile")]
     deferral_depth: Annotated[int, Field(ge=0, le=16)] = 0
+    temperature: Annotated[float, Field(ge=0, le=2, description=(
+        "sampling temperature of requests in this mode that send none; unset: 0 (greedy) in execution, "
+        "1 (OpenAI's default) in exploration"))] | None = None
+
+    def default_temperature(self, mode: Mode) -> float:
+        if self.temperature is not None:
+            return self.temperature
+        return 0.0 if mode == "execution" else 1.0
 
 
 class ModeRules(_Strict):
