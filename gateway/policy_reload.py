@@ -10,6 +10,7 @@ rather than accepted and ignored. Applied after (PolicyHolder.on_change): explor
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from policies.loader import PolicyIssue
 from policies.model import Policy
@@ -48,7 +49,7 @@ class PolicyReloads:
             issues.append(_issue("models", f"this server serves {served!r}, which the new policy does not list "
                                            f"(it lists {names}); every request would be refused. Keep it listed, "
                                            "or start a server for the new model"))
-        elif before is not None and entry.source != before.source:
+        elif before is not None and entry.source != before.source and self._served_from(before.source):
             issues.append(_issue(f"models[{names.index(served)}].source",
                                  f"the source of the served model {served!r} changed ({before.source!r} -> "
                                  f"{entry.source!r}); loading another checkpoint needs a restart"))
@@ -67,6 +68,19 @@ class PolicyReloads:
                                                        f"{getattr(new.audit, field)}); the audit log's "
                                                        "durability is set when it opens, so it needs a restart"))
         return issues
+
+    def _served_from(self, source: str | None) -> bool:
+        """True when `source` is what this process loaded (not overridden by --model)."""
+        from gateway.settings import ModelNotFound, model_source_dir
+
+        if source is None:
+            return False
+        settings = self.state.settings
+        try:
+            resolved = model_source_dir(source, settings.policy_path)
+        except ModelNotFound:
+            return False
+        return Path(resolved).resolve() == Path(settings.model).resolve()
 
     def apply(self, policy: Policy) -> None:
         state = self.state

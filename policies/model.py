@@ -157,7 +157,8 @@ class StoreSettings(_Strict):
 
 class ModelEntry(_Strict):
     name: Name
-    source: str | None = Field(None, description="checkpoint directory or `builtin:<name>`")
+    source: str | None = Field(None, description="checkpoint directory (a relative path is read from the policy "
+                                                  "file's folder) or `builtin:<name>`; what `moegate serve` loads")
     description: str = ""
 
 

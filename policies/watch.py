@@ -111,7 +111,10 @@ class PolicyHolder:
         """Poll from an asyncio task (listeners then run on the event loop): create_task(holder.watch_async())."""
         while True:
             await asyncio.sleep(interval_s)
-            self.poll()
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - a failing check or listener must not stop the watching
+                log.exception("policy reload of %s failed", self.path)
 
     def start_watching(self, interval_s: float = 2.0) -> None:
         """Poll the file every `interval_s` seconds on a daemon thread until stop()."""
@@ -121,7 +124,10 @@ class PolicyHolder:
 
         def loop() -> None:
             while not self._stop.wait(interval_s):
-                self.poll()
+                try:
+                    self.poll()
+                except Exception:  # noqa: BLE001 - a failing check or listener must not stop the watching
+                    log.exception("policy reload of %s failed", self.path)
 
         self._thread = threading.Thread(target=loop, name="policy-watch", daemon=True)
         self._thread.start()

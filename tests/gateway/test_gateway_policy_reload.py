@@ -97,3 +97,26 @@ def test_reload_applies_deferral_to_the_running_engine(server):
     finally:
         _write(policy, POLICY)
         holder.reload()
+
+
+def test_source_change_is_rejected_only_when_the_policy_chose_the_checkpoint(tiny_checkpoint, tmp_path):
+    from types import SimpleNamespace
+
+    from gateway.policy_reload import PolicyReloads
+    from gateway.settings import Settings
+    from policies.loader import parse_policy
+
+    ckpt = tiny_checkpoint()
+    sourced = POLICY.replace("  - name: moegate-demo\n", f"  - name: moegate-demo\n    source: {ckpt}\n")
+    moved = sourced.replace(f"source: {ckpt}", "source: /elsewhere")
+    policy_path = tmp_path / "p.yaml"
+    policy_path.write_text(sourced)
+    from_policy = PolicyReloads(SimpleNamespace(settings=Settings(model=str(ckpt), policy_path=str(policy_path))),
+                                top_k=2, fingerprint=None)
+    issues = from_policy.check(parse_policy(moved), parse_policy(sourced))
+    assert [i.field for i in issues] == ["models[0].source"] and "needs a restart" in issues[0].message
+
+    other = tiny_checkpoint(seed=1)  # served from --model, not from the policy's source
+    overridden = PolicyReloads(SimpleNamespace(settings=Settings(model=str(other), policy_path=str(policy_path))),
+                               top_k=2, fingerprint=None)
+    assert overridden.check(parse_policy(moved), parse_policy(sourced)) == []
