@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.gateway.conftest import KEY_ALPHA, POLICY, free_port
@@ -70,6 +71,8 @@ def test_reload_the_process_cannot_take_is_rejected(server, edit, field, words):
         assert not result.changed and holder.current is good
         assert holder.last_error is not None and field in str(holder.last_error) and words in str(holder.last_error)
         _ask(url)  # the old policy keeps serving
+        health = httpx.get(url.removesuffix("/v1") + "/health").json()
+        assert health["policy_digest"] == good.digest and words in health["policy_reload_error"]
     finally:
         _write(policy, POLICY)
         holder.reload()

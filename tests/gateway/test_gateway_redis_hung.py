@@ -7,6 +7,7 @@ import os
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -55,6 +56,7 @@ def test_hung_redis_degrades_per_policy(tiny_checkpoint, redis_server, tmp_path)
         for _ in range(5):  # fail_open: answered, limits unchecked
             assert ask().choices[0].finish_reason in ("stop", "length")
         assert state.store.breaker.state == "open" and state.store.breaker.skipped > 0
+        assert httpx.get(f"http://127.0.0.1:{settings.port}/health").json()["store_circuit"] == "open"
 
         _write(policy, limited.replace("on_unavailable: fail_open", "on_unavailable: fail_closed"))
         state.policies.reload()
