@@ -20,13 +20,11 @@ def _audited_params(server, request_id: str) -> dict:
     raise AssertionError(f"no audit record for {request_id}")
 
 
-@pytest.mark.parametrize("name", ["dev.yaml", "finance.yaml"])
-def test_shipped_policies_decode_execution_greedily(name):
+@pytest.mark.parametrize("name, tenant", [("dev.yaml", "dev"), ("finance.yaml", "risk")])
+def test_shipped_policies_decode_execution_greedily(name, tenant):
     policy = load_policy(EXAMPLES / name)
-    rp = policy.resolve(policy.tenants[0], "/v1/chat/completions", policy.models[0].name) \
-        if name == "dev.yaml" else policy.resolve("risk", "/v1/chat/completions", "moegate-demo")
-    assert rp.temperature["execution"] == 0.0
-    assert rp.temperature["exploration"] == 1.0
+    rp = policy.resolve(tenant, "/v1/chat/completions", "moegate-demo")
+    assert rp.temperature == {"exploration": 1.0, "execution": 0.0}
 
 
 def test_policy_sets_each_modes_default():
