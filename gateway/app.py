@@ -220,7 +220,9 @@ def _start(settings: Settings, metrics: Metrics):
     tok = TokenizerInfo.from_file(Path(settings.model) / "tokenizer.json", sorted(engine.eos_token_ids))
     _ = tok.llg, tok.token_bytes  # build the constraint vocabulary once, before the first request
     llm = AsyncLLM(engine)
-    store = make_store(settings.redis_url or "", policy.stores.on_unavailable)
+    store = make_store(settings.redis_url or "", policy.stores.on_unavailable, timeout_s=policy.stores.timeout_s,
+                       circuit_failures=policy.stores.circuit_failures,
+                       circuit_cooldown_s=policy.stores.circuit_cooldown_s)
     Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
     tel = setup_tracing("moegate", settings.otlp_endpoint, jsonl_path=settings.trace_path)
     audit = AuditLog(settings.audit_path, fsync=policy.audit.fsync, fsync_interval_s=policy.audit.fsync_interval_s)

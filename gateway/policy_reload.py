@@ -3,8 +3,9 @@
 Checked before the new policy replaces the current one (PolicyHolder.add_check): it must still list the
 served model with the same source; precision profiles and the audit log's durability are fixed at start
 (experts are packed once, the audit file is opened once), so changing them is rejected with a message
-rather than accepted and ignored. Applied after (PolicyHolder.on_change): exploration's expert deferral
-(switched by the engine between two steps) and the stores' fail_open/fail_closed behaviour.
+rather than accepted and ignored, as is the redis timeout (connections are set up once). Applied after
+(PolicyHolder.on_change): exploration's expert deferral (switched by the engine between two steps) and
+the stores' fail_open/fail_closed behaviour and circuit-breaker settings.
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ class PolicyReloads:
                 issues.append(_issue(f"modes.{mode}.precision", f"the {mode} precision profile changed ({changed}); "
                                      "expert and projection weights are packed once at start, so a precision "
                                      "change needs a restart"))
+        if new.stores.timeout_s != current.stores.timeout_s and hasattr(self.state.store, "breaker"):
+            issues.append(_issue("stores.timeout_s", f"stores.timeout_s changed ({current.stores.timeout_s} -> "
+                                                     f"{new.stores.timeout_s}); the redis connections are set up "
+                                                     "at start, so it needs a restart"))
         for field in ("fsync", "fsync_interval_s"):
             if getattr(new.audit, field) != getattr(current.audit, field):
                 issues.append(_issue(f"audit.{field}", f"audit.{field} changed ({getattr(current.audit, field)} -> "
@@ -87,6 +92,12 @@ class PolicyReloads:
         if hasattr(state.store, "on_unavailable") and state.store.on_unavailable != policy.stores.on_unavailable:
             log.info("stores: %s -> %s", state.store.on_unavailable, policy.stores.on_unavailable)
             state.store.on_unavailable = policy.stores.on_unavailable
+        breaker, stores = getattr(state.store, "breaker", None), policy.stores
+        if breaker is not None and (breaker.threshold, breaker.cooldown_s) != (stores.circuit_failures,
+                                                                              stores.circuit_cooldown_s):
+            log.info("stores: circuit opens after %d failures for %.1f s", stores.circuit_failures,
+                     stores.circuit_cooldown_s)
+            breaker.threshold, breaker.cooldown_s = stores.circuit_failures, stores.circuit_cooldown_s
         defer = deferral_for(policy, self.top_k)
         if hasattr(state.llm, "set_deferral") and defer != state.llm.engine.config.defer:
             done = state.llm.set_deferral(defer)

@@ -151,6 +151,12 @@ class AuditSettings(_Strict):
 
 class StoreSettings(_Strict):
     on_unavailable: Literal["fail_open", "fail_closed"] = "fail_closed"
+    timeout_s: Annotated[float, Field(gt=0, le=30, description="socket and connect timeout of each redis call")] = 0.5
+    circuit_failures: Annotated[int, Field(ge=1, description=(
+        "consecutive redis failures or timeouts that open the circuit (redis is then not called, "
+        "on_unavailable applies)"))] = 3
+    circuit_cooldown_s: Annotated[float, Field(gt=0, description=(
+        "seconds the circuit stays open before one call probes redis"))] = 5.0
     idempotency_ttl_s: Annotated[int, Field(gt=0)] = 86400
     idempotency_wait_s: Annotated[float, Field(ge=0)] = 30.0
 

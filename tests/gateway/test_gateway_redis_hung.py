@@ -1,5 +1,6 @@
 """The gateway over a real redis-server paused with SIGSTOP: fail_open keeps answering, a reload to fail_closed
-is applied to the running store and answers 503 with a message, through the openai client."""
+(and new circuit settings) is applied to the running store and answers 503 with a message, through the
+openai client; a reload that changes the redis timeout is rejected."""
 
 from __future__ import annotations
 
@@ -58,12 +59,18 @@ def test_hung_redis_degrades_per_policy(tiny_checkpoint, redis_server, tmp_path)
         assert state.store.breaker.state == "open" and state.store.breaker.skipped > 0
         assert httpx.get(f"http://127.0.0.1:{settings.port}/health").json()["store_circuit"] == "open"
 
-        _write(policy, limited.replace("on_unavailable: fail_open", "on_unavailable: fail_closed"))
+        _write(policy, limited.replace("on_unavailable: fail_open", "on_unavailable: fail_open, timeout_s: 2"))
+        state.policies.reload()
+        assert "stores.timeout_s" in str(state.policies.last_error) and state.store.on_unavailable == "fail_open"
+
+        _write(policy, limited.replace("on_unavailable: fail_open",
+                                       "on_unavailable: fail_closed, circuit_failures: 5, circuit_cooldown_s: 60"))
         state.policies.reload()
         assert state.policies.last_error is None and state.store.on_unavailable == "fail_closed"
+        assert (state.store.breaker.threshold, state.store.breaker.cooldown_s) == (5, 60)
         with pytest.raises(openai.APIStatusError) as err:
             ask()
-        assert err.value.status_code == 503 and "circuit open" in str(err.value) and "fail_closed" in str(err.value)
+        assert err.value.status_code == 503 and "circuit open after 5" in str(err.value) and "fail_closed" in str(err.value)
     finally:
         redis_server.resume()
         server.should_exit = True
