@@ -50,6 +50,10 @@ class PolicyReloads:
             issues.append(_issue("models", f"this server serves {served!r}, which the new policy does not list "
                                            f"(it lists {names}); every request would be refused. Keep it listed, "
                                            "or start a server for the new model"))
+        elif not _reachable(new, served):
+            issues.append(_issue("routes", f"no tenant can reach the served model {served!r} on any route of the "
+                                           "new policy (routes[].models / tenants[].models, routes); every "
+                                           "request would be refused"))
         elif before is not None and entry.source != before.source and self._served_from(before.source):
             issues.append(_issue(f"models[{names.index(served)}].source",
                                  f"the source of the served model {served!r} changed ({before.source!r} -> "
@@ -111,6 +115,13 @@ class PolicyReloads:
                 log.info("policy reload applied: exploration defers %d expert(s)/token", defer)
 
             done.add_done_callback(refresh)
+
+
+def _reachable(policy: Policy, model: str) -> bool:
+    """Some tenant may call `model` on some route."""
+    routes = [r.path for r in policy.routes if r.models is None or model in r.models]
+    return any(("*" in t.models or model in t.models) and ("*" in t.routes or set(routes) & set(t.routes))
+               for t in policy.tenants if routes)
 
 
 def _issue(field: str, message: str) -> PolicyIssue:

@@ -54,19 +54,28 @@ def _ask(url: str) -> str:
     return reply.system_fingerprint
 
 
-@pytest.mark.parametrize("edit, field, words", [
-    (("- name: moegate-demo", "- name: other-model"), "models", "does not list"),
-    (("fast: {routed_experts: int4}", "fast: {routed_experts: int8}"),
-     "modes.exploration.precision", "routed_experts: int4 -> int8"),
-    (("audit: {level: full, fsync: never}", "audit: {level: full, fsync: always}"), "audit.fsync", "restart"),
+ONLY_OTHER_ROUTES = [("- name: moegate-demo\n", "- name: moegate-demo\n  - name: other\n"),
+                     ("  - path: /v1/chat/completions\n", "  - path: /v1/chat/completions\n    models: [other]\n"),
+                     ("  - path: /v1/completions\n", "  - path: /v1/completions\n    models: [other]\n")]
+
+
+@pytest.mark.parametrize("edits, field, words", [
+    ([("- name: moegate-demo", "- name: other-model")], "models", "does not list"),
+    (ONLY_OTHER_ROUTES, "routes", "no tenant can reach the served model"),
+    ([("fast: {routed_experts: int4}", "fast: {routed_experts: int8}")], "modes.exploration.precision",
+     "routed_experts: int4 -> int8"),
+    ([("audit: {level: full, fsync: never}", "audit: {level: full, fsync: always}")], "audit.fsync", "restart"),
 ])
-def test_reload_the_process_cannot_take_is_rejected(server, edit, field, words):
+def test_reload_the_process_cannot_take_is_rejected(server, edits, field, words):
     app, policy, url = server
     holder = app.state.moegate.policies
     good = holder.current
-    assert edit[0] in POLICY
+    text = POLICY
+    for old, new in edits:
+        assert old in text
+        text = text.replace(old, new)
     try:
-        _write(policy, POLICY.replace(*edit))
+        _write(policy, text)
         result = holder.reload()
         assert not result.changed and holder.current is good
         assert holder.last_error is not None and field in str(holder.last_error) and words in str(holder.last_error)
