@@ -97,3 +97,22 @@ def test_hung_redis_fails_closed_with_a_clear_error(redis_server):
         await store.close()
 
     asyncio.run(main())
+
+
+def test_a_socket_that_accepts_and_never_answers():
+    """Not redis at all: the kernel completes the handshake, nothing ever replies."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+
+        async def main():
+            store = RedisStore(url, "fail_open", timeout_s=0.2, breaker=CircuitBreaker(threshold=3, cooldown_s=60))
+            decisions = [await store.rate_limit("k", rate=1, burst=1) for _ in range(10)]
+            assert all(d.degraded for d in decisions)
+            assert store.breaker.state == OPEN and store.breaker.skipped == 7
+            await store.close()
+
+        asyncio.run(main())
