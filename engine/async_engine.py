@@ -7,6 +7,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from engine.errors import EngineError
@@ -85,6 +86,13 @@ class AsyncLLM:
         """Switches the request to `mode` before its next token (applied on the engine thread)."""
         self._commands.put(("mode", request_id, mode, resync))
 
+    def set_deferral(self, defer: int) -> Future:
+        """Changes exploration's expert deferral between two steps (LLMEngine.set_deferral, on the engine
+        thread); the future completes when applied (or holds the ValueError)."""
+        done: Future = Future()
+        self._commands.put(("defer", defer, done))
+        return done
+
     def numerics_fingerprint(self, mode: str = "execution") -> str:
         return self.engine.numerics_fingerprint(mode)
 
@@ -133,6 +141,13 @@ class AsyncLLM:
                 self.engine.abort(cmd[1])
             elif cmd[0] == "mode":
                 self.engine.set_mode(cmd[1], cmd[2], cmd[3])
+            elif cmd[0] == "defer":
+                try:
+                    self.engine.set_deferral(cmd[1])
+                except Exception as exc:  # noqa: BLE001 - reported to the caller's future
+                    cmd[2].set_exception(exc)
+                else:
+                    cmd[2].set_result(None)
 
     def _fail_all(self, exc: BaseException) -> None:
         """Fails every in-flight request with the error and frees their state; the loop keeps serving."""

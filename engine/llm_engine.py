@@ -7,7 +7,7 @@ import json
 import logging
 import uuid
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -221,6 +221,28 @@ class LLMEngine:
         }
         digest = hashlib.sha256(json.dumps(profile, sort_keys=True).encode()).hexdigest()
         return f"fp_{mode[:4]}_{digest[:16]}"
+
+    def set_deferral(self, defer: int) -> None:
+        """Changes exploration's expert deferral from the next step on (the execution profile never defers).
+
+        Exploration sequences that have computed nothing yet are re-rooted under the new setting's chain;
+        those part-way keep their KV but stop registering prefix-cache blocks, whose KV would mix the two
+        settings. `numerics_fingerprint("exploration")` names the new setting.
+        """
+        if not 0 <= defer <= self.model_config.top_k // 2:
+            raise ValueError(f"defer={defer} must be in [0, top_k/2 = {self.model_config.top_k // 2}]")
+        if defer == self.config.defer:
+            return
+        self.config = replace(self.config, defer=defer)
+        self.runner.set_defer(defer)
+        for seq in self._seqs.values():
+            if seq.mode == "execution" or seq.cache_root is None or self.prefix_cache is None:
+                continue
+            seq.block_hashes.clear()
+            fresh = not seq.block_table and seq.num_computed == 0
+            seq.cache_root = self.prefix_cache.salt_root(seq.cache_salt, self.numerics_fingerprint("exploration"),
+                                                         seq.cache_exact) if fresh else None
+        log.info("exploration defers %d expert(s)/token from the next step", defer)
 
     def set_mode(self, request_id: str, mode: str, resync: str = "keep") -> None:
         """Switches a sequence's mode at the next token boundary.

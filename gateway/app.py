@@ -194,6 +194,7 @@ def _start(settings: Settings, metrics: Metrics):
     from engine.llm_engine import EngineConfig, LLMEngine
     from gateway.audit import KEY_ENV, AuditLog, key_from_env
     from gateway.generation import Generator
+    from gateway.policy_reload import PolicyReloads, deferral_for
     from gateway.stores import make_store
     from gateway.structured.vocab import TokenizerInfo
     from gateway.telemetry import setup_tracing
@@ -210,10 +211,7 @@ def _start(settings: Settings, metrics: Metrics):
         log.warning("no --config: embedded dev policy, every API key is accepted (tenant 'dev')")
     policy = policies.current
     top_k = ModelConfig.from_dir(Path(settings.model)).top_k
-    defer = min(policy.modes.exploration.deferral_depth, top_k // 2)  # the engine allows at most top_k/2
-    if defer != policy.modes.exploration.deferral_depth:
-        log.warning("policy deferral_depth %d clamped to %d for a top-%d model",
-                    policy.modes.exploration.deferral_depth, defer, top_k)
+    defer = deferral_for(policy, top_k)
     placement, exact_lm_head, fast_lm_head, fast_dense = placement_from_policy(policy)
     engine = LLMEngine(EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
                                     kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
@@ -226,7 +224,9 @@ def _start(settings: Settings, metrics: Metrics):
     tok = TokenizerInfo.from_file(Path(settings.model) / "tokenizer.json", sorted(engine.eos_token_ids))
     _ = tok.llg, tok.token_bytes  # build the constraint vocabulary once, before the first request
     llm = AsyncLLM(engine)
-    store = make_store(settings.redis_url or "", policy.stores.on_unavailable)
+    store = make_store(settings.redis_url or "", policy.stores.on_unavailable, timeout_s=policy.stores.timeout_s,
+                       circuit_failures=policy.stores.circuit_failures,
+                       circuit_cooldown_s=policy.stores.circuit_cooldown_s)
     Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
     tel = setup_tracing("moegate", settings.otlp_endpoint, jsonl_path=settings.trace_path)
     key = key_from_env()
@@ -237,6 +237,8 @@ def _start(settings: Settings, metrics: Metrics):
     state = AppState(settings=settings, llm=llm, generator=Generator(llm, tok, settings.strict_retries),
                      policies=policies, open_access=open_access, store=store, telemetry=tel, audit=audit,
                      metrics=metrics, fingerprints={m: numerics_fingerprint(llm, settings, m) for m in ("exploration", "execution")}, created=int(time.time()))
+    if isinstance(policies, PolicyHolder):  # reloads are checked against, and applied to, this process
+        PolicyReloads(state, top_k, numerics_fingerprint).install(policies)
 
     async def stop() -> None:
         await asyncio.to_thread(llm.shutdown)

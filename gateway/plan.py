@@ -61,7 +61,9 @@ class Plan:
                 "top_k": self.top_k or None, "seed": self.seed, "n": self.n, "stop_sequences": self.stop or None}
 
 
-def _common(body: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> dict:
+def _common(body: ChatCompletionRequest | CompletionRequest, vocab_size: int, default_temperature: float) -> dict:
+    """Sampling fields of the request; `default_temperature` (the policy's, for the request's mode) when it
+    sends none."""
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) not in (None, 0, 0.0):
             raise bad_request(f"{name} is not supported by this engine; omit it or send 0", name, "unsupported_parameter")
@@ -76,7 +78,7 @@ def _common(body: ChatCompletionRequest | CompletionRequest, vocab_size: int) ->
         if not 0 <= tid < vocab_size:
             raise bad_request(f"logit_bias token id {tid} is outside the vocabulary [0, {vocab_size})", "logit_bias")
         bias[tid] = float(value)
-    temperature = 1.0 if body.temperature is None else body.temperature
+    temperature = default_temperature if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
     if temperature < MIN_TEMPERATURE or top_p < MIN_TOP_P:
         # Same distribution as greedy (only the top token survives), without the float overflow/underflow
@@ -143,7 +145,7 @@ def chat_plan(body: ChatCompletionRequest, prompt_ids: list[int], rp: ResolvedPo
     plan = Plan(prompt_ids=prompt_ids, max_tokens=max_tokens, decision=decision, features=features,
                 segment_modes=dict(rp.segments), tools=tools, tool_choice=choice,
                 parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls,
-                policy=rp, **_common(body, vocab_size))
+                policy=rp, **_common(body, vocab_size, rp.temperature[decision.mode]))
     if plan.execution and plan.stop:
         raise bad_request("stop cannot be combined with a structured output (it would cut it)", "stop")
     try:
@@ -177,7 +179,8 @@ def completion_plan(body: CompletionRequest, prompt_ids: list[int], rp: Resolved
             raise bad_request(f"{name} is not supported", name, "unsupported_parameter")
     decision = classify(set(), rp.execution_when)
     plan = Plan(prompt_ids=prompt_ids, max_tokens=max_tokens, decision=decision, features=set(),
-                segment_modes=dict(rp.segments), policy=rp, **_common(body, vocab_size))
+                segment_modes=dict(rp.segments), policy=rp,
+                **_common(body, vocab_size, rp.temperature[decision.mode]))
     if plan.execution:
         plan.kind = "text"
     return plan

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "engine" / "assets" / "demo-moe"
 DEFAULT_MODEL_NAME = "moegate-demo"
+BUILTIN_MODELS = {"demo": DEMO_MODEL_DIR}  # `source: builtin:<name>` in a policy
 
 
 class ModelNotFound(FileNotFoundError):
@@ -73,8 +76,55 @@ def resolve_model_dir(model: str | None) -> str:
         "`moegate model init-random --arch qwen3_moe --preset tiny --out DIR`.")
 
 
+def model_source_dir(source: str, policy_path: str | Path) -> str:
+    """A policy's `models[].source` as a directory: `builtin:<name>`, or a path (relative to the policy file)."""
+    if source.startswith("builtin:"):
+        name = source.removeprefix("builtin:")
+        if name not in BUILTIN_MODELS:
+            raise ModelNotFound(f"{policy_path}: unknown built-in model {source!r}; known: "
+                                f"{', '.join('builtin:' + n for n in sorted(BUILTIN_MODELS))}")
+        return str(BUILTIN_MODELS[name])
+    path = Path(source).expanduser()
+    return str(path if path.is_absolute() else Path(policy_path).resolve().parent / path)
+
+
+def served_from_policy(policy_path: str, model: str | None, model_name: str | None) -> tuple[str, str]:
+    """(checkpoint directory, model id) the policy file describes, `model` / `model_name` overriding it.
+
+    The engine hosts one model per process: `model_name` picks one of the policy's models, else the first
+    is served (a warning names the others, whose requests get 404). `model` (a directory) replaces that
+    entry's `source`."""
+    from policies.loader import load_policy
+
+    policy = load_policy(policy_path)
+    names = [m.name for m in policy.models]
+    if model_name is None:
+        entry = policy.models[0]
+        if len(names) > 1:
+            log.warning("policy %s lists %d models %s; this process serves the first, %r (pick another with "
+                        "--model-name; requests for the others get 404)", policy_path, len(names), names, entry.name)
+    else:
+        entry = next((m for m in policy.models if m.name == model_name), None)
+        if entry is None:
+            raise ValueError(f"policy {policy_path} does not list the model {model_name!r} (it lists {names}); "
+                             "add it to the policy's `models` or pass one of those to --model-name")
+    if model:
+        return model, entry.name
+    if entry.source is None:
+        raise ModelNotFound(f"policy {policy_path}: model {entry.name!r} has no `source`; set it to a checkpoint "
+                            "directory (or builtin:demo) or pass --model DIR")
+    directory = model_source_dir(entry.source, policy_path)
+    if not (Path(directory) / "config.json").is_file():
+        raise ModelNotFound(f"policy {policy_path}: the source of model {entry.name!r}, {entry.source!r}, is not a "
+                            f"model directory (no {directory}/config.json); fix `source` or pass --model DIR")
+    return directory, entry.name
+
+
 def from_env(**overrides) -> Settings:
-    """Settings from MOEGATE_* / REDIS_URL / OTEL_EXPORTER_OTLP_ENDPOINT, then explicit overrides."""
+    """Settings from MOEGATE_* / REDIS_URL / OTEL_EXPORTER_OTLP_ENDPOINT, then explicit overrides.
+
+    With a policy file, the model served is the one the policy lists (from its `source`); --model (or
+    $MOEGATE_MODEL) and --model-name override that, they need not repeat it."""
     env = os.environ
     values: dict = {
         "redis_url": env.get("REDIS_URL") or None,
@@ -85,5 +135,10 @@ def from_env(**overrides) -> Settings:
     if env.get("MOEGATE_DEVICE"):
         values["device"] = env["MOEGATE_DEVICE"]
     values.update({k: v for k, v in overrides.items() if v is not None})
-    values["model"] = resolve_model_dir(values.get("model"))
+    model = values.get("model") or env.get("MOEGATE_MODEL") or None
+    if values.get("policy_path"):
+        values["model"], values["model_name"] = served_from_policy(values["policy_path"], model,
+                                                                   values.get("model_name"))
+    else:
+        values["model"] = resolve_model_dir(model)
     return Settings(**values)

@@ -59,6 +59,14 @@ class Limits(_Strict):
 class ModeSettings(_Strict):
     precision: Annotated[str, Field(description="name of a precision profile")]
     deferral_depth: Annotated[int, Field(ge=0, le=16)] = 0
+    temperature: Annotated[float, Field(ge=0, le=2, description=(
+        "sampling temperature of requests in this mode that send none; unset: 0 (greedy) in execution, "
+        "1 (OpenAI's default) in exploration"))] | None = None
+
+    def default_temperature(self, mode: Mode) -> float:
+        if self.temperature is not None:
+            return self.temperature
+        return 0.0 if mode == "execution" else 1.0
 
 
 class ModeRules(_Strict):
@@ -143,13 +151,20 @@ class AuditSettings(_Strict):
 
 class StoreSettings(_Strict):
     on_unavailable: Literal["fail_open", "fail_closed"] = "fail_closed"
+    timeout_s: Annotated[float, Field(gt=0, le=30, description="socket and connect timeout of each redis call")] = 0.5
+    circuit_failures: Annotated[int, Field(ge=1, description=(
+        "consecutive redis failures or timeouts that open the circuit (redis is then not called, "
+        "on_unavailable applies)"))] = 3
+    circuit_cooldown_s: Annotated[float, Field(gt=0, description=(
+        "seconds the circuit stays open before one call probes redis"))] = 5.0
     idempotency_ttl_s: Annotated[int, Field(gt=0)] = 86400
     idempotency_wait_s: Annotated[float, Field(ge=0)] = 30.0
 
 
 class ModelEntry(_Strict):
     name: Name
-    source: str | None = Field(None, description="checkpoint directory or `builtin:<name>`")
+    source: str | None = Field(None, description="checkpoint directory (a relative path is read from the policy "
+                                                  "file's folder) or `builtin:<name>`; what `moegate serve` loads")
     description: str = ""
 
 

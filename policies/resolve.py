@@ -32,6 +32,7 @@ class ResolvedPolicy:
     precision: Mapping[str, str]  # mode -> precision profile name
     precision_profiles: Mapping[str, PrecisionProfile]  # mode -> profile
     deferral_depth: Mapping[str, int]  # mode -> depth (execution is always 0)
+    temperature: Mapping[str, float]  # mode -> temperature of requests that send none
     limits: Limits
     audit: AuditSettings
     audit_level: Literal["off", "metadata", "full"]
@@ -100,6 +101,7 @@ def resolve(policy: Policy, tenant: Tenant | str, route: str, model: str) -> Res
         precision_profiles={"exploration": policy.precision_profiles[modes.exploration.precision],
                             "execution": policy.precision_profiles[modes.execution.precision]},
         deferral_depth={"exploration": modes.exploration.deferral_depth, "execution": 0},
+        temperature={m: getattr(modes, m).default_temperature(m) for m in ("exploration", "execution")},
         limits=policy.limits.overlay(route_rule.limits).overlay(tenant.limits),
         audit=policy.audit,
         audit_level=tenant.audit_level or policy.audit.level,

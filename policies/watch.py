@@ -36,7 +36,8 @@ class PolicyHolder:
         self.last_error: PolicyError | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._policy = self._read()[0]
+        self._checks: list[Callable[[Policy, Policy], list[PolicyIssue]]] = []
+        self._policy, self._content_hash = self._read()
 
     @property
     def current(self) -> Policy:
@@ -45,6 +46,11 @@ class PolicyHolder:
     def on_change(self, callback: Callable[[Policy], None]) -> None:
         """Call `callback(new_policy)` after each successful reload that changed the policy."""
         self._listeners.append(callback)
+
+    def add_check(self, check: Callable[[Policy, Policy], list[PolicyIssue]]) -> None:
+        """Before a reload replaces the policy, `check(new, current)` lists why the running process cannot
+        take it (e.g. it drops the served model); any issue rejects the reload and the current policy stays."""
+        self._checks.append(check)
 
     def _file_stat(self) -> tuple[int, int, int] | None:
         try:
@@ -61,7 +67,6 @@ class PolicyHolder:
             raise PolicyError(str(self.path), [PolicyIssue("", f"cannot read file: {exc.strerror}", None, None)]) from None
         digest = hashlib.sha256(raw).hexdigest()
         policy = parse_policy(raw.decode("utf-8", errors="replace"), str(self.path))
-        self._content_hash = digest
         return policy, digest
 
     def reload(self) -> ReloadResult:
@@ -70,15 +75,19 @@ class PolicyHolder:
             previous = self._content_hash
             try:
                 policy, digest = self._read()
+                if digest == previous:
+                    self.last_error = None
+                    return ReloadResult(changed=False, error=None)
+                issues = [issue for check in self._checks for issue in check(policy, self._policy)]
+                if issues:
+                    raise PolicyError(str(self.path), issues)
             except PolicyError as exc:
                 self.last_error = exc
                 log.error("policy reload rejected, keeping %s (%s): %s", self._policy.id,
                           self._policy.digest, exc)
                 return ReloadResult(changed=False, error=exc)
             self.last_error = None
-            if digest == previous:
-                return ReloadResult(changed=False, error=None)
-            self._policy = policy
+            self._policy, self._content_hash = policy, digest
             log.info("policy reloaded: %s %s", policy.id, policy.digest)
         for callback in self._listeners:
             callback(policy)
@@ -102,7 +111,10 @@ class PolicyHolder:
         """Poll from an asyncio task (listeners then run on the event loop): create_task(holder.watch_async())."""
         while True:
             await asyncio.sleep(interval_s)
-            self.poll()
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - a failing check or listener must not stop the watching
+                log.exception("policy reload of %s failed", self.path)
 
     def start_watching(self, interval_s: float = 2.0) -> None:
         """Poll the file every `interval_s` seconds on a daemon thread until stop()."""
@@ -112,7 +124,10 @@ class PolicyHolder:
 
         def loop() -> None:
             while not self._stop.wait(interval_s):
-                self.poll()
+                try:
+                    self.poll()
+                except Exception:  # noqa: BLE001 - a failing check or listener must not stop the watching
+                    log.exception("policy reload of %s failed", self.path)
 
         self._thread = threading.Thread(target=loop, name="policy-watch", daemon=True)
         self._thread.start()

@@ -22,6 +22,8 @@ class TierStats:
     writes: int = 0
     corrupt: int = 0  # entries dropped by verification
     errors: int = 0  # I/O or connection failures (counted, treated as misses)
+    skipped: int = 0  # calls not made while the tier's circuit breaker was open (misses, writes not made)
+    dropped: int = 0  # writes dropped because the tier's write queue was full (the cache is best effort)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -37,6 +39,7 @@ class CacheTier(ABC):
 
     name: str
     stats: TierStats
+    write_through: bool = False  # written when a block is computed (shared tiers), not only when demoted
 
     @abstractmethod
     def get(self, key: str) -> torch.Tensor | None: ...

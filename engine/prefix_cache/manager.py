@@ -25,9 +25,10 @@ class PrefixCacheConfig:
     redis_url: str | None = None  # None: no redis tier
     redis_ttl_s: int = 24 * 3600
     exact_chunk: int = 512  # prefill chunk of exact requests: reuse only whole chunks (see `attach`)
+    write_queue_bytes: int = 256 * 2**20  # per lower tier: pending writes beyond this are dropped (counted)
 
     def __post_init__(self) -> None:
-        if min(self.ram_bytes, self.disk_bytes, self.redis_ttl_s) < 0 or self.exact_chunk < 1:
+        if min(self.ram_bytes, self.disk_bytes, self.redis_ttl_s, self.write_queue_bytes) < 0 or self.exact_chunk < 1:
             raise ValueError(f"prefix cache sizes must be >= 0: {self}")
 
 
@@ -42,6 +43,12 @@ class KVBlockIO(Protocol):
 class PrefixCacheManager:
     """The device tier is the KV pool itself (registered blocks in the `BlockManager`); the tiers below hold
     copies. Lookup walks device -> RAM -> disk -> redis per block and stops at the first block no tier has.
+
+    Writes below RAM run on one background writer per tier (a slow or hung tier never holds up another,
+    nor the engine), each with a bounded queue that drops (and counts) what does not fit. RAM and disk
+    are written back: a block reaches them when it is evicted above. Shared tiers (redis) are written
+    through: a block is queued for them as soon as a forward completes it, so another replica can reuse
+    it while this one still holds it.
 
     Exact (execution-mode) requests: CPU GEMMs give a row different bits depending on how many rows share
     the call, so a suffix computed from a mid-chunk offset would not match a cold prefill bit for bit.
@@ -67,7 +74,8 @@ class PrefixCacheManager:
 
             lower.append(RedisTier(config.redis_url, codec, config.redis_ttl_s))
         self.lower = lower  # below RAM: written in the background
-        self.writer = BackgroundWriter() if lower else None
+        self.writers = {t.name: BackgroundWriter(config.write_queue_bytes) for t in lower}
+        self.through = [t for t in lower if t.write_through]
         blocks.on_evict = self._demote_device
 
     @property
@@ -154,6 +162,10 @@ class PrefixCacheManager:
         self.hasher.extend(seq.block_hashes, seq.cache_root, seq.token_ids, end)
         for i in range(first, end):
             self.blocks.register(seq.block_table[i], seq.block_hashes[i])
+            if self.through:
+                kv = self.io.read_block(seq.block_table[i])
+                for tier in self.through:
+                    self.writers[tier.name].submit(tier, seq.block_hashes[i], kv)
         seq.num_cache_checked = max(seq.num_cache_checked, end)
 
     # -- demotion ------------------------------------------------------------------------------
@@ -168,10 +180,17 @@ class PrefixCacheManager:
         for k, v in evicted:
             self._to_lower(k, v)
 
-    def _to_lower(self, key: str, kv: torch.Tensor) -> None:
-        if self.writer is not None:
-            for tier in self.lower:
-                self.writer.submit(tier, key, kv)
+    def _to_lower(self, key: str, kv: torch.Tensor, through: bool = False) -> None:
+        """Queues `kv` for the write-back tiers, and for the write-through ones too when `through` (they had it
+        queued when it was computed)."""
+        for tier in self.lower:
+            if through or not tier.write_through:
+                self.writers[tier.name].submit(tier, key, kv)
+
+    def drain(self) -> None:
+        """Waits until every queued write is done."""
+        for writer in self.writers.values():
+            writer.flush()
 
     def evict(self, tier: str) -> None:
         """Pushes everything in `tier` ("device" cached-free blocks, or "ram") one level down (tests, benchmarks)."""
@@ -183,24 +202,25 @@ class PrefixCacheManager:
             for key, kv in self.ram.pop_all():
                 self.ram.stats.evictions += 1
                 self._to_lower(key, kv)
-        if self.writer is not None:
-            self.writer.flush()
+        self.drain()
 
     def flush(self) -> None:
-        """Writes every cached block (device and RAM) to the durable tiers and waits for the writes."""
+        """Writes every cached block (device and RAM) to the durable and shared tiers and waits for the writes
+        (shared tiers get them again: a write-through dropped or failed earlier is made now; redis keeps the
+        first copy)."""
         if not self.lower:
             return
         for block, key in self.blocks.hashed_blocks():
             if self.ram is None or key not in self.ram:
-                self._to_lower(key, self.io.read_block(block))
+                self._to_lower(key, self.io.read_block(block), through=True)
         if self.ram is not None:
             for key, kv in self.ram.items():
-                self._to_lower(key, kv)
-        self.writer.flush()
+                self._to_lower(key, kv, through=True)
+        self.drain()
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for writer in self.writers.values():
+            writer.close()
         for tier in self.tiers:
             tier.close()
 
@@ -212,6 +232,6 @@ class PrefixCacheManager:
         out = {"device": dev.as_dict()}
         for tier in self.tiers:
             out[tier.name] = tier.stats.as_dict()
-        if self.writer is not None:
-            out["writer"] = {"dropped": self.writer.dropped}
+        if self.writers:
+            out["writer"] = {"dropped": sum(w.dropped for w in self.writers.values())}
         return out

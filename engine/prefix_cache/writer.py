@@ -1,4 +1,5 @@
-"""Background write-back: demoted blocks are encoded and written by a thread, off the request's critical path."""
+"""Background writes to a cache tier: blocks are encoded and written by a thread, off the request's critical
+path; what exceeds the bounded queue is dropped and counted (the writer's and the tier's `dropped`)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class BackgroundWriter:
         with self._lock:
             if self.pending_bytes + size > self.max_pending_bytes:
                 self.dropped += 1
+                tier.stats.dropped += 1
                 return
             self.pending_bytes += size
         self._queue.put((tier, key, kv))

@@ -18,6 +18,12 @@ async def health(state: State) -> JSONResponse:
             "in_flight": state.in_flight, "engine_active": state.llm.num_active,
             "policy_id": state.policy.id, "policy_digest": state.policy.digest,
             "system_fingerprint": state.fingerprint}
+    reload_error = getattr(state.policies, "last_error", None)
+    if reload_error is not None:  # the last reload was rejected: the policy above is the previous one
+        body["policy_reload_error"] = str(reload_error)
+    breaker = getattr(state.store, "breaker", None)
+    if breaker is not None:
+        body["store_circuit"] = breaker.state
     return JSONResponse(body, status_code=200 if dead is None else 503)
 
 

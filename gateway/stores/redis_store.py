@@ -1,5 +1,7 @@
 """Redis store: every read-modify-write is one Lua script (atomic across replicas, server clock);
-an unreachable redis fails open or closed per policy, and the client reconnects when redis returns."""
+an unreachable or hung redis fails open or closed per policy within a bounded time (socket timeouts on
+every call, then a circuit breaker skips redis until a probe succeeds), and the client reconnects when
+redis returns."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from redis.backoff import ConstantBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from engine.circuit_breaker import CircuitBreaker
 from gateway.stores.base import (
     BudgetDecision,
     Decision,
@@ -123,17 +126,19 @@ return 1
 class RedisStore(Store):
     def __init__(self, url: str, on_unavailable: OnUnavailable = "fail_closed", *, prefix: str = "moegate:",
                  timeout_s: float = 0.5, poll_s: float = 0.02, max_connections: int = 64,
-                 pool_wait_s: float = 5.0):
+                 pool_wait_s: float = 5.0, breaker: CircuitBreaker | None = None):
         if on_unavailable not in ("fail_open", "fail_closed"):
             raise ValueError(f"on_unavailable must be fail_open or fail_closed, not {on_unavailable!r}")
         self.url, self.on_unavailable, self.prefix, self.poll_s = url, on_unavailable, prefix, poll_s
-        # one quick retry: after a redis restart the pooled connection is dead and the retry reconnects
-        # a bounded pool that queues callers: an unbounded one opens a socket per concurrent request and
+        self.breaker = breaker or CircuitBreaker()
+        # one quick retry on a broken connection only: after a redis restart the pooled connection is dead
+        # and the retry reconnects; a timeout is not retried (a hung server would just cost it twice).
+        # A bounded pool that queues callers: an unbounded one opens a socket per concurrent request and
         # redis-py then fails bursts with MaxConnectionsError, which would read as "redis unavailable"
         pool = aioredis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=pool_wait_s,
             socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(ConstantBackoff(0.01), 1), retry_on_error=[RedisConnectionError, RedisTimeoutError],
+            retry=Retry(ConstantBackoff(0.01), 1, supported_errors=(RedisConnectionError,)),
         )
         self._pool = pool
         self._redis = aioredis.Redis(connection_pool=pool)
@@ -148,6 +153,9 @@ class RedisStore(Store):
         self.available = True
 
     async def _guard(self, op: Callable[[], Awaitable[T]], fallback: Callable[[], T], what: str) -> T:
+        if not self.breaker.allow():
+            return self._unavailable(fallback, what, f"circuit open after {self.breaker.threshold} consecutive "
+                                                     f"failures, next probe in {self.breaker.retry_in():.1f} s")
         try:
             result = await op()
         except _UNAVAILABLE as exc:
@@ -155,14 +163,22 @@ class RedisStore(Store):
                 log.warning("redis %s unreachable (%s: %s); %s", self.url, type(exc).__name__, exc,
                             self.on_unavailable)
             self.available = False
-            if self.on_unavailable == "fail_open":
-                return fallback()
-            raise StoreUnavailable(f"{what}: redis at {self.url} is unreachable ({type(exc).__name__}: {exc}); "
-                                   f"policy stores.on_unavailable is fail_closed") from exc
+            if self.breaker.failure():
+                log.warning("redis %s: circuit open after %d consecutive failures; %s without calling it for "
+                            "%.1f s, then one probe", self.url, self.breaker.threshold, self.on_unavailable,
+                            self.breaker.cooldown_s)
+            return self._unavailable(fallback, what, f"{type(exc).__name__}: {exc}", exc)
+        self.breaker.success()
         if not self.available:
             log.warning("redis %s reachable again", self.url)
             self.available = True
         return result
+
+    def _unavailable(self, fallback: Callable[[], T], what: str, why: str, cause: BaseException | None = None) -> T:
+        if self.on_unavailable == "fail_open":
+            return fallback()
+        raise StoreUnavailable(f"{what}: redis at {self.url} is unavailable ({why}); "
+                               f"policy stores.on_unavailable is fail_closed") from cause
 
     def _k(self, kind: str, key: str) -> str:
         return f"{self.prefix}{kind}:{key}"
@@ -244,10 +260,15 @@ class RedisStore(Store):
         await self._guard(op, lambda: None, "idempotency abandon")
 
     async def ping(self) -> bool:
-        try:
-            return bool(await self._redis.ping())
-        except _UNAVAILABLE:
+        if not self.breaker.allow():
             return False
+        try:
+            ok = bool(await self._redis.ping())
+        except _UNAVAILABLE:
+            self.breaker.failure()
+            return False
+        self.breaker.success()
+        return ok
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -189,7 +189,7 @@ def test_tiers_stay_within_their_configured_sizes(hf_checkpoint, tmp_path):
         stats = eng.cache_stats()
         assert stats["ram"]["bytes"] <= ram_blocks * BLOCK_BYTES
         assert stats["device"]["entries"] <= 24
-    eng.prefix_cache.writer.flush()
+    eng.prefix_cache.drain()
     stats = eng.cache_stats()
     on_disk = sum(f.stat().st_size for f in tmp_path.rglob("*.kv"))
     assert stats["disk"]["bytes"] == on_disk <= disk_entries * disk_entry_bytes

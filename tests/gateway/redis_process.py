@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -66,6 +68,13 @@ class RedisProcess:
         with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
             s.sendall(payload.encode())
             return s.recv(65536)
+
+    def pause(self) -> None:
+        """SIGSTOP: the server hangs (its socket still accepts connections, nothing answers)."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL, like a crash: no clean shutdown."""

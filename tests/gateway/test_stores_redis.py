@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from engine.circuit_breaker import CircuitBreaker
 from gateway.stores import IdemState, StoredResponse, StoreUnavailable
 from gateway.stores.redis_store import RedisStore
 
@@ -50,9 +51,14 @@ def test_duplicate_on_another_replica_waits_for_the_first(redis_server):
 
 
 def test_redis_killed_mid_run_and_restarted(redis_server):
+    clock = [0.0]
+
+    def breaker() -> CircuitBreaker:
+        return CircuitBreaker(threshold=3, cooldown_s=5, clock=lambda: clock[0])
+
     async def main():
-        open_store = RedisStore(redis_server.url, "fail_open")
-        closed_store = RedisStore(redis_server.url, "fail_closed")
+        open_store = RedisStore(redis_server.url, "fail_open", breaker=breaker())
+        closed_store = RedisStore(redis_server.url, "fail_closed", breaker=breaker())
         assert (await open_store.rate_limit("k", rate=0.001, burst=1)).allowed
         assert not (await open_store.rate_limit("k", rate=0.001, burst=1)).allowed  # enforced while up
         assert (await closed_store.idempotency_begin("i", "fp")).state is IdemState.NEW
@@ -79,6 +85,7 @@ def test_redis_killed_mid_run_and_restarted(redis_server):
                 await op()
 
         redis_server.start()  # same port, empty data (no persistence)
+        clock[0] += 5  # the circuit breakers' cool-down: the next call probes redis
 
         # the same client objects reconnect by themselves and enforce limits again
         assert (await closed_store.rate_limit("k", rate=0.001, burst=1)).allowed
@@ -98,7 +105,7 @@ def test_traffic_survives_outage_fail_open(redis_server):
     """A steady request loop while redis dies and comes back: no errors escape, enforcement resumes."""
 
     async def main():
-        store = RedisStore(redis_server.url, "fail_open")
+        store = RedisStore(redis_server.url, "fail_open", breaker=CircuitBreaker(threshold=3, cooldown_s=0.05))
         results = []
 
         async def traffic(stop):

@@ -45,7 +45,7 @@ def test_examples_are_what_they_claim():
          "databases.marketdata.read_onyl", "read_onyl", "unknown field"),
         ("databases: [marketdata, ledger]", "databases: [marketdata, ledgr]", "tenants[1].databases[1]",
          "ledgr", "unknown database 'ledgr'"),
-        ("deferral_depth: 0}", "deferral_depth: 1}", "modes.execution.deferral_depth", "deferral_depth: 1}",
+        ("deferral_depth: 0,", "deferral_depth: 1,", "modes.execution.deferral_depth", "deferral_depth: 1,",
          "must not defer"),
         ("dialect: snowflake", "dialect: snowflak", "databases.ledger.dialect", "snowflak", "unknown SQL dialect"),
         ("id: risk", "id: desk-a", "tenants[1].id", "id: desk-a", "duplicate id"),
