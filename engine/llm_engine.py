@@ -75,9 +75,14 @@ class EngineConfig:
         return _DTYPES[self.dtype]
 
     def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return resolve_device(self.device)
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` -> CUDA when present, else the CPU; `cpu` / `cuda` as given."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
 
 
 @dataclass

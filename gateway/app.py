@@ -191,7 +191,7 @@ def _kv_dir(settings: Settings) -> Path:
 def _start(settings: Settings, metrics: Metrics):
     from engine.async_engine import AsyncLLM
     from engine.config import ModelConfig
-    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.llm_engine import EngineConfig, LLMEngine, resolve_device
     from gateway.audit import KEY_ENV, AuditLog, key_from_env
     from gateway.generation import Generator
     from gateway.policy_reload import PolicyReloads, deferral_for
@@ -211,7 +211,12 @@ def _start(settings: Settings, metrics: Metrics):
         log.warning("no --config: embedded dev policy, every API key is accepted (tenant 'dev')")
     policy = policies.current
     top_k = ModelConfig.from_dir(Path(settings.model)).top_k
-    defer = deferral_for(policy, top_k)
+    device = resolve_device(settings.device).type
+    defer = deferral_for(policy, top_k, device)
+    if policy.modes.exploration.deferral_depth == "auto":
+        log.info("expert deferral auto: exploration defers %d expert(s) per token on %s%s", defer, device,
+                 "" if device == "cuda" else " (CPU only: experts and the dense path share the cores, nothing "
+                 "to overlap; set modes.exploration.deferral_depth to force a depth)")
     placement, exact_lm_head, fast_lm_head, fast_dense = placement_from_policy(policy)
     engine = LLMEngine(EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
                                     kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
@@ -238,7 +243,7 @@ def _start(settings: Settings, metrics: Metrics):
                      policies=policies, open_access=open_access, store=store, telemetry=tel, audit=audit,
                      metrics=metrics, fingerprints={m: numerics_fingerprint(llm, settings, m) for m in ("exploration", "execution")}, created=int(time.time()))
     if isinstance(policies, PolicyHolder):  # reloads are checked against, and applied to, this process
-        PolicyReloads(state, top_k, numerics_fingerprint).install(policies)
+        PolicyReloads(state, top_k, device, numerics_fingerprint).install(policies)
 
     async def stop() -> None:
         await asyncio.to_thread(llm.shutdown)

@@ -58,7 +58,10 @@ class Limits(_Strict):
 
 class ModeSettings(_Strict):
     precision: Annotated[str, Field(description="name of a precision profile")]
-    deferral_depth: Annotated[int, Field(ge=0, le=16)] = 0
+    deferral_depth: Annotated[int, Field(ge=0, le=16)] | Literal["auto"] = Field(0, description=(
+        "routed experts deferred per token (their output joins the next layer's); `auto`: defer where the "
+        "dense path runs on a GPU and the CPU experts overlap with it, not on a CPU-only machine, where "
+        "experts and dense path share the cores and deferral measured as a loss"))
     temperature: Annotated[float, Field(ge=0, le=2, description=(
         "sampling temperature of requests in this mode that send none; unset: 0 (greedy) in execution, "
         "1 (OpenAI's default) in exploration"))] | None = None

@@ -28,9 +28,9 @@ def test_shipped_policies_decode_execution_greedily(name, tenant):
 
 
 def test_policy_sets_each_modes_default():
-    text = (EXAMPLES / "dev.yaml").read_text().replace(
-        "exploration: {precision: fast, deferral_depth: 2}", "exploration: {precision: fast, deferral_depth: 2, "
-                                                             "temperature: 0.6}")
+    text = (EXAMPLES / "dev.yaml").read_text()
+    assert "deferral_depth: auto}" in text and "temperature: 0}" in text
+    text = text.replace("deferral_depth: auto}", "deferral_depth: auto, temperature: 0.6}", 1)
     text = text.replace("temperature: 0}", "temperature: 0.2}")
     policy = parse_policy(text)
     rp = policy.resolve("dev", "/v1/chat/completions", "moegate-demo")

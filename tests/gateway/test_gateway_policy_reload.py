@@ -124,11 +124,30 @@ def test_source_change_is_rejected_only_when_the_policy_chose_the_checkpoint(tin
     policy_path = tmp_path / "p.yaml"
     policy_path.write_text(sourced)
     from_policy = PolicyReloads(SimpleNamespace(settings=Settings(model=str(ckpt), policy_path=str(policy_path))),
-                                top_k=2, fingerprint=None)
+                                top_k=2, device="cpu", fingerprint=None)
     issues = from_policy.check(parse_policy(moved), parse_policy(sourced))
     assert [i.field for i in issues] == ["models[0].source"] and "needs a restart" in issues[0].message
 
     other = tiny_checkpoint(seed=1)  # served from --model, not from the policy's source
     overridden = PolicyReloads(SimpleNamespace(settings=Settings(model=str(other), policy_path=str(policy_path))),
-                               top_k=2, fingerprint=None)
+                               top_k=2, device="cpu", fingerprint=None)
     assert overridden.check(parse_policy(moved), parse_policy(sourced)) == []
+
+
+@pytest.mark.parametrize(("device", "expected"), [("cpu", 0), ("cuda", 1)])
+def test_auto_deferral_defers_only_where_a_gpu_overlaps_the_experts(device, expected):
+    from gateway.policy_reload import AUTO_DEFERRAL_DEPTH, deferral_for
+    from policies.loader import parse_policy
+
+    auto = parse_policy(POLICY.replace("deferral_depth: 2}", "deferral_depth: auto}"))
+    assert auto.modes.exploration.deferral_depth == "auto" and AUTO_DEFERRAL_DEPTH == 1
+    assert deferral_for(auto, top_k=8, device=device) == expected
+    assert deferral_for(parse_policy(POLICY), top_k=8, device=device) == 2  # an explicit depth is kept
+    assert deferral_for(parse_policy(POLICY), top_k=2, device=device) == 1  # within top_k // 2
+
+
+def test_auto_is_not_a_depth_for_execution():
+    from policies.loader import PolicyError, parse_policy
+
+    with pytest.raises(PolicyError, match="execution mode must not defer"):
+        parse_policy(POLICY.replace("deferral_depth: 0}", "deferral_depth: auto}"))

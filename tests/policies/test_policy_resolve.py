@@ -42,7 +42,7 @@ def test_resolve_modes_precision_and_deferral(fin):
     r = fin.resolve("desk-a", "/v1/chat/completions", "qwen3-moe")
     assert r.precision == {"exploration": "fast", "execution": "formatting-bf16"}
     assert r.precision_profiles["execution"].formatting_layers == 4
-    assert r.deferral_depth == {"exploration": 2, "execution": 0}
+    assert r.deferral_depth == {"exploration": "auto", "execution": 0}
     assert r.segment_mode("sql_fence") == "execution" and r.segment_mode("prose") == "exploration"
     assert r.policy_id == "finance-prod" and r.policy_digest == fin.digest
     assert r.on_unavailable == "fail_closed" and r.audit_level == "full"
