@@ -11,6 +11,7 @@ import torch
 from .base import CompiledConstraint, ConstraintKind
 from .bitmask import apply_bitmask_, bitmask_words, ids_to_row
 from .closing import completion_hints, shortest_completion
+from .json_numbers import FiniteNumberGuard
 from .sql_guard import SQLScopeGuard
 from .vocab import TokenizerInfo
 
@@ -83,9 +84,10 @@ class Constraint:
         # The engine batches this row's mask through it (engine.sampling_params.MaskProcessor).
         self.mask_batcher = mask_batcher
         # SQL: binds aliases and table qualifiers to FROM while decoding (sql_scope.py tracks scopes, sql_guard.py filters tokens)
+        # JSON Schema: keeps every number a finite double (json_numbers.py)
         self.guard_fallbacks = 0  # steps where the guard vetoed every token and was bypassed
-        self.guard = (SQLScopeGuard.from_grammar(compiled.spec.source, tok)
-                      if compiled.spec.kind is ConstraintKind.SQL else None)
+        self.guard = (SQLScopeGuard.from_grammar(compiled.spec.source, tok) if compiled.spec.kind is ConstraintKind.SQL
+                      else FiniteNumberGuard(tok) if compiled.spec.kind is ConstraintKind.JSON_SCHEMA else None)
         self.plan: list[int] | None = None  # the forced completion path, once committed
         self._next_plan_check = 0  # consumed count at which the completion path is measured again
         self._token_bytes = tok.token_bytes

@@ -1,0 +1,286 @@
+"""What decoding enforces of a JSON Schema and what validation checks: the grammar's schema and a
+per-keyword report (`Enforcement`), returned with every structured response.
+
+The grammar compiles a schema derived from the caller's: keywords llguidance cannot express are
+removed from it (the grammar then admits a superset and jsonschema decides, with the gateway's
+bounded strict retry), a few are rewritten into what it can express (`not: {type}`, `not:
+{required: [k]}`), unknown formats are annotations (checked where jsonschema has a checker), and
+objects the schema leaves open are closed (extra properties stay valid but are not generated).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import jsonschema
+
+from .errors import ConstraintCompileError, UnsupportedSchemaError
+from .json_schema import (
+    ANNOTATIONS,
+    LLGUIDANCE_KEYWORDS,
+    STRICT_FORMATS,
+    STRICT_JSON_OPTIONS,
+    normalise,
+    parse_schema,
+    validator_class,
+    walk,
+)
+
+GRAMMAR = "grammar"  # decoding cannot produce a violation
+GUIDED = "grammar+validation"  # the grammar approximates, jsonschema decides (bounded strict retry)
+VALIDATION = "validation"  # jsonschema after decoding, bounded strict retry
+ANNOTATION = "annotation"  # asserts nothing (unknown format without a checker)
+_RANK = {GRAMMAR: 0, ANNOTATION: 0, GUIDED: 1, VALIDATION: 2}
+
+LLGUIDANCE_FORMATS = frozenset({
+    "date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri",
+})
+# Assertions llguidance does not implement: dropped from the grammar's schema, checked by jsonschema.
+VALIDATION_ONLY = frozenset({
+    "not", "if", "then", "else", "dependencies", "dependentRequired", "dependentSchemas", "uniqueItems",
+    "contains", "minContains", "maxContains", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+    "$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor", "extends", "disallow", "divisibleBy",
+})
+_CONTAINERS = frozenset({"$defs", "definitions"})
+_APPLICATORS = frozenset({"allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "not", "dependencies",
+                          "dependentSchemas", "dependentRequired", "unevaluatedProperties", "patternProperties",
+                          "propertyNames"})
+_TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
+NUMERIC_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+@dataclass
+class Enforcement:
+    """How each keyword of the schema is enforced (GRAMMAR / GUIDED / VALIDATION / ANNOTATION)."""
+
+    keywords: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def set(self, keyword: str, method: str) -> None:
+        """Record a method; a keyword enforced differently at several places reports the weakest."""
+        if _RANK[method] >= _RANK.get(self.keywords.get(keyword, GRAMMAR), 0) or keyword not in self.keywords:
+            self.keywords[keyword] = method
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def needs_validation(self) -> bool:
+        return any(m in (GUIDED, VALIDATION) for m in self.keywords.values())
+
+    def to_dict(self) -> dict:
+        return {"keywords": dict(sorted(self.keywords.items())), "notes": list(self.notes)}
+
+
+@dataclass
+class GrammarSchema:
+    """The schema the grammar compiles (already normalised) and the report of what it enforces."""
+
+    schema: dict | bool
+    enforcement: Enforcement
+
+
+def meta_validate(schema: dict | bool) -> dict | bool:
+    """The schema repaired where the repair keeps its meaning (duplicate enum/required/type entries,
+    an empty draft-4 `required`), then checked against its draft's meta-schema: an invalid schema is
+    a typed 400 naming the place."""
+    if not isinstance(schema, dict):
+        return schema
+    schema = copy.deepcopy(schema)
+    for _, sub in walk(schema):
+        for key in ("enum", "required", "type"):
+            value = sub.get(key)
+            if isinstance(value, list):
+                unique = [v for i, v in enumerate(value) if v not in value[:i]]
+                if key == "required" and not unique:
+                    del sub[key]
+                elif len(unique) != len(value):
+                    sub[key] = unique
+    cls = validator_class(schema)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "#/" + "/".join(str(p) for p in e.absolute_path)
+        raise ConstraintCompileError("json_schema", f"the schema is not a valid {cls.__name__.removesuffix('Validator')}"
+                                     f" JSON Schema at {where}: {e.message[:200]}") from None
+    return schema
+
+
+def _format_method(name: str, checker: jsonschema.FormatChecker) -> str:
+    if name in LLGUIDANCE_FORMATS or name in STRICT_FORMATS:
+        return GRAMMAR
+    return VALIDATION if name in checker.checkers else ANNOTATION
+
+
+def _format_checker(schema: dict | bool) -> jsonschema.FormatChecker:
+    return validator_class(schema).FORMAT_CHECKER
+
+
+def grammar_schema(schema: dict | bool, close_open_objects: bool = True) -> GrammarSchema:
+    """Derive the grammar's schema from a meta-validated one and report each keyword's enforcement."""
+    report = Enforcement()
+    if not isinstance(schema, dict):
+        if schema is False:
+            raise ConstraintCompileError("json_schema", "the schema `false` admits no value (unsatisfiable)")
+        return GrammarSchema(schema, report)
+    for _, sub in walk(schema):
+        for key, value in sub.items():
+            if key == "$ref" and isinstance(value, str) and not value.startswith("#"):
+                raise UnsupportedSchemaError("$ref", "#", f"remote reference {value!r} cannot be resolved", "llguidance")
+    out = copy.deepcopy(schema)
+    checker = _format_checker(schema)
+    if close_open_objects:
+        closed = _close_open_objects(out)
+        if closed:
+            report.note("objects the schema leaves open (additionalProperties absent or true) are generated with "
+                        f"their declared properties only; extra properties stay valid but are not generated: "
+                        f"{', '.join(closed[:8])}{' ...' if len(closed) > 8 else ''}")
+    for _, sub in walk(out):
+        _rewrite_not(sub, report)
+        for key in list(sub):
+            if key in ANNOTATIONS or key in _CONTAINERS:
+                continue
+            if key in VALIDATION_ONLY:
+                if key == "uniqueItems" and sub[key] is False:
+                    sub.pop(key)
+                    continue
+                sub.pop(key)
+                report.set(key, VALIDATION)
+            elif key == "format":
+                name = sub[key]
+                method = _format_method(name, checker) if isinstance(name, str) else ANNOTATION
+                report.set(f"format:{name}", method)
+                if method != GRAMMAR:
+                    sub.pop(key)
+            elif key in LLGUIDANCE_KEYWORDS:
+                report.set(key, GRAMMAR)
+    report.note("numbers are finite doubles (a decoding guard bounds digits and exponents)")
+    return GrammarSchema(normalise(out), report)
+
+
+def _rewrite_not(sub: dict, report: Enforcement) -> None:
+    """`not: {type: T}` narrows `type`; `not: {required: [k]}` forbids property k: both in the grammar."""
+    neg = sub.get("not")
+    if not isinstance(neg, dict):
+        return
+    keys = set(neg) - ANNOTATIONS
+    if keys == {"type"}:
+        banned = {neg["type"]} if isinstance(neg["type"], str) else set(neg["type"])
+        if "number" in banned:
+            banned.add("integer")
+        current = sub.get("type", list(_TYPES))
+        current = [current] if isinstance(current, str) else list(current)
+        left = [t for t in current if t not in banned and not (t == "integer" and "number" in banned)]
+        if left:
+            sub["type"] = left
+            sub.pop("not")
+            report.set("not", GRAMMAR)
+    elif keys == {"required"} and isinstance(neg["required"], list) and len(neg["required"]) == 1:
+        name = neg["required"][0]
+        if name not in (sub.get("required") or []) and isinstance(sub.get("properties", {}), dict):
+            sub.setdefault("properties", {})[name] = False
+            sub.pop("not")
+            report.set("not", GRAMMAR)
+
+
+def _pointer(root: dict, ref: str) -> dict | None:
+    node: object = root
+    for part in ref.lstrip("#").strip("/").split("/") if ref not in ("#", "") else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node if isinstance(node, dict) else None
+
+
+def _merged_nodes(root: dict) -> Iterator[dict]:
+    """Sub-schemas whose constraints are intersected with a sibling's (allOf members, conditional
+    branches, applicator members next to other keywords, $ref targets used so): closing one of them
+    would forbid properties the sibling declares."""
+    for _, sub in walk(root):
+        others = set(sub) - ANNOTATIONS - {"anyOf", "oneOf", "allOf", "$ref"}
+        for key in ("allOf", "anyOf", "oneOf"):
+            members = sub.get(key)
+            if isinstance(members, list) and (key == "allOf" or others or len(set(sub) & {"anyOf", "oneOf", "allOf",
+                                                                                          "$ref"}) > 1):
+                yield from (m for m in members if isinstance(m, dict))
+        for key in ("then", "else", "if", "not"):
+            if isinstance(sub.get(key), dict):
+                yield sub[key]
+        for key in ("dependentSchemas", "dependencies"):
+            if isinstance(sub.get(key), dict):
+                yield from (m for m in sub[key].values() if isinstance(m, dict))
+
+
+def _close_open_objects(root: dict) -> list[str]:
+    """Set additionalProperties false on open objects where that only narrows what is generated;
+    returns their paths."""
+    merged = {id(m) for m in _merged_nodes(root)}
+    for _, sub in walk(root):  # a $ref target used where it is merged is merged too
+        ref = sub.get("$ref")
+        if isinstance(ref, str) and (id(sub) in merged or set(sub) - ANNOTATIONS - {"$ref"}):
+            target = _pointer(root, ref)
+            if target is not None:
+                merged.add(id(target))
+    changed = True
+    while changed:  # members of a merged node's combinators merge too
+        changed = False
+        for _, sub in walk(root):
+            if id(sub) not in merged:
+                continue
+            for key in ("allOf", "anyOf", "oneOf"):
+                for m in sub.get(key) or [] if isinstance(sub.get(key), list) else []:
+                    if isinstance(m, dict) and id(m) not in merged:
+                        merged.add(id(m))
+                        changed = True
+            ref = sub.get("$ref")
+            target = _pointer(root, ref) if isinstance(ref, str) else None
+            if target is not None and id(target) not in merged:
+                merged.add(id(target))
+                changed = True
+    closed = []
+    for path, sub in walk(root):
+        props = sub.get("properties")
+        if (id(sub) in merged or not isinstance(props, dict) or not props or set(sub) & _APPLICATORS
+                or sub.get("additionalProperties", True) is not True
+                or "object" not in ([sub["type"]] if isinstance(sub.get("type"), str) else sub.get("type", ["object"]))):
+            continue
+        required = [r for r in sub.get("required") or [] if isinstance(r, str)]
+        names = set(props) | set(required)
+        if isinstance(sub.get("minProperties"), int) and sub["minProperties"] > len(names):
+            continue
+        for name in required:
+            props.setdefault(name, {})
+        sub["additionalProperties"] = False
+        closed.append(path)
+    return closed
+
+
+def drop_keywords(schema: dict, keywords: tuple[str, ...], report: Enforcement, where=None) -> bool:
+    """Remove `keywords` from the grammar's schema (at sub-schemas `where(sub)` selects); recorded as
+    validation. Returns whether anything was removed."""
+    removed = False
+    for _, sub in walk(schema):
+        if where is not None and not where(sub):
+            continue
+        for key in keywords:
+            if key in sub:
+                sub.pop(key)
+                report.set(key, VALIDATION)
+                removed = True
+    return removed
+
+
+def with_guidance_options(schema: dict | bool, item_sep: str = ", ", key_sep: str = ": ") -> dict:
+    """The grammar's schema with an `x-guidance` block, for embedding as %json{...} in a Lark grammar
+    (tool arguments, fenced JSON). oneOf is admitted as anyOf there (validation checks exactly one)."""
+    derived = grammar_schema(meta_validate(parse_schema(schema)))
+    body = {} if derived.schema is True else dict(derived.schema)
+    body["x-guidance"] = {**STRICT_JSON_OPTIONS, "coerce_one_of": True, "item_separator": item_sep,
+                          "key_separator": key_sep}
+    return body

@@ -1,0 +1,156 @@
+"""Finite numbers in JSON output: a decoding guard that bounds every number to a finite double.
+
+llguidance's JSON number lexeme admits any exponent (`1125e2755992` parses to inf) and its bounded
+ranges cannot reach 1e308, so the Constraint filters each mask row with `FiniteNumberGuard`: outside
+strings, a number's significant integer digits plus its exponent stay <= 308 and its exponent has at
+most three digits (so it is below 1e308 and never overflows; tiny values round to 0, still finite).
+It applies to every number, typed or not (`{}`, open objects, json_object).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .bitmask import row_allows
+from .vocab import TokenizerInfo
+
+MAX_DECIMAL_EXPONENT = 308  # 1e308 < DBL_MAX ~ 1.797e308
+MAX_EXPONENT_DIGITS = 3
+_DIGITS = frozenset(b"0123456789")
+
+
+class _Overflow(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class _Lexer:
+    """Where the output is, byte by byte: inside a string, inside a number (which part), or between."""
+
+    in_string: bool = False
+    escape: bool = False
+    part: str = ""  # "" (no number) | int | frac | exp0 (after e) | exp (sign or digits seen)
+    int_digits: int = 0  # significant digits before the point
+    exp_negative: bool = False
+    exp_value: int = 0
+    exp_digits: int = 0
+
+    def feed(self, data: bytes) -> _Lexer:
+        s = self
+        for b in data:
+            s = s._step(b)
+        return s
+
+    def _step(self, b: int) -> _Lexer:
+        if self.in_string:
+            if self.escape:
+                return replace(self, escape=False)
+            if b == 0x5C:  # backslash
+                return replace(self, escape=True)
+            return replace(self, in_string=b != 0x22)
+        if self.part:
+            if b in _DIGITS:
+                return self._digit(b - 0x30)
+            if b == 0x2E and self.part == "int":
+                return replace(self, part="frac")
+            if b in (0x65, 0x45) and self.part in ("int", "frac"):
+                return replace(self, part="exp0")
+            if b in (0x2B, 0x2D) and self.part == "exp0":
+                return replace(self, part="exp", exp_negative=b == 0x2D)
+            self = _Lexer()  # the number ended at this byte  # noqa: PLW0642
+        if b == 0x22:
+            return replace(self, in_string=True)
+        if b == 0x2D:
+            return _Lexer(part="int")
+        if b in _DIGITS:
+            return _Lexer(part="int")._digit(b - 0x30)
+        return self
+
+    def _digit(self, d: int) -> _Lexer:
+        if self.part == "int":
+            n = self.int_digits + (1 if self.int_digits or d else 0)
+            if n > MAX_DECIMAL_EXPONENT:
+                raise _Overflow
+            return replace(self, int_digits=n)
+        if self.part == "frac":
+            return self
+        value, digits = self.exp_value * 10 + d, self.exp_digits + 1
+        if digits > MAX_EXPONENT_DIGITS or (not self.exp_negative and self.int_digits + value > MAX_DECIMAL_EXPONENT):
+            raise _Overflow
+        return replace(self, part="exp", exp_value=value, exp_digits=digits)
+
+    @property
+    def in_number(self) -> bool:
+        return bool(self.part)
+
+
+@dataclass(frozen=True)
+class _Tables:
+    risky_ids: np.ndarray  # tokens that overflow on their own, from between values or inside a string
+    in_number_ids: np.ndarray  # tokens to check inside a number: those that can continue it, and risky_ids
+    pieces: tuple[bytes, ...]
+
+
+@functools.lru_cache(maxsize=8)
+def _tables(tokenizer: TokenizerInfo) -> _Tables:
+    pieces = tuple(b or b"" for b in tokenizer.token_bytes)
+    number, risky = [], []
+    fresh = (_Lexer(), _Lexer(in_string=True))
+    for i, p in enumerate(pieces):
+        if not p:
+            continue
+        if p[0] in b"0123456789.eE+-":
+            number.append(i)
+        if sum(c in _DIGITS for c in p) > MAX_EXPONENT_DIGITS:
+            for state in fresh:
+                try:
+                    state.feed(p)
+                except _Overflow:
+                    risky.append(i)
+                    break
+    risky_ids = np.array(risky, dtype=np.int64)
+    return _Tables(risky_ids, np.union1d(np.array(number, dtype=np.int64), risky_ids), pieces)
+
+
+class FiniteNumberGuard:
+    """Per-sequence guard with the Constraint's guard interface: `consume`, `filter`, `allows`, `allows_end`."""
+
+    def __init__(self, tokenizer: TokenizerInfo) -> None:
+        self.tables = _tables(tokenizer)
+        self.state = _Lexer()
+
+    def _piece(self, token: int) -> bytes:
+        return self.tables.pieces[token] if token < len(self.tables.pieces) else b""
+
+    def consume(self, token: int) -> None:
+        try:
+            self.state = self.state.feed(self._piece(token))
+        except _Overflow:  # only reachable if a vetoed token was forced in; validation reports it
+            self.state = _Lexer()
+
+    def allows(self, tokens: list[int], final: bool = False) -> bool:
+        state = self.state
+        try:
+            for t in tokens:
+                state = state.feed(self._piece(t))
+        except _Overflow:
+            return False
+        return True
+
+    def allows_end(self) -> bool:
+        return True
+
+    def filter(self, out: np.ndarray) -> None:
+        """Clear, in mask row `out` (uint32 words), the tokens that would make a number overflow."""
+        candidates = self.tables.in_number_ids if self.state.in_number else self.tables.risky_ids
+        if not len(candidates):
+            return
+        allowed = candidates[row_allows(out, candidates)]
+        for t in allowed.tolist():
+            try:
+                self.state.feed(self.tables.pieces[t])
+            except _Overflow:
+                out[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
