@@ -11,6 +11,7 @@ objects the schema leaves open are closed (extra properties stay valid but are n
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from .json_schema import (
     LLGUIDANCE_KEYWORDS,
     STRICT_FORMATS,
     STRICT_JSON_OPTIONS,
+    meta_validator,
     normalise,
     parse_schema,
     validator_class,
@@ -82,40 +84,47 @@ class GrammarSchema:
     enforcement: Enforcement
 
 
+def _repairs(sub: dict) -> dict:
+    """Meaning-preserving repairs of one sub-schema: duplicate enum/required/type entries dropped, an
+    empty `required` (invalid in draft 4) removed."""
+    fixes: dict = {}
+    for key in ("enum", "required", "type"):
+        value = sub.get(key)
+        if isinstance(value, list):
+            unique = [v for i, v in enumerate(value) if v not in value[:i]]
+            if key == "required" and not unique:
+                fixes[key] = None
+            elif len(unique) != len(value):
+                fixes[key] = unique
+    return fixes
+
+
 def meta_validate(schema: dict | bool) -> dict | bool:
-    """The schema repaired where the repair keeps its meaning (duplicate enum/required/type entries,
-    an empty draft-4 `required`), then checked against its draft's meta-schema: an invalid schema is
-    a typed 400 naming the place."""
+    """The schema repaired where the repair keeps its meaning (`_repairs`), then checked against its
+    draft's meta-schema: an invalid schema is a typed 400 naming the place."""
     if not isinstance(schema, dict):
         return schema
-    schema = copy.deepcopy(schema)
-    for _, sub in walk(schema):
-        for key in ("enum", "required", "type"):
-            value = sub.get(key)
-            if isinstance(value, list):
-                unique = [v for i, v in enumerate(value) if v not in value[:i]]
-                if key == "required" and not unique:
+    if any(_repairs(sub) for _, sub in walk(schema)):
+        schema = copy.deepcopy(schema)
+        for _, sub in walk(schema):
+            for key, value in _repairs(sub).items():
+                if value is None:
                     del sub[key]
-                elif len(unique) != len(value):
-                    sub[key] = unique
+                else:
+                    sub[key] = value
     cls = validator_class(schema)
-    try:
-        cls.check_schema(schema)
-    except jsonschema.SchemaError as e:
-        where = "#/" + "/".join(str(p) for p in e.absolute_path)
+    error = jsonschema.exceptions.best_match(meta_validator(cls).iter_errors(schema))
+    if error is not None:
+        where = "#/" + "/".join(str(p) for p in error.absolute_path)
         raise ConstraintCompileError("json_schema", f"the schema is not a valid {cls.__name__.removesuffix('Validator')}"
-                                     f" JSON Schema at {where}: {e.message[:200]}") from None
+                                     f" JSON Schema at {where}: {error.message[:200]}")
     return schema
 
 
-def _format_method(name: str, checker: jsonschema.FormatChecker) -> str:
+def _format_method(name: str, checker) -> str:
     if name in LLGUIDANCE_FORMATS or name in STRICT_FORMATS:
         return GRAMMAR
-    return VALIDATION if name in checker.checkers else ANNOTATION
-
-
-def _format_checker(schema: dict | bool) -> jsonschema.FormatChecker:
-    return validator_class(schema).FORMAT_CHECKER
+    return VALIDATION if name in checker().checkers else ANNOTATION
 
 
 def grammar_schema(schema: dict | bool, close_open_objects: bool = True) -> GrammarSchema:
@@ -130,7 +139,7 @@ def grammar_schema(schema: dict | bool, close_open_objects: bool = True) -> Gram
             if key == "$ref" and isinstance(value, str) and not value.startswith("#"):
                 raise UnsupportedSchemaError("$ref", "#", f"remote reference {value!r} cannot be resolved", "llguidance")
     out = copy.deepcopy(schema)
-    checker = _format_checker(schema)
+    checker = functools.cache(lambda: validator_class(schema).FORMAT_CHECKER)  # only for formats
     if close_open_objects:
         closed = _close_open_objects(out)
         if closed:
@@ -227,22 +236,16 @@ def _close_open_objects(root: dict) -> list[str]:
             target = _pointer(root, ref)
             if target is not None:
                 merged.add(id(target))
-    changed = True
-    while changed:  # members of a merged node's combinators merge too
-        changed = False
-        for _, sub in walk(root):
-            if id(sub) not in merged:
-                continue
-            for key in ("allOf", "anyOf", "oneOf"):
-                for m in sub.get(key) or [] if isinstance(sub.get(key), list) else []:
-                    if isinstance(m, dict) and id(m) not in merged:
-                        merged.add(id(m))
-                        changed = True
-            ref = sub.get("$ref")
-            target = _pointer(root, ref) if isinstance(ref, str) else None
-            if target is not None and id(target) not in merged:
-                merged.add(id(target))
-                changed = True
+    todo = [sub for _, sub in walk(root) if id(sub) in merged]
+    while todo:  # members and $ref targets of a merged node merge too
+        sub = todo.pop()
+        nexts = [m for key in ("allOf", "anyOf", "oneOf") if isinstance(sub.get(key), list) for m in sub[key]]
+        if isinstance(sub.get("$ref"), str):
+            nexts.append(_pointer(root, sub["$ref"]))
+        for m in nexts:
+            if isinstance(m, dict) and id(m) not in merged:
+                merged.add(id(m))
+                todo.append(m)
     closed = []
     for path, sub in walk(root):
         props = sub.get("properties")
