@@ -19,7 +19,9 @@ from .vocab import TokenizerInfo
 
 MAX_DECIMAL_EXPONENT = 308  # 1e308 < DBL_MAX ~ 1.797e308
 MAX_EXPONENT_DIGITS = 3
+MEMO_ENTRIES = 20_000  # completion-search states remembered between two consumed tokens
 _DIGITS = frozenset(b"0123456789")
+_STARTS = frozenset(b'"-0123456789')
 
 
 class _Overflow(Exception):
@@ -39,6 +41,10 @@ class _Lexer:
     exp_digits: int = 0
 
     def feed(self, data: bytes) -> _Lexer:
+        if self.in_string and not self.escape and b'"' not in data and b"\\" not in data:
+            return self  # stays inside the string
+        if not self.in_string and not self.part and not _STARTS.intersection(data):
+            return self  # between values, no string or number starts
         s = self
         for b in data:
             s = s._step(b)
@@ -90,20 +96,21 @@ class _Lexer:
 @dataclass(frozen=True)
 class _Tables:
     risky_ids: np.ndarray  # tokens that overflow on their own, from between values or inside a string
-    in_number_ids: np.ndarray  # tokens to check inside a number: those that can continue it, and risky_ids
+    digit_ids: np.ndarray  # tokens with a digit: the only ones that can make a number overflow
+    has_digit: np.ndarray  # [V] bool
     pieces: tuple[bytes, ...]
 
 
 @functools.lru_cache(maxsize=8)
 def _tables(tokenizer: TokenizerInfo) -> _Tables:
     pieces = tuple(b or b"" for b in tokenizer.token_bytes)
-    number, risky = [], []
+    has_digit = np.zeros(len(pieces), dtype=bool)
+    risky = []
     fresh = (_Lexer(), _Lexer(in_string=True))
     for i, p in enumerate(pieces):
-        if not p:
+        if not p or not _DIGITS.intersection(p):
             continue
-        if p[0] in b"0123456789.eE+-":
-            number.append(i)
+        has_digit[i] = True
         if sum(c in _DIGITS for c in p) > MAX_EXPONENT_DIGITS:
             for state in fresh:
                 try:
@@ -111,8 +118,7 @@ def _tables(tokenizer: TokenizerInfo) -> _Tables:
                 except _Overflow:
                     risky.append(i)
                     break
-    risky_ids = np.array(risky, dtype=np.int64)
-    return _Tables(risky_ids, np.union1d(np.array(number, dtype=np.int64), risky_ids), pieces)
+    return _Tables(np.array(risky, dtype=np.int64), np.flatnonzero(has_digit), has_digit, pieces)
 
 
 class FiniteNumberGuard:
@@ -121,23 +127,36 @@ class FiniteNumberGuard:
     def __init__(self, tokenizer: TokenizerInfo) -> None:
         self.tables = _tables(tokenizer)
         self.state = _Lexer()
+        self._memo: dict[tuple[int, ...], _Lexer] = {}
 
     def _piece(self, token: int) -> bytes:
         return self.tables.pieces[token] if token < len(self.tables.pieces) else b""
 
     def consume(self, token: int) -> None:
+        self._memo.clear()
         try:
             self.state = self.state.feed(self._piece(token))
         except _Overflow:  # only reachable if a vetoed token was forced in; validation reports it
             self.state = _Lexer()
 
     def allows(self, tokens: list[int], final: bool = False) -> bool:
-        state = self.state
+        """Whether `tokens` after the output so far keep every number finite. The completion search
+        asks for each path it extends by one move, so the state after each path is memoised."""
+        key = tuple(tokens)
+        state = None
+        for cut in range(len(key) - 1, max(-1, len(key) - 9), -1):  # the longest memoised prefix
+            state = self._memo.get(key[:cut]) if cut else self.state
+            if state is not None:
+                break
+        if state is None:
+            state, cut = self.state, 0
         try:
-            for t in tokens:
+            for t in key[cut:]:
                 state = state.feed(self._piece(t))
         except _Overflow:
             return False
+        if len(self._memo) < MEMO_ENTRIES:
+            self._memo[key] = state
         return True
 
     def allows_end(self) -> bool:
@@ -145,7 +164,7 @@ class FiniteNumberGuard:
 
     def filter(self, out: np.ndarray) -> None:
         """Clear, in mask row `out` (uint32 words), the tokens that would make a number overflow."""
-        candidates = self.tables.in_number_ids if self.state.in_number else self.tables.risky_ids
+        candidates = self.tables.digit_ids if self.state.in_number else self.tables.risky_ids
         if not len(candidates):
             return
         allowed = candidates[row_allows(out, candidates)]
