@@ -97,6 +97,8 @@ class _Lexer:
 class _Tables:
     risky_ids: np.ndarray  # tokens that overflow on their own, from between values or inside a string
     digit_ids: np.ndarray  # tokens with a digit: the only ones that can make a number overflow
+    exp_digit_ids: np.ndarray  # those of them with an 'e' / 'E' (they can open an exponent)
+    max_digits: int  # the most digits one token has
     has_digit: np.ndarray  # [V] bool
     pieces: tuple[bytes, ...]
 
@@ -118,7 +120,10 @@ def _tables(tokenizer: TokenizerInfo) -> _Tables:
                 except _Overflow:
                     risky.append(i)
                     break
-    return _Tables(np.array(risky, dtype=np.int64), np.flatnonzero(has_digit), has_digit, pieces)
+    digit_ids = np.flatnonzero(has_digit)
+    exp_ids = np.array([i for i in digit_ids.tolist() if b"e" in pieces[i] or b"E" in pieces[i]], dtype=np.int64)
+    max_digits = max((sum(c in _DIGITS for c in pieces[i]) for i in digit_ids.tolist()), default=0)
+    return _Tables(np.array(risky, dtype=np.int64), digit_ids, exp_ids, max_digits, has_digit, pieces)
 
 
 class FiniteNumberGuard:
@@ -164,7 +169,13 @@ class FiniteNumberGuard:
 
     def filter(self, out: np.ndarray) -> None:
         """Clear, in mask row `out` (uint32 words), the tokens that would make a number overflow."""
-        candidates = self.tables.digit_ids if self.state.in_number else self.tables.risky_ids
+        state, tables = self.state, self.tables
+        if not state.in_number:
+            candidates = tables.risky_ids
+        elif state.part in ("int", "frac") and state.int_digits + tables.max_digits <= MAX_DECIMAL_EXPONENT:
+            candidates = tables.exp_digit_ids  # more digits cannot overflow here; an exponent might
+        else:
+            candidates = tables.digit_ids
         if not len(candidates):
             return
         allowed = candidates[row_allows(out, candidates)]
