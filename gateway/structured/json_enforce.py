@@ -148,6 +148,7 @@ def grammar_schema(schema: dict | bool, close_open_objects: bool = True) -> Gram
                         f"{', '.join(closed[:8])}{' ...' if len(closed) > 8 else ''}")
     for _, sub in walk(out):
         _rewrite_not(sub, report)
+        _rewrite_exclusive_required(sub, report)
         for key in list(sub):
             if key in ANNOTATIONS or key in _CONTAINERS:
                 continue
@@ -192,6 +193,26 @@ def _rewrite_not(sub: dict, report: Enforcement) -> None:
             sub.setdefault("properties", {})[name] = False
             sub.pop("not")
             report.set("not", GRAMMAR)
+
+
+def _rewrite_exclusive_required(sub: dict, report: Enforcement) -> None:
+    """`oneOf` of `required` lists ("exactly one of these argument sets") as disjoint anyOf branches:
+    branch i requires R_i and forbids the other branches' keys, so exactly one holds (when no R_j is
+    a subset of R_i; else it stays for validation). The grammar then enforces it."""
+    branches = sub.get("oneOf")
+    if not isinstance(branches, list) or len(branches) < 2 or "anyOf" in sub:
+        return
+    sets = []
+    for b in branches:
+        if not isinstance(b, dict) or set(b) - ANNOTATIONS != {"required"} or not isinstance(b["required"], list):
+            return
+        sets.append(frozenset(r for r in b["required"] if isinstance(r, str)))
+    if any(i != j and sets[j] <= sets[i] for i in range(len(sets)) for j in range(len(sets))):
+        return
+    union = frozenset().union(*sets)
+    sub["anyOf"] = [{"required": sorted(r), "properties": dict.fromkeys(sorted(union - r), False)} for r in sets]
+    sub.pop("oneOf")
+    report.set("oneOf", GRAMMAR)
 
 
 def _pointer(root: dict, ref: str) -> dict | None:

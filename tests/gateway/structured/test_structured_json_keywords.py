@@ -43,6 +43,9 @@ def _allowed_path(c, tokinfo, text: str) -> bool:
     ({"type": "object", "properties": {"a": {}}, "dependencies": {"a": ["b"]}}, "dependencies", "validation"),
     ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, "oneOf", "grammar+validation"),  # overlapping
     ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, "oneOf", "grammar"),  # provably disjoint
+    ({"type": "object", "properties": {"a": {}, "b": {}, "c": {}},  # exactly one of these argument sets
+      "oneOf": [{"required": ["a"]}, {"required": ["b", "c"]}]}, "oneOf", "grammar"),
+    ({"type": "object", "oneOf": [{"required": ["a"]}, {"required": ["a", "b"]}]}, "oneOf", "grammar+validation"),
     ({"type": "object", "patternProperties": {"^x-": {"type": "integer"}}}, "patternProperties", "grammar"),
     ({"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}},
       "$ref": "#/$defs/node"}, "$ref", "grammar"),  # recursive
@@ -63,6 +66,9 @@ def test_keyword_families_compile_with_their_enforcement(schema, keyword, method
     {"type": "object", "properties": {"a": {"not": {"type": ["string", "object", "array"]}}}, "required": ["a"]},
     {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "not": {"required": ["b"]}},
     {"oneOf": [{"type": "string", "maxLength": 3}, {"type": "integer", "minimum": 0, "maximum": 9}]},
+    {"type": "object", "properties": {"side": {"type": "integer"}, "base": {"type": "number"}, "height": {"type": "number"},
+                                      "radius": {"type": "number"}},
+     "oneOf": [{"required": ["side"]}, {"required": ["base", "height"]}, {"required": ["radius"]}]},
 ])
 def test_grammar_enforced_rewrites_always_validate(schema, tokinfo):
     for seed in range(6):
