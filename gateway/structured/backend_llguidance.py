@@ -165,6 +165,8 @@ def compile_json_schema(source: str, tokenizer: TokenizerInfo) -> tuple[str, Enf
             report.note(f"llguidance lenient mode (unsupported parts are checked by validation): {error.strip()[:200]}")
             for key in _unimplemented(error):
                 report.set(key, VALIDATION)
+            for key in report.rewritten:  # lenient mode may have dropped part of a rewrite
+                report.set(key, GUIDED)
 
 
 def _relaxation(error: str, tried: set[str]) -> str | None:

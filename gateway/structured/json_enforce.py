@@ -59,6 +59,7 @@ class Enforcement:
 
     keywords: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    rewritten: set[str] = field(default_factory=set)  # keywords the grammar enforces through a rewrite
 
     def set(self, keyword: str, method: str) -> None:
         """Record a method; a keyword enforced differently at several places reports the weakest."""
@@ -149,6 +150,7 @@ def grammar_schema(schema: dict | bool, close_open_objects: bool = True) -> Gram
     for _, sub in walk(out):
         _rewrite_not(sub, report)
         _rewrite_exclusive_required(sub, report)
+        _rewrite_dependent_required(sub, report)
         for key in list(sub):
             if key in ANNOTATIONS or key in _CONTAINERS:
                 continue
@@ -187,12 +189,14 @@ def _rewrite_not(sub: dict, report: Enforcement) -> None:
             sub["type"] = left
             sub.pop("not")
             report.set("not", GRAMMAR)
+            report.rewritten.add("not")
     elif keys == {"required"} and isinstance(neg["required"], list) and len(neg["required"]) == 1:
         name = neg["required"][0]
         if name not in (sub.get("required") or []) and isinstance(sub.get("properties", {}), dict):
             sub.setdefault("properties", {})[name] = False
             sub.pop("not")
             report.set("not", GRAMMAR)
+            report.rewritten.add("not")
 
 
 def _rewrite_exclusive_required(sub: dict, report: Enforcement) -> None:
@@ -213,6 +217,34 @@ def _rewrite_exclusive_required(sub: dict, report: Enforcement) -> None:
     sub["anyOf"] = [{"required": sorted(r), "properties": dict.fromkeys(sorted(union - r), False)} for r in sets]
     sub.pop("oneOf")
     report.set("oneOf", GRAMMAR)
+    report.rewritten.add("oneOf")
+
+
+MAX_DEPENDENCY_REWRITES = 4  # each becomes a two-way anyOf inside allOf: 2**n branches for llguidance
+
+
+def _rewrite_dependent_required(sub: dict, report: Enforcement) -> None:
+    """`dependentRequired` / array-form `dependencies` ("if a is present, b and c are too") as
+    allOf members `anyOf: [{a absent}, {required: [a, b, c]}]`, which the grammar enforces."""
+    deps: list[tuple[str, str, list[str]]] = []
+    for key in ("dependentRequired", "dependencies"):
+        table = sub.get(key)
+        if isinstance(table, dict):
+            deps += [(key, name, req) for name, req in table.items()
+                     if isinstance(req, list) and all(isinstance(r, str) for r in req)]
+    if not deps or len(deps) > MAX_DEPENDENCY_REWRITES or not isinstance(sub.get("allOf", []), list):
+        return
+    members = [{"anyOf": [{"properties": {name: False}}, {"required": [name, *[r for r in req if r != name]]}]}
+               for _, name, req in deps if req]
+    for key, name, _ in deps:
+        sub[key].pop(name)
+        report.set(key, GRAMMAR)
+        report.rewritten.add(key)
+    for key in ("dependentRequired", "dependencies"):
+        if key in sub and not sub[key]:
+            sub.pop(key)
+    if members:
+        sub["allOf"] = [*sub.get("allOf", []), *members]
 
 
 def _pointer(root: dict, ref: str) -> dict | None:

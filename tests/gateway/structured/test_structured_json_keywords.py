@@ -38,9 +38,10 @@ def _allowed_path(c, tokinfo, text: str) -> bool:
     ({"type": "object", "properties": {"a": {"type": "string", "not": {"enum": ["x"]}}}}, "not", "validation"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "not": {"required": ["a"]}}, "not", "grammar"),
     ({"if": {"type": "string"}, "then": {"minLength": 2}, "else": {"type": "integer"}}, "if", "validation"),
-    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired", "validation"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired", "grammar"),
     ({"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}, "dependentSchemas", "validation"),
-    ({"type": "object", "properties": {"a": {}}, "dependencies": {"a": ["b"]}}, "dependencies", "validation"),
+    ({"type": "object", "properties": {"a": {}}, "dependencies": {"a": ["b"]}}, "dependencies", "grammar"),
+    ({"type": "object", "dependencies": {"a": ["b"], "c": {"required": ["d"]}}}, "dependencies", "validation"),
     ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, "oneOf", "grammar+validation"),  # overlapping
     ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, "oneOf", "grammar"),  # provably disjoint
     ({"type": "object", "properties": {"a": {}, "b": {}, "c": {}},  # exactly one of these argument sets
@@ -69,6 +70,9 @@ def test_keyword_families_compile_with_their_enforcement(schema, keyword, method
     {"type": "object", "properties": {"side": {"type": "integer"}, "base": {"type": "number"}, "height": {"type": "number"},
                                       "radius": {"type": "number"}},
      "oneOf": [{"required": ["side"]}, {"required": ["base", "height"]}, {"required": ["radius"]}]},
+    {"type": "object", "properties": {"card": {"type": "integer"}, "billing": {"type": "string", "maxLength": 4},
+                                      "cvv": {"type": "integer"}, "note": {"type": "string", "maxLength": 4}},
+     "dependentRequired": {"card": ["billing", "cvv"]}, "dependencies": {"note": ["cvv"]}},
 ])
 def test_grammar_enforced_rewrites_always_validate(schema, tokinfo):
     for seed in range(6):
