@@ -8,7 +8,15 @@ import llguidance
 
 from .base import Backend, CompiledConstraint, ConstraintKind, ConstraintSpec, Matcher, register_backend
 from .errors import ConstraintCompileError, UnsupportedSchemaError
-from .json_enforce import GUIDED, NUMERIC_BOUNDS, VALIDATION, Enforcement, grammar_schema, meta_validate
+from .json_enforce import (
+    GUIDED,
+    NUMERIC_BOUNDS,
+    VALIDATION,
+    Enforcement,
+    grammar_schema,
+    meta_validate,
+    resolve_pointer,
+)
 from .json_schema import STRICT_JSON_OPTIONS, parse_schema, walk
 from .vocab import TokenizerInfo
 
@@ -137,6 +145,7 @@ def compile_json_schema(source: str, tokenizer: TokenizerInfo) -> tuple[str, Enf
     derived = grammar_schema(meta_validate(parse_schema(source)))
     schema, report, options = derived.schema, derived.enforcement, dict(STRICT_JSON_OPTIONS)
     tried: set[str] = set()
+    relaxed: set[str] = set()
     while True:
         grammar = _json_grammar(schema, options)
         error, warnings = _check(grammar, tokenizer)
@@ -149,6 +158,8 @@ def compile_json_schema(source: str, tokenizer: TokenizerInfo) -> tuple[str, Enf
         step = _relaxation(error, tried)
         if step is None:
             raise _typed_error(ConstraintKind.JSON_SCHEMA, error)
+        if step == "lenient" and _relax_subschema(schema, error, relaxed, report):
+            continue  # the part llguidance named is left to validation; the rest stays strict
         tried.add(step)
         if step == "oneOf":
             options["coerce_one_of"] = True
@@ -167,6 +178,26 @@ def compile_json_schema(source: str, tokenizer: TokenizerInfo) -> tuple[str, Enf
                 report.set(key, VALIDATION)
             for key in report.rewritten:  # lenient mode may have dropped part of a rewrite
                 report.set(key, GUIDED)
+
+
+_LOCATION = re.compile(r"json-schema://[^#\s]*(#/[^\s\"']*)")
+MAX_RELAXED_SUBSCHEMAS = 8
+
+
+def _relax_subschema(schema: dict | bool, error: str, relaxed: set[str], report: Enforcement) -> bool:
+    """Replace the sub-schema llguidance's error names (`while processing json-schema:///#/...`) by
+    `{}` in the grammar's schema: validation alone checks it. False when none is named (or too many were)."""
+    m = _LOCATION.search(error)
+    if m is None or m.group(1) in relaxed or len(relaxed) >= MAX_RELAXED_SUBSCHEMAS or not isinstance(schema, dict):
+        return False
+    target = resolve_pointer(schema, m.group(1))
+    if target is None or target is schema:
+        return False
+    target.clear()
+    relaxed.add(m.group(1))
+    report.set(f"subschema:{m.group(1)}", VALIDATION)
+    report.note(f"llguidance cannot compile {m.group(1)} ({error.strip().splitlines()[0][:160]}): validation checks it")
+    return True
 
 
 def _relaxation(error: str, tried: set[str]) -> str | None:

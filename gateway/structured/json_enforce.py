@@ -247,7 +247,8 @@ def _rewrite_dependent_required(sub: dict, report: Enforcement) -> None:
         sub["allOf"] = [*sub.get("allOf", []), *members]
 
 
-def _pointer(root: dict, ref: str) -> dict | None:
+def resolve_pointer(root: dict, ref: str) -> dict | None:
+    """The sub-schema a local reference (`#/definitions/x`) names, or None."""
     node: object = root
     for part in ref.lstrip("#").strip("/").split("/") if ref not in ("#", "") else []:
         part = part.replace("~1", "/").replace("~0", "~")
@@ -286,7 +287,7 @@ def _close_open_objects(root: dict) -> list[str]:
     for _, sub in walk(root):  # a $ref target used where it is merged is merged too
         ref = sub.get("$ref")
         if isinstance(ref, str) and (id(sub) in merged or set(sub) - ANNOTATIONS - {"$ref"}):
-            target = _pointer(root, ref)
+            target = resolve_pointer(root, ref)
             if target is not None:
                 merged.add(id(target))
     todo = [sub for _, sub in walk(root) if id(sub) in merged]
@@ -294,7 +295,7 @@ def _close_open_objects(root: dict) -> list[str]:
         sub = todo.pop()
         nexts = [m for key in ("allOf", "anyOf", "oneOf") if isinstance(sub.get(key), list) for m in sub[key]]
         if isinstance(sub.get("$ref"), str):
-            nexts.append(_pointer(root, sub["$ref"]))
+            nexts.append(resolve_pointer(root, sub["$ref"]))
         for m in nexts:
             if isinstance(m, dict) and id(m) not in merged:
                 merged.add(id(m))

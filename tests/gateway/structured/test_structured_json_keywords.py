@@ -81,6 +81,27 @@ def test_grammar_enforced_rewrites_always_validate(schema, tokinfo):
         validate_json(tokinfo.decode(out.ids[:-1]), schema)
 
 
+def test_dependencies_in_the_grammar(tokinfo):
+    schema = {"type": "object", "properties": {"card": {"type": "integer"}, "cvv": {"type": "integer"}},
+              "dependentRequired": {"card": ["cvv"]}}
+    for text, ok in (('{"card":1}', False), ('{"card":1,"cvv":2}', True), ('{"cvv":2}', True), ("{}", True)):
+        assert _allowed_path(_compile(schema, tokinfo), tokinfo, text) is ok, text
+
+
+def test_a_subschema_llguidance_cannot_compile_is_left_to_validation(tokinfo):
+    """A recursive $ref intersected with a sibling: llguidance names the definition; only it is relaxed."""
+    schema = {"definitions": {"Child": {"type": "object", "properties": {"n": {"type": "integer"}}},
+                              "Foo": {"type": "object", "properties": {
+                                  "kids": {"allOf": [{"$ref": "#/definitions/Foo"}, {"$ref": "#/definitions/Child"}]}}}},
+              "type": "object", "properties": {"foo": {"$ref": "#/definitions/Foo"}, "id": {"type": "integer"}},
+              "required": ["id"]}
+    c = _compile(schema, tokinfo)
+    assert c.compiled.enforcement.keywords["subschema:#/definitions/Foo"] == "validation"
+    assert c.compiled.enforcement.keywords["required"] == "grammar"
+    assert not _allowed_path(_compile(schema, tokinfo), tokinfo, '{"foo":{}}')  # `id` still required by the grammar
+    assert _allowed_path(_compile(schema, tokinfo), tokinfo, '{"foo":{"kids":{}},"id":1}')
+
+
 def test_invalid_and_unsatisfiable_schemas_are_typed_400(tokinfo):
     with pytest.raises(ConstraintCompileError) as err:
         _compile({"type": "dict"}, tokinfo)
