@@ -175,3 +175,18 @@ def test_json_object_mode_stays_open(tokinfo):
     c = _compile({"type": "object"}, tokinfo)
     assert _allowed_path(c, tokinfo, '{"any":[1,{"k":null}]}')
     assert json.loads('{"any":[1,{"k":null}]}')
+
+
+def test_readme_order_grammar_admits_qty_10_with_the_demo_tokenizer():
+    """The README's JSON example: with the demo model's tokenizer (one token per digit) the grammar
+    lets `}` follow `10`; a longer quantity is the model's choice, not the grammar's."""
+    from pathlib import Path
+
+    from gateway.structured.vocab import TokenizerInfo
+
+    path = Path(__file__).resolve().parents[3] / "engine/assets/demo-moe/tokenizer.json"
+    tok = TokenizerInfo.from_file(str(path), (2, 0))  # generation_config.json eos_token_id
+    schema = {"type": "object", "properties": {"symbol": {"type": "string"}, "qty": {"type": "integer", "minimum": 1}},
+              "required": ["symbol", "qty"], "additionalProperties": False}
+    assert _allowed_path(_compile(schema, tok), tok, '{"symbol":"AAPL","qty":10}')
+    assert not _allowed_path(_compile(schema, tok), tok, '{"symbol":"AAPL","qty":-0}')
