@@ -180,7 +180,7 @@ def compile_json_schema(source: str, tokenizer: TokenizerInfo) -> tuple[str, Enf
                 report.set(key, GUIDED)
 
 
-_LOCATION = re.compile(r"json-schema://[^#\s]*(#/[^\s\"']*)")
+_LOCATION = re.compile(r"while processing (\S*?)(#/[^\s\"']*)|(json-schema://[^#\s]*)(#/[^\s\"']*)")
 MAX_RELAXED_SUBSCHEMAS = 8
 
 
@@ -188,15 +188,18 @@ def _relax_subschema(schema: dict | bool, error: str, relaxed: set[str], report:
     """Replace the sub-schema llguidance's error names (`while processing json-schema:///#/...`) by
     `{}` in the grammar's schema: validation alone checks it. False when none is named (or too many were)."""
     m = _LOCATION.search(error)
-    if m is None or m.group(1) in relaxed or len(relaxed) >= MAX_RELAXED_SUBSCHEMAS or not isinstance(schema, dict):
+    if m is None or len(relaxed) >= MAX_RELAXED_SUBSCHEMAS or not isinstance(schema, dict):
         return False
-    target = resolve_pointer(schema, m.group(1))
+    base, pointer = (m.group(1), m.group(2)) if m.group(2) else (m.group(3), m.group(4))
+    if base not in ("json-schema:///", schema.get("$id"), schema.get("id")) or pointer in relaxed:
+        return False  # a location in another document: not this schema's pointer
+    target = resolve_pointer(schema, pointer)
     if target is None or target is schema:
         return False
     target.clear()
-    relaxed.add(m.group(1))
-    report.set(f"subschema:{m.group(1)}", VALIDATION)
-    report.note(f"llguidance cannot compile {m.group(1)} ({error.strip().splitlines()[0][:160]}): validation checks it")
+    relaxed.add(pointer)
+    report.set(f"subschema:{pointer}", VALIDATION)
+    report.note(f"llguidance cannot compile {pointer} ({error.strip().splitlines()[0][:160]}): validation checks it")
     return True
 
 

@@ -199,10 +199,14 @@ def _rewrite_not(sub: dict, report: Enforcement) -> None:
             report.rewritten.add("not")
 
 
+MAX_ONE_OF_EXPANSION = 64  # alternatives llguidance expands for one oneOf-of-required rewrite
+
+
 def _rewrite_exclusive_required(sub: dict, report: Enforcement) -> None:
-    """`oneOf` of `required` lists ("exactly one of these argument sets") as disjoint anyOf branches:
-    branch i requires R_i and forbids the other branches' keys, so exactly one holds (when no R_j is
-    a subset of R_i; else it stays for validation). The grammar then enforces it."""
+    """`oneOf` of `required` lists ("exactly one of these argument sets") as anyOf branches with the
+    same meaning: branch i requires R_i and, for every other set R_j, lacks one of R_j's keys not in
+    R_i (a branch whose R_j is a subset of R_i can never be the only match and is dropped). The
+    grammar then enforces it."""
     branches = sub.get("oneOf")
     if not isinstance(branches, list) or len(branches) < 2 or "anyOf" in sub:
         return
@@ -210,14 +214,29 @@ def _rewrite_exclusive_required(sub: dict, report: Enforcement) -> None:
     for b in branches:
         if not isinstance(b, dict) or set(b) - ANNOTATIONS != {"required"} or not isinstance(b["required"], list):
             return
-        sets.append(frozenset(r for r in b["required"] if isinstance(r, str)))
-    if any(i != j and sets[j] <= sets[i] for i in range(len(sets)) for j in range(len(sets))):
+        sets.append(sorted({r for r in b["required"] if isinstance(r, str)}))
+    alternatives, size = [], 0
+    for i, own in enumerate(sets):
+        others = [[k for k in other if k not in own] for j, other in enumerate(sets) if j != i]
+        if any(not missing for missing in others):
+            continue  # another set is within this one: both would match
+        size += _product(len(m) for m in others)
+        lacks = [{"anyOf": [{"properties": {k: False}} for k in missing]} if len(missing) > 1
+                 else {"properties": {missing[0]: False}} for missing in others]
+        alternatives.append({"required": own, "allOf": lacks})
+    if size > MAX_ONE_OF_EXPANSION:
         return
-    union = frozenset().union(*sets)
-    sub["anyOf"] = [{"required": sorted(r), "properties": dict.fromkeys(sorted(union - r), False)} for r in sets]
+    sub["anyOf"] = alternatives or [False]
     sub.pop("oneOf")
     report.set("oneOf", GRAMMAR)
     report.rewritten.add("oneOf")
+
+
+def _product(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
 
 
 MAX_DEPENDENCY_REWRITES = 4  # each becomes a two-way anyOf inside allOf: 2**n branches for llguidance

@@ -46,7 +46,7 @@ def _allowed_path(c, tokinfo, text: str) -> bool:
     ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, "oneOf", "grammar"),  # provably disjoint
     ({"type": "object", "properties": {"a": {}, "b": {}, "c": {}},  # exactly one of these argument sets
       "oneOf": [{"required": ["a"]}, {"required": ["b", "c"]}]}, "oneOf", "grammar"),
-    ({"type": "object", "oneOf": [{"required": ["a"]}, {"required": ["a", "b"]}]}, "oneOf", "grammar+validation"),
+    ({"type": "object", "oneOf": [{"required": ["a"]}, {"required": ["a", "b"]}]}, "oneOf", "grammar"),
     ({"type": "object", "patternProperties": {"^x-": {"type": "integer"}}}, "patternProperties", "grammar"),
     ({"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}},
       "$ref": "#/$defs/node"}, "$ref", "grammar"),  # recursive
@@ -79,6 +79,23 @@ def test_grammar_enforced_rewrites_always_validate(schema, tokinfo):
         out = decode(_compile(schema, tokinfo, 64), random_logits(tokinfo.vocab_size, seed), max_tokens=64)
         assert out.finished
         validate_json(tokinfo.decode(out.ids[:-1]), schema)
+
+
+def test_one_of_required_sets_keep_their_meaning(tokinfo):
+    """Exactly one set complete: keys of another set may appear as long as that set stays incomplete."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "integer"}},
+              "required": ["b"], "oneOf": [{"required": ["a"]}, {"required": ["b", "c"]}]}
+    for text in ('{"a":1,"b":2}', '{"b":2,"c":3}', '{"a":1,"b":2,"c":3}', '{"b":2}'):
+        ok = _allowed_path(_compile(schema, tokinfo), tokinfo, text)
+        try:
+            validate_json(text, schema)
+            valid = True
+        except StructuredValidationError:
+            valid = False
+        assert ok is valid, text
+    with pytest.raises(ConstraintCompileError, match="admits no value"):  # every set is complete: two match
+        _compile({"type": "object", "required": ["a", "b"], "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
+                 tokinfo)
 
 
 def test_dependencies_in_the_grammar(tokinfo):
