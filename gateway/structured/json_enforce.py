@@ -85,34 +85,61 @@ class GrammarSchema:
     enforcement: Enforcement
 
 
-def _repairs(sub: dict) -> dict:
-    """Meaning-preserving repairs of one sub-schema: duplicate enum/required/type entries dropped, an
-    empty `required` (invalid in draft 4) removed."""
-    fixes: dict = {}
+def _repair(sub: dict, apply: bool) -> bool:
+    """Meaning-preserving repairs of one sub-schema (in place when `apply`); returns whether any is
+    due: duplicate enum/required/type entries dropped, an empty `required` (invalid in draft 4)
+    removed, draft-3 forms in their draft-3 meaning (`required: true` on a property moves into the
+    object's `required` list, `type: "any"` is no type constraint)."""
+    due = False
     for key in ("enum", "required", "type"):
         value = sub.get(key)
         if isinstance(value, list):
             unique = [v for i, v in enumerate(value) if v not in value[:i]]
-            if key == "required" and not unique:
-                fixes[key] = None
+            if key == "required" and not unique or key == "type" and "any" in unique:
+                due = True
+                if apply:
+                    del sub[key]
             elif len(unique) != len(value):
-                fixes[key] = unique
-    return fixes
+                due = True
+                if apply:
+                    sub[key] = unique
+    if sub.get("type") == "any":
+        due = True
+        if apply:
+            del sub["type"]
+    props = sub.get("properties")
+    flagged = [n for n, p in props.items() if isinstance(p, dict) and isinstance(p.get("required"), bool)] \
+        if isinstance(props, dict) else []
+    if flagged:
+        due = True
+        if apply:
+            required = [n for n in flagged if props[n].pop("required")]
+            if required:
+                sub["required"] = [*(sub.get("required") if isinstance(sub.get("required"), list) else []),
+                                   *[n for n in required if n not in (sub.get("required") or [])]]
+    if isinstance(sub.get("required"), bool):  # draft 3 outside `properties`: says nothing here
+        due = True
+        if apply:
+            del sub["required"]
+    return due
+
+
+def repair(schema: dict | bool) -> dict | bool:
+    """The schema with `_repair` applied everywhere (a copy; the schema itself when none is due)."""
+    if not isinstance(schema, dict) or not any(_repair(sub, False) for _, sub in walk(schema)):
+        return schema
+    schema = copy.deepcopy(schema)
+    for _, sub in walk(schema):
+        _repair(sub, True)
+    return schema
 
 
 def meta_validate(schema: dict | bool) -> dict | bool:
-    """The schema repaired where the repair keeps its meaning (`_repairs`), then checked against its
+    """The schema repaired where the repair keeps its meaning (`repair`), then checked against its
     draft's meta-schema: an invalid schema is a typed 400 naming the place."""
     if not isinstance(schema, dict):
         return schema
-    if any(_repairs(sub) for _, sub in walk(schema)):
-        schema = copy.deepcopy(schema)
-        for _, sub in walk(schema):
-            for key, value in _repairs(sub).items():
-                if value is None:
-                    del sub[key]
-                else:
-                    sub[key] = value
+    schema = repair(schema)
     cls = validator_class(schema)
     error = jsonschema.exceptions.best_match(meta_validator(cls).iter_errors(schema))
     if error is not None:

@@ -9,6 +9,7 @@ from typing import Any
 import jsonschema
 
 from .errors import StructuredValidationError
+from .json_enforce import repair
 from .json_schema import normalise, parse_schema, validator_class
 from .sql_schema import DatabaseSchema, SQLPolicy
 from .sql_validate import SQLCheckResult, check_sql
@@ -16,6 +17,7 @@ from .tools import ToolSpec, _choice, parse_tool_calls
 
 
 def _validator(schema: dict | bool) -> jsonschema.protocols.Validator:
+    schema = repair(schema)  # the same meaning-preserving repairs as the compile path
     cls = validator_class(schema)
     schema = normalise(schema)
     return cls(schema, format_checker=cls.FORMAT_CHECKER)

@@ -138,6 +138,12 @@ def test_meaning_preserving_repairs_and_drafts_without_schema_uri(tokinfo):
     _compile({"$schema": "http://json-schema.org/draft-04/schema#", "type": "object", "required": []}, tokinfo)
     c = _compile({"type": "array", "items": [{"type": "integer"}], "additionalItems": False}, tokinfo)
     assert _allowed_path(c, tokinfo, "[1]")
+    # draft-3 forms keep their draft-3 meaning: `required: true` on a property, `type: "any"`
+    draft3 = {"type": "object", "properties": {"id": {"type": "integer", "required": True}, "x": {"type": "any"}}}
+    assert not _allowed_path(_compile(draft3, tokinfo), tokinfo, '{"x":1}')
+    assert _allowed_path(_compile(draft3, tokinfo), tokinfo, '{"id":1,"x":"a"}')
+    with pytest.raises(StructuredValidationError, match="required"):
+        validate_json('{"x":1}', draft3)
 
 
 @pytest.mark.parametrize("text, ok", [
