@@ -129,9 +129,13 @@ def _tables(tokenizer: TokenizerInfo) -> _Tables:
 class FiniteNumberGuard:
     """Per-sequence guard with the Constraint's guard interface: `consume`, `filter`, `allows`, `allows_end`."""
 
-    def __init__(self, tokenizer: TokenizerInfo) -> None:
+    def __init__(self, tokenizer: TokenizerInfo, start_ids: tuple[int, ...] = ()) -> None:
+        """`start_ids`: tokens that open a JSON part (the tool-call token); the guard then watches
+        only after one of them, from a fresh state (free text before it may hold stray quotes)."""
         self.tables = _tables(tokenizer)
         self.state = _Lexer()
+        self.start_ids = frozenset(start_ids)
+        self.active = not start_ids
         self._memo: dict[tuple[int, ...], _Lexer] = {}
 
     def _piece(self, token: int) -> bytes:
@@ -139,6 +143,11 @@ class FiniteNumberGuard:
 
     def consume(self, token: int) -> None:
         self._memo.clear()
+        if token in self.start_ids:
+            self.state, self.active = _Lexer(), True
+            return
+        if not self.active:
+            return
         try:
             self.state = self.state.feed(self._piece(token))
         except _Overflow:  # only reachable if a vetoed token was forced in; validation reports it
@@ -157,7 +166,7 @@ class FiniteNumberGuard:
             state, cut = self.state, 0
         try:
             for t in key[cut:]:
-                state = state.feed(self._piece(t))
+                state = _Lexer() if t in self.start_ids else state.feed(self._piece(t))
         except _Overflow:
             return False
         if len(self._memo) < MEMO_ENTRIES:
@@ -169,6 +178,8 @@ class FiniteNumberGuard:
 
     def filter(self, out: np.ndarray) -> None:
         """Clear, in mask row `out` (uint32 words), the tokens that would make a number overflow."""
+        if not self.active:
+            return
         state, tables = self.state, self.tables
         if not state.in_number:
             candidates = tables.risky_ids

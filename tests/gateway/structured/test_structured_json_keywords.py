@@ -157,6 +157,17 @@ def test_numbers_are_bounded_to_finite_doubles(text, ok, tokinfo):
         assert _allowed_path(_compile({"type": "array", "items": {"type": "number"}}, tokinfo), tokinfo, text) is ok
 
 
+@pytest.mark.parametrize("value, ok", [("1e307", True), ("-2.5", True), ("1e309", False), ("2E7548356031961600", False)])
+def test_tool_call_numbers_are_bounded_to_finite_doubles(value, ok, tokinfo):
+    from gateway.structured.tools import tool_call_spec
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}}}]
+    c = build_constraint(tool_call_spec(tools, tokinfo, "required"), tokinfo, cache=ConstraintCache())
+    text = f'<tool_call>\n{{"name": "f", "arguments": {{"x": {value}}}}}\n</tool_call>'
+    assert _allowed_path(c, tokinfo, text) is ok
+
+
 def test_validation_rejects_non_finite_numbers():
     with pytest.raises(StructuredValidationError, match="overflows a double"):
         validate_json('{"a": [1, 1e999]}', {"type": "object"})
