@@ -78,3 +78,4 @@ def test_invalid_or_unsatisfiable_schema_is_400(gateway_server, schema, words):
     with pytest.raises(openai.BadRequestError) as e:
         _json(gateway_server, schema)
     assert words in e.value.message
+
