@@ -167,6 +167,9 @@ def grammar_schema(schema: dict | bool, close_open_objects: bool = True) -> Gram
             if key == "$ref" and isinstance(value, str) and not value.startswith("#"):
                 raise UnsupportedSchemaError("$ref", "#", f"remote reference {value!r} cannot be resolved", "llguidance")
     out = copy.deepcopy(schema)
+    if out.pop("x-guidance", None) is not None:  # an llguidance extension key, not JSON Schema
+        report.note("the schema's x-guidance block is not applied: the gateway sets llguidance's options "
+                    "(compact JSON, strict keywords)")
     checker = functools.cache(lambda: validator_class(schema).FORMAT_CHECKER)  # only for formats
     if close_open_objects:
         closed = _close_open_objects(out)

@@ -205,6 +205,13 @@ def test_closing_open_objects_keeps_satisfiable_schemas_satisfiable(schema, need
     validate_json(needs, schema)
 
 
+def test_caller_guidance_options_are_reported_not_applied(tokinfo):
+    c = _compile({"type": "object", "x-guidance": {"whitespace_flexible": True, "lenient": True}}, tokinfo)
+    assert any("x-guidance" in n for n in c.compiled.enforcement.notes)
+    assert not _allowed_path(_compile({"type": "object", "x-guidance": {"whitespace_flexible": True}}, tokinfo),
+                             tokinfo, '{ "a": 1 }')  # still compact
+
+
 def test_json_object_mode_stays_open(tokinfo):
     c = _compile({"type": "object"}, tokinfo)
     assert _allowed_path(c, tokinfo, '{"any":[1,{"k":null}]}')
