@@ -293,10 +293,12 @@ def _constraint_section(c: dict) -> list[str]:
         return lines + [f"Skipped: {c['skipped']}.\n"]
     lines.append("Qwen vocabulary, random logits under the constraint (any token the grammar allows); the full "
                  "runs are in `evals/structured/results/`.\n\n![constraints](constraints/results.png)\n")
-    lines.append("| JSONSchemaBench split | schemas | compiled | valid of generated |\n|---|---|---|---|")
+    lines.append("| JSONSchemaBench split | schemas | compiled | llguidance alone | compile p50 / p99 ms | "
+                 "valid of generated (after the retry) | typed errors |\n|---|---|---|---|---|---|---|")
     for split, x in c["json_schema"].items():
-        lines.append(f"| {split} | {x['schemas']} | {x['compiled_pct']:.0f}% | "
-                     f"{x['valid']}/{x['generated']} |")
+        lines.append(f"| {split} | {x['schemas']} | {x['compiled_pct']:.1f}% | {x.get('llguidance_alone_pct', float('nan')):.1f}% | "
+                     f"{x['compile_ms_p50']:.1f} / {x['compile_ms_p99']:.1f} | {x['valid']}/{x['generated']} | "
+                     f"{x.get('typed_errors', 0)} |")
     q = c["sql"]
     lines.append(f"\nSpider dev gold SQL: {q['grammar_accepts']}/{q['queries']} accepted by the grammar, "
                  f"{q['scope_guard_accepts']}/{q['queries']} by grammar and scope guard, "

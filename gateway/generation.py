@@ -26,6 +26,7 @@ from policies.resolve import PolicyDenied
 
 log = logging.getLogger(__name__)
 VALIDATION_ERRORS = (StructuredValidationError, SQLPolicyViolation)
+RETRY_TEMPERATURE, RETRY_SEED = 0.7, 7919  # a strict retry after a greedy attempt that failed validation
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Finished:
     retries: int = 0
     validations: list[dict] = field(default_factory=list)
     cache_hits: dict[str, int] = field(default_factory=dict)  # prefix-cache blocks served per tier
+    enforcement: dict | None = None  # JSON Schema: how each keyword was enforced (json_enforce.Enforcement)
 
 
 Event = TextDelta | ToolCall | Finished
@@ -162,9 +164,14 @@ class Generator:
             log.exception("engine set_mode failed for %s", request_id)
             return False
 
-    def _params(self, plan: Plan, processors: list, strict: bool, index: int) -> SamplingParams:
+    def _params(self, plan: Plan, processors: list, strict: bool, index: int, attempt: int = 0) -> SamplingParams:
         seed = None if plan.seed is None else plan.seed + index
-        return SamplingParams(max_tokens=plan.max_tokens, temperature=0.0 if strict else plan.temperature,
+        temperature = 0.0 if strict else plan.temperature
+        if strict and plan.temperature == 0.0 and attempt:
+            # the failed attempt was greedy: a greedy rerun would repeat it byte for byte (execution is
+            # batch-invariant), so the retry samples, seeded by the attempt so it is reproducible
+            temperature, seed = RETRY_TEMPERATURE, (plan.seed or 0) + index + RETRY_SEED * attempt
+        return SamplingParams(max_tokens=plan.max_tokens, temperature=temperature,
                               top_p=plan.top_p, top_k=plan.top_k, seed=seed,
                               logits_processors=([bias_processor(plan.logit_bias)] if plan.logit_bias else [])
                               + processors)
@@ -194,7 +201,7 @@ class Generator:
         for attempt in range(1 + self.strict_retries):
             constraint = await asyncio.to_thread(build_constraint, plan.spec, self.tok, eos_ids=self.eos_ids,
                                                  max_tokens=plan.max_tokens, mask_batcher=default_masker())
-            params = self._params(plan, [constraint], strict=attempt > 0, index=index)
+            params = self._params(plan, [constraint], strict=attempt > 0, index=index, attempt=attempt)
             ids, reason, hits = await self._collect(f"{rid}-a{attempt}" if attempt else rid, plan, params)
             text = self._text(ids)
             try:
@@ -221,7 +228,9 @@ class Generator:
         else:
             yield TextDelta(text)
             reason = "stop"
-        yield Finished(reason, len(ids), decisions, attempt, validations, hits)
+        report = getattr(constraint.compiled, "enforcement", None)
+        yield Finished(reason, len(ids), decisions, attempt, validations, hits,
+                       report.to_dict() if report is not None else None)
 
     @staticmethod
     def _check_policy_tools(plan: Plan, calls: list[dict]) -> None:

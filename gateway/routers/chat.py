@@ -65,13 +65,18 @@ def _message(text: str, calls: list[ToolCall]) -> dict:
             "tool_calls": tool_calls or None, "refusal": None}
 
 
+def _enforcement(fin: Finished) -> dict:
+    """JSON Schema outputs: how each keyword was enforced (grammar / validation / annotation)."""
+    return {"enforcement": fin.enforcement} if fin.enforcement is not None else {}
+
+
 def shape(rid: str, created: int, results: list[tuple[str, list[ToolCall], Finished]], fingerprint: str,
           model: str, prompt_tokens: int) -> dict:
     choices = [{"index": i, "message": _message(text, calls), "finish_reason": fin.reason, "logprobs": None}
                for i, (text, calls, fin) in enumerate(results)]
     completion = sum(f.completion_tokens for _, _, f in results)
     ext = {"choices": [{"decisions": [d.to_dict() for d in f.decisions], "validations": f.validations,
-                        "retries": f.retries} for _, _, f in results]}
+                        "retries": f.retries, **_enforcement(f)} for _, _, f in results]}
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage_of(prompt_tokens, completion),
             "system_fingerprint": fingerprint, "moegate": ext}
@@ -99,7 +104,7 @@ class ChatChunker(Chunker):
 
     def finish(self, fin: Finished) -> dict:
         ext = {"decisions": [d.to_dict() for d in fin.decisions], "validations": fin.validations,
-               "retries": fin.retries}
+               "retries": fin.retries, **_enforcement(fin)}
         return self._chunk({}, fin.reason, moegate=ext)
 
 

@@ -8,7 +8,16 @@ import llguidance
 
 from .base import Backend, CompiledConstraint, ConstraintKind, ConstraintSpec, Matcher, register_backend
 from .errors import ConstraintCompileError, UnsupportedSchemaError
-from .json_schema import llguidance_json_grammar, parse_schema
+from .json_enforce import (
+    GUIDED,
+    NUMERIC_BOUNDS,
+    VALIDATION,
+    Enforcement,
+    grammar_schema,
+    meta_validate,
+    resolve_pointer,
+)
+from .json_schema import STRICT_JSON_OPTIONS, parse_schema, walk
 from .vocab import TokenizerInfo
 
 # Lexer budgets above llguidance's defaults (fuel 1M initial / 200k per step, 250k lexer states):
@@ -43,8 +52,10 @@ class LLGuidanceMatcher(Matcher):
 class LLGuidanceCompiled(CompiledConstraint):
     backend = "llguidance"
 
-    def __init__(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, grammar: str) -> None:
+    def __init__(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, grammar: str,
+                 enforcement: Enforcement | None = None) -> None:
         self.spec, self.tokenizer, self.grammar = spec, tokenizer, grammar
+        self.enforcement = enforcement  # JSON Schema: how each keyword is enforced
         self._template = llguidance.LLMatcher(tokenizer.llg, grammar, log_level=0,
                                               limits=llguidance.LLParserLimits(**PARSER_LIMITS))
         if self._template.is_error():
@@ -70,18 +81,155 @@ def _typed_error(kind: ConstraintKind, message: str) -> Exception:
     return ConstraintCompileError(kind, message.strip().splitlines()[0][:500] if message.strip() else "unknown error")
 
 
+def _check(grammar: str, tokenizer: TokenizerInfo) -> tuple[str | None, list[str]]:
+    """(first error or None, warnings) of a grammar against the tokenizer."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer.llg)
+    return (messages[0] if messages else "invalid grammar") if is_error else None, [] if is_error else messages
+
+
+def _json_grammar(schema: dict | bool, options: dict) -> str:
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+    except ValueError as e:
+        raise ConstraintCompileError("json_schema", str(e)) from None
+
+
+def _drop_where_rejected(schema: dict, keys: tuple[str, ...], probe, tokenizer: TokenizerInfo,
+                         report: Enforcement) -> bool:
+    """Remove `keys` from each sub-schema whose probe (a small schema with just those keys) llguidance
+    rejects; they are then checked by validation. Returns whether anything was removed."""
+    removed = False
+    for _, sub in walk(schema):
+        part = {k: sub[k] for k in keys if k in sub}
+        if not part:
+            continue
+        error, _ = _check(_json_grammar(probe(sub, part), STRICT_JSON_OPTIONS), tokenizer)
+        if error is not None:
+            for k in part:
+                sub.pop(k)
+                report.set(k, VALIDATION)
+            removed = True
+    return removed
+
+
+def _number_probe(sub: dict, part: dict) -> dict:
+    types = sub.get("type", "number")
+    return {"type": [t for t in ([types] if isinstance(types, str) else types) if t in ("number", "integer")]
+            or "number", **part}
+
+
+def _strip_ref_siblings(schema: dict, report: Enforcement) -> bool:
+    removed = False
+    for _, sub in walk(schema):
+        if "$ref" in sub:
+            for k in [k for k in sub if k in _ASSERTING]:
+                sub.pop(k)
+                report.set(k, VALIDATION)
+                removed = True
+    if removed:
+        report.note("keywords beside a recursive $ref are checked by validation (llguidance cannot intersect them)")
+    return removed
+
+
+_ASSERTING = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
+                        "minLength", "maxLength", "pattern", "minimum", "maximum", "enum", "const", "anyOf", "allOf",
+                        "oneOf", "minProperties", "maxProperties", "patternProperties", "exclusiveMinimum",
+                        "exclusiveMaximum", "multipleOf", "prefixItems", "additionalItems", "format"})
+
+
+def compile_json_schema(source: str, tokenizer: TokenizerInfo) -> tuple[str, Enforcement]:
+    """The grammar of a JSON Schema and its enforcement report. Strict llguidance options first; each
+    failure llguidance reports relaxes the grammar (never the validation) by one step: oneOf as anyOf,
+    numeric bounds or patterns it cannot express, keywords beside a recursive $ref, then lenient mode.
+    A schema that is invalid, unresolvable or unsatisfiable is a typed 400."""
+    derived = grammar_schema(meta_validate(parse_schema(source)))
+    schema, report, options = derived.schema, derived.enforcement, dict(STRICT_JSON_OPTIONS)
+    tried: set[str] = set()
+    relaxed: set[str] = set()
+    while True:
+        grammar = _json_grammar(schema, options)
+        error, warnings = _check(grammar, tokenizer)
+        if error is None:
+            for w in warnings:
+                report.note(f"llguidance: {w.strip()[:200]}")
+            return grammar, report
+        if "nsatisfiable" in error:
+            raise ConstraintCompileError("json_schema", f"the schema admits no value: {error.strip()[:300]}")
+        step = _relaxation(error, tried)
+        if step is None:
+            raise _typed_error(ConstraintKind.JSON_SCHEMA, error)
+        if step == "lenient" and _relax_subschema(schema, error, relaxed, report):
+            continue  # the part llguidance named is left to validation; the rest stays strict
+        tried.add(step)
+        if step == "oneOf":
+            options["coerce_one_of"] = True
+            report.set("oneOf", GUIDED)
+            report.note("oneOf branches may overlap: the grammar admits any branch, validation checks exactly one")
+        elif step == "numbers":
+            _drop_where_rejected(schema, NUMERIC_BOUNDS, _number_probe, tokenizer, report)
+        elif step == "pattern":
+            _drop_where_rejected(schema, ("pattern",), lambda sub, part: {"type": "string", **part}, tokenizer, report)
+        elif step == "ref_siblings":
+            _strip_ref_siblings(schema, report)
+        else:
+            options["lenient"] = True
+            report.note(f"llguidance lenient mode (unsupported parts are checked by validation): {error.strip()[:200]}")
+            for key in _unimplemented(error):
+                report.set(key, VALIDATION)
+            for key in report.rewritten:  # lenient mode may have dropped part of a rewrite
+                report.set(key, GUIDED)
+
+
+_LOCATION = re.compile(r"while processing (\S*?)(#/[^\s\"']*)|(json-schema://[^#\s]*)(#/[^\s\"']*)")
+MAX_RELAXED_SUBSCHEMAS = 8
+
+
+def _relax_subschema(schema: dict | bool, error: str, relaxed: set[str], report: Enforcement) -> bool:
+    """Replace the sub-schema llguidance's error names (`while processing json-schema:///#/...`) by
+    `{}` in the grammar's schema: validation alone checks it. False when none is named (or too many were)."""
+    m = _LOCATION.search(error)
+    if m is None or len(relaxed) >= MAX_RELAXED_SUBSCHEMAS or not isinstance(schema, dict):
+        return False
+    base, pointer = (m.group(1), m.group(2)) if m.group(2) else (m.group(3), m.group(4))
+    if base not in ("json-schema:///", schema.get("$id"), schema.get("id")) or pointer in relaxed:
+        return False  # a location in another document: not this schema's pointer
+    target = resolve_pointer(schema, pointer)
+    if target is None or target is schema:
+        return False
+    target.clear()
+    relaxed.add(pointer)
+    report.set(f"subschema:{pointer}", VALIDATION)
+    report.note(f"llguidance cannot compile {pointer} ({error.strip().splitlines()[0][:160]}): validation checks it")
+    return True
+
+
+def _relaxation(error: str, tried: set[str]) -> str | None:
+    for step, needle in (("oneOf", "oneOf constraints are not supported"), ("numbers", " range"),
+                         ("pattern", "regex"), ("ref_siblings", "circular references with sibling keys"),
+                         ("lenient", "")):
+        if step not in tried and needle in error:
+            return step
+    return None
+
+
+def _unimplemented(message: str) -> list[str]:
+    m = _UNIMPLEMENTED.search(message)
+    return [k.strip().strip('"') for k in m.group(1).split(",")] if m else []
+
+
 class LLGuidanceBackend(Backend):
     name = "llguidance"
     kinds = frozenset(ConstraintKind)
 
     def grammar_for(self, spec: ConstraintSpec) -> str:
-        if spec.kind is ConstraintKind.JSON_SCHEMA:
-            return llguidance_json_grammar(parse_schema(spec.source))
         if spec.kind is ConstraintKind.REGEX:
             return llguidance.LLMatcher.grammar_from_regex(spec.source)
         return llguidance.LLMatcher.grammar_from_lark(spec.source)
 
     def compile(self, spec: ConstraintSpec, tokenizer: TokenizerInfo) -> LLGuidanceCompiled:
+        if spec.kind is ConstraintKind.JSON_SCHEMA:
+            grammar, report = compile_json_schema(spec.source, tokenizer)
+            return LLGuidanceCompiled(spec, tokenizer, grammar, report)
         try:
             grammar = self.grammar_for(spec)
         except ValueError as e:

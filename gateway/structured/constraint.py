@@ -11,7 +11,9 @@ import torch
 from .base import CompiledConstraint, ConstraintKind
 from .bitmask import apply_bitmask_, bitmask_words, ids_to_row
 from .closing import completion_hints, shortest_completion
+from .json_numbers import FiniteNumberGuard
 from .sql_guard import SQLScopeGuard
+from .tools import TOOL_CALL_OPEN
 from .vocab import TokenizerInfo
 
 # Tokens that close an open construct, by preference tier (bytes allowed, required first byte);
@@ -83,9 +85,12 @@ class Constraint:
         # The engine batches this row's mask through it (engine.sampling_params.MaskProcessor).
         self.mask_batcher = mask_batcher
         # SQL: binds aliases and table qualifiers to FROM while decoding (sql_scope.py tracks scopes, sql_guard.py filters tokens)
+        # JSON Schema: keeps every number a finite double (json_numbers.py)
         self.guard_fallbacks = 0  # steps where the guard vetoed every token and was bypassed
-        self.guard = (SQLScopeGuard.from_grammar(compiled.spec.source, tok)
-                      if compiled.spec.kind is ConstraintKind.SQL else None)
+        self.guard = (SQLScopeGuard.from_grammar(compiled.spec.source, tok) if compiled.spec.kind is ConstraintKind.SQL
+                      else FiniteNumberGuard(tok) if compiled.spec.kind is ConstraintKind.JSON_SCHEMA
+                      else FiniteNumberGuard(tok, tuple(tok.added_ids[t] for t in (TOOL_CALL_OPEN,) if t in tok.added_ids))
+                      if compiled.spec.kind is ConstraintKind.TOOL_CALLS else None)
         self.plan: list[int] | None = None  # the forced completion path, once committed
         self._next_plan_check = 0  # consumed count at which the completion path is measured again
         self._token_bytes = tok.token_bytes

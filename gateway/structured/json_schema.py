@@ -1,10 +1,14 @@
-"""JSON Schema checks and normalisation before compiling: every keyword is enforced or rejected."""
+"""JSON Schema parsing, walking and normalisation; the outlines-core keyword audit (llguidance's
+side: json_enforce.py)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from typing import Any
+
+import jsonschema
 
 from .errors import ConstraintCompileError, UnsupportedSchemaError
 
@@ -20,16 +24,13 @@ _LIST_OF_SCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _ONE_SCHEMA = ("additionalProperties", "items", "additionalItems", "not", "if", "then", "else",
                "contains", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
 
-# What each backend enforces; anything else that is not an annotation is rejected up front.
+# What llguidance's grammar enforces (json_enforce.py decides the rest); outlines-core rejects what it cannot.
 LLGUIDANCE_KEYWORDS = frozenset({
     "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
     "properties", "required", "additionalProperties", "patternProperties", "minProperties",
     "maxProperties", "items", "prefixItems", "additionalItems", "minItems", "maxItems",
     "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
     "exclusiveMaximum", "multipleOf",
-})
-LLGUIDANCE_FORMATS = frozenset({
-    "date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri",
 })
 # outlines-core's JSON-Schema regex ignores numeric bounds and its email pattern is unsound.
 OUTLINES_KEYWORDS = frozenset({
@@ -58,6 +59,32 @@ def parse_schema(schema: str | dict | bool) -> dict | bool:
     if not isinstance(schema, dict | bool):
         raise ConstraintCompileError("json_schema", "a JSON Schema must be an object or a boolean")
     return schema
+
+
+# Keywords that only 2019-09 / 2020-12 define: a schema without `$schema` that uses none is tried as draft 7 first.
+_MODERN = frozenset({"prefixItems", "$defs", "dependentRequired", "dependentSchemas", "unevaluatedProperties",
+                     "unevaluatedItems", "$dynamicRef", "$dynamicAnchor", "$anchor", "minContains", "maxContains",
+                     "$recursiveRef", "$recursiveAnchor"})
+_DRAFTS = (jsonschema.Draft202012Validator, jsonschema.Draft7Validator, jsonschema.Draft6Validator,
+           jsonschema.Draft4Validator)
+
+
+@functools.cache
+def meta_validator(cls: type) -> jsonschema.protocols.Validator:
+    """A draft's meta-schema validator, built once (building one per schema costs milliseconds)."""
+    return cls(cls.META_SCHEMA)
+
+
+def validator_class(schema: dict | bool) -> type:
+    """The draft a schema is written in: its `$schema`, else the newest draft whose meta-schema it
+    satisfies (real schemas often omit `$schema` and use draft-4 forms such as tuple `items`)."""
+    if isinstance(schema, dict) and "$schema" in schema:
+        return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    modern = any(_MODERN & sub.keys() for _, sub in walk(schema))
+    for cls in _DRAFTS if modern else (*_DRAFTS[1:], _DRAFTS[0]):  # draft 7's meta-schema checks 3x faster
+        if meta_validator(cls).is_valid(schema):
+            return cls
+    return jsonschema.Draft202012Validator
 
 
 def walk(schema: Any, path: str = "#") -> Iterator[tuple[str, dict]]:
@@ -124,25 +151,9 @@ def normalise(schema: dict | bool) -> dict | bool:
     return out
 
 
-def llguidance_json_grammar(schema: dict | bool, item_sep: str = ",", key_sep: str = ":") -> str:
-    """An llguidance grammar for the schema: strict keywords, no free whitespace."""
-    import llguidance
-
-    audit(schema, LLGUIDANCE_KEYWORDS, LLGUIDANCE_FORMATS, "llguidance")
-    options = {"whitespace_flexible": False, "lenient": False, "coerce_one_of": False,
-               "item_separator": item_sep, "key_separator": key_sep}
-    return llguidance.LLMatcher.grammar_from_json_schema(normalise(schema), overrides=options)
-
-
-def with_guidance_options(schema: dict | bool, item_sep: str = ", ", key_sep: str = ": ") -> dict:
-    """The schema with an `x-guidance` block, for embedding as %json{...} in a Lark grammar."""
-    audit(schema, LLGUIDANCE_KEYWORDS, LLGUIDANCE_FORMATS, "llguidance")
-    if schema is False:
-        raise ConstraintCompileError("json_schema", "the schema `false` admits no value")
-    body = {} if schema is True else dict(normalise(schema))
-    body["x-guidance"] = {"whitespace_flexible": False, "lenient": False, "coerce_one_of": False,
-                          "item_separator": item_sep, "key_separator": key_sep}
-    return body
+# llguidance's JSON options: compact JSON (no free whitespace), unknown keywords are errors, oneOf
+# only where its branches are provably disjoint (json_enforce relaxes these step by step).
+STRICT_JSON_OPTIONS = {"whitespace_flexible": False, "lenient": False, "coerce_one_of": False}
 
 
 def outlines_json_regex(schema: dict | bool) -> str:

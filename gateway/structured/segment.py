@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from .base import ConstraintKind, ConstraintSpec
-from .json_schema import with_guidance_options
+from .json_enforce import with_guidance_options
 from .sql_grammar import SQL_START, sql_grammar
 from .sql_schema import DatabaseSchema, SQLPolicy
 

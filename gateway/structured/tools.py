@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .base import ConstraintKind, ConstraintSpec
 from .errors import ConstraintCompileError, ToolCallParseError
-from .json_schema import with_guidance_options
+from .json_enforce import with_guidance_options
 from .vocab import TokenizerInfo
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"

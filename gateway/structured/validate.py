@@ -3,24 +3,40 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import jsonschema
 
 from .errors import StructuredValidationError
-from .json_schema import normalise, parse_schema
+from .json_enforce import repair
+from .json_schema import normalise, parse_schema, validator_class
 from .sql_schema import DatabaseSchema, SQLPolicy
 from .sql_validate import SQLCheckResult, check_sql
 from .tools import ToolSpec, _choice, parse_tool_calls
 
 
 def _validator(schema: dict | bool) -> jsonschema.protocols.Validator:
+    schema = repair(schema)  # the same meaning-preserving repairs as the compile path
+    cls = validator_class(schema)
     schema = normalise(schema)
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
+def _non_finite(value: Any, path: str = "") -> str | None:
+    """JSON path of the first number that is not a finite double (json.loads turns 1e999 into inf)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or "/"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if (found := _non_finite(v, f"{path}/{k}")) is not None:
+            return found
+    return None
+
+
 def check_json_value(value: Any, schema: dict | bool, kind: str = "json") -> None:
+    if (where := _non_finite(value)) is not None:
+        raise StructuredValidationError(kind, "a number overflows a double (not finite)", where)
     errors = sorted(_validator(schema).iter_errors(value), key=lambda e: list(e.absolute_path))
     if errors:
         first = errors[0]

@@ -108,13 +108,13 @@ def test_json_object_and_streamed_json(gateway_server):
     jsonschema.validate(json.loads(text), ORDER)
 
 
-def test_unsupported_schema_keyword_is_400(gateway_server):
+def test_unresolvable_schema_reference_is_400(gateway_server):
     import openai
 
     with pytest.raises(openai.BadRequestError) as e:
         _chat(gateway_server, max_tokens=8, response_format={"type": "json_schema", "json_schema": {
-            "name": "x", "schema": {"type": "array", "uniqueItems": True}}})
-    assert "uniqueItems" in e.value.message and e.value.code == "unsupported_schema_feature"
+            "name": "x", "schema": {"$ref": "https://example.com/order.json"}}})
+    assert "remote reference" in e.value.message and e.value.code == "unsupported_schema_feature"
 
 
 def _sql_bias(server, words):
