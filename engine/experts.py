@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import PackCache, PackedExperts, file_identity, fused_moe, load_stats, save_stats
+from kernels import PackedExperts, fused_moe, save_stats
 from kernels.placement import plan_frequency, plan_uniform
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,72 @@ class PlacementConfig:
         return "; ".join(parts)
 
 
+@dataclass(frozen=True)
+class ShardSpec:
+    """One shard to build: these experts of a layer, packed in `fmt`, resident on `device`."""
+
+    fmt: str
+    expert_ids: tuple[int, ...]
+    device: str  # "cpu" (host memory) or the fast device ("cuda", "cuda:1")
+
+    @property
+    def hot(self) -> bool:
+        return self.device != "cpu"
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """The shards of one MoE layer under both profiles (`exact` is `fast` where they agree)."""
+
+    fast: tuple[ShardSpec, ...]
+    exact: tuple[ShardSpec, ...]
+
+    @property
+    def shards(self) -> tuple[ShardSpec, ...]:
+        """Every distinct shard the layer holds, fast profile first."""
+        return self.fast + tuple(s for s in self.exact if s not in self.fast)
+
+
+def plan_layers(cfg, placement: PlacementConfig, fast_device: torch.device,
+                stats: list[list[float]] | None = None) -> dict[int, LayerPlan]:
+    """Which experts of each MoE layer go into which shard (format, device) under both profiles."""
+    moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
+    n = cfg.num_experts
+    if stats is not None and (len(stats) != len(moe_layers) or any(len(r) != n for r in stats)):
+        raise ValueError(f"{placement.stats_file}: expected counts for {len(moe_layers)} MoE layers x {n} experts")
+    formatting = set(moe_layers[max(0, len(moe_layers) - placement.formatting_layers) :])
+    hot_on_device = placement.hot_experts if fast_device.type == "cuda" else 0
+    hot_plan = (
+        plan_frequency(stats, per_layer=hot_on_device) if placement.hot_strategy == "frequency" and stats
+        else plan_uniform(len(moe_layers), n, hot_on_device)
+    )
+    n_mixed = round(placement.mixed_hot_fraction * n)
+    mixed_plan = plan_frequency(stats, per_layer=n_mixed) if n_mixed and stats else None
+    fast_dev = str(fast_device)
+    plans = {}
+    for j, i in enumerate(moe_layers):
+        hot = tuple(hot_plan.hot[j])
+        cold = [e for e in range(n) if e not in hot]
+
+        def shards(fmt: str, high: tuple[int, ...], high_fmt: str, cold=cold, hot=hot) -> tuple[ShardSpec, ...]:
+            out = [ShardSpec("bf16", hot, fast_dev)] if hot else []
+            for fmt_, ids in ((high_fmt, [e for e in cold if e in high]), (fmt, [e for e in cold if e not in high])):
+                if ids:
+                    out.append(ShardSpec(fmt_, tuple(ids), "cpu"))
+            return tuple(out)
+
+        fast = shards(placement.fast_format, tuple(mixed_plan.hot[j]) if mixed_plan else (), placement.exact_format)
+        base = placement.execution_format or placement.fast_format
+        if i in formatting:
+            exact = shards(placement.exact_format, (), placement.exact_format)
+        elif base != placement.fast_format:
+            exact = shards(base, (), base)
+        else:
+            exact = fast
+        plans[i] = LayerPlan(fast, exact)
+    return plans
+
+
 @dataclass
 class ExpertShard:
     packed: PackedExperts
@@ -97,82 +163,16 @@ class LayerExperts:
             out = y if out is None else out + y
         return out.to(x.dtype)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every distinct shard (a profile shared by both modes counts once)."""
+        seen = {id(s.packed): s.packed.nbytes for s in self.fast + self.exact}
+        return sum(seen.values())
+
     def record(self, ids: torch.Tensor) -> None:
         """Accumulates routing counts (for frequency placement and mixed precision)."""
         valid = ids[ids >= 0]
         self.counts += torch.bincount(valid.cpu(), minlength=self.counts.numel())
-
-
-def _pack(cache: PackCache | None, name: str, source: str, gate_up, down, fmt: str, ids) -> PackedExperts:
-    if cache is None:
-        from kernels import pack_experts
-
-        return pack_experts(gate_up, down, fmt, progress=False, expert_ids=ids)
-    return cache.get_or_pack(name, gate_up, down, fmt, source=source, progress=False, expert_ids=ids)
-
-
-def build_layer_experts(
-    model: torch.nn.Module,
-    cfg,
-    placement: PlacementConfig,
-    model_dir: Path,
-    fast_device: torch.device,
-    progress: bool = True,
-) -> dict[int, LayerExperts]:
-    """Packs each MoE layer's experts into shards per the placement; frees the raw expert weights."""
-    from tqdm.auto import tqdm
-
-    cache = PackCache(placement.pack_cache_dir) if placement.pack_cache_dir else None
-    source = ";".join(file_identity(p) for p in sorted(model_dir.glob("*.safetensors")))
-    stats = load_stats(placement.stats_file) if placement.stats_file else None
-    moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
-    n = cfg.num_experts
-    if stats is not None and (len(stats) != len(moe_layers) or any(len(r) != n for r in stats)):
-        raise ValueError(f"{placement.stats_file}: expected counts for {len(moe_layers)} MoE layers x {n} experts")
-    formatting = set(moe_layers[max(0, len(moe_layers) - placement.formatting_layers) :])
-    hot_on_device = placement.hot_experts if fast_device.type == "cuda" else 0
-    if placement.hot_experts and not hot_on_device:
-        log.info("hot experts requested but the fast device is the CPU: all experts stay in CPU memory")
-    hot_plan = (
-        plan_frequency(stats, per_layer=hot_on_device) if placement.hot_strategy == "frequency" and stats
-        else plan_uniform(len(moe_layers), n, hot_on_device)
-    )
-    n_mixed = round(placement.mixed_hot_fraction * n)
-    mixed_plan = plan_frequency(stats, per_layer=n_mixed) if n_mixed else None
-    layers: dict[int, LayerExperts] = {}
-    for j, i in enumerate(tqdm(moe_layers, desc="pack experts", unit="layer", disable=not progress)):
-        experts = model.model.layers[i].mlp.experts
-        gu, dn = experts.gate_up_proj.data, experts.down_proj.data
-        hot = list(hot_plan.hot[j])
-        cold = [e for e in range(n) if e not in hot]
-
-        def shards(fmt: str, high: list[int], high_fmt: str, cold=cold, hot=hot, i=i, gu=gu, dn=dn) -> list[ExpertShard]:
-            out = []
-            if hot:
-                p = _pack(cache, f"layer{i}", source, gu[hot], dn[hot], "bf16", tuple(hot))
-                out.append(ExpertShard(p.to(fast_device), fast_device))
-            low = [e for e in cold if e not in high]
-            high = [e for e in cold if e in high]
-            for fmt_, ids in ((high_fmt, high), (fmt, low)):
-                if ids:
-                    p = _pack(cache, f"layer{i}", source, gu[ids], dn[ids], fmt_, tuple(ids))
-                    out.append(ExpertShard(p, torch.device("cpu")))
-            return out
-
-        high = list(mixed_plan.hot[j]) if mixed_plan else []
-        fast = shards(placement.fast_format, high, placement.exact_format)
-        base = placement.execution_format or placement.fast_format
-        if i in formatting:
-            exact = shards(placement.exact_format, [], placement.exact_format)
-        elif base != placement.fast_format:
-            exact = shards(base, [], base)
-        else:
-            exact = fast
-        layers[i] = LayerExperts(fast, exact, counts=torch.zeros(n, dtype=torch.long))
-        # The raw weights are no longer needed: the shards hold (quantized) copies.
-        experts.gate_up_proj = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-        experts.down_proj = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    return layers
 
 
 def save_routing_stats(path: str | Path, layers: dict[int, LayerExperts]) -> None:

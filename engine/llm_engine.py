@@ -102,20 +102,15 @@ class LLMEngine:
         model_dir = Path(config.model)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = _load_tokenizer(model_dir)
-        model = load_model(model_dir, dtype=config.torch_dtype, device=self.device, progress=config.progress)
         cfg = self.model_config
         if config.defer and config.defer > cfg.top_k // 2:
             raise ValueError(f"defer={config.defer} must be at most top_k/2 = {cfg.top_k // 2}")
-        self.layer_experts = {}
-        if config.placement is not None:
-            from engine.experts import build_layer_experts
-
-            self.layer_experts = build_layer_experts(
-                model, cfg, config.placement, model_dir, self.device, progress=config.progress
-            )
-            for i, le in self.layer_experts.items():
-                le.num_threads = torch.get_num_threads()  # the kernel's own pool, whatever torch uses
-                model.model.layers[i].mlp.experts.packed = le
+        model = load_model(model_dir, dtype=config.torch_dtype, device=self.device, progress=config.progress,
+                           placement=config.placement)
+        self.layer_experts = {i: layer.mlp.experts.packed for i, layer in enumerate(model.model.layers)
+                              if layer.is_moe and layer.mlp.experts.packed is not None}
+        for le in self.layer_experts.values():
+            le.num_threads = torch.get_num_threads()  # the kernel's own pool, whatever torch uses
         if config.exact_lm_head:
             model.exact_lm_head = model.lm_head.weight.detach().float().clone()
         if config.fast_lm_head:
