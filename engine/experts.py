@@ -150,18 +150,36 @@ class LayerExperts:
     num_threads: int | None = None  # kernel threads; None: torch's setting
     counts: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
-    def __call__(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exact: bool = False,
-        num_threads: int | None = None,
-    ) -> torch.Tensor:
-        """x [T, H], ids [T, K] (-1 = skip), weights [T, K] -> [T, H] in x's dtype, shards summed in a fixed order."""
+    def host_experts(self, exact: bool) -> torch.Tensor:
+        """[E] bool: which experts of the profile are computed from host memory (the CPU kernel)."""
+        key = "_host_exact" if exact else "_host_fast"
+        if key not in self.__dict__:
+            mask = torch.zeros(self.counts.numel(), dtype=torch.bool)
+            for shard in self.exact if exact else self.fast:
+                if shard.device.type == "cpu":
+                    mask[list(shard.packed.expert_ids)] = True
+            self.__dict__[key] = mask
+        return self.__dict__[key]
+
+    def compute_host(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exact: bool = False,
+                     num_threads: int | None = None) -> torch.Tensor | None:
+        """The host shards' CPU kernels, summed in profile order: x [R, H] on the host -> [R, H] fp32 (None: no host shard)."""
+        return self._sum(x, ids, weights, exact, num_threads, host=True)
+
+    def compute_device(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       exact: bool = False) -> torch.Tensor | None:
+        """The shards on the fast device (hot experts): x [T, H] there -> [T, H] fp32 (None: no such shard)."""
+        return self._sum(x, ids, weights, exact, None, host=False)
+
+    def _sum(self, x, ids, weights, exact, num_threads, host: bool) -> torch.Tensor | None:
         out = None
         for shard in self.exact if exact else self.fast:
-            xs = x.to(shard.device)
-            y = fused_moe(xs, ids.to(shard.device), weights.to(shard.device), shard.packed,
-                          skip_missing=True, num_threads=num_threads or self.num_threads).to(x.device)
+            if (shard.device.type == "cpu") != host:
+                continue
+            y = fused_moe(x, ids, weights, shard.packed, skip_missing=True,
+                          num_threads=num_threads or self.num_threads)  # [R, H] fp32
             out = y if out is None else out + y
-        return out.to(x.dtype)
+        return out
 
     @property
     def nbytes(self) -> int:

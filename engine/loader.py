@@ -22,7 +22,8 @@ from engine.config import ModelConfig
 from engine.errors import CheckpointError, MissingTensorError, TensorShapeError
 from engine.experts import PlacementConfig
 from engine.models.causal_lm import MoeForCausalLM
-from kernels import file_identity, load_stats
+from engine.placement_plan import PlacementPlan
+from kernels import file_identity
 
 log = logging.getLogger(__name__)
 
@@ -162,17 +163,20 @@ def load_model(
     progress: bool = True,
     placement: PlacementConfig | None = None,
     pack_workers: int | None = None,
+    plan: PlacementPlan | None = None,
 ) -> MoeForCausalLM:
-    """Builds the model on the meta device and materialises each parameter as it is read.
+    """Builds the model on the meta device and materialises each parameter as it is read, where the
+    placement plan puts it (default: `PlacementPlan.build(config, placement, device)`).
 
-    Dense weights go straight to `device` in `dtype`. Routed experts: with a `placement`, each expert is
-    read, cast to `dtype` and packed into its shards in host memory (`engine.expert_stream`), and the
-    model's `Experts.packed` holds them (the raw expert parameters stay empty); without one they are
-    materialised at full precision on `device` (the torch reference path).
+    Dense weights go straight to the fast device in `dtype`. Routed experts: with a `placement`, each
+    expert is read, cast to `dtype` and packed into its shards in host memory (`engine.expert_stream`),
+    and the model's `Experts.packed` holds them (the raw expert parameters stay empty); without one they
+    are materialised at full precision on the fast device (the torch reference path).
     """
     model_dir = Path(model_dir)
-    device = torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)
+    plan = plan or PlacementPlan.build(cfg, placement, device)
+    device = plan.fast_device
     with torch.device("meta"):
         model = MoeForCausalLM(cfg).to(dtype)
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -188,7 +192,7 @@ def load_model(
                disable=not progress)
     with torch.no_grad():
         for pname, name in layout.dense.items():
-            put(pname, ckpt.get(name).to(device).to(dtype))
+            put(pname, ckpt.get(name).to(plan.device_for(pname), dtype, copy=True))  # never a view of the mmap
             bar.update()
         bar.close()
         if cfg.tie_word_embeddings:
@@ -203,10 +207,10 @@ def load_model(
             gate_up, down = layout.read_expert(ckpt, layer, e)
             return gate_up.to(dtype), down.to(dtype)  # what the full-precision model would hold
 
-        if placement is None:
+        if not plan.layers:
             _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress)
         else:
-            _stream_experts(model, cfg, placement, model_dir, read, device, dtype, pack_workers, progress)
+            _stream_experts(model, cfg, plan, placement, model_dir, read, dtype, pack_workers, progress)
     model.eval()
     return model
 
@@ -225,18 +229,13 @@ def _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress) 
         experts.down_proj = nn.Parameter(down, requires_grad=False)
 
 
-def _stream_experts(model, cfg, placement, model_dir, read, device, dtype, workers, progress) -> None:
+def _stream_experts(model, cfg, plan, placement, model_dir, read, dtype, workers, progress) -> None:
     from engine.expert_stream import stream_experts
-    from engine.experts import plan_layers
 
-    stats = load_stats(placement.stats_file) if placement.stats_file else None
-    plans = plan_layers(cfg, placement, device, stats)
-    if placement.hot_experts and device.type != "cuda":
-        log.info("hot experts requested but the fast device is the CPU: all experts stay in CPU memory")
+    cache_dir = placement.pack_cache_dir if placement is not None else None
     # the cache key names the checkpoint files and the dtype the experts were rounded to before packing
     source = ";".join(file_identity(p) for p in checkpoint_files(model_dir)) + f";{dtype}"
-    layers = stream_experts(read, plans, cfg.hidden_size, cfg.moe_intermediate_size,
-                            cache_dir=placement.pack_cache_dir, source=source, workers=workers, progress=progress)
+    layers = stream_experts(read, plan.layers, cfg.hidden_size, cfg.moe_intermediate_size, cache_dir=cache_dir, source=source, workers=workers, progress=progress)
     for i, le in layers.items():
         experts = model.model.layers[i].mlp.experts
         experts.packed = le
