@@ -17,10 +17,18 @@ from engine.config import ModelConfig
 from engine.experts import LayerPlan, PlacementConfig, plan_layers
 from engine.sizing import PARTS, ROUTED, classify
 from kernels import load_stats
-from kernels.numa import detect_topology
+from kernels.numa import NumaTopology, detect_topology
 
 log = logging.getLogger(__name__)
 GIB = 2**30
+
+
+def numa_statement(topo: NumaTopology) -> str:
+    """What the engine does about NUMA on this machine, in one line for the startup table."""
+    if len(topo.nodes) == 1:
+        return "1 NUMA node: NUMA placement is a no-op (all host memory and kernel threads on node 0)"
+    return (f"{topo.summary()}: expert shards and kernel threads are NOT bound to nodes (first-touch "
+            "allocation by the loading threads); kernels.numa.assign_to_nodes plans it, the engine does not apply it yet")
 
 
 @dataclass(frozen=True)
@@ -38,11 +46,7 @@ class PlacementPlan:
         layers = plan_layers(cfg, placement, fast_device, stats) if placement is not None else {}
         if placement is not None and placement.hot_experts and fast_device.type != "cuda":
             log.info("hot experts requested but the fast device is the CPU: all experts stay in host memory")
-        topo = detect_topology()
-        numa = (f"{len(topo.nodes)} NUMA node: no-op (every expert and kernel thread on node 0)"
-                if len(topo.nodes) == 1 else
-                f"{topo.summary()}: experts spread over nodes by kernels.numa.assign_to_nodes")
-        return cls(fast_device, layers, numa)
+        return cls(fast_device, layers, numa_statement(detect_topology()))
 
     def device_for(self, name: str) -> torch.device:
         """Where a dense tensor (by parameter or checkpoint name) lives: the fast device."""

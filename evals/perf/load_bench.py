@@ -118,7 +118,7 @@ def _measure(model: Path, mode: str, placement: str, dtype: str) -> dict:
             "peak_anon_bytes": peak, "anon_after_imports_bytes": before[-1],
             "peak_file_bytes": max(f for _, _, f in samples), "target_bytes": int(1.3 * packed + 1.5 * GIB),
             "meets_target": peak <= 1.3 * packed + 1.5 * GIB,
-            "timeline": [(round(t, 2), a, f) for t, a, f in samples[::5]]}
+            "timeline": [(round(t, 2), a, f) for t, a, f in samples[::10]]}
 
 
 def _plan_peak(model: Path, placement: str, dtype: str) -> int:
