@@ -115,9 +115,12 @@ class ExpertPipeline:
         return guarded
 
     def _stage(self, layer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exact: bool) -> _Staged:
-        host = layer.host_experts(exact)  # [E] bool: experts held in host memory
         t = x.shape[0]
-        routed = ((ids >= 0) & host.to(ids.device)[ids.clamp(min=0)]).any(dim=1)  # [T]
+        if layer.all_on_host(exact):
+            routed = (ids >= 0).any(dim=1)  # [T]
+        else:
+            host = layer.host_experts(exact).to(ids.device)  # [E] bool: experts held in host memory
+            routed = ((ids >= 0) & host[ids.clamp(min=0)]).any(dim=1)  # [T]
         rows = None if bool(routed.all()) else routed.nonzero().squeeze(1)  # [R]
         xs, ids_s, ws = (x, ids, weights) if rows is None else (x[rows], ids[rows], weights[rows])
         ready = None

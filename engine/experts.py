@@ -161,6 +161,10 @@ class LayerExperts:
             self.__dict__[key] = mask
         return self.__dict__[key]
 
+    def all_on_host(self, exact: bool) -> bool:
+        """Whether every shard of the profile is in host memory (no hot experts on the fast device)."""
+        return all(s.device.type == "cpu" for s in (self.exact if exact else self.fast))
+
     def compute_host(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exact: bool = False,
                      num_threads: int | None = None) -> torch.Tensor | None:
         """The host shards' CPU kernels, summed in profile order: x [R, H] on the host -> [R, H] fp32 (None: no host shard)."""
