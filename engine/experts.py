@@ -4,7 +4,10 @@ A shard is a subset of a layer's experts in one format on one device. A *profile
 shards covering every expert exactly once. Each layer has a `fast` profile (exploration) and an
 `exact` profile (execution); on the "formatting layers" they differ (e.g. int4 vs bf16), elsewhere
 they are the same object. Hot experts (on the fast device) and mixed precision by routing frequency
-are both just more shards. Everything is packed once at load, so switching profiles costs nothing.
+are both just more shards. `plan_layers` decides the shards (`ShardSpec`: format, experts, device)
+before loading; the loader packs them while streaming the checkpoint (engine/expert_stream.py), once,
+so switching profiles costs nothing. `LayerExperts` computes the host shards (CPU kernel) and the
+fast device's shards separately, for engine/expert_pipeline.py.
 """
 
 from __future__ import annotations

@@ -1,8 +1,12 @@
-"""Load a Hugging Face MoE checkpoint into MoeForCausalLM by parameter name, one tensor at a time.
+"""Load a Hugging Face MoE checkpoint into MoeForCausalLM by parameter name, streaming.
 
-Both on-disk expert layouts are accepted: per-expert hub names
+The model is built on the `meta` device; each tensor is read from the memory-mapped safetensors
+(all files open at once, so an expert split across shards is found) and materialised where the
+placement plan puts it: dense tensors on the fast device, routed experts packed one at a time into
+host shards (`engine.expert_stream`). Both on-disk expert layouts are accepted: per-expert hub names
 (`mlp.experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`) and the
-fused layout (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]).
+fused layout (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]). Missing
+tensors and wrong shapes are reported from the headers before anything is loaded.
 """
 
 from __future__ import annotations
