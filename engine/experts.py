@@ -4,7 +4,10 @@ A shard is a subset of a layer's experts in one format on one device. A *profile
 shards covering every expert exactly once. Each layer has a `fast` profile (exploration) and an
 `exact` profile (execution); on the "formatting layers" they differ (e.g. int4 vs bf16), elsewhere
 they are the same object. Hot experts (on the fast device) and mixed precision by routing frequency
-are both just more shards. Everything is packed once at load, so switching profiles costs nothing.
+are both just more shards. `plan_layers` decides the shards (`ShardSpec`: format, experts, device)
+before loading; the loader packs them while streaming the checkpoint (engine/expert_stream.py), once,
+so switching profiles costs nothing. `LayerExperts` computes the host shards (CPU kernel) and the
+fast device's shards separately, for engine/expert_pipeline.py.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import PackCache, PackedExperts, file_identity, fused_moe, load_stats, save_stats
+from kernels import PackedExperts, fused_moe, save_stats
 from kernels.placement import plan_frequency, plan_uniform
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,72 @@ class PlacementConfig:
         return "; ".join(parts)
 
 
+@dataclass(frozen=True)
+class ShardSpec:
+    """One shard to build: these experts of a layer, packed in `fmt`, resident on `device`."""
+
+    fmt: str
+    expert_ids: tuple[int, ...]
+    device: str  # "cpu" (host memory) or the fast device ("cuda", "cuda:1")
+
+    @property
+    def hot(self) -> bool:
+        return self.device != "cpu"
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """The shards of one MoE layer under both profiles (`exact` is `fast` where they agree)."""
+
+    fast: tuple[ShardSpec, ...]
+    exact: tuple[ShardSpec, ...]
+
+    @property
+    def shards(self) -> tuple[ShardSpec, ...]:
+        """Every distinct shard the layer holds, fast profile first."""
+        return self.fast + tuple(s for s in self.exact if s not in self.fast)
+
+
+def plan_layers(cfg, placement: PlacementConfig, fast_device: torch.device,
+                stats: list[list[float]] | None = None) -> dict[int, LayerPlan]:
+    """Which experts of each MoE layer go into which shard (format, device) under both profiles."""
+    moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
+    n = cfg.num_experts
+    if stats is not None and (len(stats) != len(moe_layers) or any(len(r) != n for r in stats)):
+        raise ValueError(f"{placement.stats_file}: expected counts for {len(moe_layers)} MoE layers x {n} experts")
+    formatting = set(moe_layers[max(0, len(moe_layers) - placement.formatting_layers) :])
+    hot_on_device = placement.hot_experts if fast_device.type == "cuda" else 0
+    hot_plan = (
+        plan_frequency(stats, per_layer=hot_on_device) if placement.hot_strategy == "frequency" and stats
+        else plan_uniform(len(moe_layers), n, hot_on_device)
+    )
+    n_mixed = round(placement.mixed_hot_fraction * n)
+    mixed_plan = plan_frequency(stats, per_layer=n_mixed) if n_mixed and stats else None
+    fast_dev = str(fast_device)
+    plans = {}
+    for j, i in enumerate(moe_layers):
+        hot = tuple(hot_plan.hot[j])
+        cold = [e for e in range(n) if e not in hot]
+
+        def shards(fmt: str, high: tuple[int, ...], high_fmt: str, cold=cold, hot=hot) -> tuple[ShardSpec, ...]:
+            out = [ShardSpec("bf16", hot, fast_dev)] if hot else []
+            for fmt_, ids in ((high_fmt, [e for e in cold if e in high]), (fmt, [e for e in cold if e not in high])):
+                if ids:
+                    out.append(ShardSpec(fmt_, tuple(ids), "cpu"))
+            return tuple(out)
+
+        fast = shards(placement.fast_format, tuple(mixed_plan.hot[j]) if mixed_plan else (), placement.exact_format)
+        base = placement.execution_format or placement.fast_format
+        if i in formatting:
+            exact = shards(placement.exact_format, (), placement.exact_format)
+        elif base != placement.fast_format:
+            exact = shards(base, (), base)
+        else:
+            exact = fast
+        plans[i] = LayerPlan(fast, exact)
+    return plans
+
+
 @dataclass
 class ExpertShard:
     packed: PackedExperts
@@ -84,95 +153,51 @@ class LayerExperts:
     num_threads: int | None = None  # kernel threads; None: torch's setting
     counts: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
-    def __call__(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exact: bool = False,
-        num_threads: int | None = None,
-    ) -> torch.Tensor:
-        """x [T, H], ids [T, K] (-1 = skip), weights [T, K] -> [T, H] in x's dtype, shards summed in a fixed order."""
+    def host_experts(self, exact: bool) -> torch.Tensor:
+        """[E] bool: which experts of the profile are computed from host memory (the CPU kernel)."""
+        key = "_host_exact" if exact else "_host_fast"
+        if key not in self.__dict__:
+            mask = torch.zeros(self.counts.numel(), dtype=torch.bool)
+            for shard in self.exact if exact else self.fast:
+                if shard.device.type == "cpu":
+                    mask[list(shard.packed.expert_ids)] = True
+            self.__dict__[key] = mask
+        return self.__dict__[key]
+
+    def all_on_host(self, exact: bool) -> bool:
+        """Whether every shard of the profile is in host memory (no hot experts on the fast device)."""
+        return all(s.device.type == "cpu" for s in (self.exact if exact else self.fast))
+
+    def compute_host(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exact: bool = False,
+                     num_threads: int | None = None) -> torch.Tensor | None:
+        """The host shards' CPU kernels, summed in profile order: x [R, H] on the host -> [R, H] fp32 (None: no host shard)."""
+        return self._sum(x, ids, weights, exact, num_threads, host=True)
+
+    def compute_device(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       exact: bool = False) -> torch.Tensor | None:
+        """The shards on the fast device (hot experts): x [T, H] there -> [T, H] fp32 (None: no such shard)."""
+        return self._sum(x, ids, weights, exact, None, host=False)
+
+    def _sum(self, x, ids, weights, exact, num_threads, host: bool) -> torch.Tensor | None:
         out = None
         for shard in self.exact if exact else self.fast:
-            xs = x.to(shard.device)
-            y = fused_moe(xs, ids.to(shard.device), weights.to(shard.device), shard.packed,
-                          skip_missing=True, num_threads=num_threads or self.num_threads).to(x.device)
+            if (shard.device.type == "cpu") != host:
+                continue
+            y = fused_moe(x, ids, weights, shard.packed, skip_missing=True,
+                          num_threads=num_threads or self.num_threads)  # [R, H] fp32
             out = y if out is None else out + y
-        return out.to(x.dtype)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every distinct shard (a profile shared by both modes counts once)."""
+        seen = {id(s.packed): s.packed.nbytes for s in self.fast + self.exact}
+        return sum(seen.values())
 
     def record(self, ids: torch.Tensor) -> None:
         """Accumulates routing counts (for frequency placement and mixed precision)."""
         valid = ids[ids >= 0]
         self.counts += torch.bincount(valid.cpu(), minlength=self.counts.numel())
-
-
-def _pack(cache: PackCache | None, name: str, source: str, gate_up, down, fmt: str, ids) -> PackedExperts:
-    if cache is None:
-        from kernels import pack_experts
-
-        return pack_experts(gate_up, down, fmt, progress=False, expert_ids=ids)
-    return cache.get_or_pack(name, gate_up, down, fmt, source=source, progress=False, expert_ids=ids)
-
-
-def build_layer_experts(
-    model: torch.nn.Module,
-    cfg,
-    placement: PlacementConfig,
-    model_dir: Path,
-    fast_device: torch.device,
-    progress: bool = True,
-) -> dict[int, LayerExperts]:
-    """Packs each MoE layer's experts into shards per the placement; frees the raw expert weights."""
-    from tqdm.auto import tqdm
-
-    cache = PackCache(placement.pack_cache_dir) if placement.pack_cache_dir else None
-    source = ";".join(file_identity(p) for p in sorted(model_dir.glob("*.safetensors")))
-    stats = load_stats(placement.stats_file) if placement.stats_file else None
-    moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
-    n = cfg.num_experts
-    if stats is not None and (len(stats) != len(moe_layers) or any(len(r) != n for r in stats)):
-        raise ValueError(f"{placement.stats_file}: expected counts for {len(moe_layers)} MoE layers x {n} experts")
-    formatting = set(moe_layers[max(0, len(moe_layers) - placement.formatting_layers) :])
-    hot_on_device = placement.hot_experts if fast_device.type == "cuda" else 0
-    if placement.hot_experts and not hot_on_device:
-        log.info("hot experts requested but the fast device is the CPU: all experts stay in CPU memory")
-    hot_plan = (
-        plan_frequency(stats, per_layer=hot_on_device) if placement.hot_strategy == "frequency" and stats
-        else plan_uniform(len(moe_layers), n, hot_on_device)
-    )
-    n_mixed = round(placement.mixed_hot_fraction * n)
-    mixed_plan = plan_frequency(stats, per_layer=n_mixed) if n_mixed else None
-    layers: dict[int, LayerExperts] = {}
-    for j, i in enumerate(tqdm(moe_layers, desc="pack experts", unit="layer", disable=not progress)):
-        experts = model.model.layers[i].mlp.experts
-        gu, dn = experts.gate_up_proj.data, experts.down_proj.data
-        hot = list(hot_plan.hot[j])
-        cold = [e for e in range(n) if e not in hot]
-
-        def shards(fmt: str, high: list[int], high_fmt: str, cold=cold, hot=hot, i=i, gu=gu, dn=dn) -> list[ExpertShard]:
-            out = []
-            if hot:
-                p = _pack(cache, f"layer{i}", source, gu[hot], dn[hot], "bf16", tuple(hot))
-                out.append(ExpertShard(p.to(fast_device), fast_device))
-            low = [e for e in cold if e not in high]
-            high = [e for e in cold if e in high]
-            for fmt_, ids in ((high_fmt, high), (fmt, low)):
-                if ids:
-                    p = _pack(cache, f"layer{i}", source, gu[ids], dn[ids], fmt_, tuple(ids))
-                    out.append(ExpertShard(p, torch.device("cpu")))
-            return out
-
-        high = list(mixed_plan.hot[j]) if mixed_plan else []
-        fast = shards(placement.fast_format, high, placement.exact_format)
-        base = placement.execution_format or placement.fast_format
-        if i in formatting:
-            exact = shards(placement.exact_format, [], placement.exact_format)
-        elif base != placement.fast_format:
-            exact = shards(base, [], base)
-        else:
-            exact = fast
-        layers[i] = LayerExperts(fast, exact, counts=torch.zeros(n, dtype=torch.long))
-        # The raw weights are no longer needed: the shards hold (quantized) copies.
-        experts.gate_up_proj = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-        experts.down_proj = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    return layers
 
 
 def save_routing_stats(path: str | Path, layers: dict[int, LayerExperts]) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.expert_pipeline import ExpertPipeline
 
 
 @dataclass
@@ -24,7 +27,7 @@ class ForwardBatch:
     logits_rows: torch.Tensor  # [S] rows of T whose next-token logits are wanted
     exact: bool = False  # execution mode: the exact precision profile, no deferral
     defer: int = 0  # exploration: experts per token deferred to the next MoE layer
-    expert_worker: Executor | None = None  # runs deferred experts while the next layer's attention runs
+    expert_pipeline: ExpertPipeline | None = None  # host experts; its thread runs deferred experts during the next attention
     rope: dict = field(default_factory=dict, repr=False)  # (head_dim, theta, dtype) -> (cos, sin), once per forward
 
     @property

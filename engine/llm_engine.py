@@ -19,6 +19,7 @@ from engine.experts import PlacementConfig
 from engine.kv_cache import BlockManager, KVCacheSpec
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
+from engine.placement_plan import PlacementPlan
 from engine.prefix_cache import BlockHasher, PrefixCacheConfig, PrefixCacheManager, model_fingerprint
 from engine.prefix_cache.entry import EntryCodec
 from engine.sampler import SamplingError, sample
@@ -107,20 +108,16 @@ class LLMEngine:
         model_dir = Path(config.model)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = _load_tokenizer(model_dir)
-        model = load_model(model_dir, dtype=config.torch_dtype, device=self.device, progress=config.progress)
         cfg = self.model_config
         if config.defer and config.defer > cfg.top_k // 2:
             raise ValueError(f"defer={config.defer} must be at most top_k/2 = {cfg.top_k // 2}")
-        self.layer_experts = {}
-        if config.placement is not None:
-            from engine.experts import build_layer_experts
-
-            self.layer_experts = build_layer_experts(
-                model, cfg, config.placement, model_dir, self.device, progress=config.progress
-            )
-            for i, le in self.layer_experts.items():
-                le.num_threads = torch.get_num_threads()  # the kernel's own pool, whatever torch uses
-                model.model.layers[i].mlp.experts.packed = le
+        self.placement_plan = PlacementPlan.build(cfg, config.placement, self.device)
+        model = load_model(model_dir, dtype=config.torch_dtype, progress=config.progress,
+                           placement=config.placement, plan=self.placement_plan)
+        self.layer_experts = {i: layer.mlp.experts.packed for i, layer in enumerate(model.model.layers)
+                              if layer.is_moe and layer.mlp.experts.packed is not None}
+        for le in self.layer_experts.values():
+            le.num_threads = torch.get_num_threads()  # the kernel's own pool, whatever torch uses
         if config.exact_lm_head:
             model.exact_lm_head = model.lm_head.weight.detach().float().clone()
         if config.fast_lm_head:
@@ -138,6 +135,8 @@ class LLMEngine:
         elif config.fast_dense:
             log.warning("fast_dense=%s packs CPU attention projections; on %s the model's own weights run",
                         config.fast_dense, self.device)
+        log.info("%s", self.placement_plan.summary(model))
+        self.placement = self.placement_plan.describe(model)  # what /v1/models reports
         self.fused_decode = model.fused_layers is not None  # small exploration batches: one call per layer
         self._identity = _model_identity(model_dir)
         spec = (

@@ -1,8 +1,12 @@
-"""Load a Hugging Face MoE checkpoint into MoeForCausalLM by parameter name, one tensor at a time.
+"""Load a Hugging Face MoE checkpoint into MoeForCausalLM by parameter name, streaming.
 
-Both on-disk expert layouts are accepted: per-expert hub names
+The model is built on the `meta` device; each tensor is read from the memory-mapped safetensors
+(all files open at once, so an expert split across shards is found) and materialised where the
+placement plan puts it: dense tensors on the fast device, routed experts packed one at a time into
+host shards (`engine.expert_stream`). Both on-disk expert layouts are accepted: per-expert hub names
 (`mlp.experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`) and the
-fused layout (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]).
+fused layout (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]). Missing
+tensors and wrong shapes are reported from the headers before anything is loaded.
 """
 
 from __future__ import annotations
@@ -15,11 +19,15 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 from tqdm.auto import tqdm
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError, MissingTensorError, TensorShapeError
+from engine.experts import PlacementConfig
 from engine.models.causal_lm import MoeForCausalLM
+from engine.placement_plan import PlacementPlan
+from kernels import file_identity
 
 log = logging.getLogger(__name__)
 
@@ -63,21 +71,93 @@ def _target(name: str, intermediate: int) -> tuple[str, _Target]:
     return key, _Target(f"{prefix}.gate_up_proj", expert, rows)
 
 
-def _expected_names(model: MoeForCausalLM, cfg: ModelConfig) -> dict[str, str]:
-    """Checkpoint-style names of every slot the model needs -> the parameter that holds it."""
-    names = {}
-    for pname, _ in model.named_parameters():
-        if cfg.tie_word_embeddings and pname == "lm_head.weight":
-            continue
-        if pname.endswith("experts.gate_up_proj") or pname.endswith("experts.down_proj"):
-            prefix = pname.rsplit(".", 1)[0]
-            parts = ("gate_proj", "up_proj") if pname.endswith("gate_up_proj") else ("down_proj",)
-            for e in range(cfg.num_experts):
-                for part in parts:
-                    names[f"{prefix}.{e}.{part}.weight"] = pname
+class _Checkpoint:
+    """Every safetensors file of a directory open at once (memory-mapped), tensors found by name."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.files = checkpoint_files(model_dir)
+        self.handles, self.where = [], {}
+        for path in self.files:
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"cannot read {path.name}: {exc} (corrupt or truncated file?)") from exc
+            self.handles.append(handle)
+            for name in handle.keys():
+                self.where[name] = (handle, path)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        handle, _ = self.where[name]
+        return tuple(handle.get_slice(name).get_shape())
+
+    def get(self, name: str, expert: int | None = None) -> torch.Tensor:
+        """The tensor (or one expert's slice of a fused expert tensor), as stored."""
+        handle, path = self.where[name]
+        try:
+            return handle.get_tensor(name) if expert is None else handle.get_slice(name)[expert]
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"cannot read tensor {name!r} from {path.name}: {exc}") from exc
+
+
+def _is_experts(pname: str) -> bool:
+    return pname.endswith(("experts.gate_up_proj", "experts.down_proj"))
+
+
+class _Layout:
+    """Where each slot of the model is in the checkpoint: dense tensors by name, experts per expert or fused."""
+
+    def __init__(self, ckpt: _Checkpoint, cfg: ModelConfig, params: dict[str, tuple[int, ...]]) -> None:
+        self.cfg = cfg
+        self.dense: dict[str, str] = {}  # parameter -> checkpoint name
+        self.per_expert: dict[str, str] = {}  # "{prefix}.{e}.{part}.weight" -> checkpoint name
+        self.fused: dict[str, str] = {}  # expert parameter -> checkpoint name of the fused tensor
+        for name in ckpt.where:
+            if _IGNORED.search(name):
+                continue
+            key, tgt = _target(name, cfg.moe_intermediate_size)
+            if tgt.param not in params:
+                log.warning("ignoring unexpected tensor %s in %s", name, ckpt.where[name][1].name)
+            elif tgt.expert is not None:
+                self.per_expert[key] = name
+            elif _is_experts(tgt.param):
+                self.fused[tgt.param] = name
+            else:
+                self.dense[tgt.param] = name
+        missing = []
+        for pname in params:
+            if cfg.tie_word_embeddings and pname == "lm_head.weight":
+                continue
+            if not _is_experts(pname):
+                if pname not in self.dense:
+                    missing.append(pname)
+            elif pname not in self.fused:
+                prefix = pname.rsplit(".", 1)[0]
+                parts = ("gate_proj", "up_proj") if pname.endswith("gate_up_proj") else ("down_proj",)
+                missing += [k for e in range(cfg.num_experts) for part in parts
+                            if (k := f"{prefix}.{e}.{part}.weight") not in self.per_expert]
+        if missing:
+            raise MissingTensorError(missing)
+        for pname, name in (*self.dense.items(), *self.fused.items()):
+            if ckpt.shape(name) != params[pname]:
+                raise TensorShapeError(name, params[pname], ckpt.shape(name))
+        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+        for key, name in self.per_expert.items():
+            want = (hidden, inter) if key.endswith("down_proj.weight") else (inter, hidden)
+            if ckpt.shape(name) != want:
+                raise TensorShapeError(name, want, ckpt.shape(name))
+
+    def read_expert(self, ckpt: _Checkpoint, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert -> (gate_up [2I, H], down [H, I]) as stored."""
+        prefix = f"model.layers.{layer}.mlp.experts"
+        if f"{prefix}.gate_up_proj" in self.fused:
+            gate_up = ckpt.get(self.fused[f"{prefix}.gate_up_proj"], e)
         else:
-            names[pname] = pname
-    return names
+            gate_up = torch.cat([ckpt.get(self.per_expert[f"{prefix}.{e}.{p}.weight"]) for p in ("gate_proj", "up_proj")])
+        if f"{prefix}.down_proj" in self.fused:
+            down = ckpt.get(self.fused[f"{prefix}.down_proj"], e)
+        else:
+            down = ckpt.get(self.per_expert[f"{prefix}.{e}.down_proj.weight"])
+        return gate_up, down
 
 
 def load_model(
@@ -85,63 +165,83 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    placement: PlacementConfig | None = None,
+    pack_workers: int | None = None,
+    plan: PlacementPlan | None = None,
 ) -> MoeForCausalLM:
+    """Builds the model on the meta device and materialises each parameter as it is read, where the
+    placement plan puts it (default: `PlacementPlan.build(config, placement, device)`).
+
+    Dense weights go straight to the fast device in `dtype`. Routed experts: with a `placement`, each
+    expert is read, cast to `dtype` and packed into its shards in host memory (`engine.expert_stream`),
+    and the model's `Experts.packed` holds them (the raw expert parameters stay empty); without one they
+    are materialised at full precision on the fast device (the torch reference path).
+    """
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
+    plan = plan or PlacementPlan.build(cfg, placement, device)
+    device = plan.fast_device
     with torch.device("meta"):
         model = MoeForCausalLM(cfg).to(dtype)
-    model.to_empty(device=device)
-    if cfg.tie_word_embeddings:  # to_empty materialises each module's parameters separately: re-tie
-        model.lm_head.weight = model.model.embed_tokens.weight
-    for module in model.modules():
-        if hasattr(module, "inv_freq"):  # non-persistent RoPE buffer: recompute in fp32
-            module.__init__(cfg.head_dim, cfg.rope_theta)
-            module.to(device)
-    params = dict(model.named_parameters())
-    expected = _expected_names(model, cfg)
-    covered: set[str] = set()
+    params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    ckpt = _Checkpoint(model_dir)
+    layout = _Layout(ckpt, cfg, params)
+    modules = dict(model.named_modules())
 
-    files = checkpoint_files(model_dir)
-    bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
-               desc=f"load {model_dir.name}", disable=not progress)
+    def put(pname: str, value: torch.Tensor) -> None:
+        owner, _, attr = pname.rpartition(".")
+        setattr(modules[owner], attr, nn.Parameter(value, requires_grad=False))
+
+    bar = tqdm(total=len(layout.dense), desc=f"load {model_dir.name} (dense -> {device})", unit="tensor",
+               disable=not progress)
     with torch.no_grad():
-        for path in files:
-            try:
-                handle = safe_open(str(path), framework="pt", device="cpu")
-            except (SafetensorError, OSError) as exc:
-                raise CheckpointError(f"cannot read {path.name}: {exc} (corrupt or truncated file?)") from exc
-            with handle as f:
-                for name in f.keys():
-                    if _IGNORED.search(name):
-                        continue
-                    key, tgt = _target(name, cfg.moe_intermediate_size)
-                    if tgt.param not in params:
-                        log.warning("ignoring unexpected tensor %s in %s", name, path.name)
-                        continue
-                    try:
-                        tensor = f.get_tensor(name)
-                    except (SafetensorError, OSError) as exc:
-                        raise CheckpointError(f"cannot read tensor {name!r} from {path.name}: {exc}") from exc
-                    _copy(params[tgt.param], tgt, name, tensor)
-                    bar.update(tensor.numel() * tensor.element_size())
-                    if tgt.expert is None and tgt.param.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                        covered.update(k for k, p in expected.items() if p == tgt.param)
-                    else:
-                        covered.add(key if tgt.expert is not None else tgt.param)
-    bar.close()
-    missing = [n for n in expected if n not in covered]
-    if missing:
-        raise MissingTensorError(missing)
+        for pname, name in layout.dense.items():
+            put(pname, ckpt.get(name).to(plan.device_for(pname), dtype, copy=True))  # never a view of the mmap
+            bar.update()
+        bar.close()
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        for module in model.modules():
+            if hasattr(module, "inv_freq"):  # non-persistent RoPE buffer: recompute in fp32
+                module.__init__(cfg.head_dim, cfg.rope_theta)
+                module.to(device)
+        moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
+
+        def read(layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+            gate_up, down = layout.read_expert(ckpt, layer, e)
+            return gate_up.to(dtype), down.to(dtype)  # what the full-precision model would hold
+
+        if not plan.layers:
+            _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress)
+        else:
+            _stream_experts(model, cfg, plan, placement, model_dir, read, dtype, pack_workers, progress)
     model.eval()
     return model
 
 
-def _copy(param: torch.Tensor, tgt: _Target, name: str, tensor: torch.Tensor) -> None:
-    dest = param
-    if tgt.expert is not None:
-        dest = dest[tgt.expert]
-    if tgt.rows is not None:
-        dest = dest[tgt.rows]
-    if tuple(dest.shape) != tuple(tensor.shape):
-        raise TensorShapeError(name, tuple(dest.shape), tuple(tensor.shape))
-    dest.copy_(tensor)
+def _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress) -> None:
+    e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    for layer in tqdm(moe_layers, desc="load experts (full precision)", unit="layer", disable=not progress):
+        experts = model.model.layers[layer].mlp.experts
+        gate_up = torch.empty(e, 2 * i, h, dtype=dtype, device=device)
+        down = torch.empty(e, h, i, dtype=dtype, device=device)
+        for x in range(e):
+            gu, dn = read(layer, x)
+            gate_up[x].copy_(gu)
+            down[x].copy_(dn)
+        experts.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+        experts.down_proj = nn.Parameter(down, requires_grad=False)
+
+
+def _stream_experts(model, cfg, plan, placement, model_dir, read, dtype, workers, progress) -> None:
+    from engine.expert_stream import stream_experts
+
+    cache_dir = placement.pack_cache_dir if placement is not None else None
+    # the cache key names the checkpoint files and the dtype the experts were rounded to before packing
+    source = ";".join(file_identity(p) for p in checkpoint_files(model_dir)) + f";{dtype}"
+    layers = stream_experts(read, plan.layers, cfg.hidden_size, cfg.moe_intermediate_size, cache_dir=cache_dir, source=source, workers=workers, progress=progress)
+    for i, le in layers.items():
+        experts = model.model.layers[i].mlp.experts
+        experts.packed = le
+        experts.gate_up_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        experts.down_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)

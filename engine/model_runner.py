@@ -7,10 +7,9 @@ never depend on what else is in flight (batch invariance by construction).
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
+from engine.expert_pipeline import ExpertPipeline
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import BlockManager, KVCacheSpec, allocate_kv_cache
 from engine.models.causal_lm import MoeForCausalLM
@@ -32,7 +31,9 @@ class ModelRunner:
         self.spec = spec
         self.defer = defer
         self.kv_caches = allocate_kv_cache(model.config, spec, kv_dtype, device)
-        self.expert_worker = ThreadPoolExecutor(1, thread_name_prefix="moegate-experts") if defer else None
+        self.experts = ExpertPipeline(device, worker=defer > 0)  # deferral needs the expert thread
+        self.strict_experts = ExpertPipeline(device)  # execution: everything now, on this thread
+        self.expert_worker = self.experts.executor
         self.max_threads = torch.get_num_threads()
 
     def set_defer(self, defer: int) -> None:
@@ -64,7 +65,7 @@ class ModelRunner:
             logits_rows=torch.tensor(rows, dtype=torch.long),
             exact=exact,
             defer=0 if exact else self.defer,
-            expert_worker=None if exact else self.expert_worker,
+            expert_pipeline=self.strict_experts if exact else self.experts,
         )
         return batch.to(self.device) if self.device.type != "cpu" else batch
 
@@ -102,7 +103,11 @@ class ModelRunner:
             want = 1 if batch.num_tokens <= SMALL_FORWARD_TOKENS else self.max_threads
             if torch.get_num_threads() != want:
                 torch.set_num_threads(want)
-        hidden = self.model(batch, self.kv_caches)  # [T, H]
+        try:
+            hidden = self.model(batch, self.kv_caches)  # [T, H]
+        except BaseException:
+            self.experts.abort()  # no deferred work of this forward may land in the next one
+            raise
         if batch.logits_rows.numel() == 0:
             return torch.empty(0, self.model.config.vocab_size)
         if (self.device.type == "cpu" and torch.get_num_threads() != self.max_threads
@@ -114,5 +119,4 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_rows], exact=batch.exact).cpu()
 
     def shutdown(self) -> None:
-        if self.expert_worker is not None:
-            self.expert_worker.shutdown(wait=True)
+        self.experts.shutdown()

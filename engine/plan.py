@@ -32,12 +32,14 @@ DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "demo-moe"
 # Process overhead beside the weights (Python, torch, tokenizer, gateway; CUDA context + workspace).
 # Estimates, printed on their own line, never mixed into the weight figures.
 HOST_OVERHEAD_BYTES = int(1.5 * GIB)
+# Temporaries of quantizing one weight (fp32 copy, padding, scaling, rounding, tiling), bytes per weight.
+PACK_TEMP_BYTES = 24
 GPU_OVERHEAD_BYTES = 1 * GIB
 
 
 @dataclass(frozen=True)
 class Precision:
-    """A storage format: `bits` per weight plus, when grouped, one fp32 scale per `group_size` inputs."""
+    """A storage format: `bits` per weight plus, when grouped, one scale per `group_size` inputs."""
 
     name: str
     bits: int
@@ -51,12 +53,14 @@ class Precision:
         return weight + rows * math.ceil(cols / self.group_size) * self.scale_bytes
 
 
+# As kernels/formats.py packs routed experts: one fp16 scale per output row and group of
+# DEFAULT_GROUP_SIZE inputs (int8: 64, int4: 32); tests/engine/test_engine_plan.py checks against it.
 PRECISIONS = {
     "fp32": Precision("fp32", 32),
     "bf16": Precision("bf16", 16),
     "fp16": Precision("fp16", 16),
-    "int8": Precision("int8", 8, group_size=32),
-    "int4": Precision("int4", 4, group_size=32),
+    "int8": Precision("int8", 8, group_size=64, scale_bytes=2),
+    "int4": Precision("int4", 4, group_size=32, scale_bytes=2),
 }
 EXPERT_PRECISIONS = ("int4", "int8", "bf16", "fp32")
 DENSE_PRECISIONS = ("bf16", "fp16", "fp32")
@@ -71,10 +75,21 @@ class PlanOptions:
     kv_tokens: int = 32768  # KV cache capacity, all sequences together
     context_tokens: int = 0  # context whose KV each decoded token reads (for the ceiling)
     cache_gb: float = 10.0  # disk prefix-cache tier size, GiB
+    # Execution mode's expert profile, resident beside the exploration one (`experts_precision`):
+    # `execution_precision` on every MoE layer (None: the same as exploration) but the last
+    # `formatting_layers`, which hold `formatting_precision`.
+    execution_precision: str | None = None
+    formatting_layers: int = 0
+    formatting_precision: str = "bf16"
+    load_workers: int = 4  # experts packed in parallel while loading (2 in flight per worker)
 
     def __post_init__(self) -> None:
-        if self.experts_precision not in EXPERT_PRECISIONS:
-            raise SizingError(f"experts precision {self.experts_precision!r}: use one of {EXPERT_PRECISIONS}")
+        for name in ("experts_precision", "execution_precision", "formatting_precision"):
+            value = getattr(self, name)
+            if value is not None and value not in EXPERT_PRECISIONS:
+                raise SizingError(f"{name.replace('_', ' ')} {value!r}: use one of {EXPERT_PRECISIONS}")
+        if self.formatting_layers < 0 or self.load_workers < 1:
+            raise SizingError("formatting layers must be >= 0 and load workers >= 1")
         if self.dense_precision not in DENSE_PRECISIONS:
             raise SizingError(f"dense precision {self.dense_precision!r}: use one of {DENSE_PRECISIONS}")
         if self.device not in ("cuda", "cpu"):
@@ -109,6 +124,9 @@ class Plan:
     decode_ceiling_tok_s: float  # everything streamed from host memory at that bandwidth
     experts_ceiling_tok_s: float  # only the active routed experts from host memory (dense part on GPU)
     checkpoint_check: dict[str, object] = field(default_factory=dict)
+    experts_by_mode: dict[str, int] = field(default_factory=dict)  # exploration / execution / resident (both)
+    load_peak_bytes: int = 0  # host anonymous memory while loading: resident host weights + working set
+    load_working_bytes: int = 0  # of which the bounded working set (tensors in flight), not process overhead
 
 
 def measure_bandwidth(total_mb: int = 256, repeats: int = 4) -> float:
@@ -136,6 +154,31 @@ def _part_bytes(shape: ModelShape, opts: PlanOptions) -> dict[str, int]:
         else:
             out[w.part] += math.prod(w.shape) * dense.bits // 8 * w.count
     return out
+
+
+def _expert_profiles(shape: ModelShape, opts: PlanOptions) -> dict[str, int]:
+    """Routed-expert bytes of each mode's profile and of what stays resident (a profile both share counts once)."""
+    per_layer = {fmt: sum(PRECISIONS[fmt].matrix_bytes(*w.shape) * w.count for w in weights(shape)
+                          if w.part == ROUTED) // max(1, shape.num_moe_layers) for fmt in EXPERT_PRECISIONS}
+    n = shape.num_moe_layers
+    formatting = min(opts.formatting_layers, n)
+    fast = opts.experts_precision
+    execution = [opts.execution_precision or fast] * (n - formatting) + [opts.formatting_precision] * formatting
+    exploration_bytes = n * per_layer[fast]
+    execution_bytes = sum(per_layer[f] for f in execution)
+    resident = exploration_bytes + sum(per_layer[f] for f in execution if f != fast)
+    return {"exploration": exploration_bytes, "execution": execution_bytes, "resident": resident}
+
+
+def _load_working_set(shape: ModelShape, opts: PlanOptions, experts_resident: int) -> int:
+    """Host anonymous bytes in flight while streaming a checkpoint: the experts being packed (gate and up
+    joined, cast to the model dtype, quantizer temporaries) and one layer's shard allocation. Dense
+    tensors are read from the memory-mapped file (page cache, file-backed) straight into their
+    parameter, so they add nothing beyond the parameter itself."""
+    ckpt_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(shape.checkpoint_dtype, 2)
+    dense_bytes = PRECISIONS[opts.dense_precision].bits // 8
+    in_flight = 2 * opts.load_workers * expert_params(shape) * (ckpt_bytes + dense_bytes + PACK_TEMP_BYTES)
+    return in_flight + experts_resident // max(1, shape.num_moe_layers)
 
 
 def _checkpoint_check(shape: ModelShape, model_dir: Path) -> tuple[dict[str, object], int]:
@@ -170,10 +213,14 @@ def build_plan(model_dir: str | Path, opts: PlanOptions, bandwidth_gbps: float) 
     hot_bytes = hot * n_moe * per_expert * dense_prec.bits // 8
     kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dense_prec.bits // 8
     kv_bytes = kv_per_token * opts.kv_tokens
+    profiles = _expert_profiles(shape, opts)
+    resident = profiles["resident"]
     if opts.device == "cuda":
-        fast, host = dense_bytes + hot_bytes + kv_bytes, experts_bytes
+        fast, host = dense_bytes + hot_bytes + kv_bytes, resident
     else:
-        fast, host = 0, dense_bytes + experts_bytes + kv_bytes
+        fast, host = 0, dense_bytes + resident + kv_bytes
+    working = _load_working_set(shape, opts, resident)
+    load_peak = resident + (dense_bytes if opts.device == "cpu" else 0) + working
 
     # Per decoded token: every dense weight but the embedding table (one row), the LM head even when tied,
     # the top-k experts of every MoE layer, and the KV of the context.
@@ -193,7 +240,7 @@ def build_plan(model_dir: str | Path, opts: PlanOptions, bandwidth_gbps: float) 
         streamed_bytes_per_token=streamed, bandwidth_gbps=bandwidth_gbps,
         decode_ceiling_tok_s=bandwidth_gbps * 1e9 / streamed,
         experts_ceiling_tok_s=bandwidth_gbps * 1e9 / active_experts,
-        checkpoint_check=check,
+        checkpoint_check=check, experts_by_mode=profiles, load_peak_bytes=load_peak, load_working_bytes=working,
     )
 
 
@@ -224,10 +271,22 @@ def format_plan(plan: Plan) -> str:
         if o.hot_experts:
             lines.append(f"{f'  of which hot experts ({o.hot_experts}/layer, {o.dense_precision})':<44}"
                          f"{_gib(plan.hot_experts_bytes)}")
+    modes = plan.experts_by_mode
+    if modes["execution"] != modes["exploration"] or modes["resident"] != modes["exploration"]:
+        fmt = o.execution_precision or o.experts_precision
+        what = f"{fmt}" + (f", last {o.formatting_layers} MoE layers {o.formatting_precision}"
+                           if o.formatting_layers else "")
+        lines += [
+            f"{'routed experts, exploration (' + o.experts_precision + ')':<44}{_gib(modes['exploration'])}",
+            f"{'routed experts, execution (' + what + ')':<44}{_gib(modes['execution'])}",
+            f"{'routed experts resident (both profiles)':<44}{_gib(modes['resident'])}",
+        ]
     host_what = "routed experts" if o.device == "cuda" else "all weights + KV"
     lines += [
         f"{'RAM: ' + host_what:<44}{_gib(plan.host_ram_bytes)}"
         f"   (+ ~{HOST_OVERHEAD_BYTES / GIB:.1f} GiB process overhead)",
+        f"{'RAM peak while loading (anonymous)':<44}{_gib(plan.load_peak_bytes)}"
+        f"   (streamed; of which {plan.load_working_bytes / GIB:.2f} GiB in flight; + process overhead)",
         f"{'disk: checkpoint':<44}{_gib(plan.checkpoint_disk_bytes)}",
         f"{'disk: prefix-cache tier':<44}{_gib(plan.cache_disk_bytes)}   ({plan.cache_tokens:,} tokens of KV)",
         "",
@@ -265,7 +324,8 @@ def run(args: argparse.Namespace) -> int:
             experts_precision=args.experts_precision, dense_precision=args.dense_precision,
             device=args.device if args.device != "auto" else _default_device(),
             hot_experts=args.hot_experts, kv_tokens=args.kv_tokens, context_tokens=args.context_tokens,
-            cache_gb=args.cache_gb,
+            cache_gb=args.cache_gb, execution_precision=args.execution_precision,
+            formatting_layers=args.formatting_layers, formatting_precision=args.formatting_precision,
         )
         bandwidth = args.bandwidth if args.bandwidth else measure_bandwidth()
         plan = build_plan(model, opts, bandwidth)
@@ -285,6 +345,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="checkpoint dir (config.json [+ safetensors]); default $MOEGATE_MODEL "
                    "or the bundled demo model")
     p.add_argument("--experts-precision", choices=EXPERT_PRECISIONS, default="int4")
+    p.add_argument("--execution-precision", choices=EXPERT_PRECISIONS,
+                   help="routed experts in execution mode, resident beside the exploration ones "
+                   "(default: the same as --experts-precision, nothing extra)")
+    p.add_argument("--formatting-layers", type=int, default=0,
+                   help="last N MoE layers hold --formatting-precision in execution mode")
+    p.add_argument("--formatting-precision", choices=EXPERT_PRECISIONS, default="bf16")
     p.add_argument("--dense-precision", choices=DENSE_PRECISIONS, default="bf16",
                    help="dense part, hot experts and KV cache")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",

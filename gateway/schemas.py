@@ -273,6 +273,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "moegate"
+    moegate: dict[str, Any] | None = None  # the engine's placement plan (where each part of the model lives)
 
 
 class ModelList(BaseModel):

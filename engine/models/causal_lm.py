@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.expert_pipeline import Deferred
 from engine.forward_batch import ForwardBatch
 from engine.models.attention import Attention
 from engine.models.layers import GatedMLP, RMSNorm
@@ -27,8 +26,8 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(
-        self, x, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor, pending: Future | None
-    ) -> tuple[torch.Tensor, Future | None]:
+        self, x, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor, pending: Deferred | None
+    ) -> tuple[torch.Tensor, Deferred | None]:
         """-> (hidden [T, H], this layer's deferred expert output still in flight)."""
         h = x + self.self_attn(self.input_layernorm(x), batch, k_cache, v_cache)
         if not self.is_moe:

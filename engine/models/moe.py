@@ -5,13 +5,12 @@ Shapes: T = tokens, H = hidden, E = experts, I = expert intermediate, K = expert
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.expert_pipeline import Deferred, ExpertPipeline
 from engine.forward_batch import ForwardBatch
 from engine.models.layers import GatedMLP
 
@@ -51,10 +50,8 @@ class Experts(nn.Module):
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         exact: bool = False, num_threads: int | None = None,
     ) -> torch.Tensor:
-        """x [T, H], topk_ids [T, K] (-1 = skip), topk_weights [T, K] -> [T, H]."""
-        if self.packed is not None:
-            return self.packed(x, topk_ids, topk_weights, exact=exact, num_threads=num_threads)
-        return self.reference(x, topk_ids, topk_weights)
+        """x [T, H], topk_ids [T, K] (-1 = skip), topk_weights [T, K] -> [T, H], computed now on this thread."""
+        return ExpertPipeline(x.device).run(self, x, topk_ids, topk_weights, exact, num_threads)
 
     def reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Plain torch: tokens grouped by expert, each expert's weights read once."""
@@ -82,25 +79,30 @@ class SparseMoeBlock(nn.Module):
         else:
             self.shared_expert = None
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, Future | None]:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, Deferred | None]:
         """x [T, H] -> (output [T, H], deferred output [T, H] still being computed, or None).
 
-        Expert deferral: the `batch.defer` lowest-weighted of each token's top-k experts are
-        submitted to `batch.expert_worker`; the caller adds their output at the next MoE layer.
-        The last MoE layer never defers.
+        Routed experts go through `batch.expert_pipeline` (host shards computed by the CPU kernel on
+        the routed rows only). Expert deferral: the `batch.defer` lowest-weighted of each token's top-k
+        experts are submitted to the pipeline's expert thread; the caller adds their output at the next
+        MoE layer. The last MoE layer never defers.
         """
         _, weights, ids = self.gate(x)  # [T, K] sorted by weight, descending
         if self.experts.packed is not None:
             self.experts.packed.record(ids)
-        d = 0 if self.is_last_moe or batch.expert_worker is None else min(batch.defer, self.top_k - 1)
+        pipeline = batch.expert_pipeline or ExpertPipeline(x.device)
+        d = 0 if self.is_last_moe or pipeline.executor is None else min(batch.defer, self.top_k - 1)
         deferred = None
         if d:
             later = ids.clone()
             later[:, : self.top_k - d] = -1
             ids = ids.clone()
             ids[:, self.top_k - d :] = -1
-            deferred = batch.expert_worker.submit(self.experts, x, later, weights, batch.exact, 1)
-        out = self.experts(x, ids, weights, exact=batch.exact)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            deferred = pipeline.submit(self.experts, x, later, weights, batch.exact, 1)
+        shared = None
+        if self.shared_expert is not None:  # queued on the fast device before the host experts run
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        out = pipeline.run(self.experts, x, ids, weights, batch.exact)
+        if shared is not None:
+            out = out + shared
         return out, deferred

@@ -10,12 +10,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from engine import plan as plan_mod
-from engine.plan import PRECISIONS, PlanOptions, build_plan, measure_bandwidth
+from engine.plan import GIB, PRECISIONS, PlanOptions, build_plan, measure_bandwidth
 from engine.sizing import ROUTED, ModelShape, SizingError, census, params_by_part
 
 transformers = pytest.importorskip("transformers")
@@ -75,8 +74,8 @@ def test_qwen3_30b_a3b_figures_from_config_numbers(tmp_path):
     assert 3.3e9 < p.params_active < 3.4e9  # published: 3.3B activated
     assert p.kv_bytes_per_token == 2 * 48 * 4 * 128 * 2
     assert p.kv_bytes == 1000 * p.kv_bytes_per_token
-    # int4 + one fp32 scale per 32 weights = 0.625 bytes per expert weight
-    assert p.experts_bytes == pytest.approx(p.params[ROUTED] * 0.625, rel=1e-9)
+    # int4 + one fp16 scale per 32 weights = 0.5625 bytes per expert weight
+    assert p.experts_bytes == pytest.approx(p.params[ROUTED] * 0.5625, rel=1e-9)
     assert p.host_ram_bytes == p.experts_bytes and p.fast_device_bytes == p.dense_bytes + p.kv_bytes
     assert p.checkpoint_check == {"headers": False}
     assert p.checkpoint_disk_bytes == p.params_total * 2
@@ -129,27 +128,16 @@ def test_plan_bytes_match_a_real_load_within_10_percent(qwen3_checkpoints, preci
     assert abs(p.checkpoint_disk_bytes - predicted) <= 0.10 * predicted
 
 
-def _pack_grouped(w: np.ndarray, bits: int, group: int) -> list[np.ndarray]:
-    """Reference symmetric group quantizer: packed integer codes + one fp32 scale per group."""
-    rows, cols = w.shape
-    g = w.reshape(rows, cols // group, group)  # [R, G, group]
-    qmax = 2 ** (bits - 1) - 1
-    scales = (np.abs(g).max(axis=-1) / qmax).astype(np.float32)  # [R, G]
-    q = np.clip(np.round(g / np.maximum(scales[..., None], 1e-12)), -qmax - 1, qmax).astype(np.int8)
-    codes = q.reshape(rows, cols)
-    if bits == 4:  # two signed nibbles per byte
-        nib = (codes & 0x0F).astype(np.uint8)
-        codes = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
-    return [codes, scales]
+@pytest.mark.parametrize("name", ["int4", "int8", "bf16", "fp32"])
+def test_expert_bytes_equal_the_kernel_packing(name):
+    """One expert (gate_up [2I, H], down [H, I]) as kernels.formats packs it, scales included."""
+    from kernels import pack_experts
 
-
-@pytest.mark.parametrize("name", ["int4", "int8"])
-def test_quantized_matrix_bytes_equal_a_reference_packing(name):
-    w = np.random.default_rng(0).standard_normal((96, 256)).astype(np.float32)
+    g = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(1, 256, 256, generator=g), torch.randn(1, 256, 128, generator=g)  # I=128, H=256
     prec = PRECISIONS[name]
-    packed = _pack_grouped(w, prec.bits, prec.group_size)
-    assert prec.matrix_bytes(*w.shape) == sum(a.nbytes for a in packed)
-    assert PRECISIONS["bf16"].matrix_bytes(*w.shape) == w.size * 2
+    assert prec.matrix_bytes(256, 256) + prec.matrix_bytes(256, 128) == pack_experts(
+        gate_up, down, name, progress=False).nbytes
 
 
 def _run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -222,3 +210,31 @@ def test_missing_dir_and_bad_options_are_typed_errors(tmp_path):
         PlanOptions(device="cpu", hot_experts=2)
     with pytest.raises(SizingError, match="dense model"):
         ModelShape.from_hf({**QWEN3_30B_A3B, "mlp_only_layers": list(range(48))})
+
+
+def test_both_modes_precision_and_streaming_load_peak(tmp_path, capsys):
+    """A policy holding int4 for exploration and int8 (+ bf16 formatting layers) for execution pays for both."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    one = build_plan(tmp_path, PlanOptions(experts_precision="int4", kv_tokens=0), 20.0)
+    both = build_plan(tmp_path, PlanOptions(experts_precision="int4", kv_tokens=0, execution_precision="int8",
+                                            formatting_layers=4, formatting_precision="bf16"), 20.0)
+    layer = {f: build_plan(tmp_path, PlanOptions(experts_precision=f, kv_tokens=0), 20.0).experts_bytes // 48
+             for f in ("int4", "int8", "bf16")}
+    assert one.experts_by_mode == {"exploration": 48 * layer["int4"], "execution": 48 * layer["int4"],
+                                   "resident": 48 * layer["int4"]}
+    assert both.experts_by_mode == {"exploration": 48 * layer["int4"],
+                                    "execution": 44 * layer["int8"] + 4 * layer["bf16"],
+                                    "resident": 48 * layer["int4"] + 44 * layer["int8"] + 4 * layer["bf16"]}
+    assert both.host_ram_bytes == both.experts_by_mode["resident"]  # device cuda: RAM holds the experts
+    # streamed load: resident host weights + a bounded working set, not the 57 GiB bf16 checkpoint
+    for p in (one, both):
+        assert p.load_peak_bytes == p.host_ram_bytes + p.load_working_bytes
+        assert 0 < p.load_working_bytes < 2 * GIB
+    cpu = build_plan(tmp_path, PlanOptions(experts_precision="int4", kv_tokens=0, device="cpu"), 20.0)
+    assert cpu.load_peak_bytes == cpu.dense_bytes + cpu.experts_bytes + cpu.load_working_bytes
+    code, out, _ = _run_cli(["plan", "--model", str(tmp_path), "--bandwidth", "20", "--execution-precision",
+                             "int8", "--formatting-layers", "4"], capsys)
+    assert code == 0
+    assert "routed experts, execution (int8, last 4 MoE layers bf16)" in out
+    assert f"{both.experts_by_mode['resident'] / GIB:8.2f} GiB" in out
+    assert "RAM peak while loading (anonymous)" in out
