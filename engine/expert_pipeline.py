@@ -59,6 +59,12 @@ class ExpertPipeline:
         self._aborted = threading.Event()
 
     # -- public ---------------------------------------------------------------------------------
+    def start_worker(self) -> ThreadPoolExecutor:
+        """The expert thread, started if this pipeline has none yet (deferral switched on at run time)."""
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(1, thread_name_prefix="moegate-experts")
+        return self.executor
+
     def run(self, experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exact: bool = False,
             num_threads: int | None = None) -> torch.Tensor:
         """x [T, H], ids [T, K] (-1 = skip), weights [T, K] -> [T, H] in x's dtype, computed now."""

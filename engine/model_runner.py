@@ -39,8 +39,8 @@ class ModelRunner:
     def set_defer(self, defer: int) -> None:
         """Exploration's deferral for the batches built from now on (between steps)."""
         self.defer = defer
-        if defer and self.expert_worker is None:
-            self.expert_worker = ThreadPoolExecutor(1, thread_name_prefix="moegate-experts")
+        if defer:
+            self.expert_worker = self.experts.start_worker()
 
     def build_batch(self, chunks: list[ScheduledChunk], blocks: BlockManager, exact: bool = False) -> ForwardBatch:
         ids, positions, slot_parts, ctx_slots, rows = [], [], [], [], []
