@@ -154,8 +154,15 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     lib = kernel_library(variant) if use_cpp is not False and x.device.type == "cpu" else None
     if lib is None or experts.tensors["gate_up"].device.type != "cpu":
         return fused_moe_reference(x, topk_ids, topk_weights, experts, act, skip_missing=skip_missing)
+    ids = _local_ids(topk_ids, experts, skip_missing)  # [T, k]
+    return run_kernel(lib, x, ids, topk_weights, experts, num_threads)
+
+
+def run_kernel(lib, x: torch.Tensor, local_ids: torch.Tensor, topk_weights: torch.Tensor, experts: PackedExperts,
+               num_threads: int | None = None) -> torch.Tensor:
+    """One call of ``lib``'s moegate_fused_moe (checked arguments, local expert ids) -> [T, H] fp32."""
     xf = x.float().contiguous()  # [T, H]
-    ids = _local_ids(topk_ids, experts, skip_missing).contiguous()  # [T, k]
+    ids = local_ids.to(torch.int64).contiguous()  # [T, k]
     wts = topk_weights.float().contiguous()  # [T, k]
     t, k = ids.shape
     h = experts.hidden
