@@ -135,6 +135,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.moegate_is_vnni.restype = ctypes.c_int
     if hasattr(lib, "moegate_simd_path"):  # absent from an earlier revision's kernel (benchmarks)
         lib.moegate_simd_path.restype = ctypes.c_char_p
+        lib.moegate_has_bf16_dot.restype = ctypes.c_int
     lib.moegate_apply_bitmask.restype = ctypes.c_int
     lib.moegate_apply_bitmask.argtypes = [p, p, i64, i64, i64, i64]
     lib.moegate_stream_triad.restype = ctypes.c_double

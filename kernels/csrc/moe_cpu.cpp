@@ -38,7 +38,31 @@
 
 namespace {
 
-enum Fmt { FP32 = 0, BF16 = 1, INT8 = 2, INT4 = 3, INT4A = 4 };
+enum Fmt { FP32 = 0, BF16 = 1, INT8 = 2, INT4 = 3, INT4A = 4, BF16A = 5 };  // BF16A: bf16_a16
+inline bool is_quantized(int64_t fmt) { return fmt == INT8 || fmt == INT4 || fmt == INT4A; }
+
+// fp32 -> the nearest bf16 value (round half to even; NaN kept), as torch's .to(torch.bfloat16).
+inline float round_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) <= 0x7f800000u) u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// bf16_a16 activations: x[0 .. k) rounded to bf16 in place; with `bits` also their bf16 bit patterns
+// (bits[0 .. k rounded up to even), the padding zero) for the vdpbf16ps path.
+inline void round_row_bf16(float* x, int64_t k, uint16_t* bits) {
+  for (int64_t i = 0; i < k; ++i) {
+    x[i] = round_bf16(x[i]);
+    if (bits) {
+      uint32_t u;
+      std::memcpy(&u, &x[i], 4);
+      bits[i] = (uint16_t)(u >> 16);
+    }
+  }
+  if (bits && (k & 1)) bits[k] = 0;
+}
 
 // One tiled projection of one expert.
 struct Mat {
@@ -68,7 +92,7 @@ void tile_dot(const Mat& A, int64_t tile, const float* const* X, float* const* o
     for (int m = 0; m < MT; ++m)
       for (int r = 0; r < R8; ++r) acc[p][m][r] = v_zero();
   const int64_t kp = A.kp;
-  if constexpr (FMT == FP32 || FMT == BF16) {
+  if constexpr (FMT == FP32 || FMT == BF16 || FMT == BF16A) {
     using T = std::conditional_t<FMT == FP32, float, uint16_t>;
     const T* w = static_cast<const T*>(A.w) + tile * kp * R8 * 8;
     auto step = [&](int64_t k, V8 (*a)[R8]) {
@@ -257,6 +281,7 @@ constexpr int kMaxMT = 4;
 }  // namespace
 
 #include "w4a8_zmm.h"
+#include "bf16_zmm.h"
 
 namespace {
 
@@ -264,10 +289,13 @@ namespace {
 constexpr bool kZmm = true;
 #else
 constexpr bool kZmm = false;
-// Never called: names the zmm entry point for the `if constexpr` branches of builds without it.
+// Never called: name the zmm entry points for the `if constexpr` branches of builds without them.
 template <int FMT, int R8>
 void zmm_unit_rows(const Mat&, int64_t, int64_t, int64_t, const int8_t* const*, const float* const*,
                    const float* const*, const int32_t* const*, float* const*, int) {}
+template <int R8>
+void zmm_bf16_unit_rows(const Mat&, int64_t, int64_t, int64_t, const uint16_t* const*, float* const*, int) {}
+inline bool cpu_has_bf16_dot() { return false; }
 #endif
 
 // Rows rows[0..n) of one expert through one tile, in chunks of up to kMaxMT activation rows.
@@ -324,13 +352,21 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   std::vector<int8_t> xq(w4a8 ? T * hp : 1), hq(w4a8 ? S * hbuf : 1);
   std::vector<float> xsx(T * ngh + 1), xqs(T * ngh + 1), hsx(S * ngi + 1), hqs(S * ngi + 1);
   std::vector<int32_t> xn8(T * ngh + 1), hn8(S * ngi + 1);
+  // bf16_a16: activations rounded to bf16 (both projections' inputs); on vdpbf16ps also as bf16 bits
+  // (xbits / hbits, rows of even length).
+  const bool dot16 = FMT == BF16A && cpu_has_bf16_dot();
+  const int64_t xbl = hp + (hp & 1), hbl = hbuf + 1;
+  std::vector<uint16_t> xbits(dot16 ? T * xbl : 1), hbits(dot16 ? S * hbl : 1);
   for (int64_t t = 0; t < T; ++t) {
     std::memcpy(&xp[t * hp], x + t * P.H, sizeof(float) * P.H);
     if (w4a8) quantize_row(&xp[t * hp], hp, P.gs, &xq[t * hp], &xsx[t * ngh], &xqs[t * ngh], &xn8[t * ngh]);
+    if (FMT == BF16A) round_row_bf16(&xp[t * hp], hp, dot16 ? &xbits[t * xbl] : nullptr);
   }
-  // W4A8 on zmm: a down item is a unit of two 8-row tiles (w4a8_zmm.h), a gate_up item one 16-row tile.
+  // On zmm (W4A8, and bf16_a16 on vdpbf16ps) a down item is a unit of two 8-row tiles (w4a8_zmm.h),
+  // a gate_up item one 16-row tile.
   constexpr bool zmm = w4a8 && kZmm;
-  const int64_t dn_items = zmm ? (P.h8 + 1) / 2 : P.h8;
+  const bool units = zmm || dot16;
+  const int64_t dn_items = units ? (P.h8 + 1) / 2 : P.h8;
   const int64_t n1 = na * P.i8, n2 = na * dn_items;
   // One job: items [0, n1) are gate_up tiles, [n1, n1 + n2) down tiles. A down item of expert e
   // waits until every gate_up item of e is done (they were all claimed earlier, so this terminates).
@@ -348,6 +384,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
     const float* sxr[kRows];
     const float* qsr[kRows];
     const int32_t* n8r[kRows];
+    const uint16_t* br[kRows];
     float* orow[kRows];
     float tmp[kRows][16];
     for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += kRows) {
@@ -359,10 +396,12 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
         sxr[i] = &xsx[t * ngh];
         qsr[i] = &xqs[t * ngh];
         n8r[i] = &xn8[t * ngh];
+        br[i] = &xbits[dot16 ? t * xbl : 0];
         orow[i] = tmp[i];
       }
       // experts are contiguous runs of tiles: global tile = e * i8 + tile
-      if constexpr (zmm) zmm_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8, qr, sxr, qsr, n8r, orow, n);
+      if (dot16) zmm_bf16_unit_rows<2>(P.gu, e * P.i8, tile, P.i8, br, orow, n);
+      else if constexpr (zmm) zmm_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8, qr, sxr, qsr, n8r, orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 2>(P.gu, e * P.i8 + tile, qr, sxr, qsr, orow, n);
       else tile_rows<FMT, 2>(P.gu, e * P.i8 + tile, xr, orow, n);
       for (int i = 0; i < n; ++i) {
@@ -376,18 +415,22 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       if constexpr (w4a8)
         for (int64_t r = count[e]; r < count[e + 1]; ++r)
           quantize_row(&hb[r * hbuf], ip, P.gs, &hq[r * hbuf], &hsx[r * ngi], &hqs[r * ngi], &hn8[r * ngi]);
+      if constexpr (FMT == BF16A)
+        for (int64_t r = count[e]; r < count[e + 1]; ++r)
+          round_row_bf16(&hb[r * hbuf], ip, dot16 ? &hbits[r * hbl] : nullptr);
       ready[a].store(1, std::memory_order_release);
     }
   };
   auto down_item = [&](int64_t it) {
     const int64_t a = it / dn_items, e = active[a], item = it % dn_items;
-    const int64_t tile = zmm ? 2 * item : item;  // first tile of the item
+    const int64_t tile = units ? 2 * item : item;  // first tile of the item
     moegate::spin_until([&] { return ready[a].load(std::memory_order_acquire) != 0; });
     const float* xr[kRows];
     const int8_t* qr[kRows];
     const float* sxr[kRows];
     const float* qsr[kRows];
     const int32_t* n8r[kRows];
+    const uint16_t* br[kRows];
     float* orow[kRows];
     for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += kRows) {
       const int n = (int)std::min<int64_t>(kRows, count[e + 1] - r0);
@@ -398,9 +441,11 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
         sxr[i] = &hsx[r * ngi];
         qsr[i] = &hqs[r * ngi];
         n8r[i] = &hn8[r * ngi];
+        br[i] = &hbits[dot16 ? r * hbl : 0];
         orow[i] = &y[r * ldy + tile * 8];
       }
-      if constexpr (zmm) zmm_unit_rows<FMT, 1>(P.dn, e * P.h8, item, P.h8, qr, sxr, qsr, n8r, orow, n);
+      if (dot16) zmm_bf16_unit_rows<1>(P.dn, e * P.h8, item, P.h8, br, orow, n);
+      else if constexpr (zmm) zmm_unit_rows<FMT, 1>(P.dn, e * P.h8, item, P.h8, qr, sxr, qsr, n8r, orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(P.dn, e * P.h8 + tile, qr, sxr, qsr, orow, n);
       else tile_rows<FMT, 1>(P.dn, e * P.h8 + tile, xr, orow, n);
     }
@@ -437,7 +482,7 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
   const int64_t kp = A.kp, ng = w4a8 ? kp / A.gs : 0, ldo = n8 * 8;
   const float* xrows = x;
   std::vector<float> xp;
-  if (kp != K || w4a8) {  // padded copies (and int8 activations for W4A8)
+  if (kp != K || w4a8 || FMT == BF16A) {  // padded copies (and int8 or bf16 activations)
     xp.assign(M * kp, 0.f);
     for (int64_t m = 0; m < M; ++m) std::memcpy(&xp[m * kp], x + m * K, sizeof(float) * K);
     xrows = xp.data();
@@ -448,29 +493,38 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
   if constexpr (w4a8)
     for (int64_t m = 0; m < M; ++m)
       quantize_row(&xp[m * kp], kp, A.gs, &xq[m * kp], &xsx[m * ng], &xqs[m * ng], &xn8[m * ng]);
+  const bool dot16 = FMT == BF16A && cpu_has_bf16_dot();
+  const int64_t xbl = kp + (kp & 1);
+  std::vector<uint16_t> xbits(dot16 ? M * xbl : 1);
+  if constexpr (FMT == BF16A)
+    for (int64_t m = 0; m < M; ++m) round_row_bf16(&xp[m * kp], kp, dot16 ? &xbits[m * xbl] : nullptr);
   std::vector<const float*> xr(M);
   std::vector<const int8_t*> qr(M);
   std::vector<const float*> sxr(M), qsr(M);
   std::vector<const int32_t*> n8r(M);
+  std::vector<const uint16_t*> br(M);
   for (int64_t m = 0; m < M; ++m) {
     xr[m] = xrows + m * kp;
     qr[m] = &xq[w4a8 ? m * kp : 0];
     sxr[m] = &xsx[m * ng];
     qsr[m] = &xqs[m * ng];
     n8r[m] = &xn8[m * ng];
+    br[m] = &xbits[dot16 ? m * xbl : 0];
   }
   constexpr int kRows = kMaxMT * 16;
-  constexpr bool zmm = w4a8 && kZmm;  // an item is a unit of two tiles (w4a8_zmm.h)
-  const int64_t items = zmm ? (n8 + 1) / 2 : n8;
+  constexpr bool zmm = w4a8 && kZmm;  // an item is a unit of two tiles (w4a8_zmm.h, bf16_zmm.h)
+  const bool units = zmm || dot16;
+  const int64_t items = units ? (n8 + 1) / 2 : n8;
   // ~16 claims per thread, as in run(): few enough to keep the shared counter quiet, enough to balance
   const int64_t chunk = std::max<int64_t>(1, items / (16 * std::max(1, nthreads)));
   moegate::WorkPool::instance().parallel_for(items, chunk, nthreads, [&](int64_t item) {
-    const int64_t tile = zmm ? 2 * item : item;
+    const int64_t tile = units ? 2 * item : item;
     float* orow[kRows];
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
       const int n = (int)std::min<int64_t>(kRows, M - m0);
       for (int i = 0; i < n; ++i) orow[i] = out + (m0 + i) * ldo + tile * 8;
-      if constexpr (zmm) zmm_unit_rows<FMT, 1>(A, 0, item, n8, &qr[m0], &sxr[m0], &qsr[m0], &n8r[m0], orow, n);
+      if (dot16) zmm_bf16_unit_rows<1>(A, 0, item, n8, &br[m0], orow, n);
+      else if constexpr (zmm) zmm_unit_rows<FMT, 1>(A, 0, item, n8, &qr[m0], &sxr[m0], &qsr[m0], &n8r[m0], orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(A, tile, &qr[m0], &sxr[m0], &qsr[m0], orow, n);
       else tile_rows<FMT, 1>(A, tile, &xr[m0], orow, n);
     }
@@ -478,7 +532,7 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
 }
 
 // Group-padded K of a projection (quantized formats pad K to a multiple of the group size).
-inline int64_t padded_k(int64_t k, int64_t fmt, int64_t gs) { return fmt >= INT8 ? (k + gs - 1) / gs * gs : k; }
+inline int64_t padded_k(int64_t k, int64_t fmt, int64_t gs) { return is_quantized(fmt) ? (k + gs - 1) / gs * gs : k; }
 
 Problem make_problem(int64_t T, int64_t K, int64_t fmt, int64_t E, int64_t H, int64_t I, int64_t gs,
                      const void* gu_w, const uint16_t* gu_s, const uint16_t* gu_m, const void* dn_w,
@@ -503,6 +557,7 @@ int moe_dispatch(int64_t fmt, const Problem& P, const float* x, const int64_t* i
     case INT8: return run<INT8>(P, x, ids, wts, out, nthreads);
     case INT4: return run<INT4>(P, x, ids, wts, out, nthreads);
     case INT4A: return run<INT4A>(P, x, ids, wts, out, nthreads);
+    case BF16A: return run<BF16A>(P, x, ids, wts, out, nthreads);
     default: return -2;
   }
 }
@@ -515,6 +570,7 @@ int linear_dispatch(int64_t fmt, const Mat& A, const float* x, float* out, int64
     case INT8: run_linear<INT8>(A, x, out, M, K, n8, nthreads); return 0;
     case INT4: run_linear<INT4>(A, x, out, M, K, n8, nthreads); return 0;
     case INT4A: run_linear<INT4A>(A, x, out, M, K, n8, nthreads); return 0;
+    case BF16A: run_linear<BF16A>(A, x, out, M, K, n8, nthreads); return 0;
     default: return -2;
   }
 }
@@ -551,9 +607,14 @@ int moegate_is_avx2() {
 #endif
 }
 
+// Whether bf16_a16 runs on AVX-512 BF16 vdpbf16ps here (the avx512 build on a CPU that has it).
+int moegate_has_bf16_dot() { return cpu_has_bf16_dot() ? 1 : 0; }
+
 // The SIMD path of this build, for logs and benchmark reports.
 const char* moegate_simd_path() {
 #if defined(MOEGATE_ZMM)
+  if (cpu_has_bf16_dot())
+    return "avx512: W4A8 zmm vpdpbusd, bf16_a16 zmm vdpbf16ps (16 rows x up to 8 tokens per weight block)";
   return "avx512: W4A8 zmm vpdpbusd (16 rows x up to 8 tokens per weight block)";
 #elif defined(MOEGATE_VNNI)
   return "avx512: W4A8 ymm vpdpbusd";

@@ -31,7 +31,7 @@ NUM_EXPERTS = 8
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="C++ kernel could not be built here")
 # Every compiled path this machine can run: plain loops, AVX2 (maddubs), AVX-512 (W4A8 on zmm vpdpbusd).
 VARIANTS = ["generic", "avx2", *(["avx512"] if vnni_capable(detect()) else [])]
-FORMATS = ["fp32", "bf16", "int8", "int4", "int4_asym"]
+FORMATS = ["fp32", "bf16", "int8", "int4", "int4_asym", "bf16_a16"]
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -69,8 +69,9 @@ def test_generic_variant_matches_reference(fmt: str, gs: int | None) -> None:
 def test_each_variant_matches_reference(variant: str, fmt: str) -> None:
     """Each compiled path against the torch reference: H = 200 (an odd number of 8-row output tiles, so
     the zmm path's last down unit is a single tile), I = 72, 1..64 tokens (up to 8 rows per weight block)."""
-    if variant == "avx512":
-        assert build.load("avx512").moegate_is_vnni() == 1
+    if variant == "avx512":  # the build these tests force: zmm W4A8, and vdpbf16ps where the CPU has it
+        lib = build.load("avx512")
+        assert lib.moegate_is_vnni() == 1 and lib.moegate_has_bf16_dot() == int(detect().avx512_bf16)
     packed = pack_experts(*random_experts(NUM_EXPERTS, 200, 72), fmt, progress=False)
     for n, (t, k) in enumerate([*TOKENS_TOPK, (16, 8), (40, 4)]):
         x = torch.randn(t, 200, generator=torch.Generator().manual_seed(n))
