@@ -57,7 +57,9 @@ def backend_summary() -> str:
     if cpp_disabled():
         return "CPU MoE kernel: torch reference (MOEGATE_DISABLE_CPP set)"
     variant = kernel_variant()
-    path = f"compiled {variant}" if build.load(variant) is not None else "torch reference (build failed)"
+    lib = build.load(variant)
+    path = f"compiled {variant} ({lib.moegate_simd_path().decode()})" if lib is not None else \
+        "torch reference (build failed)"
     return f"CPU MoE kernel: {path}; cpu {detect().summary()}; {torch.get_num_threads()} threads"
 
 

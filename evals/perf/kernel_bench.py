@@ -87,8 +87,8 @@ def interleaved(contenders: dict[str, Callable[[int], None]], bytes_of: Callable
     return out
 
 
-def previous_kernel(rev: str, variant: str):
-    """The compiled kernel of git revision ``rev`` (its kernels/csrc), for a side-by-side baseline."""
+def kernel_source_at(rev: str) -> Path:
+    """kernels/csrc of git revision ``rev`` in a temporary directory -> its moe_cpu.cpp."""
     import subprocess
     import tempfile
 
@@ -100,7 +100,12 @@ def previous_kernel(rev: str, variant: str):
         blob = subprocess.run(["git", "show", f"{rev}:kernels/csrc/{name}"], cwd=root, check=True,
                               capture_output=True).stdout
         (tmp / name).write_bytes(blob)
-    return build.load_source(variant, tmp / "moe_cpu.cpp")
+    return tmp / "moe_cpu.cpp"
+
+
+def previous_kernel(rev: str, variant: str):
+    """The compiled kernel of git revision ``rev`` (its kernels/csrc), for a side-by-side baseline."""
+    return build.load_source(variant, kernel_source_at(rev))
 
 
 def torch_layers(w_gu: torch.Tensor, w_dn: torch.Tensor, kind: str) -> tuple[list, int]:
@@ -157,7 +162,7 @@ def torch_moe(kind: str, experts: list, x: torch.Tensor, ids: torch.Tensor, w: t
     return out
 
 
-TORCH_KIND = {"bf16": "bf16", "int8": "int8", "int4": "int4", "int4_asym": "int4", "fp32": "fp32"}
+TORCH_KIND = {"bf16": "bf16", "int8": "int8", "int4": "int4", "int4_asym": "int4", "fp32": "fp32", "bf16_a16": "bf16"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     variant = kernel_variant()
     lib = build.load(variant)
     old = previous_kernel(args.compare_rev, variant) if args.compare_rev else None
+    old_formats = formats_at(args.compare_rev) if args.compare_rev else ()
     report: dict = {"shape": {"H": H, "I": I, "E": E, "topk": TOPK}, "threads": args.threads,
                     "cpu": detect().summary(), "cpu_model": detect().model, "machine": platform.node(),
                     "variant": variant, "simd_path": simd_path(lib),
@@ -225,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                     run_kernel(kl, x, ids_list[i % len(ids_list)], w, layers[i % len(layers)], args.threads)
 
                 contenders[f"moegate {fmt}"], pe[f"moegate {fmt}"] = ours, per_expert
-                if old is not None:
+                if old is not None and fmt in old_formats:
                     contenders[f"moegate@{args.compare_rev} {fmt}"] = functools.partial(ours, kl=old)
                     pe[f"moegate@{args.compare_rev} {fmt}"] = per_expert
             if torch_ls is not None:
@@ -269,6 +275,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"STREAM triad after: {report['stream_after']}; loadavg after {report['loadavg_after']}; "
           f"busy {report['busy_before']:.2f} before / {report['busy_after']:.2f} after")
     return 0
+
+
+def formats_at(rev: str) -> tuple[str, ...]:
+    """The expert formats kernels/formats.py of git revision ``rev`` defines (an older kernel must not be
+    called with a format code it does not know)."""
+    import ast
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    src = subprocess.run(["git", "show", f"{rev}:kernels/formats.py"], cwd=root, check=True, capture_output=True,
+                         text=True).stdout
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "FORMATS" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    return ()
 
 
 def simd_path(lib) -> str | None:
