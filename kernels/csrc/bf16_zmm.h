@@ -35,7 +35,7 @@ inline __m512i bf16_pair_index() {
 // Weights of k and k + 1 (both) or of k alone (the odd tail: zeros for k + 1) for one unit. w0 / w1:
 // bf16 weights of lanes 0-7 (kContig: all 16) / 8-15, `stride` elements per k.
 template <int MODE>
-MOEGATE_BF16_TARGET inline __m512i bf16_load(const uint16_t* w0, const uint16_t* w1, int64_t stride, int64_t k,
+MOEGATE_BF16_TARGET __attribute__((always_inline)) inline __m512i bf16_load(const uint16_t* w0, const uint16_t* w1, int64_t stride, int64_t k,
                                              bool both) {
   if constexpr (MODE == kContig) {
     if (both) return _mm512_loadu_si512(w0 + k * stride);
@@ -52,11 +52,12 @@ MOEGATE_BF16_TARGET inline __m512i bf16_load(const uint16_t* w0, const uint16_t*
 
 // acc[m] += w[k] x[k] + w[k+1] x[k+1] per lane for MT activation rows (one vdpbf16ps each).
 template <int MODE, int MT>
-MOEGATE_BF16_TARGET inline void bf16_step(__m512i perm, const uint16_t* w0, const uint16_t* w1, int64_t stride,
+MOEGATE_BF16_TARGET __attribute__((always_inline)) inline void bf16_step(__m512i perm, const uint16_t* w0, const uint16_t* w1, int64_t stride,
                                           int64_t k, bool both, const uint16_t* const* xb, __m512* acc) {
-  __builtin_prefetch(w0 + k * stride + 1024, 0, 3);
-  if constexpr (MODE == kPair) __builtin_prefetch(w1 + k * stride + 1024, 0, 3);
+  if constexpr (MODE == kPair) pair_prefetch(w0, w1, 2 * k * stride, (int64_t)(w1 - w0) * 2);
+  else __builtin_prefetch(w0 + k * stride + kPrefetch / 2, 0, 3);
   const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(perm, bf16_load<MODE>(w0, w1, stride, k, both));
+  #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) {
     int32_t a;
     std::memcpy(&a, xb[m] + k, 4);
@@ -71,7 +72,9 @@ MOEGATE_BF16_TARGET void zmm_bf16(const uint16_t* w0, const uint16_t* w1, int64_
                                   const uint16_t* const* xb, float* const* out) {
   const __m512i perm = bf16_pair_index<MODE>();
   __m512 acc[2][MT];
+  #pragma GCC unroll 16
   for (int c = 0; c < 2; ++c)
+    #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) acc[c][m] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 4 <= kp; k += 4) {
@@ -83,6 +86,7 @@ MOEGATE_BF16_TARGET void zmm_bf16(const uint16_t* w0, const uint16_t* w1, int64_
     k += 2;
   }
   if (k < kp) bf16_step<MODE, MT>(perm, w0, w1, stride, k, false, xb, acc[1]);
+  #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) {
     const __m512 r = _mm512_add_ps(acc[0][m], acc[1][m]);
     if constexpr (MODE == kSingle) _mm256_storeu_ps(out[m], _mm512_castps512_ps256(r));

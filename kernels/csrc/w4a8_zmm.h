@@ -28,6 +28,7 @@ struct ZmmOperand {  // one 16-lane unit of a tiled int4 projection
   const uint16_t* m0;  // int4_asym mins, same layout as the scales
   const uint16_t* m1;
   int64_t wstride, sstride, kp, gs;
+  int64_t tile_bytes;  // bytes of one 8-row tile's weights (kPair prefetch)
 };
 
 template <int MODE>
@@ -50,6 +51,20 @@ inline __m512 zmm_f16(const uint16_t* p0, const uint16_t* p1) {
 
 inline void zmm_prefetch(const uint8_t* p) { __builtin_prefetch(p + kPrefetch, 0, 3); }
 
+// A pair of tiles is two streams tile_bytes apart, and the tiles of consecutive units are contiguous
+// (t, t+1 now; t+2, t+3 next). Each stream prefetches kPrefetch / 2 ahead of itself (the two together
+// keep kPrefetch in flight, as one stream does); past its tile's end the target moves on to the same
+// stream of the next unit (one tile further), not into the other stream's current tile: prefetching
+// both at + kPrefetch fetched tile t+1 twice and tile t+3 never (measured: down at M = 1 stalled on
+// every load of the second stream).
+template <class T>
+inline void pair_prefetch(const T* w0, const T* w1, int64_t off_bytes, int64_t tile_bytes) {
+  int64_t y = off_bytes + kPrefetch / 2;
+  if (y >= tile_bytes) y += tile_bytes;
+  __builtin_prefetch(reinterpret_cast<const char*>(w0) + y, 0, 3);
+  __builtin_prefetch(reinterpret_cast<const char*>(w1) + y, 0, 3);
+}
+
 // out[m][0 .. 16) (kSingle: [0 .. 8)) = unit rows . dequant(q[m]) for MT activation rows. q[m]: int8
 // activations, sx[m] / qs[m]: per-group scale and sum(q) as float, n8[m]: per-group -8 * sum(q) (int32).
 template <int FMT, int MODE, int MT>
@@ -60,22 +75,28 @@ void zmm_w4a8(const ZmmOperand& A, const int8_t* const* q, const float* const* s
   constexpr int NC = MT >= 4 ? 1 : MT >= 2 ? 2 : 4;
   const __m512i m15 = _mm512_set1_epi8(15);
   __m512 acc[MT];
+  #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   const int64_t ng = A.kp / A.gs, bpg = A.gs / 8;  // groups, k blocks per group
   for (int64_t g = 0; g < ng; ++g) {
     __m512i isum[NC][MT];
+    #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       isum[0][m] = FMT == INT4 ? _mm512_set1_epi32(n8[m][g]) : _mm512_setzero_si512();
+      #pragma GCC unroll 16
       for (int c = 1; c < NC; ++c) isum[c][m] = _mm512_setzero_si512();
     }
-    auto block = [&](int64_t kb, int clo, int chi) {
+    // clo / chi (the accumulator sets) are compile-time constants: sums indexed at run time would spill
+    auto block = [&](int64_t kb, auto clo_c, auto chi_c) {
+      constexpr int clo = decltype(clo_c)::value, chi = decltype(chi_c)::value;
       if constexpr (MODE == kContig) zmm_prefetch(A.w0 + kb * A.wstride);
-      else {
-        zmm_prefetch(A.w0 + kb * A.wstride);
-        if constexpr (MODE == kPair) zmm_prefetch(A.w1 + kb * A.wstride);
+      else if (!(kb & 1)) {  // 32-byte blocks: one prefetch per 64-byte line of each stream
+        if constexpr (MODE == kPair) pair_prefetch(A.w0, A.w1, kb * A.wstride, A.tile_bytes);
+        else zmm_prefetch(A.w0 + kb * A.wstride);
       }
       const __m512i w = zmm_weights<MODE>(A, kb);
       const __m512i lo = _mm512_and_si512(w, m15), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m15);
+      #pragma GCC unroll 16
       for (int m = 0; m < MT; ++m) {
         int32_t a, b;
         std::memcpy(&a, q[m] + kb * 8, 4);
@@ -88,19 +109,23 @@ void zmm_w4a8(const ZmmOperand& A, const int8_t* const* q, const float* const* s
     int64_t j = 0;
     if constexpr (NC == 4) {
       for (; j + 2 <= bpg; j += 2) {
-        block(kb0 + j, 0, 1);
-        block(kb0 + j + 1, 2, 3);
+        block(kb0 + j, std::integral_constant<int, 0>{}, std::integral_constant<int, 1>{});
+        block(kb0 + j + 1, std::integral_constant<int, 2>{}, std::integral_constant<int, 3>{});
       }
     }
-    for (; j < bpg; ++j) block(kb0 + j, 0, NC >= 2 ? 1 : 0);
+    for (; j < bpg; ++j) block(kb0 + j, std::integral_constant<int, 0>{}, std::integral_constant<int, NC >= 2 ? 1 : 0>{});
+    #pragma GCC unroll 16
     for (int c = 1; c < NC; ++c)
+      #pragma GCC unroll 16
       for (int m = 0; m < MT; ++m) isum[0][m] = _mm512_add_epi32(isum[0][m], isum[c][m]);
     const __m512 s = zmm_f16<MODE>(A.s0 + g * A.sstride, A.s1 + g * A.sstride);
     if constexpr (FMT == INT4) {
+      #pragma GCC unroll 16
       for (int m = 0; m < MT; ++m)
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(sx[m][g])), _mm512_cvtepi32_ps(isum[0][m]), acc[m]);
     } else {
       const __m512 b = zmm_f16<MODE>(A.m0 + g * A.sstride, A.m1 + g * A.sstride);
+      #pragma GCC unroll 16
       for (int m = 0; m < MT; ++m) {
         const __m512 sxv = _mm512_set1_ps(sx[m][g]);
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(s, sxv), _mm512_cvtepi32_ps(isum[0][m]), acc[m]);
@@ -108,6 +133,7 @@ void zmm_w4a8(const ZmmOperand& A, const int8_t* const* q, const float* const* s
       }
     }
   }
+  #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) {
     if constexpr (MODE == kSingle) _mm256_storeu_ps(out[m], _mm512_castps512_ps256(acc[m]));
     else _mm512_storeu_ps(out[m], acc[m]);
@@ -131,6 +157,11 @@ void zmm_rows(const ZmmOperand& A, const int8_t* const* q, const float* const* s
   }
 }
 
+// Up to this many activation rows a pair of 8-row tiles runs as two single tiles in sequence: the
+// weights then stream from one address range (two interleaved streams measured ~3% slower at M = 1),
+// and the idle upper lanes cost nothing while the call waits on memory.
+constexpr int kSequentialRows = 2;
+
 // Unit `u` of a tiled projection: for R8 = 2 the gate_up tile u (16 lanes, contiguous); for R8 = 1 the
 // tiles 2u and 2u + 1 (the second only if it exists: n8 tiles in all, counted from `first` tile).
 template <int FMT, int R8>
@@ -142,16 +173,26 @@ void zmm_unit_rows(const Mat& M, int64_t first, int64_t u, int64_t n8, const int
   if constexpr (R8 == 2) {
     const int64_t t = first + u;
     const uint16_t* mn = FMT == INT4A ? M.mins + t * ng * 16 : nullptr;
-    const ZmmOperand A{w + t * kb * 64, nullptr, M.scales + t * ng * 16, nullptr, mn, nullptr, 64, 16, M.kp, M.gs};
+    const ZmmOperand A{w + t * kb * 64, nullptr, M.scales + t * ng * 16, nullptr, mn, nullptr, 64, 16, M.kp, M.gs,
+                       kb * 64};
     zmm_rows<FMT, kContig>(A, q, sx, qs, neg8, out, n);
   } else {
     const int64_t t = first + 2 * u;
     const bool pair = 2 * u + 1 < n8;
     const uint16_t* mn = FMT == INT4A ? M.mins + t * ng * 8 : nullptr;
     const ZmmOperand A{w + t * kb * 32, w + (t + 1) * kb * 32, M.scales + t * ng * 8, M.scales + (t + 1) * ng * 8,
-                       mn, mn ? mn + ng * 8 : nullptr, 32, 8, M.kp, M.gs};
-    if (pair) zmm_rows<FMT, kPair>(A, q, sx, qs, neg8, out, n);
-    else zmm_rows<FMT, kSingle>(A, q, sx, qs, neg8, out, n);
+                       mn, mn ? mn + ng * 8 : nullptr, 32, 8, M.kp, M.gs, kb * 32};
+    if (pair && n > kSequentialRows) {
+      zmm_rows<FMT, kPair>(A, q, sx, qs, neg8, out, n);
+    } else {  // one tile after the other: one sequential weight stream (memory-bound few-row calls)
+      zmm_rows<FMT, kSingle>(A, q, sx, qs, neg8, out, n);
+      if (pair) {
+        float* out1[kSequentialRows];
+        for (int i = 0; i < n; ++i) out1[i] = out[i] + 8;
+        const ZmmOperand B{A.w1, nullptr, A.s1, nullptr, A.m1, nullptr, 32, 8, M.kp, M.gs, kb * 32};
+        zmm_rows<FMT, kSingle>(B, q, sx, qs, neg8, out1, n);
+      }
+    }
   }
 }
 
