@@ -122,8 +122,17 @@ void zmm_bf16_unit_rows(const Mat& M, int64_t first, int64_t u, int64_t n8, cons
   } else {
     const int64_t t = first + 2 * u;
     const uint16_t* w0 = w + t * M.kp * 8;
-    if (2 * u + 1 < n8) zmm_bf16_rows<kPair>(w0, w0 + M.kp * 8, 8, M.kp, xb, out, n);
-    else zmm_bf16_rows<kSingle>(w0, nullptr, 8, M.kp, xb, out, n);
+    const bool pair = 2 * u + 1 < n8;
+    if (pair && n > kSequentialRows) {
+      zmm_bf16_rows<kPair>(w0, w0 + M.kp * 8, 8, M.kp, xb, out, n);
+    } else {  // one tile after the other (as zmm_unit_rows): one sequential stream for few rows
+      zmm_bf16_rows<kSingle>(w0, nullptr, 8, M.kp, xb, out, n);
+      if (pair) {
+        float* out1[kSequentialRows];
+        for (int i = 0; i < n; ++i) out1[i] = out[i] + 8;
+        zmm_bf16_rows<kSingle>(w0 + M.kp * 8, nullptr, 8, M.kp, xb, out1, n);
+      }
+    }
   }
 }
 
