@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gguf-q4", default=None)
     ap.add_argument("--gguf-q8", default=None)
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--fast-only", action="store_true",
+                    help="only the +fast runs (quantized attention and lm_head), not the default profile")
     ap.add_argument("--compare-rev", default=None,
                     help="git revision whose kernel (kernels/csrc) runs the same moegate configurations, "
                          "alternating with this one, e.g. 65f89cb")
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[str, dict] = {}
     pack = str(out / "pack")
     plan = [(f"moegate-{f}", _moegate, (model, f, args.dense, prompt, args.decode), {"pack_dir": pack})
-            for f in args.formats.split(",")]
+            for f in args.formats.split(",") if not args.fast_only]
 
     def attn(f: str) -> str:
         return f if args.fast_dense == "match" else args.fast_dense
