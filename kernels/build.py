@@ -45,24 +45,27 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
 
 
-def _build_key(cxx: str, flags: list[str]) -> str:
+def _build_key(cxx: str, flags: list[str], source: Path) -> str:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     h = hashlib.sha256()
-    for path in [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]:  # the source and its headers
+    for path in [source, *sorted(source.parent.glob("*.h"))]:  # the source and its headers
         h.update(path.read_bytes())
     h.update("\0".join([*flags, version]).encode())
     return h.hexdigest()[:16]
 
 
-def build(variant: str) -> Path:
-    """Compile ``variant`` if no cached build exists; return the shared library path."""
+def build(variant: str, source: Path | None = None) -> Path:
+    """Compile ``variant`` of ``source`` (default: this package's kernel) if no cached build exists; return
+    the shared library path. Another source (an earlier revision's csrc) lets a benchmark run the old
+    kernel beside the new one in one process."""
+    source = SOURCE if source is None else Path(source)
     if variant not in VARIANT_FLAGS:
         raise KernelBuildError(f"unknown kernel variant {variant!r}; choose from {sorted(VARIANT_FLAGS)}")
     cxx = _compiler()
     if cxx is None:
         raise KernelBuildError("no C++ compiler found (set CXX or install g++)")
     flags = _COMMON_FLAGS + VARIANT_FLAGS[variant]
-    name = f"moe_cpu-{variant}-{_build_key(cxx, flags)}.so"
+    name = f"moe_cpu-{variant}-{_build_key(cxx, flags, source)}.so"
     out = cache_dir() / name
     if out.exists():
         return out
@@ -76,7 +79,7 @@ def build(variant: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, check=False)
+        proc = subprocess.run([cxx, *flags, "-o", tmp, str(source)], capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise KernelBuildError(f"{cxx} failed for the {variant} kernel:\n{proc.stderr[-2000:]}")
         os.replace(tmp, out)  # atomic: concurrent builders leave one complete file
@@ -89,10 +92,15 @@ def build(variant: str) -> Path:
 _FALLBACK = {"avx512": "avx2"}  # a variant whose build fails -> the one to use instead (same results)
 
 
-def _open(variant: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build(variant)))
+def _open(variant: str, source: Path | None = None) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build(variant) if source is None else build(variant, source)))
     _declare(lib)
     return lib
+
+
+def load_source(variant: str, source: Path) -> ctypes.CDLL:
+    """``variant`` of another kernel source, built and loaded (raises KernelBuildError): benchmarks only."""
+    return _open(variant, source)
 
 
 def load(variant: str) -> ctypes.CDLL | None:
@@ -125,6 +133,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.moegate_linear.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, p, ctypes.c_int]
     lib.moegate_is_avx2.restype = ctypes.c_int
     lib.moegate_is_vnni.restype = ctypes.c_int
+    if hasattr(lib, "moegate_simd_path"):  # absent from an earlier revision's kernel (benchmarks)
+        lib.moegate_simd_path.restype = ctypes.c_char_p
+        lib.moegate_has_bf16_dot.restype = ctypes.c_int
     lib.moegate_apply_bitmask.restype = ctypes.c_int
     lib.moegate_apply_bitmask.argtypes = [p, p, i64, i64, i64, i64]
     lib.moegate_stream_triad.restype = ctypes.c_double

@@ -1,7 +1,8 @@
 """Quantized routed-expert weight formats, packed in the tiled layout the CPU kernel streams.
 
 Shapes: E = experts, H = hidden, I = expert intermediate, G = group size along K (the input dim).
-Formats: ``fp32`` and ``bf16`` (no groups), ``int8`` (symmetric, q in [-127, 127], w = q * s),
+Formats: ``fp32`` and ``bf16`` (no groups; ``bf16_a16`` is bf16 weights whose kernel also rounds the
+activations to bf16, llama.cpp's BF16 precision, for AVX-512 BF16 vdpbf16ps), ``int8 (symmetric, q in [-127, 127], w = q * s),
 ``int4`` (symmetric, u in [0, 15], w = (u - 8) * s) and ``int4_asym`` (w = u * s + m). Scales and
 mins are fp16, one per (output row, group of G along K). Quantization rounds against the stored fp16
 scale, so ``dequantize`` is exactly what the kernel multiplies by.
@@ -27,14 +28,22 @@ from tqdm.auto import tqdm
 from kernels.hugepages import to_hugepages
 
 LAYOUT_VERSION = 2
-FORMATS = ("fp32", "bf16", "int8", "int4", "int4_asym")
+FORMATS = ("fp32", "bf16", "int8", "int4", "int4_asym", "bf16_a16")
 FORMAT_CODE = {name: code for code, name in enumerate(FORMATS)}
-DEFAULT_GROUP_SIZE = {"fp32": 0, "bf16": 0, "int8": 64, "int4": 32, "int4_asym": 32}
+DEFAULT_GROUP_SIZE = {"fp32": 0, "bf16": 0, "int8": 64, "int4": 32, "int4_asym": 32, "bf16_a16": 0}
 _TENSOR_NAMES = ("gate_up", "gate_up_scales", "gate_up_mins", "down", "down_scales", "down_mins")
 
 
 class FormatError(ValueError):
     """A weight format, group size or packed-tensor set that cannot be used."""
+
+
+BF16_FORMATS = ("bf16", "bf16_a16")  # the same packed weights; bf16_a16 also rounds activations to bf16
+
+
+def round_activations(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The activations a format's kernel multiplies by: bf16-rounded for bf16_a16, else x (fp32)."""
+    return x.float().to(torch.bfloat16).float() if fmt == "bf16_a16" else x.float()
 
 
 def is_quantized(fmt: str) -> bool:
@@ -61,7 +70,7 @@ def _quantize(w: torch.Tensor, fmt: str, gs: int) -> tuple[torch.Tensor, torch.T
     """w [..., N, Kp] fp32 -> (q [..., N, Kp] int16, scales fp16 [..., N, Kp/G] | None, mins | None)."""
     if fmt == "fp32":
         return w, None, None
-    if fmt == "bf16":
+    if fmt in BF16_FORMATS:
         return w.to(torch.bfloat16), None, None
     g = w.unflatten(-1, (-1, gs))  # [..., N, Kp/G, G]
     if fmt == "int8" or fmt == "int4":
@@ -232,7 +241,7 @@ class PackedExperts:
 
 
 _WEIGHT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8,
-                 "int4": torch.uint8, "int4_asym": torch.uint8}
+                 "int4": torch.uint8, "int4_asym": torch.uint8, "bf16_a16": torch.bfloat16}
 
 
 def _pack_proj(w: torch.Tensor, r: int, fmt: str, gs: int) -> dict[str, torch.Tensor]:

@@ -5,7 +5,8 @@ out[t] = sum over slots s (in slot order) of w[t, s] * down(SiLU(gate(x[t])) * u
 topk_ids[t, s]; a slot with id -1 is skipped. Tokens sharing an expert read its weights once.
 
 Tolerance vs the reference (tests/kernels): fp32 / bf16 / int8 multiply by exactly the dequantized
-weights the reference uses and only the fp32 summation order differs; int4 formats are W4A8 (both
+weights the reference uses and only the fp32 summation order differs (bf16_a16: the reference rounds
+both projections' inputs to bf16 as the kernel does; vdpbf16ps rounds its pair sums its own way); int4 formats are W4A8 (both
 projections' inputs quantized per token and group to int8) and their reference (kernels/w4a8.py)
 replays the kernel's arithmetic, so they agree to the last bit but for ~2^-29-rare double roundings.
 |kernel - reference| <= 1e-4 * max|reference| + 1e-5 for every format.
@@ -22,7 +23,7 @@ import torch
 
 from kernels import build
 from kernels.cpu_features import detect, select_variant
-from kernels.formats import FORMAT_CODE, PackedExperts, quantize_activations
+from kernels.formats import FORMAT_CODE, PackedExperts, quantize_activations, round_activations
 from kernels.w4a8 import w4a8_moe
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,9 @@ def backend_summary() -> str:
     if cpp_disabled():
         return "CPU MoE kernel: torch reference (MOEGATE_DISABLE_CPP set)"
     variant = kernel_variant()
-    path = f"compiled {variant}" if build.load(variant) is not None else "torch reference (build failed)"
+    lib = build.load(variant)
+    path = f"compiled {variant} ({lib.moegate_simd_path().decode()})" if lib is not None else \
+        "torch reference (build failed)"
     return f"CPU MoE kernel: {path}; cpu {detect().summary()}; {torch.get_num_threads()} threads"
 
 
@@ -111,12 +114,13 @@ def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     if experts.fmt.startswith("int4"):  # W4A8: the kernel's integer + fp32 arithmetic, step by step
         return w4a8_moe(x.cpu(), local.cpu(), w.cpu(), experts.to("cpu")).to(x.device)
     out = torch.zeros_like(x)
-    inter = experts.intermediate
+    inter, fmt = experts.intermediate, experts.fmt
+    xa = round_activations(x, fmt)  # [T, H]: bf16_a16 multiplies bf16-rounded activations
     for e in torch.unique(local[local >= 0]).tolist():
         tok, slot = (local == e).nonzero(as_tuple=True)
         w_gu, w_dn = (t.to(x.device) for t in experts.dequantize(e))  # [2I, H], [H, I]
-        gu = x[tok] @ w_gu.T  # [n, 2I]
-        h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]  # [n, I]
+        gu = xa[tok] @ w_gu.T  # [n, 2I]
+        h = round_activations(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:], fmt)  # [n, I]
         out.index_add_(0, tok, (h @ w_dn.T) * w[tok, slot, None])  # [n, H]
     return out
 
@@ -154,8 +158,15 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     lib = kernel_library(variant) if use_cpp is not False and x.device.type == "cpu" else None
     if lib is None or experts.tensors["gate_up"].device.type != "cpu":
         return fused_moe_reference(x, topk_ids, topk_weights, experts, act, skip_missing=skip_missing)
+    ids = _local_ids(topk_ids, experts, skip_missing)  # [T, k]
+    return run_kernel(lib, x, ids, topk_weights, experts, num_threads)
+
+
+def run_kernel(lib, x: torch.Tensor, local_ids: torch.Tensor, topk_weights: torch.Tensor, experts: PackedExperts,
+               num_threads: int | None = None) -> torch.Tensor:
+    """One call of ``lib``'s moegate_fused_moe (checked arguments, local expert ids) -> [T, H] fp32."""
     xf = x.float().contiguous()  # [T, H]
-    ids = _local_ids(topk_ids, experts, skip_missing).contiguous()  # [T, k]
+    ids = local_ids.to(torch.int64).contiguous()  # [T, k]
     wts = topk_weights.float().contiguous()  # [T, k]
     t, k = ids.shape
     h = experts.hidden

@@ -16,11 +16,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.formats import DEFAULT_GROUP_SIZE, FORMAT_CODE, _pack_proj, _untile, check_format, is_quantized
+from kernels.formats import (
+    DEFAULT_GROUP_SIZE,
+    FORMAT_CODE,
+    _pack_proj,
+    _untile,
+    check_format,
+    is_quantized,
+    round_activations,
+)
 from kernels.hugepages import to_hugepages
 from kernels.w4a8 import w4a8_tiles
 
-LINEAR_FORMATS = ("bf16", "int8", "int4", "int4_asym")
+LINEAR_FORMATS = ("bf16", "int8", "int4", "int4_asym", "bf16_a16")
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,7 +85,7 @@ class PackedLinear:
             mins = self.tensors["mins"] if self.fmt == "int4_asym" else None
             out = w4a8_tiles(xp, self.tensors["weight"], self.tensors["scales"], mins, self.fmt, self.group_size)
             return out[:, : self.out_features]
-        return x @ self.dequantize().T
+        return round_activations(x, self.fmt) @ self.dequantize().T
 
     def __call__(self, x: torch.Tensor, num_threads: int | None = None, variant: str | None = None) -> torch.Tensor:
         """x [M, K] (CPU, any float dtype) -> [M, N] fp32 through the compiled kernel (the reference if

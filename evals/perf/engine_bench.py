@@ -23,7 +23,12 @@ from evals.perf.common import machine_info, save_bar_plot
 
 
 def _moegate(model: str, fmt: str, dense: str, prompt: list[int], decode: int, defer: int = 0,
-             pack_dir: str | None = None, lm_head: str | None = None, fast_dense: str | None = None) -> dict:
+             pack_dir: str | None = None, lm_head: str | None = None, fast_dense: str | None = None,
+             kernel_source: str | None = None) -> dict:
+    if kernel_source:  # an earlier revision's kernel (--compare-rev): this process builds and loads that source
+        from kernels import build
+
+        build.SOURCE = Path(kernel_source)
     from engine.experts import PlacementConfig
     from engine.llm_engine import LLM
     from engine.sampling_params import SamplingParams
@@ -36,10 +41,81 @@ def _moegate(model: str, fmt: str, dense: str, prompt: list[int], decode: int, d
     llm.generate([prompt[:16]], SamplingParams(max_tokens=2))  # warm-up (kernel build / first-touch)
     params = SamplingParams(max_tokens=decode + 1, ignore_eos=True)
     runs = [_timed_request(llm.engine, prompt, params) for _ in range(3)]
+    steps = decode_step_breakdown(llm.engine, prompt, params)
     llm.engine.runner.shutdown()
     pre = min(r[0] for r in runs)
     dec = min(r[1] for r in runs)
-    return {"load_s": load_s, "prefill_tok_s": len(prompt) / pre, "decode_tok_s": decode / dec}
+    return {"load_s": load_s, "prefill_tok_s": len(prompt) / pre, "decode_tok_s": decode / dec,
+            "decode_step_ms": steps}
+
+
+def decode_step_breakdown(engine, prompt: list[int], params) -> dict[str, float]:
+    """Median milliseconds per decode step of one request, split into the model's forward (decoder layers),
+    the logits (final norm + lm_head) and everything else the step does: scheduling, building the
+    ForwardBatch, sampling, stop checks, detokenizing, outputs ("overhead" = step - forward - logits)."""
+    import statistics
+
+    import engine.llm_engine as llm_engine
+
+    runner, spent = engine.runner, {"forward": 0.0, "logits": 0.0, "sample": 0.0, "schedule": 0.0, "batch": 0.0}
+
+    def timed(key: str, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[key] += time.perf_counter() - t
+        return wrapper
+
+    model = runner.model
+    patches = [(runner, "model", _TimedModel(model, timed)), (model, "compute_logits", timed("logits", model.compute_logits)),
+               (llm_engine, "sample", timed("sample", llm_engine.sample)),
+               (engine.scheduler, "schedule", timed("schedule", engine.scheduler.schedule)),
+               (runner, "build_batch", timed("batch", runner.build_batch))]
+    saved = [(obj, name, vars(obj)[name] if name in vars(obj) else _MISSING) for obj, name, _ in patches]
+    rows: list[dict[str, float]] = []
+    try:
+        for obj, name, new in patches:
+            setattr(obj, name, new)
+        engine.add_request("breakdown", prompt, params)
+        first = True
+        while engine.has_work():
+            for k in spent:
+                spent[k] = 0.0
+            t = time.perf_counter()
+            engine.step()
+            total = time.perf_counter() - t
+            if first:  # the prefill step
+                first = False
+                continue
+            row = {k: 1e3 * v for k, v in spent.items()}
+            row["step"] = 1e3 * total
+            row["overhead"] = row["step"] - row["forward"] - row["logits"]
+            rows.append(row)
+    finally:
+        for obj, name, old in saved:
+            if old is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {}
+
+
+_MISSING = object()
+
+
+class _TimedModel:
+    """The runner's model with its forward call timed (attributes pass through)."""
+
+    def __init__(self, model, timed) -> None:
+        self._model, self._call = model, timed("forward", model.__call__)
+
+    def __call__(self, *a, **kw):
+        return self._call(*a, **kw)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
 
 
 def _timed_request(engine, prompt: list[int], params) -> tuple[float, float]:
@@ -128,6 +204,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gguf-q4", default=None)
     ap.add_argument("--gguf-q8", default=None)
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--fast-only", action="store_true",
+                    help="only the +fast runs (quantized attention and lm_head), not the default profile")
+    ap.add_argument("--compare-rev", default=None,
+                    help="git revision whose kernel (kernels/csrc) runs the same moegate configurations, "
+                         "alternating with this one, e.g. 65f89cb")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the moegate configurations this many times, alternating with --compare-rev's")
     ap.add_argument("--quick", action="store_true", help="short prompt and decode")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -142,14 +225,22 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[str, dict] = {}
     pack = str(out / "pack")
     plan = [(f"moegate-{f}", _moegate, (model, f, args.dense, prompt, args.decode), {"pack_dir": pack})
-            for f in args.formats.split(",")]
+            for f in args.formats.split(",") if not args.fast_only]
 
     def attn(f: str) -> str:
         return f if args.fast_dense == "match" else args.fast_dense
 
     plan += [(f"moegate-{f}+fast-lmhead-{h}-attn-{attn(f)}", _moegate, (model, f, args.dense, prompt, args.decode),
               {"pack_dir": pack, "lm_head": h, "fast_dense": attn(f)})
-             for f in args.formats.split(",") for h in args.lm_head.split(",")]
+             for f in args.formats.split(",") for h in args.lm_head.split(",") if h]
+    if args.compare_rev:  # each moegate run beside the same run on the earlier kernel, alternating
+        from evals.perf.kernel_bench import kernel_source_at
+
+        old = str(kernel_source_at(args.compare_rev))
+        plan = [p for name, fn, fa, kw in plan
+                for p in ((name, fn, fa, kw), (f"{name}@{args.compare_rev}", fn, fa, {**kw, "kernel_source": old}))]
+    plan = [(f"{name}#{r}" if args.repeats > 1 else name, fn, fa, kw) for r in range(args.repeats)
+            for name, fn, fa, kw in plan]
     if not args.no_transformers:
         plan += [("transformers-eager-bf16", _transformers, (model, torch.bfloat16, prompt, args.decode), {}),
                  ("transformers-eager-fp32", _transformers, (model, torch.float32, prompt, args.decode), {})]
@@ -176,28 +267,62 @@ def main(argv: list[str] | None = None) -> dict:
         except ImportError as exc:
             runs[name] = {"skipped": str(exc)}
         tqdm.write(f"{name}: {runs[name]}")
+    summary = median_runs(runs)
     ratios = {}
-    base = runs.get("transformers-eager-bf16", {})
-    for name, r in runs.items():
+    if args.compare_rev:  # this kernel / the earlier revision's, same configuration, alternating processes
+        for name, r in summary.items():
+            old = summary.get(f"{name}@{args.compare_rev}", {})
+            if "decode_tok_s" in r and "decode_tok_s" in old:
+                ratios[f"{name}/@{args.compare_rev} decode"] = r["decode_tok_s"] / old["decode_tok_s"]
+                ratios[f"{name}/@{args.compare_rev} prefill"] = r["prefill_tok_s"] / old["prefill_tok_s"]
+    base = summary.get("transformers-eager-bf16", {})
+    for name, r in summary.items():
         if name.startswith("moegate") and "decode_tok_s" in base and "decode_tok_s" in r:
             ratios[f"{name}/transformers-bf16 decode"] = r["decode_tok_s"] / base["decode_tok_s"]
             ratios[f"{name}/transformers-bf16 prefill"] = r["prefill_tok_s"] / base["prefill_tok_s"]
     for q, fmt in (("Q4_0", "int4"), ("Q8_0", "int8")):
-        peer = runs.get(f"llama.cpp-{q}", {})
-        for name, ours in runs.items():
+        peer = summary.get(f"llama.cpp-{q}", {})
+        for name, ours in summary.items():
             if name.split("+")[0] == f"moegate-{fmt}" and "decode_tok_s" in peer and "decode_tok_s" in ours:
                 ratios[f"{name}/llama.cpp-{q} decode"] = ours["decode_tok_s"] / peer["decode_tok_s"]
                 ratios[f"{name}/llama.cpp-{q} prefill"] = ours["prefill_tok_s"] / peer["prefill_tok_s"]
+    from kernels import kernel_variant
+    from kernels.build import load
+    from kernels.cpu_features import detect
+
+    lib = load(kernel_variant())
+    info.update(cpu=detect().summary(), cpu_model=detect().model, kernel_variant=kernel_variant(),
+                simd_path=lib.moegate_simd_path().decode() if lib is not None else None)
     result = {"model": model, "prompt_len": args.prompt_len, "decode": args.decode, "threads": threads,
-              "dense_dtype": args.dense, "machine": info, "runs": runs, "ratios": ratios,
-              "busy_after": machine_info()["cpu_busy_fraction"]}
+              "dense_dtype": args.dense, "machine": info, "compare_rev": args.compare_rev, "repeats": args.repeats,
+              "runs": runs, "median": summary, "ratios": ratios, "busy_after": machine_info()["cpu_busy_fraction"]}
     (out / "engine_bench.json").write_text(json.dumps(result, indent=2))
-    ok = {k: v for k, v in runs.items() if "decode_tok_s" in v}
+    ok = {k: v for k, v in summary.items() if "decode_tok_s" in v}
     save_bar_plot(out / "engine_bench.png", "end-to-end tok/s (higher is better)",
                   {"prefill": {k: v["prefill_tok_s"] for k, v in ok.items()},
                    "decode": {k: v["decode_tok_s"] for k, v in ok.items()}})
     print(json.dumps(ratios, indent=2))
     return result
+
+
+def median_runs(runs: dict[str, dict]) -> dict[str, dict]:
+    """Runs "name#r" of --repeats folded into "name": the median of each numeric figure."""
+    import statistics
+
+    groups: dict[str, list[dict]] = {}
+    for name, r in runs.items():
+        groups.setdefault(name.split("#")[0], []).append(r)
+    out = {}
+    for name, rs in groups.items():
+        ok = [r for r in rs if "decode_tok_s" in r]
+        if not ok:
+            out[name] = rs[0]
+            continue
+        out[name] = {k: statistics.median(r[k] for r in ok) for k in ("prefill_tok_s", "decode_tok_s")}
+        steps = [r["decode_step_ms"] for r in ok if r.get("decode_step_ms")]
+        if steps:
+            out[name]["decode_step_ms"] = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+    return out
 
 
 if __name__ == "__main__":

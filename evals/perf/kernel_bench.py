@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import platform
@@ -22,8 +23,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from evals.perf.common import cpu_busy_fraction
-from kernels import build, fused_moe, kernel_variant, pack_experts
+from kernels import build, kernel_variant, pack_experts
 from kernels.cpu_features import detect
+from kernels.fused_moe import run_kernel
 
 H, I, E, TOPK = 1024, 512, 64, 8  # noqa: E741 (the DESIGN.md notation)
 WORKING_SET = 768 << 20  # bytes per format: >> 32 MiB L3
@@ -51,21 +53,59 @@ def routings(m: int, count: int, seed: int) -> list[torch.Tensor]:
     return [torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(m)]) for _ in range(count)]
 
 
-def time_calls(fn: Callable[[int], None], bytes_of: Callable[[int], int], seconds: float) -> dict[str, float]:
-    """Call fn(i) for i = 0, 1, ... until ``seconds`` pass (at least 5 calls); GB/s median and best."""
-    fn(0)
-    rates, times, i, start = [], [], 0, time.perf_counter()
-    while i < 5 or time.perf_counter() - start < seconds:
+def time_calls(fn: Callable[[int], None], seconds: float, start: int = 0) -> tuple[list[float], int]:
+    """Call fn(i) for i = start, start + 1, ... until ``seconds`` pass (at least 3 calls): seconds per call."""
+    times, i, t0 = [], start, time.perf_counter()
+    while i - start < 3 or time.perf_counter() - t0 < seconds:
         t = time.perf_counter()
         fn(i)
-        dt = time.perf_counter() - t
-        rates.append(bytes_of(i) / dt / 1e9)
-        times.append(dt)
+        times.append(time.perf_counter() - t)
         i += 1
-    rates.sort()
-    times.sort()
-    return {"gbps_median": rates[len(rates) // 2], "gbps_best": rates[-1],
-            "ms_median": 1e3 * times[len(times) // 2], "calls": i}
+    return times, i
+
+
+def interleaved(contenders: dict[str, Callable[[int], None]], bytes_of: Callable[[int], int], seconds: float,
+                rounds: int) -> dict[str, dict[str, float]]:
+    """Time every contender in ``rounds`` alternating slices of seconds / rounds each (so load from other
+    processes falls on all of them alike); per contender the median and best GB/s over all its calls."""
+    calls: dict[str, list[tuple[float, int]]] = {name: [] for name in contenders}
+    nxt = dict.fromkeys(contenders, 0)
+    for fn in contenders.values():
+        fn(0)  # warm-up
+    for r in range(rounds):
+        order = list(contenders) if r % 2 == 0 else list(contenders)[::-1]
+        for name in order:
+            times, end = time_calls(contenders[name], seconds / rounds, nxt[name])
+            calls[name] += [(dt, i) for dt, i in zip(times, range(nxt[name], end), strict=True)]
+            nxt[name] = end
+    out = {}
+    for name, rows in calls.items():
+        rates = sorted(bytes_of(i) / dt / 1e9 for dt, i in rows)
+        times = sorted(dt for dt, _ in rows)
+        out[name] = {"gbps_median": rates[len(rates) // 2], "gbps_best": rates[-1],
+                     "ms_median": 1e3 * times[len(times) // 2], "calls": len(rows)}
+    return out
+
+
+def kernel_source_at(rev: str) -> Path:
+    """kernels/csrc of git revision ``rev`` in a temporary directory -> its moe_cpu.cpp."""
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parents[2]
+    files = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:kernels/csrc"], cwd=root, check=True,
+                           capture_output=True, text=True).stdout.split()
+    tmp = Path(tempfile.mkdtemp(prefix=f"moegate-kernel-{rev}-"))
+    for name in files:
+        blob = subprocess.run(["git", "show", f"{rev}:kernels/csrc/{name}"], cwd=root, check=True,
+                              capture_output=True).stdout
+        (tmp / name).write_bytes(blob)
+    return tmp / "moe_cpu.cpp"
+
+
+def previous_kernel(rev: str, variant: str):
+    """The compiled kernel of git revision ``rev`` (its kernels/csrc), for a side-by-side baseline."""
+    return build.load_source(variant, kernel_source_at(rev))
 
 
 def torch_layers(w_gu: torch.Tensor, w_dn: torch.Tensor, kind: str) -> tuple[list, int]:
@@ -122,14 +162,21 @@ def torch_moe(kind: str, experts: list, x: torch.Tensor, ids: torch.Tensor, w: t
     return out
 
 
+TORCH_KIND = {"bf16": "bf16", "int8": "int8", "int4": "int4", "int4_asym": "int4", "fp32": "fp32", "bf16_a16": "bf16"}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="evals/out/kernels")
     ap.add_argument("--formats", default="bf16,int8,int4,int4_asym")
-    ap.add_argument("--ms", default="1,2,4,8,64")
+    ap.add_argument("--ms", default="1,2,4,8,64,128")
     ap.add_argument("--seconds", type=float, default=1.5, help="timed seconds per (impl, format, M)")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating slices per point (old, new, torch)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--baselines", default="fp32,bf16,int8,int4", help="torch baselines ('' for none)")
+    ap.add_argument("--baselines", default="fp32,bf16,int8,int4",
+                    help="torch baselines run beside the formats they match ('' for none)")
+    ap.add_argument("--compare-rev", default=None,
+                    help="git revision whose kernel (kernels/csrc) runs beside this one, e.g. 65f89cb")
     ap.add_argument("--quick", action="store_true", help="short run: 0.3 s per point, M=1,8")
     ap.add_argument("--idle-triad", type=float, default=16.0,
                     help="STREAM triad GB/s of this machine when idle (DESIGN.md: 15.6-16.5), a second yardstick "
@@ -141,62 +188,118 @@ def main(argv: list[str] | None = None) -> int:
     ms = [int(m) for m in args.ms.split(",")]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    variant = kernel_variant()
+    lib = build.load(variant)
+    old = previous_kernel(args.compare_rev, variant) if args.compare_rev else None
+    old_formats = formats_at(args.compare_rev) if args.compare_rev else ()
     report: dict = {"shape": {"H": H, "I": I, "E": E, "topk": TOPK}, "threads": args.threads,
-                    "cpu": detect().summary(), "machine": platform.node(), "variant": kernel_variant(),
-                    "torch": torch.__version__, "loadavg_before": os.getloadavg(),
-                    "busy_before": cpu_busy_fraction()}
+                    "cpu": detect().summary(), "cpu_model": detect().model, "machine": platform.node(),
+                    "variant": variant, "simd_path": simd_path(lib),
+                    "compare_rev": args.compare_rev,
+                    "compare_simd_path": simd_path(old), "torch": torch.__version__,
+                    "loadavg_before": os.getloadavg(), "busy_before": cpu_busy_fraction()}
     report["stream"] = stream_triad(args.threads)
     triad = report["stream"][f"triad_gbps_{args.threads}t"]
     g = torch.Generator().manual_seed(0)
     w_gu, w_dn = torch.randn(E, 2 * I, H, generator=g) * 0.02, torch.randn(E, H, I, generator=g) * 0.02
-    results = []
-    jobs = [("moegate", f) for f in args.formats.split(",") if f] + \
-           [("torch", b) for b in args.baselines.split(",") if b]
-    bar = tqdm(total=len(jobs) * len(ms), desc="kernel bench", unit="point")
-    for impl, fmt in jobs:
-        if impl == "moegate":
+    baselines = [b for b in args.baselines.split(",") if b]
+    formats = [f for f in args.formats.split(",") if f]
+    extra = [b for b in baselines if b not in {TORCH_KIND[f] for f in formats}]  # baselines with no format
+    results, ratios = [], []
+    bar = tqdm(total=(len(formats) + len(extra)) * len(ms), desc="kernel bench", unit="point")
+    for fmt in formats + extra:
+        layers, torch_ls, per_expert, torch_pe = None, None, 0, 0
+        if fmt in formats:
             base = pack_experts(w_gu, w_dn, fmt, progress=False)
             per_expert = base.expert_nbytes()
             layers = [base] + [type(base)(base.fmt, H, I, base.group_size, base.expert_ids,
                                           {k: v.clone() for k, v in base.tensors.items()})
                                for _ in range(max(1, WORKING_SET // base.nbytes) - 1)]
-        else:
-            experts, per_expert = torch_layers(w_gu, w_dn, fmt)
-            layers = [experts] + [clone_tree(experts) for _ in range(max(1, WORKING_SET // (per_expert * E)) - 1)]
+        kind = TORCH_KIND.get(fmt, fmt)
+        if kind in baselines and (fmt in extra or fmt == next(f for f in formats if TORCH_KIND[f] == kind)):
+            experts, torch_pe = torch_layers(w_gu, w_dn, kind)
+            torch_ls = [experts] + [clone_tree(experts) for _ in range(max(1, WORKING_SET // (torch_pe * E)) - 1)]
         for m in ms:
             ids_list = routings(m, 16, seed=m)
             x = torch.randn(m, H, generator=g)
             w = torch.softmax(torch.randn(m, TOPK, generator=g), -1)
             uniq = [len(torch.unique(ids)) for ids in ids_list]
+            contenders: dict[str, Callable[[int], None]] = {}
+            pe: dict[str, int] = {}
+            if layers is not None:
+                def ours(i: int, kl=lib, layers=layers, ids_list=ids_list, x=x, w=w) -> None:
+                    run_kernel(kl, x, ids_list[i % len(ids_list)], w, layers[i % len(layers)], args.threads)
 
-            def call(i: int, impl=impl, fmt=fmt, layers=layers, ids_list=ids_list, x=x, w=w) -> None:
-                ids, layer = ids_list[i % len(ids_list)], layers[i % len(layers)]
-                if impl == "moegate":
-                    fused_moe(x, ids, w, layer, num_threads=args.threads)
-                else:
-                    torch_moe(fmt, layer, x, ids, w)
+                contenders[f"moegate {fmt}"], pe[f"moegate {fmt}"] = ours, per_expert
+                if old is not None and fmt in old_formats:
+                    contenders[f"moegate@{args.compare_rev} {fmt}"] = functools.partial(ours, kl=old)
+                    pe[f"moegate@{args.compare_rev} {fmt}"] = per_expert
+            if torch_ls is not None:
+                def theirs(i: int, kind=kind, layers=torch_ls, ids_list=ids_list, x=x, w=w) -> None:
+                    torch_moe(kind, layers[i % len(layers)], x, ids_list[i % len(ids_list)], w)
 
-            res = time_calls(call, lambda i, uniq=uniq, pe=per_expert: uniq[i % len(uniq)] * pe, args.seconds)
-            res.update(impl=impl, fmt=fmt, M=m, bytes_per_expert=per_expert,
-                       pct_stream=100 * res["gbps_median"] / triad,
-                       pct_idle_triad_best=100 * res["gbps_best"] / args.idle_triad)
-            results.append(res)
-            bar.set_postfix_str(f"{impl} {fmt} M={m}: {res['gbps_median']:.1f} GB/s")
+                contenders[f"torch {kind}"], pe[f"torch {kind}"] = theirs, torch_pe
+            timed = interleaved(contenders, lambda i, uniq=uniq: uniq[i % len(uniq)], args.seconds * len(contenders),
+                                args.rounds)
+            point = {}
+            for name, res in timed.items():
+                impl, f = name.split(" ")
+                res = {k: (v * pe[name] if k.startswith("gbps") else v) for k, v in res.items()}  # experts -> bytes
+                res.update(impl=impl, fmt=f, M=m, bytes_per_expert=pe[name],
+                           pct_stream=100 * res["gbps_median"] / triad,
+                           pct_idle_triad_best=100 * res["gbps_best"] / args.idle_triad)
+                results.append(res)
+                point[name] = res
+            ours_name = f"moegate {fmt}"
+            if ours_name in point:
+                for other, res in point.items():
+                    if other != ours_name:  # time ratio: the other's ms per call / ours (same routings)
+                        ratios.append({"M": m, "fmt": fmt, "vs": other,
+                                       "speedup": res["ms_median"] / point[ours_name]["ms_median"]})
+            bar.set_postfix_str(" ".join(f"{n}={r['gbps_median']:.1f}" for n, r in point.items()) + f" M={m}")
             bar.update()
-        del layers
+        del layers, torch_ls
     bar.close()
-    report.update(results=results, loadavg_after=os.getloadavg(), busy_after=cpu_busy_fraction(),
+    report.update(results=results, ratios=ratios, loadavg_after=os.getloadavg(), busy_after=cpu_busy_fraction(),
                   stream_after=stream_triad(args.threads), idle_triad=args.idle_triad)
     (out_dir / "kernel_bench.json").write_text(json.dumps(report, indent=2))
     plot(report, out_dir / "kernel_bench.png")
-    print(f"STREAM triad {triad:.1f} GB/s ({args.threads} threads); loadavg before {report['loadavg_before']}")
+    print(f"{report['cpu_model']}: {report['cpu']}; kernel {variant} ({report['simd_path']}); "
+          f"STREAM triad {triad:.1f} GB/s ({args.threads} threads); loadavg before {report['loadavg_before']}")
     for r in results:
-        print(f"{r['impl']:8s} {r['fmt']:9s} M={r['M']:3d}  {r['gbps_median']:6.2f} GB/s median "
+        print(f"{r['impl']:16s} {r['fmt']:9s} M={r['M']:3d}  {r['gbps_median']:6.2f} GB/s median "
               f"({r['gbps_best']:6.2f} best)  {r['pct_stream']:5.1f}% of this run's triad (median), "
               f"{r['pct_idle_triad_best']:5.1f}% of idle triad (best)  {r['ms_median']:.3f} ms/call")
+    for r in ratios:
+        print(f"moegate {r['fmt']:9s} M={r['M']:3d}  {r['speedup']:5.2f}x vs {r['vs']} (median ms per call)")
     print(f"STREAM triad after: {report['stream_after']}; loadavg after {report['loadavg_after']}; "
           f"busy {report['busy_before']:.2f} before / {report['busy_after']:.2f} after")
     return 0
+
+
+def formats_at(rev: str) -> tuple[str, ...]:
+    """The expert formats kernels/formats.py of git revision ``rev`` defines (an older kernel must not be
+    called with a format code it does not know)."""
+    import ast
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    src = subprocess.run(["git", "show", f"{rev}:kernels/formats.py"], cwd=root, check=True, capture_output=True,
+                         text=True).stdout
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "FORMATS" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    return ()
+
+
+def simd_path(lib) -> str | None:
+    """The SIMD path a loaded kernel library reports (builds before moegate_simd_path existed: by flags)."""
+    if lib is None:
+        return None
+    if hasattr(lib, "moegate_simd_path"):
+        return lib.moegate_simd_path().decode()
+    return ("avx512: W4A8 ymm vpdpbusd" if lib.moegate_is_vnni() else "avx2: W4A8 maddubs" if lib.moegate_is_avx2()
+            else "generic: plain loops")
 
 
 def plot(report: dict, path: Path) -> None:

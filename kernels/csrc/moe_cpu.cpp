@@ -1,8 +1,8 @@
 // Fused routed-expert MoE for CPU: gate+up -> SiLU(gate)*up -> down, weighted sum per token.
 //
-// Compiled three ways by kernels/build.py: avx512 (the AVX2 path with AVX-512 VNNI vpdpbusd for the
-// int4 dot products), avx2 (AVX2 + FMA + F16C intrinsics) and generic (plain loops the compiler may
-// auto-vectorize). Always -ffp-contract=off so each output row's arithmetic is a fixed sequence of
+// Compiled three ways by kernels/build.py: avx512 (the AVX2 path, with the int4 W4A8 projections on
+// 512-bit AVX-512 VNNI vpdpbusd, 16 output rows x up to 8 tokens per weight block: w4a8_zmm.h), avx2
+// (AVX2 + FMA + F16C intrinsics) and generic (plain loops the compiler may auto-vectorize). Always -ffp-contract=off so each output row's arithmetic is a fixed sequence of
 // operations: a row's result does not depend on which other rows share the batch, on thread count,
 // or on scheduling. Threads: work_pool.h (tiles
 // of active experts are claimed dynamically; OpenMP is used only by the STREAM triad helper).
@@ -15,10 +15,11 @@
 // min m); w = q * s (int8), w = (u - 8) * s (int4), w = u * s + m (int4_asym), u in [0, 15].
 // int4 tiles hold blocks of 8 k: per row one dword whose nibble 2c is k0 + c and nibble 2c+1 is
 // k0 + 4 + c (c = 0..3). The int4 gate_up projection is W4A8: the layer input is quantized per
-// token and group to int8 (symmetric, round half to even), integer dot products via maddubs are
-// exact, and the group result is s*sx*(sum(u*q) - 8*sum(q)) (int4; the difference is an exact fp32
-// integer) or s*sx*sum(u*q) + m*sx*sum(q) (int4_asym, m the group min). The int4 down
-// projection and every other format use fp32 activations with weights dequantized in registers.
+// token and group to int8 (symmetric, round half to even), integer dot products (maddubs, vpdpbusd)
+// are exact, and the group result is s*sx*(sum(u*q) - 8*sum(q)) (int4; the difference is an exact fp32
+// integer) or s*sx*sum(u*q) + m*sx*sum(q) (int4_asym, m the group min). The int4 down projection is W4A8
+// too (its input quantized the same way); fp32 / bf16 / int8 use fp32 activations with weights
+// dequantized in registers.
 
 #include <omp.h>
 
@@ -37,7 +38,31 @@
 
 namespace {
 
-enum Fmt { FP32 = 0, BF16 = 1, INT8 = 2, INT4 = 3, INT4A = 4 };
+enum Fmt { FP32 = 0, BF16 = 1, INT8 = 2, INT4 = 3, INT4A = 4, BF16A = 5 };  // BF16A: bf16_a16
+inline bool is_quantized(int64_t fmt) { return fmt == INT8 || fmt == INT4 || fmt == INT4A; }
+
+// fp32 -> the nearest bf16 value (round half to even; NaN kept), as torch's .to(torch.bfloat16).
+inline float round_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) <= 0x7f800000u) u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// bf16_a16 activations: x[0 .. k) rounded to bf16 in place; with `bits` also their bf16 bit patterns
+// (bits[0 .. k rounded up to even), the padding zero) for the vdpbf16ps path.
+inline void round_row_bf16(float* x, int64_t k, uint16_t* bits) {
+  for (int64_t i = 0; i < k; ++i) {
+    x[i] = round_bf16(x[i]);
+    if (bits) {
+      uint32_t u;
+      std::memcpy(&u, &x[i], 4);
+      bits[i] = (uint16_t)(u >> 16);
+    }
+  }
+  if (bits && (k & 1)) bits[k] = 0;
+}
 
 // One tiled projection of one expert.
 struct Mat {
@@ -67,7 +92,7 @@ void tile_dot(const Mat& A, int64_t tile, const float* const* X, float* const* o
     for (int m = 0; m < MT; ++m)
       for (int r = 0; r < R8; ++r) acc[p][m][r] = v_zero();
   const int64_t kp = A.kp;
-  if constexpr (FMT == FP32 || FMT == BF16) {
+  if constexpr (FMT == FP32 || FMT == BF16 || FMT == BF16A) {
     using T = std::conditional_t<FMT == FP32, float, uint16_t>;
     const T* w = static_cast<const T*>(A.w) + tile * kp * R8 * 8;
     auto step = [&](int64_t k, V8 (*a)[R8]) {
@@ -124,13 +149,13 @@ void tile_dot(const Mat& A, int64_t tile, const float* const* X, float* const* o
     for (int r = 0; r < R8; ++r) v_store(out[m] + r * 8, acc[0][m][r]);
 }
 
-// W4A8: out[m] = tile rows . dequant(q[m]) with q[m] int8 activations, sx[m] / qs[m] per-group
-// activation scales and sums of q (as float). Integer partial sums are split over S * 2 accumulator
-// sets (k-block parity when few rows leave the core idle, VNNI's lo / hi halves) and added exactly.
+// W4A8 (avx2, generic): out[m] = tile rows . dequant(q[m]) with q[m] int8 activations, sx[m] / qs[m]
+// per-group activation scales and sums of q (as float). Integer partial sums are split over S
+// accumulator sets (k-block parity when few rows leave the core idle) and added exactly.
 template <int FMT, int R8, int MT>
 void tile_dot_w4a8(const Mat& A, int64_t tile, const int8_t* const* q, const float* const* sx,
                    const float* const* qs, float* const* out) {
-  constexpr int S = MT * R8 <= 2 ? 2 : 1;
+  constexpr int S = MT * R8 <= 2 ? 2 : 1;  // accumulator sets
   V8 acc[MT][R8];
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R8; ++r) acc[m][r] = v_zero();
@@ -139,8 +164,8 @@ void tile_dot_w4a8(const Mat& A, int64_t tile, const int8_t* const* q, const flo
   const uint16_t* mn = FMT == INT4A ? A.mins + tile * ng * R8 * 8 : nullptr;
   const uint8_t* w4 = static_cast<const uint8_t*>(A.w) + tile * (kp / 8) * R8 * 32;
   for (int64_t g = 0; g < ng; ++g) {
-    I8 isum[2 * S][MT][R8];
-    for (int p = 0; p < 2 * S; ++p)
+    I8 isum[S][MT][R8];
+    for (int p = 0; p < S; ++p)
       for (int m = 0; m < MT; ++m)
         for (int r = 0; r < R8; ++r) isum[p][m][r] = i_zero();
     // S blocks per step, block p into accumulator set p: the set index is a compile-time constant,
@@ -153,15 +178,15 @@ void tile_dot_w4a8(const Mat& A, int64_t tile, const int8_t* const* q, const flo
       for (int p = 0; p < S; ++p) {
         U4 b[R8];
         for (int r = 0; r < R8; ++r) b[r] = load_u4(w4 + ((kb + p) * R8 + r) * 32);
-        w4a8_block<R8, MT>(b, q, (kb + p) * 8, isum[2 * p], isum[2 * p + 1]);
+        w4a8_block<R8, MT>(b, q, (kb + p) * 8, isum[p]);
       }
     }
     for (; kb < kb1; ++kb) {
       U4 b[R8];
       for (int r = 0; r < R8; ++r) b[r] = load_u4(w4 + (kb * R8 + r) * 32);
-      w4a8_block<R8, MT>(b, q, kb * 8, isum[0], isum[1]);
+      w4a8_block<R8, MT>(b, q, kb * 8, isum[0]);
     }
-    for (int p = 1; p < 2 * S; ++p)
+    for (int p = 1; p < S; ++p)
       for (int m = 0; m < MT; ++m)
         for (int r = 0; r < R8; ++r) isum[0][m][r] = i_add(isum[0][m][r], isum[p][m][r]);
     for (int r = 0; r < R8; ++r) {
@@ -198,24 +223,80 @@ void tile_rows_w4a8(const Mat& A, int64_t tile, const int8_t* const* q, const fl
   }
 }
 
-// Symmetric per-group int8 quantization of a padded row: s = amax / 127, q = round_half_even(x / s).
-void quantize_row(const float* x, int64_t kp, int64_t gs, int8_t* q, float* sx, float* qs) {
+// Symmetric per-group int8 quantization of a padded row: s = amax / 127, q = round_half_even(x / s);
+// per group sx = s, qs = sum(q) as float and n8 = -8 * sum(q) (the int4 correction, as an integer).
+// The AVX2 loop (gs is a multiple of 8 for int4 formats) computes the same bits as the plain one: max is
+// exact, division and round-to-nearest-even are IEEE, the sums are integers.
+void quantize_row(const float* x, int64_t kp, int64_t gs, int8_t* q, float* sx, float* qs, int32_t* n8) {
   for (int64_t g = 0; g < kp / gs; ++g) {
+    const int64_t k0 = g * gs, k1 = (g + 1) * gs;
     float amax = 0.f;
-    for (int64_t k = g * gs; k < (g + 1) * gs; ++k) amax = std::max(amax, std::fabs(x[k]));
-    const float s = amax / 127.f;
     int32_t sum = 0;
-    for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+#ifdef MOEGATE_AVX2
+    if (gs % 8 == 0) {
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      __m256 mx = _mm256_setzero_ps();
+      for (int64_t k = k0; k < k1; k += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+      float lanes[8];
+      _mm256_storeu_ps(lanes, mx);
+      for (float v : lanes) amax = std::max(amax, v);
+      const float s = amax / 127.f;
+      const __m256 sv = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+      __m256i acc = _mm256_setzero_si256();
+      for (int64_t k = k0; k < k1; k += 8) {
+        __m256 v = _mm256_setzero_ps();
+        if (s > 0.f) {
+          v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          v = _mm256_min_ps(hi, _mm256_max_ps(lo, v));
+        }
+        const __m256i i32 = _mm256_cvtps_epi32(v);
+        acc = _mm256_add_epi32(acc, i32);
+        const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(p16, p16));
+      }
+      int32_t part[8];
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(part), acc);
+      for (int32_t v : part) sum += v;
+      sx[g] = s;
+      qs[g] = (float)sum;
+      n8[g] = -8 * sum;
+      continue;
+    }
+#endif
+    for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(x[k]));
+    const float s = amax / 127.f;
+    for (int64_t k = k0; k < k1; ++k) {
       const float v = s > 0.f ? std::nearbyint(x[k] / s) : 0.f;
       q[k] = (int8_t)std::min(127.f, std::max(-127.f, v));
       sum += q[k];
     }
     sx[g] = s;
     qs[g] = (float)sum;
+    n8[g] = -8 * sum;
   }
 }
 
 constexpr int kMaxMT = 4;
+
+}  // namespace
+
+#include "w4a8_zmm.h"
+#include "bf16_zmm.h"
+
+namespace {
+
+#ifdef MOEGATE_ZMM
+constexpr bool kZmm = true;
+#else
+constexpr bool kZmm = false;
+// Never called: name the zmm entry points for the `if constexpr` branches of builds without them.
+template <int FMT, int R8>
+void zmm_unit_rows(const Mat&, int64_t, int64_t, int64_t, const int8_t* const*, const float* const*,
+                   const float* const*, const int32_t* const*, float* const*, int) {}
+template <int R8>
+void zmm_bf16_unit_rows(const Mat&, int64_t, int64_t, int64_t, const uint16_t* const*, float* const*, int) {}
+inline bool cpu_has_bf16_dot() { return false; }
+#endif
 
 // Rows rows[0..n) of one expert through one tile, in chunks of up to kMaxMT activation rows.
 // (fp32 activations: at most 2 rows at a time for gate_up tiles, so the 2 x MT x R8 accumulators fit
@@ -270,11 +351,23 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   std::vector<float> xp(T * hp, 0.f), hb(S * hbuf + 1, 0.f), y(S * ldy + 1);
   std::vector<int8_t> xq(w4a8 ? T * hp : 1), hq(w4a8 ? S * hbuf : 1);
   std::vector<float> xsx(T * ngh + 1), xqs(T * ngh + 1), hsx(S * ngi + 1), hqs(S * ngi + 1);
+  std::vector<int32_t> xn8(T * ngh + 1), hn8(S * ngi + 1);
+  // bf16_a16: activations rounded to bf16 (both projections' inputs); on vdpbf16ps also as bf16 bits
+  // (xbits / hbits, rows of even length).
+  const bool dot16 = FMT == BF16A && cpu_has_bf16_dot();
+  const int64_t xbl = hp + (hp & 1), hbl = hbuf + 1;
+  std::vector<uint16_t> xbits(dot16 ? T * xbl : 1), hbits(dot16 ? S * hbl : 1);
   for (int64_t t = 0; t < T; ++t) {
     std::memcpy(&xp[t * hp], x + t * P.H, sizeof(float) * P.H);
-    if (w4a8) quantize_row(&xp[t * hp], hp, P.gs, &xq[t * hp], &xsx[t * ngh], &xqs[t * ngh]);
+    if (w4a8) quantize_row(&xp[t * hp], hp, P.gs, &xq[t * hp], &xsx[t * ngh], &xqs[t * ngh], &xn8[t * ngh]);
+    if (FMT == BF16A) round_row_bf16(&xp[t * hp], hp, dot16 ? &xbits[t * xbl] : nullptr);
   }
-  const int64_t n1 = na * P.i8, n2 = na * P.h8;
+  // On zmm (W4A8, and bf16_a16 on vdpbf16ps) a down item is a unit of two 8-row tiles (w4a8_zmm.h),
+  // a gate_up item one 16-row tile.
+  constexpr bool zmm = w4a8 && kZmm;
+  const bool units = zmm || dot16;
+  const int64_t dn_items = units ? (P.h8 + 1) / 2 : P.h8;
+  const int64_t n1 = na * P.i8, n2 = na * dn_items;
   // One job: items [0, n1) are gate_up tiles, [n1, n1 + n2) down tiles. A down item of expert e
   // waits until every gate_up item of e is done (they were all claimed earlier, so this terminates).
   std::unique_ptr<std::atomic<int64_t>[]> p1_left(new std::atomic<int64_t>[na]);
@@ -290,6 +383,8 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
     const int8_t* qr[kRows];
     const float* sxr[kRows];
     const float* qsr[kRows];
+    const int32_t* n8r[kRows];
+    const uint16_t* br[kRows];
     float* orow[kRows];
     float tmp[kRows][16];
     for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += kRows) {
@@ -300,10 +395,14 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
         qr[i] = &xq[w4a8 ? t * hp : 0];
         sxr[i] = &xsx[t * ngh];
         qsr[i] = &xqs[t * ngh];
+        n8r[i] = &xn8[t * ngh];
+        br[i] = &xbits[dot16 ? t * xbl : 0];
         orow[i] = tmp[i];
       }
       // experts are contiguous runs of tiles: global tile = e * i8 + tile
-      if constexpr (w4a8) tile_rows_w4a8<FMT, 2>(P.gu, e * P.i8 + tile, qr, sxr, qsr, orow, n);
+      if (dot16) zmm_bf16_unit_rows<2>(P.gu, e * P.i8, tile, P.i8, br, orow, n);
+      else if constexpr (zmm) zmm_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8, qr, sxr, qsr, n8r, orow, n);
+      else if constexpr (w4a8) tile_rows_w4a8<FMT, 2>(P.gu, e * P.i8 + tile, qr, sxr, qsr, orow, n);
       else tile_rows<FMT, 2>(P.gu, e * P.i8 + tile, xr, orow, n);
       for (int i = 0; i < n; ++i) {
         float* hrow = &hb[(r0 + i) * hbuf + tile * 8];
@@ -315,17 +414,23 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       // past i8*8 stay 0). W4A8 down quantizes them once here.
       if constexpr (w4a8)
         for (int64_t r = count[e]; r < count[e + 1]; ++r)
-          quantize_row(&hb[r * hbuf], ip, P.gs, &hq[r * hbuf], &hsx[r * ngi], &hqs[r * ngi]);
+          quantize_row(&hb[r * hbuf], ip, P.gs, &hq[r * hbuf], &hsx[r * ngi], &hqs[r * ngi], &hn8[r * ngi]);
+      if constexpr (FMT == BF16A)
+        for (int64_t r = count[e]; r < count[e + 1]; ++r)
+          round_row_bf16(&hb[r * hbuf], ip, dot16 ? &hbits[r * hbl] : nullptr);
       ready[a].store(1, std::memory_order_release);
     }
   };
   auto down_item = [&](int64_t it) {
-    const int64_t a = it / P.h8, e = active[a], tile = it % P.h8;
+    const int64_t a = it / dn_items, e = active[a], item = it % dn_items;
+    const int64_t tile = units ? 2 * item : item;  // first tile of the item
     moegate::spin_until([&] { return ready[a].load(std::memory_order_acquire) != 0; });
     const float* xr[kRows];
     const int8_t* qr[kRows];
     const float* sxr[kRows];
     const float* qsr[kRows];
+    const int32_t* n8r[kRows];
+    const uint16_t* br[kRows];
     float* orow[kRows];
     for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += kRows) {
       const int n = (int)std::min<int64_t>(kRows, count[e + 1] - r0);
@@ -335,9 +440,13 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
         qr[i] = &hq[w4a8 ? r * hbuf : 0];
         sxr[i] = &hsx[r * ngi];
         qsr[i] = &hqs[r * ngi];
+        n8r[i] = &hn8[r * ngi];
+        br[i] = &hbits[dot16 ? r * hbl : 0];
         orow[i] = &y[r * ldy + tile * 8];
       }
-      if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(P.dn, e * P.h8 + tile, qr, sxr, qsr, orow, n);
+      if (dot16) zmm_bf16_unit_rows<1>(P.dn, e * P.h8, item, P.h8, br, orow, n);
+      else if constexpr (zmm) zmm_unit_rows<FMT, 1>(P.dn, e * P.h8, item, P.h8, qr, sxr, qsr, n8r, orow, n);
+      else if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(P.dn, e * P.h8 + tile, qr, sxr, qsr, orow, n);
       else tile_rows<FMT, 1>(P.dn, e * P.h8 + tile, xr, orow, n);
     }
   };
@@ -373,40 +482,57 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
   const int64_t kp = A.kp, ng = w4a8 ? kp / A.gs : 0, ldo = n8 * 8;
   const float* xrows = x;
   std::vector<float> xp;
-  if (kp != K || w4a8) {  // padded copies (and int8 activations for W4A8)
+  if (kp != K || w4a8 || FMT == BF16A) {  // padded copies (and int8 or bf16 activations)
     xp.assign(M * kp, 0.f);
     for (int64_t m = 0; m < M; ++m) std::memcpy(&xp[m * kp], x + m * K, sizeof(float) * K);
     xrows = xp.data();
   }
   std::vector<int8_t> xq(w4a8 ? M * kp : 1);
   std::vector<float> xsx(M * ng + 1), xqs(M * ng + 1);
+  std::vector<int32_t> xn8(M * ng + 1);
   if constexpr (w4a8)
-    for (int64_t m = 0; m < M; ++m) quantize_row(&xp[m * kp], kp, A.gs, &xq[m * kp], &xsx[m * ng], &xqs[m * ng]);
+    for (int64_t m = 0; m < M; ++m)
+      quantize_row(&xp[m * kp], kp, A.gs, &xq[m * kp], &xsx[m * ng], &xqs[m * ng], &xn8[m * ng]);
+  const bool dot16 = FMT == BF16A && cpu_has_bf16_dot();
+  const int64_t xbl = kp + (kp & 1);
+  std::vector<uint16_t> xbits(dot16 ? M * xbl : 1);
+  if constexpr (FMT == BF16A)
+    for (int64_t m = 0; m < M; ++m) round_row_bf16(&xp[m * kp], kp, dot16 ? &xbits[m * xbl] : nullptr);
   std::vector<const float*> xr(M);
   std::vector<const int8_t*> qr(M);
   std::vector<const float*> sxr(M), qsr(M);
+  std::vector<const int32_t*> n8r(M);
+  std::vector<const uint16_t*> br(M);
   for (int64_t m = 0; m < M; ++m) {
     xr[m] = xrows + m * kp;
     qr[m] = &xq[w4a8 ? m * kp : 0];
     sxr[m] = &xsx[m * ng];
     qsr[m] = &xqs[m * ng];
+    n8r[m] = &xn8[m * ng];
+    br[m] = &xbits[dot16 ? m * xbl : 0];
   }
   constexpr int kRows = kMaxMT * 16;
+  constexpr bool zmm = w4a8 && kZmm;  // an item is a unit of two tiles (w4a8_zmm.h, bf16_zmm.h)
+  const bool units = zmm || dot16;
+  const int64_t items = units ? (n8 + 1) / 2 : n8;
   // ~16 claims per thread, as in run(): few enough to keep the shared counter quiet, enough to balance
-  const int64_t chunk = std::max<int64_t>(1, n8 / (16 * std::max(1, nthreads)));
-  moegate::WorkPool::instance().parallel_for(n8, chunk, nthreads, [&](int64_t tile) {
+  const int64_t chunk = std::max<int64_t>(1, items / (16 * std::max(1, nthreads)));
+  moegate::WorkPool::instance().parallel_for(items, chunk, nthreads, [&](int64_t item) {
+    const int64_t tile = units ? 2 * item : item;
     float* orow[kRows];
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
       const int n = (int)std::min<int64_t>(kRows, M - m0);
       for (int i = 0; i < n; ++i) orow[i] = out + (m0 + i) * ldo + tile * 8;
-      if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(A, tile, &qr[m0], &sxr[m0], &qsr[m0], orow, n);
+      if (dot16) zmm_bf16_unit_rows<1>(A, 0, item, n8, &br[m0], orow, n);
+      else if constexpr (zmm) zmm_unit_rows<FMT, 1>(A, 0, item, n8, &qr[m0], &sxr[m0], &qsr[m0], &n8r[m0], orow, n);
+      else if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(A, tile, &qr[m0], &sxr[m0], &qsr[m0], orow, n);
       else tile_rows<FMT, 1>(A, tile, &xr[m0], orow, n);
     }
   });
 }
 
 // Group-padded K of a projection (quantized formats pad K to a multiple of the group size).
-inline int64_t padded_k(int64_t k, int64_t fmt, int64_t gs) { return fmt >= INT8 ? (k + gs - 1) / gs * gs : k; }
+inline int64_t padded_k(int64_t k, int64_t fmt, int64_t gs) { return is_quantized(fmt) ? (k + gs - 1) / gs * gs : k; }
 
 Problem make_problem(int64_t T, int64_t K, int64_t fmt, int64_t E, int64_t H, int64_t I, int64_t gs,
                      const void* gu_w, const uint16_t* gu_s, const uint16_t* gu_m, const void* dn_w,
@@ -431,6 +557,7 @@ int moe_dispatch(int64_t fmt, const Problem& P, const float* x, const int64_t* i
     case INT8: return run<INT8>(P, x, ids, wts, out, nthreads);
     case INT4: return run<INT4>(P, x, ids, wts, out, nthreads);
     case INT4A: return run<INT4A>(P, x, ids, wts, out, nthreads);
+    case BF16A: return run<BF16A>(P, x, ids, wts, out, nthreads);
     default: return -2;
   }
 }
@@ -443,6 +570,7 @@ int linear_dispatch(int64_t fmt, const Mat& A, const float* x, float* out, int64
     case INT8: run_linear<INT8>(A, x, out, M, K, n8, nthreads); return 0;
     case INT4: run_linear<INT4>(A, x, out, M, K, n8, nthreads); return 0;
     case INT4A: run_linear<INT4A>(A, x, out, M, K, n8, nthreads); return 0;
+    case BF16A: run_linear<BF16A>(A, x, out, M, K, n8, nthreads); return 0;
     default: return -2;
   }
 }
@@ -476,6 +604,24 @@ int moegate_is_avx2() {
   return 1;
 #else
   return 0;
+#endif
+}
+
+// Whether bf16_a16 runs on AVX-512 BF16 vdpbf16ps here (the avx512 build on a CPU that has it).
+int moegate_has_bf16_dot() { return cpu_has_bf16_dot() ? 1 : 0; }
+
+// The SIMD path of this build, for logs and benchmark reports.
+const char* moegate_simd_path() {
+#if defined(MOEGATE_ZMM)
+  if (cpu_has_bf16_dot())
+    return "avx512: W4A8 zmm vpdpbusd, bf16_a16 zmm vdpbf16ps (16 rows x up to 8 tokens per weight block)";
+  return "avx512: W4A8 zmm vpdpbusd (16 rows x up to 8 tokens per weight block)";
+#elif defined(MOEGATE_VNNI)
+  return "avx512: W4A8 ymm vpdpbusd";
+#elif defined(MOEGATE_AVX2)
+  return "avx2: W4A8 maddubs";
+#else
+  return "generic: plain loops";
 #endif
 }
 

@@ -11,7 +11,10 @@
 #include <immintrin.h>
 #define MOEGATE_AVX2 1
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define MOEGATE_VNNI 1  // the avx512 variant: 256-bit EVEX vpdpbusd for the int4 (W4A8) dot products
+#define MOEGATE_VNNI 1  // the avx512 variant
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define MOEGATE_ZMM 1  // 512-bit W4A8 units (w4a8_zmm.h): 16 output rows per vpdpbusd, up to 8 rows per block
+#endif
 #endif
 #endif
 
@@ -53,15 +56,12 @@ struct I8 {  // 8 int32 lanes
 inline I8 i_zero() { return {_mm256_setzero_si256()}; }
 inline I8 i_add(I8 a, I8 b) { return {_mm256_add_epi32(a.v, b.v)}; }
 inline V8 i_cvt(I8 a) { return {_mm256_cvtepi32_ps(a.v)}; }
-// acc_lo[row] + acc_hi[row] += sum over the 8 k of u[row][k] * q[k]; q = 8 int8 activations for this
-// k block. Two accumulator sets give the VNNI path two independent dependency chains (integer sums:
-// how they are split does not change the result); the AVX2 and generic paths use acc_lo only.
+// acc[row] += sum over the 8 k of u[row][k] * q[k]; q = 8 int8 activations for this k block (exact
+// integer sums). The avx512 build runs W4A8 on zmm instead (w4a8_zmm.h).
 template <int R8, int MT>
-inline void w4a8_block(const U4* w, const int8_t* const* q, int64_t off, I8 (*acc_lo)[R8], I8 (*acc_hi)[R8]) {
+inline void w4a8_block(const U4* w, const int8_t* const* q, int64_t off, I8 (*acc)[R8]) {
   const __m256i m15 = _mm256_set1_epi8(15);
-#ifndef MOEGATE_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
-#endif
   __m256i lo[R8], hi[R8];
   for (int r = 0; r < R8; ++r) {
     lo[r] = _mm256_and_si256(w[r].v, m15);
@@ -73,14 +73,8 @@ inline void w4a8_block(const U4* w, const int8_t* const* q, int64_t off, I8 (*ac
     std::memcpy(&b, q[m] + off + 4, 4);
     const __m256i xa = _mm256_set1_epi32(a), xb = _mm256_set1_epi32(b);
     for (int r = 0; r < R8; ++r) {
-#ifdef MOEGATE_VNNI
-      // u8 x s8 four-way dot products straight into int32: the same exact integer sums as below
-      acc_lo[m][r].v = _mm256_dpbusd_epi32(acc_lo[m][r].v, lo[r], xa);
-      acc_hi[m][r].v = _mm256_dpbusd_epi32(acc_hi[m][r].v, hi[r], xb);
-#else
       __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xa), _mm256_maddubs_epi16(hi[r], xb));
-      acc_lo[m][r].v = _mm256_add_epi32(acc_lo[m][r].v, _mm256_madd_epi16(p, ones));
-#endif
+      acc[m][r].v = _mm256_add_epi32(acc[m][r].v, _mm256_madd_epi16(p, ones));
     }
   }
 }
@@ -140,7 +134,7 @@ inline I8 i_zero() { I8 r; for (int i = 0; i < 8; ++i) r.v[i] = 0; return r; }
 inline I8 i_add(I8 a, I8 b) { I8 r; for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] + b.v[i]; return r; }
 inline V8 i_cvt(I8 a) { V8 r; for (int i = 0; i < 8; ++i) r.v[i] = (float)a.v[i]; return r; }
 template <int R8, int MT>
-inline void w4a8_block(const U4* w, const int8_t* const* q, int64_t off, I8 (*acc)[R8], I8 (*)[R8]) {
+inline void w4a8_block(const U4* w, const int8_t* const* q, int64_t off, I8 (*acc)[R8]) {
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R8; ++r)
       for (int i = 0; i < 8; ++i) {

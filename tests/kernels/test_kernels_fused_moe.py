@@ -29,6 +29,9 @@ TOKENS_TOPK = [(1, 1), (2, 8), (3, 2), (8, 4), (17, 3), (64, 8)]
 NUM_EXPERTS = 8
 
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="C++ kernel could not be built here")
+# Every compiled path this machine can run: plain loops, AVX2 (maddubs), AVX-512 (W4A8 on zmm vpdpbusd).
+VARIANTS = ["generic", "avx2", *(["avx512"] if vnni_capable(detect()) else [])]
+FORMATS = ["fp32", "bf16", "int8", "int4", "int4_asym", "bf16_a16"]
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -58,6 +61,43 @@ def test_generic_variant_matches_reference(fmt: str, gs: int | None) -> None:
         x = torch.randn(t, 200, generator=torch.Generator().manual_seed(n))
         ids, w = random_routing(t, k, NUM_EXPERTS, seed=n, skip_frac=0.2)
         assert_close(fused_moe(x, ids, w, packed, variant="generic"), fused_moe_reference(x, ids, w, packed))
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_variant_matches_reference(variant: str, fmt: str) -> None:
+    """Each compiled path against the torch reference: H = 200 (an odd number of 8-row output tiles, so
+    the zmm path's last down unit is a single tile), I = 72, 1..64 tokens (up to 8 rows per weight block)."""
+    if variant == "avx512":  # the build these tests force: zmm W4A8, and vdpbf16ps where the CPU has it
+        lib = build.load("avx512")
+        assert lib.moegate_is_vnni() == 1 and lib.moegate_has_bf16_dot() == int(detect().avx512_bf16)
+    packed = pack_experts(*random_experts(NUM_EXPERTS, 200, 72), fmt, progress=False)
+    for n, (t, k) in enumerate([*TOKENS_TOPK, (16, 8), (40, 4)]):
+        x = torch.randn(t, 200, generator=torch.Generator().manual_seed(n))
+        ids, w = random_routing(t, k, NUM_EXPERTS, seed=n, skip_frac=0.1 if n % 2 else 0.0)
+        assert_close(fused_moe(x, ids, w, packed, variant=variant), fused_moe_reference(x, ids, w, packed))
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_variant_row_is_bitwise_batch_invariant(variant: str, fmt: str) -> None:
+    """A row's bits alone equal its bits in a batch of M = 1..16 rows, at any position and under any
+    permutation of the other rows (the rows share few experts, so each weight block serves up to 8 rows
+    at once in the zmm path), with 1 or 2 threads."""
+    h, i, e = 200, 72, 4
+    packed = pack_experts(*random_experts(e, h, i), fmt, progress=False)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(16, h, generator=gen)
+    ids, w = random_routing(16, 3, e, seed=11, skip_frac=0.1)
+    alone = torch.cat([fused_moe(x[r:r + 1], ids[r:r + 1], w[r:r + 1], packed, variant=variant, num_threads=1)
+                       for r in range(16)])
+    for m in range(1, 17):
+        for trial in range(2):
+            rows = torch.randperm(16, generator=gen)[:m]
+            out = fused_moe(x[rows], ids[rows], w[rows], packed, variant=variant, num_threads=1 + trial)
+            assert torch.equal(out, alone[rows]), (m, trial)
 
 
 def test_variant_selection() -> None:

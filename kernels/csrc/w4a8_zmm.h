@@ -1,0 +1,201 @@
+// W4A8 on 512-bit AVX-512 VNNI (the avx512 variant): 16 output rows per zmm, up to 8 activation rows
+// per weight block. Included by moe_cpu.cpp after tile_dot_w4a8.
+//
+// A "unit" is 16 output lanes: a gate_up tile (its 8 gate rows and 8 up rows are one contiguous 64-byte
+// block per k block) or two adjacent R8 = 1 tiles (down, dense layers: two 32-byte loads joined), or one
+// R8 = 1 tile (the last of an odd count; the upper lanes compute zeros). Each weight block is loaded and
+// unpacked once and used by MT activation rows (MT <= 8): at prefill sizes the weights stay in registers
+// instead of being re-read and re-unpacked per row, and one vpdpbusd does 16 rows x 4 k.
+//
+// The arithmetic per row is the avx2 / generic path's, bit for bit: the integer sums are exact whatever
+// the accumulator split, and each group adds fma(s * sx, sum(u q) - 8 sum(q), acc) (int4; the integer
+// accumulator starts at -8 sum(q), so the converted value is the same exact integer) or
+// fma(s * sx, sum(u q), acc) then fma(m * sx, sum(q), acc) (int4_asym), in group order. Nothing depends
+// on MT or on which rows share the call, so a row's result is batch-invariant.
+#pragma once
+
+#ifdef MOEGATE_ZMM
+
+namespace {
+
+enum ZmmUnit { kContig = 0, kPair = 1, kSingle = 2 };
+
+struct ZmmOperand {  // one 16-lane unit of a tiled int4 projection
+  const uint8_t* w0;  // lanes 0-7 (kContig: all 16) weight blocks, wstride bytes apart per k block
+  const uint8_t* w1;  // lanes 8-15 (kPair)
+  const uint16_t* s0;  // fp16 scales of lanes 0-7 (kContig: 0-15), sstride apart per group
+  const uint16_t* s1;
+  const uint16_t* m0;  // int4_asym mins, same layout as the scales
+  const uint16_t* m1;
+  int64_t wstride, sstride, kp, gs;
+  int64_t tile_bytes;  // bytes of one 8-row tile's weights (kPair prefetch)
+};
+
+template <int MODE>
+inline __m512i zmm_weights(const ZmmOperand& A, int64_t kb) {
+  if constexpr (MODE == kContig) return _mm512_loadu_si512(A.w0 + kb * A.wstride);
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(A.w0 + kb * A.wstride));
+  if constexpr (MODE == kSingle) return _mm512_zextsi256_si512(lo);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(A.w1 + kb * A.wstride)), 1);
+}
+
+template <int MODE>
+inline __m512 zmm_f16(const uint16_t* p0, const uint16_t* p1) {
+  if constexpr (MODE == kContig) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0)));
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0));
+  if constexpr (MODE == kSingle) return _mm512_cvtph_ps(_mm256_zextsi128_si256(lo));
+  return _mm512_cvtph_ps(
+      _mm256_inserti128_si256(_mm256_castsi128_si256(lo), _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1));
+}
+
+inline void zmm_prefetch(const uint8_t* p) { __builtin_prefetch(p + kPrefetch, 0, 3); }
+
+// A pair of tiles is two streams tile_bytes apart, and the tiles of consecutive units are contiguous
+// (t, t+1 now; t+2, t+3 next). Each stream prefetches kPrefetch / 2 ahead of itself (the two together
+// keep kPrefetch in flight, as one stream does); past its tile's end the target moves on to the same
+// stream of the next unit (one tile further), not into the other stream's current tile: prefetching
+// both at + kPrefetch fetched tile t+1 twice and tile t+3 never (measured: down at M = 1 stalled on
+// every load of the second stream).
+template <class T>
+inline void pair_prefetch(const T* w0, const T* w1, int64_t off_bytes, int64_t tile_bytes) {
+  int64_t y = off_bytes + kPrefetch / 2;
+  if (y >= tile_bytes) y += tile_bytes;
+  __builtin_prefetch(reinterpret_cast<const char*>(w0) + y, 0, 3);
+  __builtin_prefetch(reinterpret_cast<const char*>(w1) + y, 0, 3);
+}
+
+// out[m][0 .. 16) (kSingle: [0 .. 8)) = unit rows . dequant(q[m]) for MT activation rows. q[m]: int8
+// activations, sx[m] / qs[m]: per-group scale and sum(q) as float, n8[m]: per-group -8 * sum(q) (int32).
+template <int FMT, int MODE, int MT>
+void zmm_w4a8(const ZmmOperand& A, const int8_t* const* q, const float* const* sx, const float* const* qs,
+              const int32_t* const* n8, float* const* out) {
+  // Independent integer chains per row: lo / hi nibbles and k-block parity when few rows would leave the
+  // vpdpbusd latency exposed (exact integer sums: the split never changes a result).
+  constexpr int NC = MT >= 4 ? 1 : MT >= 2 ? 2 : 4;
+  const __m512i m15 = _mm512_set1_epi8(15);
+  __m512 acc[MT];
+  #pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t ng = A.kp / A.gs, bpg = A.gs / 8;  // groups, k blocks per group
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512i isum[NC][MT];
+    #pragma GCC unroll 16
+    for (int m = 0; m < MT; ++m) {
+      isum[0][m] = FMT == INT4 ? _mm512_set1_epi32(n8[m][g]) : _mm512_setzero_si512();
+      #pragma GCC unroll 16
+      for (int c = 1; c < NC; ++c) isum[c][m] = _mm512_setzero_si512();
+    }
+    // clo / chi (the accumulator sets) are compile-time constants: sums indexed at run time would spill
+    auto block = [&](int64_t kb, auto clo_c, auto chi_c) {
+      constexpr int clo = decltype(clo_c)::value, chi = decltype(chi_c)::value;
+      if constexpr (MODE == kContig) zmm_prefetch(A.w0 + kb * A.wstride);
+      else if (!(kb & 1)) {  // 32-byte blocks: one prefetch per 64-byte line of each stream
+        if constexpr (MODE == kPair) pair_prefetch(A.w0, A.w1, kb * A.wstride, A.tile_bytes);
+        else zmm_prefetch(A.w0 + kb * A.wstride);
+      }
+      const __m512i w = zmm_weights<MODE>(A, kb);
+      const __m512i lo = _mm512_and_si512(w, m15), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m15);
+      #pragma GCC unroll 16
+      for (int m = 0; m < MT; ++m) {
+        int32_t a, b;
+        std::memcpy(&a, q[m] + kb * 8, 4);
+        std::memcpy(&b, q[m] + kb * 8 + 4, 4);
+        isum[clo][m] = _mm512_dpbusd_epi32(isum[clo][m], lo, _mm512_set1_epi32(a));
+        isum[chi][m] = _mm512_dpbusd_epi32(isum[chi][m], hi, _mm512_set1_epi32(b));
+      }
+    };
+    const int64_t kb0 = g * bpg;
+    int64_t j = 0;
+    if constexpr (NC == 4) {
+      for (; j + 2 <= bpg; j += 2) {
+        block(kb0 + j, std::integral_constant<int, 0>{}, std::integral_constant<int, 1>{});
+        block(kb0 + j + 1, std::integral_constant<int, 2>{}, std::integral_constant<int, 3>{});
+      }
+    }
+    for (; j < bpg; ++j) block(kb0 + j, std::integral_constant<int, 0>{}, std::integral_constant<int, NC >= 2 ? 1 : 0>{});
+    #pragma GCC unroll 16
+    for (int c = 1; c < NC; ++c)
+      #pragma GCC unroll 16
+      for (int m = 0; m < MT; ++m) isum[0][m] = _mm512_add_epi32(isum[0][m], isum[c][m]);
+    const __m512 s = zmm_f16<MODE>(A.s0 + g * A.sstride, A.s1 + g * A.sstride);
+    if constexpr (FMT == INT4) {
+      #pragma GCC unroll 16
+      for (int m = 0; m < MT; ++m)
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(sx[m][g])), _mm512_cvtepi32_ps(isum[0][m]), acc[m]);
+    } else {
+      const __m512 b = zmm_f16<MODE>(A.m0 + g * A.sstride, A.m1 + g * A.sstride);
+      #pragma GCC unroll 16
+      for (int m = 0; m < MT; ++m) {
+        const __m512 sxv = _mm512_set1_ps(sx[m][g]);
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(s, sxv), _mm512_cvtepi32_ps(isum[0][m]), acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(b, sxv), _mm512_set1_ps(qs[m][g]), acc[m]);
+      }
+    }
+  }
+  #pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) {
+    if constexpr (MODE == kSingle) _mm256_storeu_ps(out[m], _mm512_castps512_ps256(acc[m]));
+    else _mm512_storeu_ps(out[m], acc[m]);
+  }
+}
+
+template <int FMT, int MODE>
+void zmm_rows(const ZmmOperand& A, const int8_t* const* q, const float* const* sx, const float* const* qs,
+              const int32_t* const* n8, float* const* out, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) zmm_w4a8<FMT, MODE, 8>(A, q + i, sx + i, qs + i, n8 + i, out + i);
+  switch (n - i) {
+    case 7: zmm_w4a8<FMT, MODE, 7>(A, q + i, sx + i, qs + i, n8 + i, out + i); break;
+    case 6: zmm_w4a8<FMT, MODE, 6>(A, q + i, sx + i, qs + i, n8 + i, out + i); break;
+    case 5: zmm_w4a8<FMT, MODE, 5>(A, q + i, sx + i, qs + i, n8 + i, out + i); break;
+    case 4: zmm_w4a8<FMT, MODE, 4>(A, q + i, sx + i, qs + i, n8 + i, out + i); break;
+    case 3: zmm_w4a8<FMT, MODE, 3>(A, q + i, sx + i, qs + i, n8 + i, out + i); break;
+    case 2: zmm_w4a8<FMT, MODE, 2>(A, q + i, sx + i, qs + i, n8 + i, out + i); break;
+    case 1: zmm_w4a8<FMT, MODE, 1>(A, q + i, sx + i, qs + i, n8 + i, out + i); break;
+    default: break;
+  }
+}
+
+// Up to this many activation rows a pair of 8-row tiles runs as two single tiles in sequence: the
+// weights then stream from one address range (two interleaved streams measured ~3% slower at M = 1),
+// and the idle upper lanes cost nothing while the call waits on memory.
+constexpr int kSequentialRows = 2;
+
+// Unit `u` of a tiled projection: for R8 = 2 the gate_up tile u (16 lanes, contiguous); for R8 = 1 the
+// tiles 2u and 2u + 1 (the second only if it exists: n8 tiles in all, counted from `first` tile).
+template <int FMT, int R8>
+void zmm_unit_rows(const Mat& M, int64_t first, int64_t u, int64_t n8, const int8_t* const* q,
+                   const float* const* sx, const float* const* qs, const int32_t* const* neg8, float* const* out,
+                   int n) {
+  const int64_t ng = M.kp / M.gs, kb = M.kp / 8;
+  const uint8_t* w = static_cast<const uint8_t*>(M.w);
+  if constexpr (R8 == 2) {
+    const int64_t t = first + u;
+    const uint16_t* mn = FMT == INT4A ? M.mins + t * ng * 16 : nullptr;
+    const ZmmOperand A{w + t * kb * 64, nullptr, M.scales + t * ng * 16, nullptr, mn, nullptr, 64, 16, M.kp, M.gs,
+                       kb * 64};
+    zmm_rows<FMT, kContig>(A, q, sx, qs, neg8, out, n);
+  } else {
+    const int64_t t = first + 2 * u;
+    const bool pair = 2 * u + 1 < n8;
+    const uint16_t* mn = FMT == INT4A ? M.mins + t * ng * 8 : nullptr;
+    const ZmmOperand A{w + t * kb * 32, w + (t + 1) * kb * 32, M.scales + t * ng * 8, M.scales + (t + 1) * ng * 8,
+                       mn, mn ? mn + ng * 8 : nullptr, 32, 8, M.kp, M.gs, kb * 32};
+    if (pair && n > kSequentialRows) {
+      zmm_rows<FMT, kPair>(A, q, sx, qs, neg8, out, n);
+    } else {  // one tile after the other: one sequential weight stream (memory-bound few-row calls)
+      zmm_rows<FMT, kSingle>(A, q, sx, qs, neg8, out, n);
+      if (pair) {
+        float* out1[kSequentialRows];
+        for (int i = 0; i < n; ++i) out1[i] = out[i] + 8;
+        const ZmmOperand B{A.w1, nullptr, A.s1, nullptr, A.m1, nullptr, 32, 8, M.kp, M.gs, kb * 32};
+        zmm_rows<FMT, kSingle>(B, q, sx, qs, neg8, out1, n);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+#endif  // MOEGATE_ZMM
