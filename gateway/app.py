@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -223,7 +224,8 @@ def _start(settings: Settings, metrics: Metrics):
                                     defer=defer, placement=placement, exact_lm_head=exact_lm_head,
                                     fast_lm_head=fast_lm_head, fast_dense=fast_dense,
                                     disk_cache_dir=str(_kv_dir(settings)),
-                                    redis_url=settings.redis_url, progress=False))
+                                    redis_url=settings.redis_url,
+                                    progress=sys.stderr.isatty()))  # load bars on a terminal, not in logs
     if engine.tokenizer is None:
         raise ValueError(f"{settings.model} has no tokenizer.json; the gateway needs one")
     tok = TokenizerInfo.from_file(Path(settings.model) / "tokenizer.json", sorted(engine.eos_token_ids))
