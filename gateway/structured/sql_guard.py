@@ -231,19 +231,18 @@ class SQLScopeGuard:
         drop = np.zeros(len(out) * 32, dtype=bool)  # the vetoed tokens
         keep = bits & tt.delim
         if s.dot_q is not None:  # identifier-only tokens extend the column name: a prefix test
-            columns = s.columns_for(s.dot_q)
-            if columns:
-                prefixes = {c[:k] for c in columns for k in range(len(c) + 1)}
-                drop[[t for t in np.flatnonzero(bits & ~tt.delim).tolist() if s.word + tt.lower[t] not in prefixes]] = True
-                if not s.mode:  # (inside quotes every other token is simulated)
-                    ends = np.zeros(len(tt.texts), dtype=bool)  # tokens whose leading identifier ends a column
-                    for c in columns:
-                        if c.startswith(s.word) and (ids := tt.leads.get(c[len(s.word):])) is not None:
-                            ends[ids] = True
-                    if not s.word:  # a quoted column name may start
-                        ends |= tt.quote_start
-                    drop[: len(keep)] |= keep & ~ends
-                    keep &= ends
+            columns = s.columns_for(s.dot_q, quoted=bool(s.mode))
+            prefixes = {c[:k] for c in columns for k in range(len(c) + 1)}
+            drop[[t for t in np.flatnonzero(bits & ~tt.delim).tolist() if s.word + tt.lower[t] not in prefixes]] = True
+            if not s.mode:  # (inside quotes every other token is simulated)
+                ends = np.zeros(len(tt.texts), dtype=bool)  # tokens whose leading identifier ends a column
+                for c in columns:
+                    if c.startswith(s.word) and (ids := tt.leads.get(c[len(s.word):])) is not None:
+                        ends[ids] = True
+                if not s.word:  # a quoted column name may start
+                    ends |= tt.quote_start
+                drop[: len(keep)] |= keep & ~ends
+                keep &= ends
         elif s.mode and s.mode != s.string:  # inside a quoted name: the few tokens the grammar allows there
             if s.pool is not None:
                 prefixes = {w[:k] for w in s.pool.words for k in range(len(w) + 1)}
@@ -282,8 +281,9 @@ class SQLScopeGuard:
                             sim[ids] = True
             keep &= sim
         cands = np.flatnonzero(keep)
-        drop[self._qualifier_heads(cands, tt.qual[cands] >= 0)] = True
-        cands = cands[tt.qual[cands] < 0]
+        fast = (tt.qual[cands] >= 0) & ~tt.tailed[cands]  # `q.` with nothing after the dot
+        drop[self._qualifier_heads(cands, fast)] = True
+        cands = cands[~fast]
         heads = tt.head[cands]
         order = np.argsort(heads, kind="stable")
         cands, heads = cands[order], heads[order]
@@ -299,8 +299,10 @@ class SQLScopeGuard:
             if state.mode and state.mode != state.string:  # the tail starts a quoted name
                 if state.pool is not None and (tailed := members[tt.tailed[members]]).size:
                     drop[[t for t in tailed.tolist() if not state.pool.admits(tt.lower[t][len(tt.heads[h]):])]] = True
-            elif state.dot_q is not None:  # the identifier tail starts a column name: check each
-                drop[[t for t in members.tolist() if not self.allows([t], final=False)]] = True
+            elif state.dot_q is not None:  # the identifier tail starts a column name: a prefix of one
+                if (tailed := members[tt.tailed[members]]).size:
+                    pool = WordPool(frozenset(state.columns_for(state.dot_q)), frozenset())
+                    drop[tailed[~(_tail_mask(tt, pool) & ~tt.digit_tail)[tailed]]] = True
             elif (tailed := members[tt.tailed[members]]).size and not state.word and not state.mode:
                 if (pool := state.word_pool()) is not None:
                     drop[tailed[~_tail_mask(tt, pool)[tailed]]] = True

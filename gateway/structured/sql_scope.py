@@ -7,7 +7,7 @@ grammar admits any alias and this guard binds them while decoding:
 - a qualifier (`q.`) must name an alias/table declared by the current or an enclosing scope, or
   else is recorded as *pending* in the innermost scope whose FROM has not started yet (none: veto);
 - the column after `q.` must be a column of q's table, checked on every character (a pending
-  qualifier that is not a table's name may take any name: it can still be bound to a derived table);
+  qualifier that is not a table's name: a column of some table, CTE or derived table known so far);
 - an unqualified name in a SELECT list before its FROM must be a column of some table, CTE or
   derived table known so far; it is recorded and must resolve to exactly one source of the scope
   (or an enclosing one) once FROM ends, and a FROM source that would make it ambiguous is refused;
@@ -35,6 +35,9 @@ _CLAUSE_END = frozenset(("where", "group", "having", "order", "limit", "union", 
 _JOIN_WORDS = frozenset(("inner", "left", "right", "full", "outer", "cross", "natural"))
 _QUOTE_CLOSE = {'"': '"', "`": "`", "[": "]"}
 _BARE = re.compile(r"[a-z_][a-z0-9_]*\Z")  # a name the grammar takes unquoted (unless a keyword)
+_AFTER_SOURCE = frozenset(("join", "inner", "left", "right", "full", "cross", "on", "using", "where", "group",
+                           "having", "order", "limit", "union", "intersect", "except"))
+_WINDOW_WORDS = frozenset(("partition", "order", "rows", "range"))  # after "(" only in OVER (...)
 _BANNED = ("where", "group", "having", "order", "limit", "union", "intersect", "except", "offset")
 
 
@@ -51,7 +54,7 @@ class _Frame:
     source: bool = False  # opened where FROM expects a source (a derived table)
     cte: str | None = None  # opened as the body of this CTE
     phase: str = "start"  # start | select | from | after
-    expect: str = "source"  # in FROM: source | after_source | alias | on
+    expect: str = "source"  # in FROM: source | after_source | alias | aliased | on | using
     declared: dict[str, str] = field(default_factory=dict)  # alias -> source (table, CTE or "#n" derived)
     pending: dict[str, set[str]] = field(default_factory=dict)  # qualifier -> columns used before FROM
     bare: set[str] = field(default_factory=set)  # unqualified names used before FROM
@@ -63,12 +66,13 @@ class _Frame:
     first: bool = True  # in its first SELECT (its output columns are that list's)
     outputs: frozenset[str] | None = None  # its output columns, once the first SELECT ended
     with_state: str = ""  # in WITH: name (a CTE name is next) | as | body | after
+    over: bool = False  # the parenthesis of a window (OVER (...))
 
     def clone(self) -> _Frame:
         return _Frame(self.scope, self.fresh, self.source, self.cte, self.phase, self.expect, dict(self.declared),
                       {q: set(c) for q, c in self.pending.items()}, set(self.bare), self.source_name,
                       set(self.aliases), self.clause, list(self.item), list(self.names), self.first,
-                      self.outputs, self.with_state)
+                      self.outputs, self.with_state, self.over)
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,9 @@ class SQLScope:
     def _is_column(self, name: str) -> bool:
         """A column of some table, CTE or derived table (SQLite reads any other "..." as a string)."""
         return any(name in cols for cols in self.tables.values()) or any(name in c for c in self.derived.values())
+
+    def _all_columns(self) -> frozenset[str]:
+        return frozenset().union(*self.tables.values(), *self.derived.values())
 
     def _is_source(self, name: str) -> bool:
         return name in self.tables or name in self.ctes
@@ -278,7 +285,7 @@ class SQLScope:
         f = self._scope()
         if self.dot_q is not None:  # the column of a qualified reference (checked as it was typed)
             q, self.dot_q = self.dot_q, None
-            self._column(q, w, final=True)
+            self._column(q, w, final=True, quoted=quoted)
             self._item(f, "w", w)
             self.last, self.at = None, ""
             return
@@ -297,9 +304,9 @@ class SQLScope:
             self._finish_item(f)
         if kw and kw not in ("from",) and not (kw in _CLAUSE_END and level):
             self._item(f, "v" if kw in ("end", "null", "true", "false") else "k", kw)
-        elif not kw and follow not in ".(":
+        elif not kw and follow not in (".", "("):
             self._item(f, "w", w)
-        if not kw and follow not in ".(" and before in self._before_operand() and w not in self._functions() \
+        if not kw and follow not in (".", "(") and before in self._before_operand() and w not in self._functions() \
                 and not (f.phase == "from" and f.expect in ("source", "after_source", "alias", "using") and level):
             self._name(f, w)
         if kw == "select":
@@ -342,6 +349,8 @@ class SQLScope:
 
     def _name(self, f: _Frame, w: str) -> None:
         """An unqualified column (or, in GROUP BY/HAVING/ORDER BY, a SELECT-list alias) as an operand."""
+        if f.phase == "from" and f.expect == "using":
+            return  # USING (c): a column of both sides
         if f.phase in ("start", "select"):
             f.bare.add(w)
         elif self._resolves(f, w) or (f.clause in ("group", "having", "order") and w in f.aliases):
@@ -360,41 +369,35 @@ class SQLScope:
             f.expect = "after_source"
         elif kw == "join":
             f.expect = "source"
-        elif f.expect in ("on", "using") or kw in _JOIN_WORDS:
-            return
-        elif kw in ("on", "using"):
+        elif kw in ("on", "using") and f.expect in ("after_source", "aliased"):
             f.expect = kw  # (USING names a column of both sides)
+        elif f.expect in ("on", "using", "aliased") or kw in _JOIN_WORDS:
+            return
         elif kw == "as" and f.expect == "after_source":
             f.expect = "alias"
         elif f.expect in ("alias", "after_source"):
             self._declare(f, w)
-            f.expect, f.source_name = "on", None  # nothing but a join or an end may follow
+            f.expect, f.source_name = "aliased", None  # nothing but a join, ON/USING or an end may follow
 
-    def _column(self, q: str, col: str, final: bool) -> None:
+    def _column(self, q: str, col: str, final: bool, quoted: bool = False) -> None:
+        host = next((f for f in reversed(self.stack) if f.scope and f.phase in ("start", "select")), None)
         src = self._lookup(q)
-        if src is not None:
-            cols = self._cols(src)
-            ok = col in cols if final else any(c.startswith(col) for c in cols)
-        else:
-            host = next((f for f in reversed(self.stack) if f.scope and f.phase in ("start", "select")), None)
-            if host is None:
-                raise _Veto(f"qualifier {q} is not bound")
-            if self._is_source(q):  # a table's or a CTE's own name: its columns
-                cols = self._cols(q)
-                ok = col in cols if final else any(c.startswith(col) for c in cols)
-            else:  # an alias FROM has yet to declare (of a table, a CTE or a derived table)
-                ok = True
-            if ok and final:
-                host.pending.setdefault(q, set()).add(col)
-        if not ok:
+        if src is None and host is None:
+            raise _Veto(f"qualifier {q} is not bound")
+        cols = self.columns_for(q, quoted)
+        if not (col in cols if final else any(c.startswith(col) for c in cols)):
             raise _Veto(f"{col} is not a column of {q}")
+        if src is None and final:
+            host.pending.setdefault(q, set()).add(col)
 
-    def columns_for(self, q: str) -> set[str]:
-        """Columns that may follow `q.` now (empty: any, an alias still to be declared)."""
+    def columns_for(self, q: str, quoted: bool = False) -> frozenset[str]:
+        """Columns that may follow `q.` now: of its source; of a table or CTE of that name, or of any
+        known one, when FROM has yet to declare it. Unquoted: only those written bare."""
         src = self._lookup(q)
-        if src is not None:
-            return set(self._cols(src))
-        return set(self._cols(q)) if self._is_source(q) else set()
+        if src is None:
+            src = q if self._is_source(q) else None
+        cols = self._cols(src) if src is not None else self._all_columns()
+        return cols if quoted else _bare(cols, self._keywords())
 
     def word_pool(self, at: str | None = None, quoted: bool = False) -> WordPool | None:
         """What an unquoted word starting here (after `at`, default the last word or punctuation) may
@@ -414,6 +417,9 @@ class SQLScope:
             ok = {t for t in self.tables if not any(n in self.tables[t] and self._matches(f, n) for n in f.bare)}
             ok |= {c for c in self.ctes if not any(n in self.derived[c] and self._matches(f, n) for n in f.bare)}
             return WordPool(bare(ok), frozenset())
+        if f.phase == "from" and f.expect == "after_source" and self.stack[-1] is f and f.source_name in f.pending:
+            # a table used as a qualifier before FROM keeps its name: no alias, only what may follow one
+            return WordPool(_AFTER_SOURCE, frozenset())
         if at not in self.words.before_operand:
             return None
         if not (f.phase == "after" or (f.phase == "from" and f.expect == "on")):
@@ -427,7 +433,10 @@ class SQLScope:
             ends |= bare(f.aliases)
         if quoted:
             return WordPool(frozenset(ends), frozenset())
-        ends |= self.words.operand | self.words.after.get(at, frozenset())
+        after = self.words.after.get(at, frozenset())
+        if at == "(" and not self.stack[-1].over:
+            after = after - _WINDOW_WORDS
+        ends |= self.words.operand | after
         quals = {q for g in scopes for q in g.declared}
         return WordPool(frozenset(ends), bare(quals - ends))
 
@@ -480,7 +489,7 @@ class SQLScope:
             else:
                 self.word += ch.lower()
                 if self.dot_q is not None:
-                    self._column(self.dot_q, self.word, final=False)
+                    self._column(self.dot_q, self.word, final=False, quoted=True)
                 elif self.pool is not None and not self.pool.admits(self.word):
                     raise _Veto(f"{self.word} is not a name that can be written here")
             return
@@ -521,10 +530,12 @@ class SQLScope:
             # a name: a prefix of one that can be written here (a quote that may also open a string: any)
             either = self.words is not None and ch in self.words.strings
             self.pool = self.word_pool(before, quoted=True) if self.dot_q is None and not either else None
+            if self.pool is not None and not self.pool.words:
+                raise _Veto("no quoted name can be written here")
         elif ch == "(":
             source = f.phase == "from" and f.expect == "source" and self.stack[-1] is f
             self._item(f, "p", "(")
-            frame = _Frame(scope=False, source=source)
+            frame = _Frame(scope=False, source=source, over=before == "over")
             if f.with_state == "body" and self.stack[-1] is f:
                 frame.cte, f.with_state = f.source_name, "after"
             self.stack.append(frame)
