@@ -27,8 +27,7 @@ _COMMON_SCALAR = (
 _DIALECT = {
     # https://sqlite.org/lang_corefunc.html, lang_datefunc.html, lang_mathfunc.html, lang_aggfunc.html
     "sqlite": _COMMON_SCALAR + (
-        "ifnull", "iif", "instr", "char", "hex", "unicode", "quote", "typeof", "printf", "format", "glob",
-        "like", "concat", "concat_ws", "octet_length", "pow", "log", "log10", "log2", "pi", "trunc",
+        "ifnull", "iif", "instr", "char", "hex", "unicode", "quote", "typeof", "printf", "format", "concat", "concat_ws", "octet_length", "pow", "log", "log10", "log2", "pi", "trunc",
         "date", "time", "datetime", "julianday", "unixepoch", "strftime", "timediff",
         "total", "group_concat", "string_agg",
     ),

@@ -114,7 +114,7 @@ window_spec: partition (_S order_by)? (_S frame)? | order_by (_S frame)? | frame
 partition: PARTITION _S BY _S expr (_O? "," _O? expr)*
 frame: (ROWS | RANGE) _S (BETWEEN _S bound _S AND _S bound | bound)
 bound: UNBOUNDED _S (PRECEDING | FOLLOWING) | CURRENT _S ROW | INT _S (PRECEDING | FOLLOWING)
-column_ref: column | qualifier "." (column | NEW_NAME)
+column_ref: column | qualifier "." column
 column: COLUMN
 qualifier: table | NEW_NAME
 literal: NUMBER | STRING | NULL | TRUE | FALSE
@@ -198,45 +198,24 @@ def _name_alternatives(name: str, dialect: str) -> list[str]:
     return alts
 
 
-def _arguments(least: int, most: int | None) -> str:
-    """Rule body for `least`..`most` comma-separated expressions (most None: any number)."""
-    sep = '_O? "," _O? expr'
-    body = " ".join(["expr"] + [sep] * (least - 1)) if least else ""
-    if most is None:
-        tail = f"({sep})*" if least else f"(expr ({sep})*)?"
-    else:
-        extra = most - least
-        tail = ""
-        for _ in range(extra):  # nested optionals: (, e (, e)?)?
-            tail = f"({sep} {tail})?" if least or tail != "" else f"(expr {tail})?"
-        if not least and extra:
-            inner = ""
-            for _ in range(extra - 1):
-                inner = f"({sep} {inner})?"
-            tail = f"(expr {inner})?"
-    return f"{body} {tail}".strip()
-
-
-def _function_rules(functions: tuple[str, ...], dialect: str) -> list[str]:
-    """`funcs` and one terminal per argument-count signature (from sqlglot's parser for `dialect`);
-    window functions must be followed by OVER, other aggregates may be."""
-    groups: dict[tuple[int, int | None, bool], list[str]] = {}
+def _function_rules(functions: tuple[str, ...], dialect: str) -> tuple[list[str], dict[str, list]]:
+    """`funcs` (calls without arguments, window functions with OVER, the rest) and each function's
+    argument counts from sqlglot's parser for `dialect` (the scope guard enforces them: per-arity
+    grammar rules multiply the parser's items past llguidance's limits)."""
+    groups: dict[str, list[str]] = {"FUNC_NONE": [], "FUNC_WINDOW": [], "FUNC": []}
+    arity: dict[str, list] = {}
     for f in functions:
-        if f in AGGREGATES:
-            continue
         sig = signature(dialect, f)
-        if sig is None or not _PLAIN.match(f):
+        if f in AGGREGATES or sig is None or not _PLAIN.match(f) or f.lower() in _KEYWORDS:
             continue
-        groups.setdefault((*sig, f in WINDOW), []).append(f)
-    alts, lines = [], []
-    for k, ((least, most, window), names) in enumerate(sorted(groups.items(), key=lambda g: str(g[0]))):
-        term = f"FUNC_{k}"
-        args = _arguments(least, most)
-        tail = " over" if window else ""
-        alts.append(f'{term} _O? "(" _O? {args} _O? ")"{tail}'.replace('"(" _O?  _O? ")"', '"(" _O? ")"'))
-        lines.append(f"{term}: " + " | ".join(_lit(n) for n in sorted(names)))
-    lines.insert(0, "funcs: " + (" | ".join(alts) if alts else '"\\u0000never"'))
-    return lines
+        arity[f] = list(sig)
+        groups["FUNC_NONE" if sig == (0, 0) else "FUNC_WINDOW" if f in WINDOW else "FUNC"].append(f)
+    rules = {"FUNC_NONE": 'FUNC_NONE _O? "(" _O? ")"',
+             "FUNC_WINDOW": 'FUNC_WINDOW _O? "(" _O? expr_list? _O? ")" over',
+             "FUNC": 'FUNC _O? "(" _O? expr_list? _O? ")"'}
+    lines = ["funcs: " + " | ".join(rules[g] for g, names in groups.items() if names)]
+    lines += [f"{g}: " + " | ".join(_lit(n) for n in sorted(names)) for g, names in groups.items() if names]
+    return lines, arity
 
 
 def sql_grammar(schema: DatabaseSchema, policy: SQLPolicy | None = None) -> str:
@@ -266,7 +245,8 @@ def sql_grammar(schema: DatabaseSchema, policy: SQLPolicy | None = None) -> str:
              "COLUMN: " + " | ".join(column_alts),
              "STRING: " + _STRINGS.get(dialect, _DEFAULT_STRING)]
     lines.append("AGG: " + (" | ".join(_lit(f) for f in aggs) if aggs else '"\\u0000never"'))
-    lines += _function_rules(functions, dialect)
+    func_lines, arity = _function_rules(functions, dialect)
+    lines += func_lines
     lines.append('COUNT: "count"i' if "count" in functions else 'COUNT: "\\u0000never"')
     for kw in _KEYWORDS:
         lines.append(f"{kw.upper()}: {_lit(kw)}")
@@ -276,7 +256,7 @@ def sql_grammar(schema: DatabaseSchema, policy: SQLPolicy | None = None) -> str:
         "keywords": _KEYWORDS, "functions": list(functions),
         "before_operand": _BEFORE_OPERAND, "operand": _OPERAND_KEYWORDS,
         "after": _OPERAND_AFTER, "quotes": "".join(_QUOTES[dialect]),
-        "strings": "'" + ('"' if dialect in _STRINGS else "")}))
+        "strings": "'" + ('"' if dialect in _STRINGS else ""), "arity": arity}))
     return "\n".join(lines) + "\n"
 
 

@@ -61,6 +61,7 @@ class _TokenTable:
     digit_tail: np.ndarray  # [V] bool: the identifier after its last non-identifier byte starts with a digit
     quote_start: np.ndarray  # [V] bool: starts with an identifier quote (" ` [)
     quotes: np.ndarray  # [V] bool: holds an identifier quote (" ` [ ])
+    arg_marks: np.ndarray  # [V] bool: holds "," or ")"
 
 
 @functools.lru_cache(maxsize=8)
@@ -107,7 +108,8 @@ def _token_table(tokenizer: TokenizerInfo) -> _TokenTable:
                        arrays(inners), qual, arrays(quals), arrays(idents), arrays(tails), tailed, tail_at,
                        safe, safe_comma, lead_empty, first_dot, digit_start, digit_tail,
                        np.array([t[:1] in _QUOTE_OPEN for t in texts], dtype=bool),
-                       np.array([any(q in t for q in '"`[]') for t in texts], dtype=bool))
+                       np.array([any(q in t for q in '"`[]') for t in texts], dtype=bool),
+                       np.array(["," in t or ")" in t for t in texts], dtype=bool))
 
 
 @functools.lru_cache(maxsize=64)
@@ -268,6 +270,8 @@ class SQLScopeGuard:
                         sim[ids] = True
             if s.words is not None and not s.mode:  # the identifier after the head may start a checked word
                 drop[self._safe_tails(np.flatnonzero(keep & _tail_checks(tt, s.words.before_operand)), sim)] = True
+            if any(f.func for f in s.stack):  # argument counts: "," and ")" may veto
+                sim |= tt.arg_marks
             if not s.mode and unsettled:
                 # a word that may not become a clause keyword yet (SQLScope._bans)
                 if bans := (s.banned if s.word else s._bans()):

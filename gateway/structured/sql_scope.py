@@ -67,12 +67,14 @@ class _Frame:
     outputs: frozenset[str] | None = None  # its output columns, once the first SELECT ended
     with_state: str = ""  # in WITH: name (a CTE name is next) | as | body | after
     over: bool = False  # the parenthesis of a window (OVER (...))
+    func: str = ""  # the parenthesis of this function's arguments
+    args: int = 0  # arguments begun so far
 
     def clone(self) -> _Frame:
         return _Frame(self.scope, self.fresh, self.source, self.cte, self.phase, self.expect, dict(self.declared),
                       {q: set(c) for q, c in self.pending.items()}, set(self.bare), self.source_name,
                       set(self.aliases), self.clause, list(self.item), list(self.names), self.first,
-                      self.outputs, self.with_state, self.over)
+                      self.outputs, self.with_state, self.over, self.func, self.args)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class SQLWords:
     before_operand: frozenset[str]  # a word or punctuation after which an operand starts
     operand: frozenset[str]  # keywords and functions that may start an operand
     after: dict[str, frozenset[str]]  # keywords that may also start one right after a word/punctuation
+    arity: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # function -> (least, most) arguments
     quotes: str = '"`['  # characters that open a quoted name
     strings: str = "'"  # characters that open a string literal (in both: either, e.g. SQLite's ")
 
@@ -92,7 +95,7 @@ class SQLWords:
         functions = frozenset(d["functions"])
         return cls(frozenset(d["keywords"]), functions, frozenset(d["before_operand"]),
                    frozenset(d["operand"]) | functions, {k: frozenset(v) for k, v in d["after"].items()},
-                   d.get("quotes", '"`['), d.get("strings", "'"))
+                   {f: tuple(a) for f, a in d.get("arity", {}).items()}, d.get("quotes", '"`['), d.get("strings", "'"))
 
 
 @dataclass(frozen=True)
@@ -495,8 +498,9 @@ class SQLScope:
             return
         if ch in _ID or (ch == "." and self.word[:1].isdigit()):
             if not self.word:
+                self._argument(ch)
                 self.pool = None if ch.isdigit() else self.word_pool()
-                self.banned = () if ch.isdigit() else self._bans()
+                self.banned = () if ch.isdigit() or self.dot_q is not None else self._bans()
                 self.word_at = self.at
             self.word += ch.lower()
             if self.dot_q is not None and ch != ".":
@@ -509,6 +513,7 @@ class SQLScope:
         if ch.isspace():  # (the grammar puts no whitespace before a qualifier's ".": `.5` is a number)
             self.last = None
             return
+        self._argument(ch)
         if self.fenced and ch == "`" and prev == "\n":
             self.end()
             self.done = True
@@ -535,7 +540,8 @@ class SQLScope:
         elif ch == "(":
             source = f.phase == "from" and f.expect == "source" and self.stack[-1] is f
             self._item(f, "p", "(")
-            frame = _Frame(scope=False, source=source, over=before == "over")
+            frame = _Frame(scope=False, source=source, over=before == "over",
+                           func=before if self.words is not None and before in self.words.arity else "")
             if f.with_state == "body" and self.stack[-1] is f:
                 frame.cte, f.with_state = f.source_name, "after"
             self.stack.append(frame)
@@ -565,6 +571,23 @@ class SQLScope:
             self.end()
         else:
             self._item(f, "p", ch)
+
+    def _argument(self, ch: str) -> None:
+        """Argument counts of a function call (its frame is on top): a first argument begins, a comma
+        starts one more, `)` ends the call."""
+        top = self.stack[-1]
+        if not top.func:
+            return
+        least, most = self.words.arity[top.func]
+        if ch == ")":
+            if top.args < least:
+                raise _Veto(f"{top.func} takes at least {least} arguments")
+        elif ch == "," and top.args:
+            if most is not None and top.args >= most:
+                raise _Veto(f"{top.func} takes at most {most} arguments")
+            top.args += 1
+        elif not top.args:
+            top.args = 1  # (the grammar admits no function with no argument here but FUNC_NONE's)
 
     def _complete(self, quoted: bool, follow: str) -> None:
         w, self.word = self.word, ""
