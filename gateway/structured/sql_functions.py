@@ -98,17 +98,17 @@ def signature(dialect: str, name: str) -> tuple[int, int | None] | None:
 
 @functools.lru_cache(maxsize=256)
 def function_nodes(dialect: str, name: str) -> frozenset[str]:
-    """The sqlglot expressions that `name(...)` parses to in `dialect` at each arity it takes: class
-    names, or for a function sqlglot does not model, `anonymous:<name>`."""
+    """The sqlglot expressions that `name(...)` parses to in `dialect` at each arity it takes (and
+    those it nests inside, e.g. STRFTIME's TsOrDsToTimestamp): class names, or for a function sqlglot
+    does not model, `anonymous:<name>`."""
     sig = signature(dialect, name)
     if sig is None:
         return frozenset()
     over = " OVER (ORDER BY x)" if name in WINDOW else ""
     nodes = set()
     for n in range(sig[0], (sig[1] if sig[1] is not None else _MAX_PROBE) + 1):
-        node = sqlglot.parse_one(f"SELECT {name}({', '.join(['x'] * n)}){over} FROM t", read=dialect).selects[0]
-        node = node.this if isinstance(node, exp.Window) else node
-        nodes.add(node_name(node))
+        tree = sqlglot.parse_one(f"SELECT {name}({', '.join(['x'] * n)}){over} FROM t", read=dialect)
+        nodes |= {node_name(f) for f in tree.find_all(exp.Func)}  # (with those sqlglot nests in it)
     return frozenset(nodes)
 
 

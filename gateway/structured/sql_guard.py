@@ -246,7 +246,9 @@ class SQLScopeGuard:
                 drop[: len(keep)] |= keep & ~ends
                 keep &= ends
         elif s.mode and s.mode != s.string:  # inside a quoted name: the few tokens the grammar allows there
-            if s.pool is not None:
+            if s.pool is None:  # unchecked until its closing quote (SQLite's "...": a name or a string)
+                keep &= tt.quotes
+            else:
                 prefixes = {w[:k] for w in s.pool.words for k in range(len(w) + 1)}
                 drop[[t for t in np.flatnonzero(bits & ~tt.delim).tolist() if s.word + tt.lower[t] not in prefixes]] = True
         else:
@@ -275,9 +277,12 @@ class SQLScopeGuard:
             if not s.mode and unsettled:
                 # a word that may not become a clause keyword yet (SQLScope._bans)
                 if bans := (s.banned if s.word else s._bans()):
+                    probe = s if s.word else s.clone()
+                    probe.banned = bans
                     for k in bans:
                         for end in range(len(s.word) + 1, len(k) + 1):
-                            if k.startswith(s.word) and (ids := tt.idents.get(k[len(s.word):end])) is not None:
+                            if k.startswith(s.word) and probe.only_banned(k[:end]) \
+                                    and (ids := tt.idents.get(k[len(s.word):end])) is not None:
                                 drop[ids] = True
                 for k in _BANNED:  # tokens whose identifier tail may start one: simulated below
                     for end in range(1, len(k) + 1):
@@ -311,8 +316,13 @@ class SQLScopeGuard:
                 if (pool := state.word_pool()) is not None:
                     drop[tailed[~_tail_mask(tt, pool)[tailed]]] = True
                 if bans := state._bans():  # (a word after the head may not start as a clause keyword)
-                    drop[[t for t in tailed.tolist() if any(k.startswith(tt.lower[t][len(tt.heads[h]):])
-                                                             for k in bans)]] = True
+                    state.banned = bans
+                    pieces = {k[:e] for k in bans for e in range(1, len(k) + 1) if state.only_banned(k[:e])}
+                    banned = np.zeros(len(tt.texts), dtype=bool)
+                    for p in pieces:
+                        if (ids := tt.tails.get(p)) is not None:
+                            banned[ids] = True
+                    drop[tailed[banned[tailed]]] = True
         out &= ~np.packbits(drop, bitorder="little").view(np.uint32)
 
     def _safe_tails(self, checks: np.ndarray, sim: np.ndarray) -> np.ndarray:

@@ -451,6 +451,11 @@ class SQLScope:
         self._item(self._scope(), "p", ".")
         self.dot_q = q
 
+    def only_banned(self, word: str) -> bool:
+        """`word` can only grow into a banned clause keyword (not into another keyword: OVER, OR, ...)."""
+        return any(k.startswith(word) for k in self.banned) and not any(
+            k.startswith(word) for k in self._keywords() if k not in _BANNED)
+
     def _bans(self) -> tuple[str, ...]:
         """Clause keywords a word starting here may not become: after a complete operand (or source)
         in a scope whose names used before FROM are not all bound yet."""
@@ -470,7 +475,7 @@ class SQLScope:
         """One token's text (a word it leaves half-written may not be on its way to a banned keyword)."""
         for ch in text:
             self._char(ch)
-        if self.word and self.banned and not self.mode and any(k.startswith(self.word) for k in self.banned):
+        if self.word and self.banned and not self.mode and self.only_banned(self.word):
             raise _Veto(f"{self.word} would start a clause while names are unbound")
 
     def _char(self, ch: str) -> None:
