@@ -273,14 +273,19 @@ def _sql_three(compiled, tok: TokenizerInfo, sql: str, schema: DatabaseSchema, d
     return {"grammar": grammar, "guard": guard, "validator": validator, "all": guard and validator, "rule": rule}
 
 
-def _gold(dialect: str, sql: str) -> str | None:
-    """A gold query (SQLite) in `dialect` (sqlglot's transpiler; None where it cannot)."""
+def _gold(dialect: str, sql: str, schema: DatabaseSchema) -> str | None:
+    """A gold query (SQLite) in `dialect` (sqlglot's transpiler, after SQLite's reading of "..." that
+    names no column as a string; None where it cannot)."""
     if dialect == "sqlite":
         return sql
     import sqlglot
 
+    from gateway.structured.sql_validate import _sqlite_double_quoted_strings
+
     try:
-        return sqlglot.transpile(sql, read="sqlite", write=dialect)[0]
+        tree = sqlglot.parse_one(sql, read="sqlite")
+        _sqlite_double_quoted_strings(tree, schema, [])
+        return tree.sql(dialect=dialect)
     except sqlglot.errors.SqlglotError:
         return None
 
@@ -294,7 +299,7 @@ def eval_sql(tok: TokenizerInfo, args) -> dict:
     dev = _sample(json.load(open(DATA / "sql" / "spider_dev.json")), args.sql_limit)
     adversarial = json.loads((Path(__file__).parent / "data" / "sql_adversarial.json").read_text())
     out: dict = {"queries": len(dev), "dialects": {}}
-    for dialect in SQL_DIALECTS:
+    for dialect in args.sql_dialects.split(","):
         compiled, compile_s = {}, []
         counts: Counter = Counter()
         rules: Counter = Counter()
@@ -307,7 +312,7 @@ def eval_sql(tok: TokenizerInfo, args) -> dict:
                 compiled[db], dt = compile_timed(sql_spec(schema, SQLPolicy(dialect=dialect)), tok, "llguidance",
                                                  args.compile_timeout)
                 compile_s.append(dt)
-            sql = _gold(dialect, q["query"])
+            sql = _gold(dialect, q["query"], schema)
             if sql is None:
                 untranspiled += 1
                 continue
@@ -465,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schemas-per-split", type=int, default=0, help="schemas per split, evenly spread (0: all)")
     p.add_argument("--gen-per-split", type=int, default=0, help="generations per split (0: all compiled)")
     p.add_argument("--sql-limit", type=int, default=0, help="Spider dev queries, evenly spread (0: all)")
+    p.add_argument("--sql-dialects", default=",".join(SQL_DIALECTS))
     p.add_argument("--sql-walks", type=int, default=60, help="random walks through the SQL constraint per dialect")
     p.add_argument("--timed-generations", type=int, default=50,
                    help="per split, the first N draw full Gaussian logits and time the apply; the rest draw "

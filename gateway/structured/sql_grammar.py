@@ -88,7 +88,7 @@ group_by: GROUP _S BY _S group_item (_O? "," _O? group_item)*
 group_item: expr | OUTPUT_NAME
 having: HAVING _S expr
 order_by: ORDER _S BY _S order_item (_O? "," _O? order_item)*
-order_item: (expr | OUTPUT_NAME) (_S (ASC | DESC))?
+order_item: (expr | OUTPUT_NAME) (_S (ASC | DESC))? (_S NULLS _S (FIRST | LAST))?
 
 expr: and_expr (_S OR _S and_expr)*
 and_expr: not_expr (_S AND _S not_expr)*
