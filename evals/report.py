@@ -281,8 +281,10 @@ def constraint_suite(out_dir: Path, quick: bool) -> dict:
 
     if not (suite.DATA / "jsonschemabench").is_dir():
         return {"skipped": f"no benchmark data under {suite.DATA}"}
-    limits = ["--schemas-per-split", "10", "--gen-per-split", "5", "--sql-limit", "20", "--bfcl-limit", "5"] if quick \
-        else ["--schemas-per-split", "150", "--gen-per-split", "40", "--sql-limit", "300", "--bfcl-limit", "60"]
+    limits = ["--schemas-per-split", "10", "--gen-per-split", "5", "--sql-limit", "20", "--sql-walks", "4",
+              "--bfcl-limit", "5"] if quick \
+        else ["--schemas-per-split", "150", "--gen-per-split", "40", "--sql-limit", "300", "--sql-walks", "30",
+              "--bfcl-limit", "60"]
     suite.main(["--out", str(out_dir), "--parts", "json,sql,bfcl", "--timed-generations", "5", *limits])
     return json.loads((out_dir / "results.json").read_text())
 
@@ -300,9 +302,14 @@ def _constraint_section(c: dict) -> list[str]:
                      f"{x['compile_ms_p50']:.1f} / {x['compile_ms_p99']:.1f} | {x['valid']}/{x['generated']} | "
                      f"{x.get('typed_errors', 0)} |")
     q = c["sql"]
-    lines.append(f"\nSpider dev gold SQL: {q['grammar_accepts']}/{q['queries']} accepted by the grammar, "
-                 f"{q['scope_guard_accepts']}/{q['queries']} by grammar and scope guard, "
-                 f"{q['sqlglot_policy_pass']}/{q['queries']} pass the sqlglot policy.\n")
+    lines.append(f"\nSpider dev gold SQL ({q['queries']} queries; Postgres: transpiled by sqlglot), accepted by:\n")
+    lines.append("| dialect | grammar | grammar + guard | validator | all three | adversarial accepted | "
+                 "random walks valid / finished |\n|---|---|---|---|---|---|---|")
+    for d, x in q["dialects"].items():
+        w = x["random_walks"] or {"valid": "-", "finished": "-"}
+        lines.append(f"| {d} | {x['grammar_pct']:.1f}% | {x['grammar_guard_pct']:.1f}% | {x['validator_pct']:.1f}% | "
+                     f"{x['all_three_pct']:.1f}% | {x['adversarial_accepted']}/{x['adversarial_total']} | "
+                     f"{w['valid']}/{w['finished']} |")
     lines.append("| BFCL set | entries | tool_choice | compiled | valid | with calls |\n|---|---|---|---|---|---|")
     for name, b in c["bfcl"].items():
         lines.append(f"| {name} | {b['entries']} | {b['tool_choice']} | {b['compiled']} | {b['valid']} | "

@@ -32,6 +32,7 @@ from gateway.structured.vocab import TokenizerInfo
 
 from .driver import LogitsFn, random_logits
 from .qwen_vocab import QWEN_EOS_IDS, QWEN_MODEL_VOCAB, qwen_tokenizer_json
+from .sql_walks import random_walks
 
 DATA = Path("/work/shared/evaldata")
 # Every JSONSchemaBench split found in DATA/jsonschemabench (one schema per line), in name order.
@@ -283,39 +284,97 @@ def scope_vetoes(compiled, ids: list[int]) -> str | None:
     return None
 
 
+SQL_DIALECTS = ("sqlite", "postgres")
+WALK_SCHEMA = {"prices": ["ticker", "ts", "price"], "trades": ["id", "ticker", "qty", "Market Value"]}
+
+
+def _sql_three(compiled, tok: TokenizerInfo, sql: str, schema: DatabaseSchema, dialect: str) -> dict:
+    """Grammar alone, grammar + scope guard (what decoding admits), validator: each accepts `sql`?"""
+    ids = tok.encode(sql)
+    m = compiled.new_matcher()
+    grammar = all(m.consume(t) for t in ids) and m.is_accepting()
+    guard = grammar and scope_vetoes(compiled, ids) is None
+    try:
+        check_sql(sql, schema, SQLPolicy(dialect=dialect, max_limit=None))
+        validator, rule = True, None
+    except StructuredOutputError as e:
+        validator, rule = False, getattr(e, "rule", type(e).__name__)
+    return {"grammar": grammar, "guard": guard, "validator": validator, "all": guard and validator, "rule": rule}
+
+
+def _gold(dialect: str, sql: str, schema: DatabaseSchema) -> str | None:
+    """A gold query (SQLite) in `dialect` (sqlglot's transpiler, after SQLite's reading of "..." that
+    names no column as a string; None where it cannot)."""
+    if dialect == "sqlite":
+        return sql
+    import sqlglot
+
+    from gateway.structured.sql_validate import _sqlite_double_quoted_strings
+
+    try:
+        tree = sqlglot.parse_one(sql, read="sqlite")
+        _sqlite_double_quoted_strings(tree, schema, [])
+        return tree.sql(dialect=dialect)
+    except sqlglot.errors.SqlglotError:
+        return None
+
+
 def eval_sql(tok: TokenizerInfo, args) -> dict:
+    """Gold queries (Spider dev) through grammar, guard, validator, per dialect; the adversarial set;
+    random walks (every finished one must validate); compile and mask cost."""
+    import sqlglot  # noqa: F401
+
     tables = {t["db_id"]: t for t in json.load(open(DATA / "sql" / "spider_tables.json"))}
     dev = _sample(json.load(open(DATA / "sql" / "spider_dev.json")), args.sql_limit)
-    compiled, compile_s = {}, []
-    accepted = policy_ok = guard_ok = 0
-    rejected, policy_fail, guard_vetoes = [], Counter(), []
-    for q in tqdm(dev, desc="spider"):
-        db = q["db_id"]
-        schema = DatabaseSchema.from_spider(tables[db])
-        if db not in compiled:
-            compiled[db], dt = compile_timed(sql_spec(schema, SQLPolicy()), tok, "llguidance", args.compile_timeout)
-            compile_s.append(dt)
-        m = compiled[db].new_matcher()
-        ids = tok.encode(q["query"])
-        ok = all(m.consume(t) for t in ids) and m.is_accepting()
-        accepted += ok
-        if not ok:
-            rejected.append(q["query"])
-        elif (vetoed := scope_vetoes(compiled[db], ids)) is not None:  # grammar and alias-scope guard together
-            guard_vetoes.append({"query": q["query"], "token": vetoed})
-        else:
-            guard_ok += 1
-        try:
-            check_sql(q["query"], schema, SQLPolicy(max_limit=None))
-            policy_ok += 1
-        except StructuredOutputError as e:
-            policy_fail[getattr(e, "rule", type(e).__name__)] += 1
-    return {"queries": len(dev), "grammar_accepts": accepted, "grammar_accepts_pct": 100 * accepted / len(dev),
-            "databases": len(compiled), "grammar_compile_ms_p50": 1e3 * pct(compile_s, 0.5),
-            "grammar_compile_ms_max": 1e3 * max(compile_s),
-            "scope_guard_accepts": guard_ok, "scope_guard_accepts_pct": 100 * guard_ok / len(dev),
-            "scope_guard_vetoes": guard_vetoes[:10], "sqlglot_policy_pass": policy_ok,
-            "sqlglot_policy_fail_rules": dict(policy_fail), "rejected_examples": rejected[:10]}
+    adversarial = json.loads((Path(__file__).parent / "data" / "sql_adversarial.json").read_text())
+    out: dict = {"queries": len(dev), "dialects": {}}
+    for dialect in args.sql_dialects.split(","):
+        compiled, compile_s = {}, []
+        counts: Counter = Counter()
+        rules: Counter = Counter()
+        rejected: dict[str, list] = {"grammar": [], "guard": [], "validator": []}
+        untranspiled = 0
+        for q in tqdm(dev, desc=f"spider {dialect}"):
+            db = q["db_id"]
+            schema = DatabaseSchema.from_spider(tables[db])
+            if db not in compiled:
+                compiled[db], dt = compile_timed(sql_spec(schema, SQLPolicy(dialect=dialect)), tok, "llguidance",
+                                                 args.compile_timeout)
+                compile_s.append(dt)
+            sql = _gold(dialect, q["query"], schema)
+            if sql is None:
+                untranspiled += 1
+                continue
+            r = _sql_three(compiled[db], tok, sql, schema, dialect)
+            counts.update(k for k in ("grammar", "guard", "validator", "all") if r[k])
+            if r["rule"]:
+                rules[r["rule"]] += 1
+            for k in ("grammar", "guard", "validator"):
+                if not r[k] and (k == "grammar" or r["grammar"] or k == "validator"):
+                    rejected[k].append(sql)
+        schema = DatabaseSchema.from_mapping(adversarial["schema"])
+        adv = compile_timed(sql_spec(schema, SQLPolicy(dialect=dialect)), tok, "llguidance", args.compile_timeout)[0]
+        adv_accepted = [s for s in adversarial["must_reject"] if _sql_three(adv, tok, s, schema, dialect)["all"]]
+        adv_refused = [s for s in adversarial["must_accept"] if not _sql_three(adv, tok, s, schema, dialect)["all"]]
+        n = len(dev)
+        walks = random_walks(tok, DatabaseSchema.from_mapping(WALK_SCHEMA), dialect, args.sql_walks).summary() \
+            if args.sql_walks else None
+        out["dialects"][dialect] = {
+            "grammar_pct": 100 * counts["grammar"] / n, "grammar_guard_pct": 100 * counts["guard"] / n,
+            "validator_pct": 100 * counts["validator"] / n, "all_three_pct": 100 * counts["all"] / n,
+            "untranspiled": untranspiled, "validator_fail_rules": dict(rules),
+            "databases": len(compiled), "compile_ms_p50": 1e3 * pct(compile_s, 0.5),
+            "compile_ms_p99": 1e3 * pct(compile_s, 0.99), "compile_ms_max": 1e3 * max(compile_s),
+            "adversarial_accepted": len(adv_accepted), "adversarial_total": len(adversarial["must_reject"]),
+            "adversarial_accepted_examples": adv_accepted, "must_accept_refused": adv_refused,
+            "random_walks": walks,
+            "rejected_examples": {k: v[:8] for k, v in rejected.items()},
+        }
+        print("sql", dialect, {k: v for k, v in out["dialects"][dialect].items()
+                               if k not in ("rejected_examples", "random_walks")})
+        if walks:
+            print("sql walks", dialect, {k: v for k, v in walks.items() if k != "examples"})
+    return out
 
 
 def bfcl_to_json_schema(s):
@@ -400,8 +459,8 @@ def plot(results: dict, path: Path) -> None:
     ax.set(title="mask µs / token (151,936 logits)", xticks=x, xticklabels=SPLITS)
     ax.legend()
     sql, bf = results["sql"], results["bfcl"]
-    names = ["Spider grammar", "Spider sqlglot"] + [f"BFCL {k}" for k in bf]
-    vals = [sql["grammar_accepts_pct"], 100 * sql["sqlglot_policy_pass"] / sql["queries"]]
+    names = [f"Spider {d} all three" for d in sql["dialects"]] + [f"BFCL {k}" for k in bf]
+    vals = [v["all_three_pct"] for v in sql["dialects"].values()]
     vals += [bf[k]["valid_pct_of_compiled"] for k in bf]
     axes[2].bar(names, vals)
     axes[2].axhline(95, color="r", ls="--", lw=1)
@@ -442,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schemas-per-split", type=int, default=0, help="schemas per split, evenly spread (0: all)")
     p.add_argument("--gen-per-split", type=int, default=0, help="generations per split (0: all compiled)")
     p.add_argument("--sql-limit", type=int, default=0, help="Spider dev queries, evenly spread (0: all)")
+    p.add_argument("--sql-dialects", default=",".join(SQL_DIALECTS))
+    p.add_argument("--sql-walks", type=int, default=60, help="random walks through the SQL constraint per dialect")
     p.add_argument("--timed-generations", type=int, default=50,
                    help="per split, the first N draw full Gaussian logits and time the apply; the rest draw "
                         "uniformly among the allowed ids (the same distribution, without the 152k-float draw)")
@@ -473,7 +534,6 @@ def main(argv: list[str] | None = None) -> int:
         results["overhead"] = overhead_summary(results["json_schema"], args.decode_step_ms)
     if "sql" in parts:
         results["sql"] = eval_sql(tok, args)
-        print("sql", {k: v for k, v in results["sql"].items() if k != "rejected_examples"})
     if "bfcl" in parts:
         results["bfcl"] = eval_bfcl(tok, args)
     if "outlines" in parts:

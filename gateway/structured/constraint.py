@@ -85,8 +85,8 @@ class Constraint:
         # The engine batches this row's mask through it (engine.sampling_params.MaskProcessor).
         self.mask_batcher = mask_batcher
         # SQL: binds aliases and table qualifiers to FROM while decoding (sql_scope.py tracks scopes, sql_guard.py filters tokens)
-        # JSON Schema: keeps every number a finite double (json_numbers.py)
-        self.guard_fallbacks = 0  # steps where the guard vetoed every token and was bypassed
+        # JSON Schema and tool calls: keeps every number a finite double (json_numbers.py)
+        self.guard_fallbacks = 0  # dead ends: the guard vetoed every token (the sequence ends with an error)
         self.guard = (SQLScopeGuard.from_grammar(compiled.spec.source, tok) if compiled.spec.kind is ConstraintKind.SQL
                       else FiniteNumberGuard(tok) if compiled.spec.kind is ConstraintKind.JSON_SCHEMA
                       else FiniteNumberGuard(tok, tuple(tok.added_ids[t] for t in (TOOL_CALL_OPEN,) if t in tok.added_ids))
@@ -165,11 +165,13 @@ class Constraint:
         out[self.tok_words:] = 0
         out &= ~eos_row
         if self.guard is not None:
-            before = out.copy()
             self.guard.filter(out)
-            if not out.any():  # a dead end the guard cannot see ahead of (e.g. a keyword half typed):
-                out[:] = before  # stay grammatical; sqlglot then rejects the unbound qualifier
+            if not out.any():  # a dead end the guard could not see ahead of: end here (the output is
+                # reported invalid and retried) rather than let unchecked SQL through
                 self.guard_fallbacks += 1
+                self.error = self.error or "SQL scope guard: no token can bind the names written so far"
+                out[:] = eos_row
+                return
         if self._ws_run >= self.max_whitespace_run:
             no_ws = out & ~ws_row
             if no_ws.any():

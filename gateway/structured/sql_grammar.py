@@ -17,11 +17,16 @@ from __future__ import annotations
 import json
 import re
 
+from sqlglot import exp
+from sqlglot.dialects.dialect import Dialect, NormalizationStrategy
+
 from .base import ConstraintKind, ConstraintSpec
-from .sql_schema import AGGREGATES, DatabaseSchema, SQLPolicy
+from .sql_functions import AGGREGATES, WINDOW, signature
+from .sql_schema import DatabaseSchema, SQLPolicy
 from .sql_scope import SCHEMA_COMMENT, WORDS_COMMENT
 
-# Identifier quoting and string-literal forms per dialect.
+# Identifier quoting per dialect; string literals are bounded (no backslash, no control bytes, at most
+# _MAX_STRING characters: a model cannot loop on `''` or run a literal to the token limit).
 _QUOTES = {
     "sqlite": ('"', "`", "["),
     "postgres": ('"',),
@@ -30,50 +35,60 @@ _QUOTES = {
     "mysql": ("`",),
     "bigquery": ("`",),
 }
-_STRINGS = {
-    "sqlite": r"""/'([^'\n]|'')*'/ | /"[^"\n]*"/""",
-    "mysql": r"""/'([^'\\\n]|''|\\.)*'/ | /"[^"\\\n]*"/""",
+_MAX_STRING = 64
+_STRING_CHAR = r"[^'\\\x00-\x1f]"
+_STRINGS = {  # SQLite and MySQL also read "..." as a string (the validator rewrites SQLite's to '...')
+    "sqlite": rf"""/'({_STRING_CHAR}|''){{0,{_MAX_STRING}}}'/ | /"[^"\\\x00-\x1f]{{1,{_MAX_STRING}}}"/""",
+    "mysql": rf"""/'({_STRING_CHAR}|''){{0,{_MAX_STRING}}}'/ | /"[^"\\\x00-\x1f]{{1,{_MAX_STRING}}}"/""",
 }
-_DEFAULT_STRING = r"""/'([^'\n]|'')*'/"""
-_TYPES = ("integer", "int", "real", "float", "text", "numeric", "date", "varchar")
+_DEFAULT_STRING = rf"""/'({_STRING_CHAR}|''){{0,{_MAX_STRING}}}'/"""
+_TYPES = ("integer", "int", "bigint", "real", "float", "double", "text", "numeric", "decimal", "date",
+          "datetime", "timestamp", "varchar", "char", "boolean")
 _PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# SQLite and MySQL also write LIMIT offset, count
+_LIMIT_COMMA = ("sqlite", "mysql")
 
 _KEYWORDS = (
     "select", "distinct", "from", "where", "group", "by", "having", "order", "limit", "offset",
     "asc", "desc", "join", "inner", "left", "right", "full", "outer", "cross", "on", "using",
     "and", "or", "not", "in", "is", "null", "like", "between", "exists", "as", "union", "all",
     "intersect", "except", "with", "case", "when", "then", "else", "end", "cast", "true", "false",
+    "over", "partition", "rows", "range", "unbounded", "preceding", "following", "current", "row",
+    "nulls", "first", "last", "window", "filter", "natural", "glob",
 )
 
 # For the scope guard's word check (sql_scope.py), written into the grammar after WORDS_COMMENT: the
 # tokens after which an operand starts (there a new name may begin a qualifier), the keywords that
 # may start an operand, and those that may also start one right after a given token.
 _BEFORE_OPERAND = ("where", "on", "and", "or", "not", "by", "having", "when", "then", "else", "case",
-                   "like", "between", "distinct", "(", ",", "=", "<", ">", "!", "+", "-", "*", "/", "%", "|")
+                   "like", "between", "distinct", "select", "(", ",", "=", "<", ">", "!", "+", "-", "*", "/",
+                   "%", "|")
 _OPERAND_KEYWORDS = ("not", "exists", "case", "cast", "null", "true", "false")
-_OPERAND_AFTER = {"(": ("select", "with", "distinct"), "case": ("when",), "not": ("in", "between", "like")}
+_OPERAND_AFTER = {"(": ("select", "with", "distinct", "partition", "order", "rows", "range"),
+                  "case": ("when",), "not": ("in", "between", "like", "exists"),
+                  "select": ("distinct",), "between": ("unbounded", "current"), "and": ("unbounded", "current")}
 
 SQL_START = 'start: query (_O? ";")?'
 _RULES = r"""
 start: query (_O? ";")?
 query: (with_clause _O?)? compound (_S order_by)? (_S limit_clause)?
 with_clause: WITH _S cte (_O? "," _O? cte)*
-cte: CTE_NAME _S AS _O? "(" _O? query _O? ")"
+cte: NEW_NAME _S AS _O? "(" _O? query _O? ")"
 compound: select_core (_S set_op _S select_core)*
 set_op: UNION (_S ALL)? | INTERSECT | EXCEPT
 select_core: SELECT (_S DISTINCT)? _S select_list (_S from_clause)? (_S where_clause)? (_S group_by)? (_S having)?
 select_list: select_item (_O? "," _O? select_item)*
 select_item: "*" | qualifier "." "*" | expr (_S (AS _S)? NEW_NAME)?
 from_clause: FROM _S source (_S join | _O? "," _O? source)*
-source: (table | CTE_NAME) (_S (AS _S)? NEW_NAME)? | "(" _O? query _O? ")" (_O? (AS _S)? NEW_NAME)?
+source: (table | NEW_NAME) (_S (AS _S)? NEW_NAME)? | "(" _O? query _O? ")" (_O? (AS _S)? NEW_NAME)?
 join: (join_kind _S)? JOIN _S source (_S ON _S expr | _S USING _O? "(" _O? column (_O? "," _O? column)* _O? ")")?
 join_kind: INNER | CROSS | LEFT (_S OUTER)? | RIGHT (_S OUTER)? | FULL (_S OUTER)?
 where_clause: WHERE _S expr
-group_by: GROUP _S BY _S expr (_O? "," _O? expr)*
+group_by: GROUP _S BY _S group_item (_O? "," _O? group_item)*
+group_item: expr | OUTPUT_NAME
 having: HAVING _S expr
 order_by: ORDER _S BY _S order_item (_O? "," _O? order_item)*
-order_item: (expr | OUTPUT_NAME) (_S (ASC | DESC))?
-limit_clause: LIMIT _S INT (_S OFFSET _S INT)?
+order_item: (expr | OUTPUT_NAME) (_S (ASC | DESC))? (_S NULLS _S (FIRST | LAST))?
 
 expr: and_expr (_S OR _S and_expr)*
 and_expr: not_expr (_S AND _S not_expr)*
@@ -92,9 +107,15 @@ primary: literal | column_ref | call | "(" _O? expr _O? ")" | "(" _O? query _O? 
     | CAST _O? "(" _O? expr _S AS _S TYPE_NAME _O? ")"
 case_expr: CASE (_S expr)? (_S WHEN _S expr _S THEN _S expr)+ (_S ELSE _S expr)? _S END
 expr_list: expr (_O? "," _O? expr)*
-call: (AGG | COUNT) _O? "(" _O? (DISTINCT _S)? expr _O? ")" | COUNT _O? "(" _O? "*" _O? ")"
-    | FUNC _O? "(" _O? expr_list? _O? ")"
+call: (AGG | COUNT) _O? "(" _O? (DISTINCT _S)? expr _O? ")" over? | COUNT _O? "(" _O? "*" _O? ")" over?
+    | funcs
+over: _S OVER _O? "(" _O? window_spec? _O? ")"
+window_spec: partition (_S order_by)? (_S frame)? | order_by (_S frame)? | frame
+partition: PARTITION _S BY _S expr (_O? "," _O? expr)*
+frame: (ROWS | RANGE) _S (BETWEEN _S bound _S AND _S bound | bound)
+bound: UNBOUNDED _S (PRECEDING | FOLLOWING) | CURRENT _S ROW | INT _S (PRECEDING | FOLLOWING)
 column_ref: column | qualifier "." column
+column: COLUMN
 qualifier: table | NEW_NAME
 literal: NUMBER | STRING | NULL | TRUE | FALSE
 
@@ -105,9 +126,8 @@ _O: /[ \t\r\n]{1,4}/
 COMP: "=" | "!=" | "<>" | "<" | ">" | "<=" | ">="
 ADD_OP: "+" | "-" | "||"
 MUL_OP: "*" | "/" | "%"
-INT: /[0-9]+/
-NUMBER: /[0-9]+(\.[0-9]+)?/ | /\.[0-9]+/
-CTE_NAME: /cte_[A-Za-z0-9_]*/
+INT: /[0-9]{1,9}/
+NUMBER: /[0-9]{1,18}(\.[0-9]{1,18})?/ | /\.[0-9]{1,18}/
 """
 
 
@@ -163,12 +183,39 @@ def _lit(text: str, insensitive: bool = True) -> str:
 
 
 def _name_alternatives(name: str, dialect: str) -> list[str]:
-    """Every way to write one table/column name: bare (if plain, case-insensitive) or quoted."""
-    alts = [_lit(name)] if _PLAIN.match(name) and name.lower() not in _KEYWORDS else []
+    """Every way to write one table/column name so that sqlglot resolves it against the schema: bare
+    (if plain and not a keyword; case-insensitive unless the dialect is case-sensitive) or quoted
+    (the name as the dialect normalises it: any case where the dialect folds quoted names too)."""
+    d = Dialect.get_or_raise(dialect)
+    folds = d.NORMALIZATION_STRATEGY is not NormalizationStrategy.CASE_SENSITIVE
+    alts = [_lit(name, folds)] if _PLAIN.match(name) and name.lower() not in _KEYWORDS else []
+    normal = d.normalize_identifier(exp.to_identifier(name)).name
     for q in _QUOTES[dialect]:
         close = "]" if q == "[" else q
-        alts.append(_lit(f"{q}{name}{close}"))
+        if close in name:
+            continue
+        alts.append(_lit(f"{q}{normal}{close}", d.NORMALIZATION_STRATEGY is NormalizationStrategy.CASE_INSENSITIVE))
     return alts
+
+
+def _function_rules(functions: tuple[str, ...], dialect: str) -> tuple[list[str], dict[str, list]]:
+    """`funcs` (calls without arguments, window functions with OVER, the rest) and each function's
+    argument counts from sqlglot's parser for `dialect` (the scope guard enforces them: per-arity
+    grammar rules multiply the parser's items past llguidance's limits)."""
+    groups: dict[str, list[str]] = {"FUNC_NONE": [], "FUNC_WINDOW": [], "FUNC": []}
+    arity: dict[str, list] = {}
+    for f in functions:
+        sig = signature(dialect, f)
+        if f in AGGREGATES or sig is None or not _PLAIN.match(f) or f.lower() in _KEYWORDS:
+            continue
+        arity[f] = list(sig)
+        groups["FUNC_NONE" if sig == (0, 0) else "FUNC_WINDOW" if f in WINDOW else "FUNC"].append(f)
+    rules = {"FUNC_NONE": 'FUNC_NONE _O? "(" _O? ")"',
+             "FUNC_WINDOW": 'FUNC_WINDOW _O? "(" _O? expr_list? _O? ")" over',
+             "FUNC": 'FUNC _O? "(" _O? expr_list? _O? ")"'}
+    lines = ["funcs: " + " | ".join(rules[g] for g, names in groups.items() if names)]
+    lines += [f"{g}: " + " | ".join(_lit(n) for n in sorted(names)) for g, names in groups.items() if names]
+    return lines, arity
 
 
 def sql_grammar(schema: DatabaseSchema, policy: SQLPolicy | None = None) -> str:
@@ -181,31 +228,35 @@ def sql_grammar(schema: DatabaseSchema, policy: SQLPolicy | None = None) -> str:
         {c.lower(): c for t in tables for c in schema.tables[t]}.values())
     table_alts = sorted({a for t in tables for a in _name_alternatives(t, dialect)})
     column_alts = sorted({a for c in columns for a in _name_alternatives(c, dialect)})
-    funcs = [f for f in policy.allowed_functions if f.lower() not in AGGREGATES]
-    aggs = [f for f in policy.allowed_functions if f.lower() in AGGREGATES and f.lower() != "count"]
-    lines = [_RULES,
+    functions = policy.functions
+    aggs = [f for f in functions if f in AGGREGATES and f != "count"]
+    rules = _RULES
+    if dialect in _LIMIT_COMMA:
+        rules += "limit_clause: LIMIT _S INT (_S OFFSET _S INT | _O? \",\" _O? INT)?\n"
+    else:
+        rules += "limit_clause: LIMIT _S INT (_S OFFSET _S INT)?\n"
+    lines = [rules,
              f"NEW_NAME: /{_identifier_except(_KEYWORDS)}/",
-             # ORDER BY may name a SELECT-list alias (the scope guard checks that it is one)
-             f"OUTPUT_NAME: /{_identifier_except(_KEYWORDS + tuple(f.lower() for f in policy.allowed_functions))}/",
+             # GROUP BY / ORDER BY may name a SELECT-list alias (the scope guard checks that it is one)
+             f"OUTPUT_NAME: /{_identifier_except(_KEYWORDS + tuple(functions))}/",
              "TYPE_NAME: " + " | ".join(_lit(t) for t in _TYPES),
-             "table: TABLE", "column: COLUMN",
+             "table: TABLE",
              "TABLE: " + " | ".join(table_alts),
              "COLUMN: " + " | ".join(column_alts),
              "STRING: " + _STRINGS.get(dialect, _DEFAULT_STRING)]
     lines.append("AGG: " + (" | ".join(_lit(f) for f in aggs) if aggs else '"\\u0000never"'))
-    lines.append("FUNC: " + (" | ".join(_lit(f) for f in funcs) if funcs else '"\\u0000never"'))
-    if "count" in {f.lower() for f in policy.allowed_functions}:
-        lines.append('COUNT: "count"i')
-    else:
-        lines.append('COUNT: "\\u0000never"')
+    func_lines, arity = _function_rules(functions, dialect)
+    lines += func_lines
+    lines.append('COUNT: "count"i' if "count" in functions else 'COUNT: "\\u0000never"')
     for kw in _KEYWORDS:
         lines.append(f"{kw.upper()}: {_lit(kw)}")
     # The tables and columns for the alias-binding guard (sql_scope.py); a comment to the grammar.
     lines.append(SCHEMA_COMMENT + json.dumps({t: list(schema.tables[t]) for t in tables}))
     lines.append(WORDS_COMMENT + json.dumps({
-        "keywords": _KEYWORDS, "functions": [f.lower() for f in policy.allowed_functions],
+        "keywords": _KEYWORDS, "functions": list(functions),
         "before_operand": _BEFORE_OPERAND, "operand": _OPERAND_KEYWORDS,
-        "after": _OPERAND_AFTER}))
+        "after": _OPERAND_AFTER, "quotes": "".join(_QUOTES[dialect]),
+        "strings": "'" + ('"' if dialect in _STRINGS else ""), "arity": arity}))
     return "\n".join(lines) + "\n"
 
 

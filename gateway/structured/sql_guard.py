@@ -13,11 +13,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sql_scope import _CLAUSE_END, _ID, SCHEMA_COMMENT, WORDS_COMMENT, SQLScope, SQLWords, WordPool, _Veto
+from .sql_scope import (
+    _BANNED,
+    _CLAUSE_END,
+    _ID,
+    SCHEMA_COMMENT,
+    WORDS_COMMENT,
+    SQLScope,
+    SQLWords,
+    WordPool,
+    _Veto,
+)
 from .vocab import TokenizerInfo
 
 _QUAL_HEAD = re.compile(r"^[ \t\r\n]*([A-Za-z0-9_]*)\.$")
 _HOT_CHARS = frozenset(".);'\"`[]")
+_QUOTE_OPEN = ('"', "`", "[")
 _SAFE_HEAD = frozenset(" \t\r\n=<>!+-*/%|(")  # a head of these changes no scope: only where a word starts
 # Words whose completion can end a FROM clause or a scope (the others cannot veto, except aliases).
 _RELEVANT = _CLAUSE_END | {"select"}
@@ -48,6 +59,9 @@ class _TokenTable:
     first_dot: np.ndarray  # [V] bool: its first non-identifier byte is "."
     digit_start: np.ndarray  # [V] bool: starts with a digit (a number, where a word would start)
     digit_tail: np.ndarray  # [V] bool: the identifier after its last non-identifier byte starts with a digit
+    quote_start: np.ndarray  # [V] bool: starts with an identifier quote (" ` [)
+    quotes: np.ndarray  # [V] bool: holds an identifier quote (" ` [ ])
+    arg_marks: np.ndarray  # [V] bool: holds "," or ")"
 
 
 @functools.lru_cache(maxsize=8)
@@ -92,7 +106,10 @@ def _token_table(tokenizer: TokenizerInfo) -> _TokenTable:
 
     return _TokenTable(texts, [t.lower() for t in texts], delim, dots, hot, head, list(index), arrays(leads),
                        arrays(inners), qual, arrays(quals), arrays(idents), arrays(tails), tailed, tail_at,
-                       safe, safe_comma, lead_empty, first_dot, digit_start, digit_tail)
+                       safe, safe_comma, lead_empty, first_dot, digit_start, digit_tail,
+                       np.array([t[:1] in _QUOTE_OPEN for t in texts], dtype=bool),
+                       np.array([any(q in t for q in '"`[]') for t in texts], dtype=bool),
+                       np.array(["," in t or ")" in t for t in texts], dtype=bool))
 
 
 @functools.lru_cache(maxsize=64)
@@ -216,26 +233,36 @@ class SQLScopeGuard:
         drop = np.zeros(len(out) * 32, dtype=bool)  # the vetoed tokens
         keep = bits & tt.delim
         if s.dot_q is not None:  # identifier-only tokens extend the column name: a prefix test
-            columns = s.columns_for(s.dot_q)
-            if columns:
-                prefixes = {c[:k] for c in columns for k in range(len(c) + 1)}
-                drop[[t for t in np.flatnonzero(bits & ~tt.delim).tolist() if s.word + tt.lower[t] not in prefixes]] = True
+            columns = s.columns_for(s.dot_q, quoted=bool(s.mode))
+            prefixes = {c[:k] for c in columns for k in range(len(c) + 1)}
+            drop[[t for t in np.flatnonzero(bits & ~tt.delim).tolist() if s.word + tt.lower[t] not in prefixes]] = True
+            if not s.mode:  # (inside quotes every other token is simulated)
                 ends = np.zeros(len(tt.texts), dtype=bool)  # tokens whose leading identifier ends a column
                 for c in columns:
                     if c.startswith(s.word) and (ids := tt.leads.get(c[len(s.word):])) is not None:
                         ends[ids] = True
+                if not s.word:  # a quoted column name may start
+                    ends |= tt.quote_start
                 drop[: len(keep)] |= keep & ~ends
                 keep &= ends
+        elif s.mode and s.mode != s.string:  # inside a quoted name: the few tokens the grammar allows there
+            if s.pool is None:  # unchecked until its closing quote (SQLite's "...": a name or a string)
+                keep &= tt.quotes
+            else:
+                prefixes = {w[:k] for w in s.pool.words for k in range(len(w) + 1)}
+                drop[[t for t in np.flatnonzero(bits & ~tt.delim).tolist() if s.word + tt.lower[t] not in prefixes]] = True
         else:
             if (pool := s.pool if s.word else s.word_pool()) is not None:
                 ok = _word_mask(tt, pool, s.word)
                 drop[: len(bits)] |= bits & ~ok
                 keep &= ok
             pending = {q for f in s.stack if f.scope for q in f.pending}
-            if not pending:
-                sim = tt.dots.copy()
+            # names used before a FROM (or the word being written, if it becomes one) may be unbound
+            unsettled = any(f.scope and (f.pending or f.bare or f.phase in ("start", "select")) for f in s.stack)
+            if not unsettled:
+                sim = tt.dots | tt.quotes
             else:
-                sim = tt.hot.copy()
+                sim = tt.hot | tt.quotes
                 for w in pending:
                     if (ids := tt.inners.get(w)) is not None:
                         sim[ids] = True
@@ -245,10 +272,27 @@ class SQLScopeGuard:
                         sim[ids] = True
             if s.words is not None and not s.mode:  # the identifier after the head may start a checked word
                 drop[self._safe_tails(np.flatnonzero(keep & _tail_checks(tt, s.words.before_operand)), sim)] = True
+            if any(f.func for f in s.stack):  # argument counts: "," and ")" may veto
+                sim |= tt.arg_marks
+            if not s.mode and unsettled:
+                # a word that may not become a clause keyword yet (SQLScope._bans)
+                if bans := (s.banned if s.word else s._bans()):
+                    probe = s if s.word else s.clone()
+                    probe.banned = bans
+                    for k in bans:
+                        for end in range(len(s.word) + 1, len(k) + 1):
+                            if k.startswith(s.word) and probe.only_banned(k[:end]) \
+                                    and (ids := tt.idents.get(k[len(s.word):end])) is not None:
+                                drop[ids] = True
+                for k in _BANNED:  # tokens whose identifier tail may start one: simulated below
+                    for end in range(1, len(k) + 1):
+                        if (ids := tt.tails.get(k[:end])) is not None:
+                            sim[ids] = True
             keep &= sim
         cands = np.flatnonzero(keep)
-        drop[self._qualifier_heads(cands, tt.qual[cands] >= 0)] = True
-        cands = cands[tt.qual[cands] < 0]
+        fast = (tt.qual[cands] >= 0) & ~tt.tailed[cands]  # `q.` with nothing after the dot
+        drop[self._qualifier_heads(cands, fast)] = True
+        cands = cands[~fast]
         heads = tt.head[cands]
         order = np.argsort(heads, kind="stable")
         cands, heads = cands[order], heads[order]
@@ -261,11 +305,24 @@ class SQLScopeGuard:
             except _Veto:
                 drop[members] = True
                 continue
-            if state.dot_q is not None:  # the identifier tail starts a column name: check each
-                drop[[t for t in members.tolist() if not self.allows([t], final=False)]] = True
-            elif (tailed := members[tt.tailed[members]]).size and not state.word \
-                    and (pool := state.word_pool()) is not None:
-                drop[tailed[~_tail_mask(tt, pool)[tailed]]] = True
+            if state.mode and state.mode != state.string:  # the tail starts a quoted name
+                if state.pool is not None and (tailed := members[tt.tailed[members]]).size:
+                    drop[[t for t in tailed.tolist() if not state.pool.admits(tt.lower[t][len(tt.heads[h]):])]] = True
+            elif state.dot_q is not None:  # the identifier tail starts a column name: a prefix of one
+                if (tailed := members[tt.tailed[members]]).size:
+                    pool = WordPool(frozenset(state.columns_for(state.dot_q)), frozenset())
+                    drop[tailed[~(_tail_mask(tt, pool) & ~tt.digit_tail)[tailed]]] = True
+            elif (tailed := members[tt.tailed[members]]).size and not state.word and not state.mode:
+                if (pool := state.word_pool()) is not None:
+                    drop[tailed[~_tail_mask(tt, pool)[tailed]]] = True
+                if bans := state._bans():  # (a word after the head may not start as a clause keyword)
+                    state.banned = bans
+                    pieces = {k[:e] for k in bans for e in range(1, len(k) + 1) if state.only_banned(k[:e])}
+                    banned = np.zeros(len(tt.texts), dtype=bool)
+                    for p in pieces:
+                        if (ids := tt.tails.get(p)) is not None:
+                            banned[ids] = True
+                    drop[tailed[banned[tailed]]] = True
         out &= ~np.packbits(drop, bitorder="little").view(np.uint32)
 
     def _safe_tails(self, checks: np.ndarray, sim: np.ndarray) -> np.ndarray:
@@ -323,7 +380,7 @@ class SQLScopeGuard:
             prefix = "" if after_space else state.word
             if prefix[:1].isdigit():
                 continue  # a number's decimal point
-            bound = {q for f in state.stack if f.scope for q in f.declared} | state.ctes
+            bound = {q for f in state.stack if f.scope for q in f.declared}
             ok = np.zeros(len(tt.texts), dtype=bool)
             if not prefix:  # a "." after no word: a number's decimal point (`.5`)
                 ok[tt.quals.get("", _NONE)] = True

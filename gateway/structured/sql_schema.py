@@ -5,12 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import ConstraintCompileError
+from .sql_functions import default_functions
 
 DIALECTS = ("sqlite", "postgres", "mysql", "duckdb", "bigquery", "snowflake")
-AGGREGATES = ("count", "sum", "avg", "min", "max")
-DEFAULT_FUNCTIONS = AGGREGATES + (
-    "abs", "round", "lower", "upper", "length", "substr", "substring", "coalesce", "nullif", "trim",
-)
 
 
 @dataclass(frozen=True)
@@ -56,7 +53,8 @@ class SQLPolicy:
 
     dialect: str = "sqlite"
     target_dialect: str | None = None  # transpile to this dialect (defaults to `dialect`)
-    allowed_functions: tuple[str, ...] = DEFAULT_FUNCTIONS
+    # None: the dialect's read-only built-ins (sql_functions.default_functions); a tuple narrows them
+    allowed_functions: tuple[str, ...] | None = None
     max_limit: int | None = 1000
     allowed_tables: tuple[str, ...] | None = None  # None: every table of the schema
     extra: dict = field(default_factory=dict, compare=False)
@@ -65,5 +63,12 @@ class SQLPolicy:
         for d in (self.dialect, self.target_dialect or self.dialect):
             if d not in DIALECTS:
                 raise ConstraintCompileError("sql", f"unknown SQL dialect {d!r}; supported: {', '.join(DIALECTS)}")
+        if self.allowed_functions is not None:
+            object.__setattr__(self, "allowed_functions", tuple(f.lower() for f in self.allowed_functions))
         if self.max_limit is not None and self.max_limit < 1:
             raise ConstraintCompileError("sql", f"max_limit must be >= 1, got {self.max_limit}")
+
+    @property
+    def functions(self) -> tuple[str, ...]:
+        """The allowed function names, lower case."""
+        return self.allowed_functions if self.allowed_functions is not None else default_functions(self.dialect)

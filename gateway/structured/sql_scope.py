@@ -1,25 +1,25 @@
-"""Alias binding for SQL decoding: a scope tracker over the generated text that vetoes tokens which
-would leave a qualifier unbound (PICARD-style incremental checks on top of the Lark grammar).
+"""Name binding for SQL decoding: a scope tracker over the generated text that vetoes tokens which
+would leave a name unbound (PICARD-style incremental checks on top of the Lark grammar).
 
 A CFG cannot tie `T1.name` in a SELECT list to the `FROM singer AS T1` that comes after it, so the
 grammar admits any alias and this guard binds them while decoding:
 
 - a qualifier (`q.`) must name an alias/table declared by the current or an enclosing scope, or
   else is recorded as *pending* in the innermost scope whose FROM has not started yet (none: veto);
-- the column after `q.` must be a column of q's table (pending: of some table that has all the
-  columns used with q so far), checked on every character, so it never dead-ends;
+- the column after `q.` must be a column of q's table, checked on every character (a pending
+  qualifier that is not a table's name: a column of some table, CTE or derived table known so far);
+- an unqualified name in a SELECT list before its FROM must be a column of some table, CTE or
+  derived table known so far; it is recorded and must resolve to exactly one source of the scope
+  (or an enclosing one) once FROM ends, and a FROM source that would make it ambiguous is refused;
 - a FROM clause can only end (WHERE/GROUP/ORDER/LIMIT/HAVING/set operator/`)`/`;`/EOS) once every
-  pending qualifier of its scope is declared, and an alias that is pending can only be declared for a
-  table that has its columns; a scope cannot end or skip FROM with qualifiers pending.
-
-- where every qualifier must already be bound (no scope before its FROM) and a word starts an operand
-  of WHERE/ON/GROUP BY/HAVING/ORDER BY, an unquoted word must stay a prefix of a word that can be
-  written there: a column of the tables in scope, a bound alias/table/CTE (as a qualifier), in ORDER
-  BY a word of the scope's SELECT lists (an alias), a function, or a keyword that can start an
-  operand there (so a name that could only go on as an unbound qualifier is never started).
-
-Tables named by a subquery or a CTE have columns the guard does not track: their columns are left to
-sqlglot (validate.py), which still rejects unknown columns, and with one in scope words are not checked.
+  pending name of its scope is bound; while one is not, a word after a complete operand cannot start
+  as a clause keyword (so the model is never left half-way into a keyword it may not finish);
+- a FROM source is a table, or a CTE declared by WITH; CTEs and derived tables have the columns their
+  first SELECT list names (aliases, column names, `*` expanded), tracked like tables;
+- where every qualifier must already be bound (no scope before its FROM) and a word starts an operand,
+  an unquoted word must stay a prefix of a word that can be written there: an unambiguous column of
+  the sources in scope, a bound alias/table (as a qualifier), in GROUP BY/HAVING/ORDER BY a SELECT-list
+  alias, a function, or a keyword that can start an operand there.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ _CLAUSE_END = frozenset(("where", "group", "having", "order", "limit", "union", 
 _JOIN_WORDS = frozenset(("inner", "left", "right", "full", "outer", "cross", "natural"))
 _QUOTE_CLOSE = {'"': '"', "`": "`", "[": "]"}
 _BARE = re.compile(r"[a-z_][a-z0-9_]*\Z")  # a name the grammar takes unquoted (unless a keyword)
-DERIVED = ""  # the table of an alias bound to a subquery or a CTE (columns not tracked)
+_AFTER_SOURCE = frozenset(("join", "inner", "left", "right", "full", "cross", "on", "using", "where", "group",
+                           "having", "order", "limit", "union", "intersect", "except"))
+_WINDOW_WORDS = frozenset(("partition", "order", "rows", "range"))  # after "(" only in OVER (...)
+_BANNED = ("where", "group", "having", "order", "limit", "union", "intersect", "except", "offset")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -49,18 +52,29 @@ class _Frame:
     scope: bool  # a SELECT scope, or a plain parenthesis
     fresh: bool = True  # nothing inside yet (a paren becomes a scope when SELECT/WITH follows)
     source: bool = False  # opened where FROM expects a source (a derived table)
+    cte: str | None = None  # opened as the body of this CTE
     phase: str = "start"  # start | select | from | after
-    expect: str = "source"  # in FROM: source | after_source | alias | on
-    declared: dict[str, str] = field(default_factory=dict)  # alias -> table (DERIVED: untracked)
+    expect: str = "source"  # in FROM: source | after_source | alias | aliased | on | using
+    declared: dict[str, str] = field(default_factory=dict)  # alias -> source (table, CTE or "#n" derived)
     pending: dict[str, set[str]] = field(default_factory=dict)  # qualifier -> columns used before FROM
-    source_name: str | None = None  # the last FROM source (table name, DERIVED) awaiting an alias
-    outputs: set[str] = field(default_factory=set)  # words of its SELECT lists (aliases, columns)
+    bare: set[str] = field(default_factory=set)  # unqualified names used before FROM
+    source_name: str | None = None  # the last FROM source awaiting an alias
+    aliases: set[str] = field(default_factory=set)  # the aliases its SELECT lists give
     clause: str = ""  # the last clause keyword of the scope (where, group, having, order, limit, union...)
+    item: list[tuple[str, str]] = field(default_factory=list)  # the SELECT item being written: (kind, text)
+    names: list[str] = field(default_factory=list)  # output names of its first SELECT ("*" / "q.*": stars)
+    first: bool = True  # in its first SELECT (its output columns are that list's)
+    outputs: frozenset[str] | None = None  # its output columns, once the first SELECT ended
+    with_state: str = ""  # in WITH: name (a CTE name is next) | as | body | after
+    over: bool = False  # the parenthesis of a window (OVER (...))
+    func: str = ""  # the parenthesis of this function's arguments
+    args: int = 0  # arguments begun so far
 
     def clone(self) -> _Frame:
-        return _Frame(self.scope, self.fresh, self.source, self.phase, self.expect, dict(self.declared),
-                      {q: set(c) for q, c in self.pending.items()}, self.source_name, set(self.outputs),
-                      self.clause)
+        return _Frame(self.scope, self.fresh, self.source, self.cte, self.phase, self.expect, dict(self.declared),
+                      {q: set(c) for q, c in self.pending.items()}, set(self.bare), self.source_name,
+                      set(self.aliases), self.clause, list(self.item), list(self.names), self.first,
+                      self.outputs, self.with_state, self.over, self.func, self.args)
 
 
 @dataclass(frozen=True)
@@ -72,12 +86,16 @@ class SQLWords:
     before_operand: frozenset[str]  # a word or punctuation after which an operand starts
     operand: frozenset[str]  # keywords and functions that may start an operand
     after: dict[str, frozenset[str]]  # keywords that may also start one right after a word/punctuation
+    arity: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # function -> (least, most) arguments
+    quotes: str = '"`['  # characters that open a quoted name
+    strings: str = "'"  # characters that open a string literal (in both: either, e.g. SQLite's ")
 
     @classmethod
     def from_json(cls, d: dict) -> SQLWords:
         functions = frozenset(d["functions"])
         return cls(frozenset(d["keywords"]), functions, frozenset(d["before_operand"]),
-                   frozenset(d["operand"]) | functions, {k: frozenset(v) for k, v in d["after"].items()})
+                   frozenset(d["operand"]) | functions, {k: frozenset(v) for k, v in d["after"].items()},
+                   {f: tuple(a) for f, a in d.get("arity", {}).items()}, d.get("quotes", '"`['), d.get("strings", "'"))
 
 
 @dataclass(frozen=True)
@@ -106,12 +124,16 @@ class SQLScope:
         self.tables, self.fenced, self.words = tables, fenced, words
         self.stack = [_Frame(scope=True)]
         self.mode = ""  # "" normal, "'" string, or a quote's closing char (quoted identifier)
+        self.string = ""  # the quote of the string literal being written
         self.word, self.quoted = "", False
         self.last: str | None = None  # the word that the current character ended
         self.dot_q: str | None = None  # qualifier of the column being written
         self.prev = ""
         self.at = ""  # the last word (lower case, unquoted) or punctuation; "" after a value
+        self.word_at = ""  # `at` where the word being written started
         self.pool: WordPool | None = None  # what the word being written may become (None: unchecked)
+        self.banned: tuple[str, ...] = ()  # clause keywords the word being written may not become
+        self.derived: dict[str, frozenset[str]] = {}  # CTE names and "#n" derived tables -> columns
         self.ctes: set[str] = set()
         self.done = False  # the statement ended (the closing fence of a segment)
 
@@ -119,6 +141,7 @@ class SQLScope:
         new = object.__new__(SQLScope)
         new.__dict__.update(self.__dict__)
         new.stack = [f.clone() for f in self.stack]
+        new.derived = dict(self.derived)
         new.ctes = set(self.ctes)
         return new
 
@@ -126,32 +149,80 @@ class SQLScope:
     def _scope(self) -> _Frame:
         return next(f for f in reversed(self.stack) if f.scope)
 
+    def _cols(self, source: str) -> frozenset[str]:
+        return self.tables.get(source) or self.derived.get(source, frozenset())
+
+    def _is_column(self, name: str) -> bool:
+        """A column of some table, CTE or derived table (SQLite reads any other "..." as a string)."""
+        return any(name in cols for cols in self.tables.values()) or any(name in c for c in self.derived.values())
+
+    def _all_columns(self) -> frozenset[str]:
+        return frozenset().union(*self.tables.values(), *self.derived.values())
+
+    def _is_source(self, name: str) -> bool:
+        return name in self.tables or name in self.ctes
+
     def _lookup(self, q: str) -> str | None:
         for f in reversed(self.stack):
             if f.scope and q in f.declared:
                 return f.declared[q]
         return None
 
-    def _columns_ok(self, q: str, cols: set[str]) -> bool:
-        if q in self.ctes:
-            return True
-        if q in self.tables:  # a table's own name qualifies only its columns
-            return cols <= self.tables[q]
-        return any(cols <= c for c in self.tables.values())
+    def _matches(self, f: _Frame, name: str) -> int:
+        """How many sources of scope `f` have a column `name`."""
+        return sum(name in self._cols(src) for src in f.declared.values())
+
+    def _resolves(self, f: _Frame, name: str) -> bool:
+        """An unqualified `name` in scope `f` names one column: of one of f's sources, or (none there)
+        of an enclosing scope's."""
+        n = self._matches(f, name)
+        if n:
+            return n == 1
+        return any(name in self._cols(src) for g in self.stack if g.scope and g is not f for src in g.declared.values())
+
+    def _unbound(self, f: _Frame) -> bool:
+        """Names used before FROM that FROM has not bound (yet)."""
+        for q, cols in f.pending.items():
+            src = f.declared.get(q)
+            if src is None or not cols <= self._cols(src):
+                return True
+        return any(not self._resolves(f, n) for n in f.bare)
 
     def _end_from(self, f: _Frame) -> None:
         for q, cols in f.pending.items():
-            table = f.declared.get(q)
-            if table is None or (table != DERIVED and not cols <= self.tables.get(table, frozenset())):
+            src = f.declared.get(q)
+            if src is None or not cols <= self._cols(src):
                 raise _Veto(f"qualifier {q} is not bound by FROM")
+        for n in f.bare:
+            if not self._resolves(f, n):
+                raise _Veto(f"{n} is not one column of the FROM clause")
         f.pending.clear()
+        f.bare.clear()
         f.phase = "after"
 
     def _end_scope(self, f: _Frame) -> None:
+        if f.phase == "select" and self.stack[-1] is f:
+            self._finish_item(f)
         if f.phase == "from":
             self._end_from(f)
-        elif f.pending:
-            raise _Veto("qualifiers used without a FROM clause")
+        elif f.pending or f.bare:
+            raise _Veto("names used without a FROM clause")
+        self._end_first(f)
+
+    def _end_first(self, f: _Frame) -> None:
+        """The first SELECT of `f` ended: its output columns are known."""
+        if not f.first:
+            return
+        f.first = False
+        cols = set()
+        for n in f.names:
+            if n == "*":
+                cols |= {c for src in f.declared.values() for c in self._cols(src)}
+            elif n.endswith(".*"):
+                cols |= self._cols(self._lookup(n[:-2]) or "")
+            else:
+                cols.add(n)
+        f.outputs = frozenset(cols)
 
     def end(self) -> None:
         """The statement ends here (EOS, `;`, the closing fence)."""
@@ -162,156 +233,280 @@ class SQLScope:
                 self._end_scope(f)
 
     def _declare(self, f: _Frame, alias: str) -> None:
-        table = f.source_name if f.source_name is not None else DERIVED
-        if f.source_name is not None and f.declared.get(f.source_name) == f.source_name:
-            if f.source_name in f.pending:
-                raise _Veto(f"table {f.source_name} is used as a qualifier: it cannot take an alias")
-            del f.declared[f.source_name]
-        if alias in f.pending and table != DERIVED and not f.pending[alias] <= self.tables.get(table, frozenset()):
-            raise _Veto(f"alias {alias} is used with columns that {table} does not have")
-        f.declared[alias] = table
+        src = f.source_name
+        if src is None:
+            return
+        if f.declared.get(src) == src:
+            if src in f.pending:
+                raise _Veto(f"table {src} is used as a qualifier: it cannot take an alias")
+            del f.declared[src]
+        if alias in f.pending and not f.pending[alias] <= self._cols(src):
+            raise _Veto(f"alias {alias} is used with columns that {src} does not have")
+        f.declared[alias] = src
+
+    def _add_source(self, f: _Frame, src: str, name: str) -> None:
+        """A FROM source; refused where it would make a name used before FROM ambiguous."""
+        cols = self._cols(src)
+        for n in f.bare:
+            if n in cols and self._matches(f, n):
+                raise _Veto(f"{name} would make {n} ambiguous")
+        f.source_name = src
+        f.declared[name] = src
+
+    # -- SELECT items (output columns of CTEs and derived tables) ----------------------------
+    def _finish_item(self, f: _Frame) -> None:
+        parts, f.item = f.item, []
+        while parts and parts[0] == ("k", "distinct") or parts[:1] == [("k", "all")]:
+            parts = parts[1:]
+        name, alias = None, False
+        texts = [t for _, t in parts]
+        if texts == ["*"]:
+            name = "*"
+        elif len(parts) == 3 and texts[1:] == [".", "*"]:
+            name = texts[0] + ".*"
+        elif len(parts) >= 2 and parts[-2] == ("k", "as") and parts[-1][0] == "w":
+            name, alias = texts[-1], True
+        elif len(parts) == 1 and parts[0][0] == "w":
+            name = texts[0]
+        elif len(parts) == 3 and texts[1] == "." and parts[2][0] == "w":
+            name = texts[2]
+        elif len(parts) >= 2 and parts[-1][0] == "w" and (parts[-2][0] in "wv" or texts[-2] == ")"):
+            name, alias = texts[-1], True
+        if alias:
+            f.aliases.add(name)
+        if f.first and name is not None:
+            f.names.append(name)
+
+    def _item(self, f: _Frame, kind: str, text: str) -> None:
+        if f.phase == "select" and self.stack[-1] is f:
+            f.item.append((kind, text))
 
     # -- words -----------------------------------------------------------------------------
     def _word(self, w: str, quoted: bool, follow: str) -> None:
-        kw = "" if quoted else w
-        self.at = kw
-        if w.startswith("cte_"):
-            self.ctes.add(w)
+        kw = "" if quoted or w not in self._keywords() else w
+        before, self.at = self.at, (w if not quoted else "")
+        f = self._scope()
         if self.dot_q is not None:  # the column of a qualified reference (checked as it was typed)
             q, self.dot_q = self.dot_q, None
-            self._column(q, w, final=True)
+            self._column(q, w, final=True, quoted=quoted)
+            self._item(f, "w", w)
             self.last, self.at = None, ""
             return
         top = self.stack[-1]
         if not top.scope and top.fresh and kw in ("select", "with"):
             top.scope = True
+            f = top
         top.fresh = False
-        f = self._scope()
-        if f.phase == "select" and follow not in ".(" and kw not in self._keywords():
-            f.outputs.add(w)
-        if kw in _CLAUSE_END and self.stack[-1] is f:
+        level = self.stack[-1] is f
+        if level and self._with_word(f, w, kw):
+            self.last = w
+            return
+        if kw in _CLAUSE_END and level:
             f.clause = kw
+        if f.phase == "select" and level and kw in ("from",) + tuple(_CLAUSE_END):
+            self._finish_item(f)
+        if kw and kw not in ("from",) and not (kw in _CLAUSE_END and level):
+            self._item(f, "v" if kw in ("end", "null", "true", "false") else "k", kw)
+        elif not kw and follow not in (".", "("):
+            self._item(f, "w", w)
+        if not kw and follow not in (".", "(") and before in self._before_operand() and w not in self._functions() \
+                and not (f.phase == "from" and f.expect in ("source", "after_source", "alias", "using") and level):
+            self._name(f, w)
         if kw == "select":
             if f.phase != "start":
                 self._end_scope(f)
-            f.phase, f.declared, f.pending, f.expect = "select", {}, {}, "source"
+            f.phase, f.declared, f.pending, f.bare, f.expect = "select", {}, {}, set(), "source"
+            f.with_state = ""
         elif kw == "from" and f.phase == "select":
             f.phase, f.expect = "from", "source"
-        elif kw in _CLAUSE_END and f.phase in ("select", "from") and self.stack[-1] is f:
+        elif kw in _CLAUSE_END and f.phase in ("select", "from") and level:
             self._end_scope(f)
-        elif f.phase == "from" and self.stack[-1] is f:
+        elif kw in ("union", "intersect", "except") and level:
+            self._end_first(f)
+        elif f.phase == "from" and level:
             self._from_word(f, w, kw)
         self.last = w
+
+    def _with_word(self, f: _Frame, w: str, kw: str) -> bool:
+        """WITH name AS (...), ...: records CTE names; True where the word was one of the clause's."""
+        if kw == "with" and f.phase == "start":
+            f.with_state = "name"
+            return True
+        if f.with_state == "name":
+            f.with_state = "as"
+            f.source_name = w  # the CTE being declared
+            return True
+        if f.with_state == "as" and kw == "as":
+            f.with_state = "body"
+            return True
+        return False
 
     def _keywords(self) -> frozenset[str]:
         return self.words.keywords if self.words is not None else frozenset()
 
+    def _functions(self) -> frozenset[str]:
+        return self.words.functions if self.words is not None else frozenset()
+
+    def _before_operand(self) -> frozenset[str]:
+        return self.words.before_operand if self.words is not None else frozenset()
+
+    def _name(self, f: _Frame, w: str) -> None:
+        """An unqualified column (or, in GROUP BY/HAVING/ORDER BY, a SELECT-list alias) as an operand."""
+        if f.phase == "from" and f.expect == "using":
+            return  # USING (c): a column of both sides
+        if f.phase in ("start", "select"):
+            f.bare.add(w)
+        elif self._resolves(f, w) or (f.clause in ("group", "having", "order") and w in f.aliases):
+            return
+        elif not self._matches(f, w) and (host := next((g for g in reversed(self.stack) if g.scope
+                                                         and g.phase in ("start", "select")), None)):
+            host.bare.add(w)  # a column of an enclosing scope whose FROM is still to come
+        else:
+            raise _Veto(f"{w} is not one column of the tables in scope")
+
     def _from_word(self, f: _Frame, w: str, kw: str) -> None:
         if f.expect == "source":
-            f.source_name = w if w in self.tables else DERIVED
-            f.declared[w] = f.source_name if w in self.tables else DERIVED
+            if not self._is_source(w):
+                raise _Veto(f"{w} is not a table or a CTE")
+            self._add_source(f, w, w)
             f.expect = "after_source"
         elif kw == "join":
             f.expect = "source"
-        elif f.expect == "on" or kw in _JOIN_WORDS:
+        elif kw in ("on", "using") and f.expect in ("after_source", "aliased"):
+            f.expect = kw  # (USING names a column of both sides)
+        elif f.expect in ("on", "using", "aliased") or kw in _JOIN_WORDS:
             return
-        elif kw in ("on", "using"):
-            f.expect = "on"
         elif kw == "as" and f.expect == "after_source":
             f.expect = "alias"
         elif f.expect in ("alias", "after_source"):
             self._declare(f, w)
-            f.expect, f.source_name = "on", None  # nothing but a join or an end may follow
+            f.expect, f.source_name = "aliased", None  # nothing but a join, ON/USING or an end may follow
 
-    def _column(self, q: str, col: str, final: bool) -> None:
-        table = self._lookup(q)
-        if table == DERIVED or (table is None and q in self.ctes):
-            return
-        if table is not None:
-            ok = col in self.tables[table] if final else any(c.startswith(col) for c in self.tables[table])
-        else:
-            host = next((f for f in reversed(self.stack) if f.scope and f.phase in ("start", "select")), None)
-            if host is None:
-                raise _Veto(f"qualifier {q} is not bound")
-            used = host.pending.get(q, set())
-            pool = [c for t, c in self.tables.items() if (t == q or q not in self.tables) and used <= c]
-            ok = any(col in c for c in pool) if final else any(x.startswith(col) for c in pool for x in c)
-            if ok and final:
-                host.pending.setdefault(q, set()).add(col)
-        if not ok:
-            raise _Veto(f"{col} is not a column of {q}")
-
-    def columns_for(self, q: str) -> set[str]:
-        """Columns that may follow `q.` now (empty: any, the table is a subquery or a CTE)."""
-        table = self._lookup(q)
-        if table == DERIVED or (table is None and q in self.ctes):
-            return set()
-        if table is not None:
-            return set(self.tables[table])
+    def _column(self, q: str, col: str, final: bool, quoted: bool = False) -> None:
         host = next((f for f in reversed(self.stack) if f.scope and f.phase in ("start", "select")), None)
-        used = host.pending.get(q, set()) if host is not None else set()
-        return {c for t, cols in self.tables.items() if (t == q or q not in self.tables) and used <= cols
-                for c in cols}
+        src = self._lookup(q)
+        if src is None and host is None:
+            raise _Veto(f"qualifier {q} is not bound")
+        cols = self.columns_for(q, quoted)
+        if not (col in cols if final else any(c.startswith(col) for c in cols)):
+            raise _Veto(f"{col} is not a column of {q}")
+        if src is None and final:
+            host.pending.setdefault(q, set()).add(col)
 
-    def word_pool(self, at: str | None = None) -> WordPool | None:
+    def columns_for(self, q: str, quoted: bool = False) -> frozenset[str]:
+        """Columns that may follow `q.` now: of its source; of a table or CTE of that name, or of any
+        known one, when FROM has yet to declare it. Unquoted: only those written bare."""
+        src = self._lookup(q)
+        if src is None:
+            src = q if self._is_source(q) else None
+        cols = self._cols(src) if src is not None else self._all_columns()
+        return cols if quoted else _bare(cols, self._keywords())
+
+    def word_pool(self, at: str | None = None, quoted: bool = False) -> WordPool | None:
         """What an unquoted word starting here (after `at`, default the last word or punctuation) may
-        be, or None where words are not checked: outside an operand, while a scope before its FROM
-        may still bind a new qualifier, or with a derived table (its columns are unknown) in scope."""
+        be, or None where words are not checked: outside an operand or a FROM source, or while a scope
+        before its FROM may still bind a new qualifier."""
         at = self.at if at is None else at
-        if self.words is None or self.done or self.mode or self.dot_q is not None:
+        if self.words is None or self.done or (self.mode and not quoted) or self.dot_q is not None:
             return None
-        if at not in self.words.before_operand:
-            return None
+        kws = self._keywords()
+
+        def bare(names: set[str]) -> frozenset[str]:  # quoted: any spelling (the grammar has the real ones)
+            return frozenset(names) if quoted else _bare(frozenset(names), kws)
+
         scopes = [f for f in self.stack if f.scope]
         f = scopes[-1]
+        if f.phase == "from" and f.expect == "source" and self.stack[-1] is f and f.with_state in ("", "after"):
+            ok = {t for t in self.tables if not any(n in self.tables[t] and self._matches(f, n) for n in f.bare)}
+            ok |= {c for c in self.ctes if not any(n in self.derived[c] and self._matches(f, n) for n in f.bare)}
+            return WordPool(bare(ok), frozenset())
+        if f.phase == "from" and f.expect == "after_source" and self.stack[-1] is f and f.source_name in f.pending:
+            # a table used as a qualifier before FROM keeps its name: no alias, only what may follow one
+            return WordPool(_AFTER_SOURCE, frozenset())
+        if at not in self.words.before_operand:
+            return None
         if not (f.phase == "after" or (f.phase == "from" and f.expect == "on")):
             return None
         if any(g.phase in ("start", "select") for g in scopes):
             return None
-        tables = {t for g in scopes for t in g.declared.values()}
-        if DERIVED in tables:
-            return None
         # names that can be written unquoted (the others are not checked)
-        ends = {c for t in tables for c in _bare(self.tables[t], self._keywords())}
-        if f.clause == "order":  # the grammar takes a SELECT-list alias (OUTPUT_NAME) there only
-            ends |= _bare(frozenset(f.outputs), self._keywords())
-        ends |= self.words.operand | self.words.after.get(at, frozenset())
-        quals = {q for g in scopes for q in g.declared} | self.ctes
-        return WordPool(frozenset(ends), _bare(frozenset(quals - ends), self._keywords()))
+        cols = {c for g in scopes for src in g.declared.values() for c in self._cols(src)}
+        ends = {c for c in bare(cols) if self._resolves(f, c)}
+        if f.clause in ("group", "having", "order"):  # a SELECT-list alias
+            ends |= bare(f.aliases)
+        if quoted:
+            return WordPool(frozenset(ends), frozenset())
+        after = self.words.after.get(at, frozenset())
+        if at == "(" and not self.stack[-1].over:
+            after = after - _WINDOW_WORDS
+        ends |= self.words.operand | after
+        quals = {q for g in scopes for q in g.declared}
+        return WordPool(frozenset(ends), bare(quals - ends))
 
     def _qualifier(self, q: str) -> None:
-        if self._lookup(q) is None and q not in self.ctes:
+        if self._lookup(q) is None:
             if not any(f.scope and f.phase in ("start", "select") for f in self.stack):
                 raise _Veto(f"qualifier {q} is not bound")
-            if not self._columns_ok(q, set()):
-                raise _Veto(f"qualifier {q} names no table")
+        self._item(self._scope(), "w", q)
+        self._item(self._scope(), "p", ".")
         self.dot_q = q
+
+    def only_banned(self, word: str) -> bool:
+        """`word` can only grow into a banned clause keyword (not into another keyword: OVER, OR, ...)."""
+        return any(k.startswith(word) for k in self.banned) and not any(
+            k.startswith(word) for k in self._keywords() if k not in _BANNED)
+
+    def _bans(self) -> tuple[str, ...]:
+        """Clause keywords a word starting here may not become: after a complete operand (or source)
+        in a scope whose names used before FROM are not all bound yet."""
+        f = self._scope()
+        if self.stack[-1] is not f or f.phase not in ("select", "from") or not (f.pending or f.bare):
+            return ()
+        star = self.at == "*" and f.item[-1:] == [("p", "*")] and (len(f.item) == 1 or f.item[-2] in (("p", "."), ("p", ",")))
+        if not star and (self.at in self._before_operand() or self.at in ("as", "join", "from", "with", "on", "using")
+                         or self.at in _JOIN_WORDS):
+            return ()
+        if not self._unbound(f):
+            return ()
+        return _BANNED
 
     # -- characters ------------------------------------------------------------------------
     def feed(self, text: str) -> None:
+        """One token's text (a word it leaves half-written may not be on its way to a banned keyword)."""
         for ch in text:
             self._char(ch)
+        if self.word and self.banned and not self.mode and self.only_banned(self.word):
+            raise _Veto(f"{self.word} would start a clause while names are unbound")
 
     def _char(self, ch: str) -> None:
         prev, self.prev = self.prev, ch
         if self.done:
             return
-        if self.mode == "'":
-            if ch == "'":
-                self.mode, self.at = "", ""
+        if self.mode and self.mode in ("'", self.string):
+            if ch == self.mode:
+                self.mode, self.at, self.string = "", "", ""
             return
         if self.mode:
             if ch == self.mode:
                 self.mode = ""
+                if self.words is not None and ch in self.words.strings and not self._is_column(self.word):
+                    self.word, self.pool, self.at = "", None, ""  # a string literal (SQLite's rule)
+                    self._item(self._scope(), "v", "'")
+                    return
                 self._complete(quoted=True, follow="")
             else:
                 self.word += ch.lower()
                 if self.dot_q is not None:
-                    self._column(self.dot_q, self.word, final=False)
+                    self._column(self.dot_q, self.word, final=False, quoted=True)
+                elif self.pool is not None and not self.pool.admits(self.word):
+                    raise _Veto(f"{self.word} is not a name that can be written here")
             return
         if ch in _ID or (ch == "." and self.word[:1].isdigit()):
             if not self.word:
+                self._argument(ch)
                 self.pool = None if ch.isdigit() else self.word_pool()
+                self.banned = () if ch.isdigit() or self.dot_q is not None else self._bans()
+                self.word_at = self.at
             self.word += ch.lower()
             if self.dot_q is not None and ch != ".":
                 self._column(self.dot_q, self.word, final=False)
@@ -323,44 +518,95 @@ class SQLScope:
         if ch.isspace():  # (the grammar puts no whitespace before a qualifier's ".": `.5` is a number)
             self.last = None
             return
+        self._argument(ch)
         if self.fenced and ch == "`" and prev == "\n":
             self.end()
             self.done = True
             return
         last, self.last = self.last, None
-        self.at = ch
+        before, self.at = self.at, ch
+        f = self._scope()
         if self.stack[-1].fresh and ch != "(":
             self.stack[-1].fresh = False
         if ch == ".":
             if last is not None:
                 self._qualifier(last)
-        elif ch == "'":
-            self.mode = "'"
+        elif ch == "'" or (self.words is not None and ch in self.words.strings and ch not in self.words.quotes):
+            self.mode = self.string = ch
+            self._item(f, "v", "'")
         elif ch in _QUOTE_CLOSE:
             self.mode, self.quoted = _QUOTE_CLOSE[ch], True
+            self.word_at = before
+            # a name: a prefix of one that can be written here (a quote that may also open a string: any)
+            either = self.words is not None and ch in self.words.strings
+            self.pool = self.word_pool(before, quoted=True) if self.dot_q is None and not either else None
+            if self.pool is not None and not self.pool.words:
+                raise _Veto("no quoted name can be written here")
         elif ch == "(":
-            f = self._scope()
             source = f.phase == "from" and f.expect == "source" and self.stack[-1] is f
-            self.stack.append(_Frame(scope=False, source=source))
+            self._item(f, "p", "(")
+            frame = _Frame(scope=False, source=source, over=before == "over",
+                           func=before if self.words is not None and before in self.words.arity else "")
+            if f.with_state == "body" and self.stack[-1] is f:
+                frame.cte, f.with_state = f.source_name, "after"
+            self.stack.append(frame)
         elif ch == ")" and len(self.stack) > 1:
             closed = self.stack.pop()
             if closed.scope:
                 self._end_scope(closed)
+            f = self._scope()
+            self._item(f, "p", ")")
+            if closed.cte is not None:
+                self.derived[closed.cte] = closed.outputs or frozenset()
+                self.ctes.add(closed.cte)
+                f.source_name = None
             if closed.source:
-                f = self._scope()
-                f.source_name, f.expect = None, "after_source"
-                f.declared[""] = DERIVED  # its columns are in scope even without an alias
-        elif ch == "," and self.stack[-1] is self._scope() and self._scope().phase == "from":
-            self._scope().expect = "source"
+                key = f"#{len(self.derived)}"
+                self.derived[key] = closed.outputs or frozenset()
+                self._add_source(f, key, key)  # its columns are in scope even without an alias
+                f.expect = "after_source"
+        elif ch == "," and self.stack[-1] is f:
+            if f.with_state == "after":
+                f.with_state = "name"
+            elif f.phase == "from":
+                f.expect = "source"
+            elif f.phase == "select":
+                self._finish_item(f)
         elif ch == ";":
             self.end()
+        else:
+            self._item(f, "p", ch)
+
+    def _argument(self, ch: str) -> None:
+        """Argument counts of a function call (its frame is on top): a first argument begins, a comma
+        starts one more, `)` ends the call."""
+        top = self.stack[-1]
+        if not top.func:
+            return
+        least, most = self.words.arity[top.func]
+        if ch == ")":
+            if top.args < least:
+                raise _Veto(f"{top.func} takes at least {least} arguments")
+        elif ch == "," and top.args:
+            if most is not None and top.args >= most:
+                raise _Veto(f"{top.func} takes at most {most} arguments")
+            top.args += 1
+        elif not top.args:
+            top.args = 1  # (the grammar admits no function with no argument here but FUNC_NONE's)
 
     def _complete(self, quoted: bool, follow: str) -> None:
         w, self.word = self.word, ""
         pool, self.pool = self.pool, None
+        self.banned = ()
         if w[:1].isdigit():
             self.last, self.at = None, ""
+            self._item(self._scope(), "v", "0")
             return
         if pool is not None and follow != "." and w not in pool.ends:
             raise _Veto(f"{w} is not a column, alias or function here")
-        self._word(w, quoted, follow)
+        saved, self.at = self.at, self.word_at
+        try:
+            self._word(w, quoted, follow)
+        except _Veto:
+            self.at = saved
+            raise

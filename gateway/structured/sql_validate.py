@@ -3,6 +3,7 @@ functions, an enforced LIMIT, then transpiled to the target dialect."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import sqlglot
@@ -11,6 +12,7 @@ from sqlglot.errors import OptimizeError, ParseError
 from sqlglot.optimizer.qualify import qualify
 
 from .errors import SQLPolicyViolation
+from .sql_functions import function_nodes, node_name
 from .sql_schema import DatabaseSchema, SQLPolicy
 
 _READ_ROOTS = (exp.Select, exp.Union, exp.Intersect, exp.Except, exp.Subquery)
@@ -33,15 +35,10 @@ class SQLCheckResult:
     rewrites: list[str] = field(default_factory=list)  # changes made (audited, never silent)
 
 
-def _function_name(node: exp.Func) -> str:
-    if isinstance(node, exp.Anonymous):
-        return str(node.this).lower()
-    return node.sql_name().lower()
-
-
-def _function_allowed(name: str, allowed: set[str]) -> bool:
-    aliases = {"substring": "substr", "substr": "substring", "coalesce": "ifnull", "ifnull": "coalesce"}
-    return name in allowed or aliases.get(name) in allowed
+@functools.lru_cache(maxsize=64)
+def _allowed_nodes(dialect: str, functions: tuple[str, ...]) -> frozenset[str]:
+    """What the allowed function names parse to in `dialect` (STRFTIME is sqlglot's TimeToStr)."""
+    return frozenset(n for f in functions for n in function_nodes(dialect, f))
 
 
 def check_sql(sql: str, schema: DatabaseSchema, policy: SQLPolicy | None = None) -> SQLCheckResult:
@@ -65,14 +62,13 @@ def check_sql(sql: str, schema: DatabaseSchema, policy: SQLPolicy | None = None)
     if dialect == "sqlite":
         _sqlite_double_quoted_strings(tree, schema, rewrites)
 
-    allowed_funcs = {f.lower() for f in policy.allowed_functions}
+    allowed_nodes = _allowed_nodes(dialect, policy.functions)
     for fn in tree.find_all(exp.Func):
-        if isinstance(fn, _SYNTAX_FUNCS):
+        if isinstance(fn, _SYNTAX_FUNCS) or node_name(fn) in allowed_nodes:
             continue
-        name = _function_name(fn)
-        if not _function_allowed(name, allowed_funcs):
-            raise SQLPolicyViolation("function_not_allowed", f"function {name.upper()} is not in the allow-list "
-                                     f"({', '.join(sorted(allowed_funcs))})")
+        name = fn.name if isinstance(fn, exp.Anonymous) else fn.sql_name()
+        raise SQLPolicyViolation("function_not_allowed", f"function {name.upper()} is not in the allow-list "
+                                 f"({', '.join(sorted(policy.functions))})")
 
     known = {t.lower(): t for t in schema.tables}
     allowed_tables = {t.lower() for t in (policy.allowed_tables or schema.tables)}

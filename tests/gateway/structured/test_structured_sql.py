@@ -92,8 +92,15 @@ GOOD = [
 
 
 def _accepts(compiled, tokinfo, sql: str) -> bool:
+    """Grammar and scope guard together (what decoding admits)."""
+    from gateway.structured.sql_guard import SQLScopeGuard
+
     m = compiled.new_matcher()
-    return all(m.consume(t) for t in tokinfo.encode(sql)) and m.is_accepting()
+    ids = tokinfo.encode(sql)
+    if not (all(m.consume(t) for t in ids) and m.is_accepting()):
+        return False
+    guard = SQLScopeGuard.from_grammar(compiled.spec.source, tokinfo)
+    return guard.allows(ids, final=True)
 
 
 def test_grammar_accepts_select_language_and_only_real_names(tokinfo):

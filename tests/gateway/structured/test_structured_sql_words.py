@@ -90,8 +90,9 @@ def test_select_alias_usable_in_order_by(tokinfo):
         assert scope_vetoes(compiled, tokinfo.encode(sql)) is None, sql
         check_sql(sql, DB)
     assert not _allows(tokinfo, "SELECT count(*) AS cnt FROM trades ORDER BY cnx", final=True)
-    # the grammar takes a bare alias in ORDER BY only: elsewhere it could only go on as a qualifier
-    assert not _allows(tokinfo, "SELECT symbol, count(*) AS cnt FROM trades GROUP BY symbol HAVING cn")
+    # GROUP BY / HAVING / ORDER BY may name a SELECT-list alias, nothing else that is not a column in scope
+    assert _allows(tokinfo, "SELECT symbol, count(*) AS cnt FROM trades GROUP BY symbol HAVING cnt > 1", final=True)
+    assert not _allows(tokinfo, "SELECT symbol, count(*) AS cnt FROM trades GROUP BY symbol HAVING zz")
 
 
 def test_keywords_and_functions_still_typeable(tokinfo):
@@ -136,7 +137,8 @@ def test_filter_agrees_with_simulating_every_token(tokinfo):
             kept = set(np.flatnonzero(np.unpackbits(both[0].numpy().view(np.uint8), bitorder="little")).tolist())
             eos = set(c.eos_ids)
             want = {int(a) for a in allowed if a in eos or guard.allows([int(a)], final=False)}
-            assert kept - eos <= want - eos, (tokinfo.decode(tokinfo.encode(sql)[: c.consumed]), kept - want)
+            assert kept - eos <= want - eos, (tokinfo.decode(tokinfo.encode(sql)[: c.consumed]),
+                                              [tokinfo.decode([t]) for t in sorted(kept - want)][:12])
             if guard.scope.dot_q is None:  # (after `q.` a quoted column is left out: conservative)
                 assert kept - eos == want - eos, (tokinfo.decode(tokinfo.encode(sql)[: c.consumed]), want - kept)
             c.consume(t)

@@ -1,0 +1,107 @@
+"""SQL constraint soundness and coverage: what grammar + scope guard admit parses and validates (random
+walks), dialect functions / window functions / LIMIT forms / CTE names / quoted names are admitted,
+and no write, DDL or session statement gets through."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from evals.structured.sql_walks import random_walks
+from gateway.structured.cache import ConstraintCache
+from gateway.structured.errors import SQLPolicyViolation
+from gateway.structured.sql_grammar import sql_spec
+from gateway.structured.sql_guard import SQLScopeGuard
+from gateway.structured.sql_schema import DatabaseSchema, SQLPolicy
+from gateway.structured.sql_validate import check_sql
+
+DB = DatabaseSchema.from_mapping({
+    "accounts": ["id", "name", "region"],
+    "trades": ["id", "account_id", "symbol", "qty", "price", "ts"],
+    "Laboratory": ["ID", "T-CHO", "Date"],
+})
+ADVERSARIAL = json.loads((Path(__file__).parents[3] / "evals/structured/data/sql_adversarial.json").read_text())
+
+
+def _admitted(tokinfo, sql: str, policy: SQLPolicy) -> bool:
+    """Grammar, scope guard and validator together."""
+    compiled = ConstraintCache().get_or_compile(sql_spec(DB, policy), tokinfo)
+    ids = tokinfo.encode(sql)
+    m = compiled.new_matcher()
+    if not (all(m.consume(t) for t in ids) and m.is_accepting()):
+        return False
+    if not SQLScopeGuard.from_grammar(compiled.spec.source, tokinfo).allows(ids, final=True):
+        return False
+    try:
+        check_sql(sql, DB, policy)
+        return True
+    except SQLPolicyViolation:
+        return False
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
+def test_random_walks_always_parse_and_validate(tokinfo, dialect):
+    report = random_walks(tokinfo, DB, dialect, walks=12, max_tokens=96, seed=3)
+    assert report.valid == report.finished, report.examples
+    assert report.finished >= 1
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT strftime('%Y', ts), iif(qty > 1, 1, 0), julianday(ts) FROM trades",
+    "SELECT symbol, rank() OVER (PARTITION BY account_id ORDER BY qty DESC) FROM trades",
+    "SELECT instr(symbol, 'A'), date(ts), datetime(ts) FROM trades LIMIT 9, 2",
+    "WITH recent AS (SELECT account_id, max(ts) AS last_ts FROM trades GROUP BY account_id) "
+    "SELECT a.name, r.account_id FROM accounts AS a JOIN recent AS r ON a.id = r.account_id",
+    "SELECT T2.`T-CHO` FROM Laboratory AS T2",
+    "SELECT Laboratory.`T-CHO` FROM Laboratory",
+    "SELECT count(*) FROM (SELECT symbol FROM trades GROUP BY symbol) AS t1",
+    "SELECT symbol, sum(qty) AS n FROM trades GROUP BY symbol HAVING sum(qty) > 10 ORDER BY n DESC",
+])
+def test_sqlite_real_world_forms_admitted(tokinfo, sql):
+    assert _admitted(tokinfo, sql, SQLPolicy(dialect="sqlite", max_limit=None)), sql
+
+
+@pytest.mark.parametrize("sql", [
+    'SELECT "T-CHO" FROM "laboratory"',
+    "SELECT symbol, dense_rank() OVER (ORDER BY qty) FROM trades LIMIT 5 OFFSET 2",
+    "SELECT date_trunc('day', ts), greatest(qty, 1), split_part(symbol, '.', 1) FROM trades",
+])
+def test_postgres_forms_admitted(tokinfo, sql):
+    assert _admitted(tokinfo, sql, SQLPolicy(dialect="postgres", max_limit=None)), sql
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT lower(symbol, symbol) FROM trades",  # arity from sqlglot's parser
+    "SELECT rank() FROM trades",  # a window function needs OVER
+    "SELECT T9.qty FROM trades AS T1",  # unbound qualifier
+    "SELECT id FROM accounts JOIN trades ON accounts.id = trades.account_id",  # ambiguous column
+    "SELECT qty FROM accounts",  # a column of a table not in FROM
+    "SELECT * FROM recent",  # not a table, no such CTE
+    "SELECT '" + "''" * 70 + "' FROM trades",  # a string literal past 64 characters
+])
+def test_unsound_forms_refused(tokinfo, sql):
+    assert not _admitted(tokinfo, sql, SQLPolicy(dialect="sqlite", max_limit=None)), sql
+
+
+def test_validator_reads_functions_as_written():
+    """STRFTIME parses to sqlglot's TimeToStr: allowed because strftime is; a narrowed list refuses it."""
+    check_sql("SELECT strftime('%Y', ts) FROM trades", DB)
+    with pytest.raises(SQLPolicyViolation) as err:
+        check_sql("SELECT strftime('%Y', ts) FROM trades", DB, SQLPolicy(allowed_functions=("count",)))
+    assert err.value.rule == "function_not_allowed"
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
+def test_adversarial_set_never_admitted(tokinfo, dialect):
+    schema = DatabaseSchema.from_mapping(ADVERSARIAL["schema"])
+    policy = SQLPolicy(dialect=dialect)
+    compiled = ConstraintCache().get_or_compile(sql_spec(schema, policy), tokinfo)
+    for sql in ADVERSARIAL["must_reject"]:  # neither grammar + guard nor the validator admits any
+        ids = tokinfo.encode(sql)
+        m = compiled.new_matcher()
+        grammar = all(m.consume(t) for t in ids) and m.is_accepting()
+        assert not (grammar and SQLScopeGuard.from_grammar(compiled.spec.source, tokinfo).allows(ids, final=True)), sql
+        with pytest.raises(SQLPolicyViolation):
+            check_sql(sql, schema, policy)
