@@ -136,7 +136,9 @@ def test_traffic_survives_outage_fail_open(redis_server):
 
 def test_burst_larger_than_the_pool_queues_instead_of_failing(redis_server):
     async def main():
-        store = RedisStore(redis_server.url, "fail_closed", max_connections=4)
+        # a generous socket timeout: this is about queueing for the pool, and 300 coroutines on a busy
+        # 2-core machine can hold the event loop past the default 0.5 s while the first sockets connect
+        store = RedisStore(redis_server.url, "fail_closed", max_connections=4, timeout_s=5.0)
         decisions = await asyncio.gather(*(store.rate_limit("b", rate=0.001, burst=100) for _ in range(300)))
         assert sum(d.allowed for d in decisions) == 100 and not any(d.degraded for d in decisions)
         await store.close()
