@@ -105,8 +105,8 @@ def _adhoc_data(phases: list[dict[str, Any]]) -> str:
     if not boosted:
         return ""
     return f"""
-Requests as API clients write them (`evals/demo/adhoc.py`; weight 0 in the default mixture, boosted in phase
-{", ".join(map(str, boosted))}): short imperative orders (`Sell 40 shares of XYZ`) answered with a compact JSON
+Requests as API clients write them (`evals/demo/adhoc.py`; weight 0 in the default mixture, boosted in
+phase{"s" if len(boosted) > 1 else ""} {", ".join(map(str, boosted))}): short imperative orders (`Sell 40 shares of XYZ`) answered with a compact JSON
 object against the client's own schema, which arrives as `response_format` and so is not in the prompt (key names
 drawn from symbol/ticker/sym, qty/quantity/shares/size, optional side, account and limit price); quote calls to
 the client's own tool definitions (tool and argument names varied, 0-2 other tools beside it); and bare SQL over
@@ -216,6 +216,17 @@ def _copy_table(copy: dict[str, list[int]]) -> str:
     lines = ["| entity in the answer | top choice right | share |", "|---|---|---|"]
     lines += [f"| {kind} | {right}/{n} | {right / max(1, n):.0%} |" for kind, (right, n) in copy.items()]
     return "\n".join(lines)
+
+
+def _threads_text(phases: list[dict[str, Any]]) -> str:
+    """Torch threads of the recipe: one number, or per phase where phases differ."""
+    threads = [p["config"].get("threads", 2) for p in phases]
+    if len(set(threads)) == 1:
+        return str(threads[0])
+    by_count: dict[int, list[str]] = {}
+    for i, t in enumerate(threads, start=1):
+        by_count.setdefault(t, []).append(str(i))
+    return " and ".join(f"{t} (phase{'s' if len(ps) > 1 else ''} {', '.join(ps)})" for t, ps in by_count.items())
 
 
 def _machine_text(phases: list[dict[str, Any]]) -> str:
@@ -354,7 +365,7 @@ PYTHONPATH=. python -m evals.demo.model_card   # measures and writes this card
   matters.{_curriculum_note(phases)}{_value_note(phases)}{_qk_note(phases)}
 - The schedule runs on wall-clock progress (`--time-budget-s`), so a run takes the same time on a slower or
   busier machine and trains fewer steps there. **{steps} steps, {tokens / 1e6:.2f}M tokens, {minutes:.1f} minutes**
-  of training with torch threads = {cfg.get('threads', 2)}{_machine_text(phases)}{_setup_text(phases)}; one uncontended
+  of training with torch threads = {_threads_text(phases)}{_machine_text(phases)}{_setup_text(phases)}; one uncontended
   training step of this recipe takes {card['step_seconds']['1']:.2f} s at 1 thread and
   {card['step_seconds']['2']:.2f} s at 2 threads on the machine that measured this card ({card.get('step_cpu', 'not recorded')}).
 
