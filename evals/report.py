@@ -28,7 +28,7 @@ def _llm(model: str, fmt: str = "bf16", **kw):
     return LLM(model, placement=PlacementConfig(fast_format=fmt, exact_format=fmt), progress=False, **kw)
 
 
-def structured_tasks(model: str, n: int, exclude: frozenset[str] = frozenset()) -> dict:
+def structured_tasks(model: str, n: int, exclude: frozenset[str] = frozenset(), tasks: list | None = None) -> dict:
     """Held-out tool-call, JSON and SQL tasks decoded under their constraints in execution mode.
 
     Per kind: `n`, `valid` (passes the gateway's validator), `correct` (exactly the expected call / object /
@@ -36,7 +36,9 @@ def structured_tasks(model: str, n: int, exclude: frozenset[str] = frozenset()) 
     their path, or for SQL the reference query's literals found in the output (partial copying shows here);
     for tool calls and JSON, `missed_fields` counts the expected fields got wrong, by path.
     `exclude`: rendered conversations to skip (those a model trained on, for tasks it never saw verbatim).
+    `tasks`: these tasks instead (e.g. `adhoc_heldout_tasks`); a SQL task with `tables` runs on those tables.
     """
+    from evals.demo.adhoc import query_db
     from evals.demo.corpus import create_trading_db, heldout_tasks, wants_fenced_sql
     from evals.structured_score import field_matches, missed_fields, sql_literal_matches
     from gateway.structured import build as sb
@@ -53,9 +55,13 @@ def structured_tasks(model: str, n: int, exclude: frozenset[str] = frozenset()) 
     info = TokenizerInfo.from_file(str(Path(model) / "tokenizer.json"), eos)
     db = create_trading_db()
     tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
-    schema = DatabaseSchema.from_mapping({t: [c[1] for c in db.execute(f"PRAGMA table_info({t})")] for t in tables})
+    trading_schema = DatabaseSchema.from_mapping({t: [c[1] for c in db.execute(f"PRAGMA table_info({t})")]
+                                                  for t in tables})
     out: dict[str, dict] = {}
-    for task in tqdm(heldout_tasks(n, seed=1, exclude=exclude), desc="structured tasks"):
+    for task in tqdm(heldout_tasks(n, seed=1, exclude=exclude) if tasks is None else tasks, desc="structured tasks"):
+        schema, task_db = trading_schema, db
+        if task.tables is not None:  # the client's own tables, with a few rows for each symbol the answer names
+            schema, task_db = DatabaseSchema.from_mapping(task.tables), query_db(task.tables, task.expected["sql"])
         stats = out.setdefault(task.kind, {"n": 0, "valid": 0, "correct": 0, "field_hits": 0, "fields": 0,
                                            "examples": []})
         stats["n"] += 1
@@ -100,7 +106,7 @@ def structured_tasks(model: str, n: int, exclude: frozenset[str] = frozenset()) 
                 got = text
                 validate_sql(text, schema)
                 stats["valid"] += 1
-                rows = [list(r) for r in db.execute(text).fetchall()]
+                rows = [list(r) for r in task_db.execute(text).fetchall()]
                 stats["correct"] += int(rows == task.expected["rows"])
         except Exception as exc:  # noqa: BLE001 - an invalid output is a finding, recorded below
             stats.setdefault("errors", []).append({"error": f"{type(exc).__name__}: {exc}"[:200], "output": text[:400]})

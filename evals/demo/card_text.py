@@ -99,6 +99,45 @@ def _structured_table(structured: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _adhoc_data(phases: list[dict[str, Any]]) -> str:
+    """A paragraph on the ad-hoc families, for recipes with a phase that boosted them (none: empty)."""
+    boosted = [i for i, p in enumerate(phases, start=1) if "adhoc_" in p["config"].get("boost_family", "")]
+    if not boosted:
+        return ""
+    return f"""
+Requests as API clients write them (`evals/demo/adhoc.py`; weight 0 in the default mixture, boosted in
+phase{"s" if len(boosted) > 1 else ""} {", ".join(map(str, boosted))}): short imperative orders (`Sell 40 shares of XYZ`) answered with a compact JSON
+object against the client's own schema, which arrives as `response_format` and so is not in the prompt (key names
+drawn from symbol/ticker/sym, qty/quantity/shares/size, optional side, account and limit price); quote calls to
+the client's own tool definitions (tool and argument names varied, 0-2 other tools beside it); and bare SQL over
+the client's own small tables given as `{{table: [columns]}}` (latest, first, average, extreme, filtered and
+grouped prices; the tables in a system turn in 40% of the chats, else only in `response_format`). Tickers are the
+demo's instruments or made-up symbols of 1-5 capitals; quantities spread over 1-20, up to 999, round sizes to
+50,000 and repeated digits (11, 4444, 300, 505)."""
+
+
+def _adhoc_intro(phases: list[dict[str, Any]]) -> str:
+    trained = any("adhoc_" in p["config"].get("boost_family", "") for p in phases)
+    return ", plus the simplest orders, quote tools and price tables in the shapes API clients send them" if trained \
+        else ""
+
+
+def _adhoc_section(card: dict[str, Any]) -> str:
+    """The held-out ad-hoc task table, for cards that measured it (older ones: empty)."""
+    if "adhoc" not in card:
+        return ""
+    return f"""### Requests as clients write them
+
+Held-out ad-hoc requests (`evals.demo.corpus.adhoc_heldout_tasks`: a stream no training split draws from, with
+key, tool, table and column names that no training chat uses beside the training ones, e.g. `units`, `asset`,
+`price_check`, `market_data(instrument, as_of, trade_px)`), decoded as above; a SQL task runs on its own tables
+with a few rows per symbol.
+
+{_structured_table(card['adhoc'])}
+
+"""
+
+
 def _share_right(structured: dict[str, dict[str, Any]]) -> float:
     return sum(st["correct"] for st in structured.values()) / max(1, sum(st["n"] for st in structured.values()))
 
@@ -179,6 +218,17 @@ def _copy_table(copy: dict[str, list[int]]) -> str:
     return "\n".join(lines)
 
 
+def _threads_text(phases: list[dict[str, Any]]) -> str:
+    """Torch threads of the recipe: one number, or per phase where phases differ."""
+    threads = [p["config"].get("threads", 2) for p in phases]
+    if len(set(threads)) == 1:
+        return str(threads[0])
+    by_count: dict[int, list[str]] = {}
+    for i, t in enumerate(threads, start=1):
+        by_count.setdefault(t, []).append(str(i))
+    return " and ".join(f"{t} (phase{'s' if len(ps) > 1 else ''} {', '.join(ps)})" for t, ps in by_count.items())
+
+
 def _machine_text(phases: list[dict[str, Any]]) -> str:
     """Where the recipe ran: CPU model and core count as the training metrics recorded them."""
     cpus = sorted({f"{p['cpu']} ({p['cpu_count']} cores)" for p in phases if p.get("cpu")})
@@ -241,7 +291,7 @@ conversations. It is the default model of `moegate serve`: a fresh clone serves 
 It exists so the engine has a *trained* MoE to run: routing in a trained MoE is skewed (hot and cold experts),
 which is what hot-expert placement, mixed precision and expert deferral exploit; random weights only prove
 numerics. It is a toy: it knows ~30 tickers, 12 accounts, 5 tools, 3 report schemas, one SQL schema and
-about two dozen market concepts, and nothing else.
+about two dozen market concepts{_adhoc_intro(phases)}, and nothing else.
 
 ## Architecture
 
@@ -280,7 +330,7 @@ JSON reports against three fixed schemas (`order_ticket`, `position_summary`, `r
 compact (`,` and `:` separators, as the gateway's `response_format` JSON grammar emits them), and SQLite
 queries over a six-table trading database (`instruments, prices, accounts, positions, orders, trades`; 14%),
 half of them asked for in a ```` ```sql ```` block and half as a bare query (the gateway's `response_format`
-`sql`, constrained from the first token).
+`sql`, constrained from the first token).{_adhoc_data(phases)}
 Tickers, accounts, sides, quantities and prices are drawn at random per conversation and the answer repeats them from the user
 turn (or a tool result), so the only way to get the arguments right is to copy them from the context.
 
@@ -315,7 +365,7 @@ PYTHONPATH=. python -m evals.demo.model_card   # measures and writes this card
   matters.{_curriculum_note(phases)}{_value_note(phases)}{_qk_note(phases)}
 - The schedule runs on wall-clock progress (`--time-budget-s`), so a run takes the same time on a slower or
   busier machine and trains fewer steps there. **{steps} steps, {tokens / 1e6:.2f}M tokens, {minutes:.1f} minutes**
-  of training with torch threads = {cfg.get('threads', 2)}{_machine_text(phases)}{_setup_text(phases)}; one uncontended
+  of training with torch threads = {_threads_text(phases)}{_machine_text(phases)}{_setup_text(phases)}; one uncontended
   training step of this recipe takes {card['step_seconds']['1']:.2f} s at 1 thread and
   {card['step_seconds']['2']:.2f} s at 2 threads on the machine that measured this card ({card.get('step_cpu', 'not recorded')}).
 
@@ -350,7 +400,7 @@ found in the output (a model that copies some of the user's entities scores here
 
 {_structured_examples(card['structured'])}
 
-### Copying from the prompt
+{_adhoc_section(card)}### Copying from the prompt
 
 Tickers, account numbers, quantities and order sides are drawn at random per conversation, so an answer gets them
 right only by copying them from the user turn or a tool result. Teacher-forced on held-out conversations

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from evals.demo import dialogues
+from evals.demo import adhoc, dialogues
 from evals.demo.chat_format import render
 from evals.demo.schemas import REPORT_SCHEMAS, TOOLS
 from evals.demo.sql_tasks import sample_sql_task
@@ -37,6 +37,7 @@ class Conversation:
     tools: list[dict[str, Any]] | None = None
     schema: dict[str, Any] | None = None
     answer_index: int = -1
+    tables: dict[str, list[str]] | None = None  # ad-hoc SQL: the client's {table: [columns]}
 
     def render(self) -> str:
         return render(self.messages, self.tools)
@@ -57,6 +58,7 @@ class Task:
     tools: list[dict[str, Any]] | None = None
     schema: dict[str, Any] | None = None
     db_schema: str | None = field(default=None)
+    tables: dict[str, list[str]] | None = None  # ad-hoc SQL: the client's {table: [columns]} (response_format)
 
 
 def _tool_subset(rng: random.Random, needed: list[str]) -> list[dict[str, Any]]:
@@ -100,6 +102,21 @@ def _sql_conversation(rng: random.Random) -> Conversation:
     return Conversation("sql", messages, answer_index=2)
 
 
+def _adhoc_order(rng: random.Random, names: adhoc.Names = adhoc.NAMES) -> Conversation:
+    messages, schema, _ = adhoc.adhoc_order(rng, names)
+    return Conversation("adhoc_order", messages, schema=schema, answer_index=len(messages) - 1)
+
+
+def _adhoc_quote(rng: random.Random, names: adhoc.Names = adhoc.NAMES) -> Conversation:
+    messages, tools = adhoc.adhoc_quote(rng, names)
+    return Conversation("adhoc_quote", messages, tools=tools, answer_index=len(messages) - 1)
+
+
+def _adhoc_sql(rng: random.Random, names: adhoc.Names = adhoc.NAMES) -> Conversation:
+    messages, tables, _ = adhoc.adhoc_sql(rng, names)
+    return Conversation("adhoc_sql", messages, answer_index=len(messages) - 1, tables=tables)
+
+
 def _prose_conversation(kind: str, make: Callable[[random.Random], tuple[str, str]]):
     def build(rng: random.Random) -> Conversation:
         system = rng.choice(dialogues.PROSE_SYSTEMS)
@@ -133,6 +150,11 @@ FAMILIES: tuple[tuple[str, float, Callable[[random.Random], Conversation]], ...]
                                                         brief=True)),
     ("risk_report_brief", 0.0, _json_conversation("risk_report", dialogues.risk_report, brief=True)),
     ("sql", 0.14, _sql_conversation),
+    # requests as API clients write them (evals/demo/adhoc.py): their own order schema as response_format, their own
+    # quote tool, SQL over their own small tables. Weight 0 like the brief reports: a later phase boosts them
+    ("adhoc_order", 0.0, _adhoc_order),
+    ("adhoc_quote", 0.0, _adhoc_quote),
+    ("adhoc_sql", 0.0, _adhoc_sql),
 )
 FAMILY_NAMES = tuple(name for name, _, _ in FAMILIES)
 
@@ -165,6 +187,10 @@ def to_task(conv: Conversation, db: Any | None = None) -> Task:
         call = answer["tool_calls"][0]["function"]
         return Task("tool_call", conv.kind, prompt, {"name": call["name"], "arguments": call["arguments"]},
                     tools=conv.tools)
+    if conv.tables is not None:
+        sql = answer["content"]
+        rows = adhoc.query_db(conv.tables, sql).execute(sql).fetchall()
+        return Task("sql", conv.kind, prompt, {"sql": sql, "rows": [list(r) for r in rows]}, tables=conv.tables)
     if conv.schema is not None:
         return Task("json", conv.kind, prompt, json.loads(answer["content"]), schema=conv.schema)
     if conv.kind == "sql":
@@ -190,6 +216,21 @@ def heldout_tasks(n: int, seed: int = 0, kinds: tuple[str, ...] = ("tool_call", 
         task = to_task(conv, db)
         if task.kind in kinds:
             tasks.append(task)
+    return tasks
+
+
+def adhoc_heldout_tasks(n: int, names: adhoc.Names = adhoc.HELDOUT_NAMES,
+                        exclude: frozenset[str] = frozenset()) -> list[Task]:
+    """`n` held-out ad-hoc tasks (orders against a response_format schema, quote calls, SQL over small tables, in
+    turn), drawn with `names` (by default with key, tool, table and column names no training chat uses) from a
+    stream no training split draws from, skipping any conversation in `exclude`."""
+    builders = (_adhoc_order, _adhoc_quote, _adhoc_sql)
+    tasks, i = [], 0
+    while len(tasks) < n:
+        conv = builders[i % len(builders)](random.Random(f"heldout-adhoc:{i}"), names)
+        i += 1
+        if conv.render() not in exclude:
+            tasks.append(to_task(conv))
     return tasks
 
 

@@ -120,6 +120,7 @@ def measure(checkpoint: Path, n_loss: int, n_routing: int, n_tasks: int,
             seen: frozenset[str] = frozenset()) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeForCausalLM
 
+    from evals.demo.corpus import adhoc_heldout_tasks
     from evals.report import structured_tasks
 
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
@@ -138,6 +139,9 @@ def measure(checkpoint: Path, n_loss: int, n_routing: int, n_tasks: int,
         "structured": {k: {f: v[f] for f in ("n", "valid", "correct", "field_hits", "fields", "examples",
                                               "missed_fields") if f in v}
                        for k, v in structured_tasks(str(checkpoint), n_tasks, exclude=seen).items()},
+        "adhoc": {k: {f: v[f] for f in ("n", "valid", "correct", "field_hits", "fields", "examples") if f in v}
+                  for k, v in structured_tasks(str(checkpoint), n_tasks // 2,
+                                               tasks=adhoc_heldout_tasks(n_tasks // 2, exclude=seen)).items()},
         "samples": exploration_samples(checkpoint),
     }
 

@@ -49,7 +49,8 @@ def test_corpus_is_deterministic_per_seed_and_split():
 
 def test_mixture_covers_every_family():
     kinds = {c.kind for c in conversations("train", 400)}
-    assert kinds == {name for name in FAMILY_NAMES if not name.endswith("_brief")}
+    assert kinds == {name for name, weight, _ in FAMILIES if weight > 0}
+    assert {name for name in FAMILY_NAMES if not name.endswith("_brief") and not name.startswith("adhoc_")} == kinds
 
 
 def test_brief_report_families_keep_the_schema_out_of_the_prompt_and_out_of_the_default_mixture():
