@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from evals.demo.trading_db import ACCOUNT_CODES, INSTRUMENTS, price_path
+from gateway.structured.sql_schema import tables_prompt
 
 JSON_SEPARATORS = (",", ":")
 CLIENT_SYSTEMS = (None, None, None, "You are a trading assistant.", "Answer briefly.",
@@ -226,7 +227,7 @@ def adhoc_sql(rng: random.Random, names: Names = NAMES) -> tuple[list[dict[str, 
     head = []
     if rng.random() < 0.4:  # the tables in a system turn, as a client may write them
         listed = "; ".join(f"{t}({', '.join(cols)})" for t, cols in tables.items())
-        head = [{"role": "system", "content": rng.choice([f"Tables: {listed}. Reply with one SQL query.",
+        head = [{"role": "system", "content": rng.choice([tables_prompt(tables),  # what the gateway writes
                                                           f"Write SQL over: {listed}"])}]
     elif (system := rng.choice(CLIENT_SYSTEMS)) is not None:
         head = [{"role": "system", "content": system}]

@@ -22,6 +22,7 @@ from gateway.schemas import (
 )
 from gateway.serving import Job, budget, resolve_policy, serve
 from gateway.sse import Chunker, usage_of
+from gateway.structured.sql_schema import tables_prompt
 from policies.resolve import PolicyDenied
 
 ROUTE = "/v1/chat/completions"
@@ -52,6 +53,20 @@ def _template_messages(messages: list[Message]) -> list[dict]:
             d["tool_calls"] = calls
         out.append(d)
     return out
+
+
+def _prompt_messages(body: ChatCompletionRequest) -> list[dict]:
+    """The conversation the model reads: the client's messages, and for a SQL response_format the tables
+    (sql_schema.tables_prompt) in the system turn, so the model knows the names the grammar admits."""
+    messages = _template_messages(body.messages)
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "sql" and fmt.sql is not None:
+        line = tables_prompt(fmt.sql.tables)
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{line}".lstrip()}
+        else:
+            messages.insert(0, {"role": "system", "content": line})
+    return messages
 
 
 def call_id() -> str:
@@ -118,7 +133,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     tok = state.llm.tokenizer
     try:
-        prompt_text = tok.apply_chat_template(_template_messages(body.messages), tools=tools or None)
+        prompt_text = tok.apply_chat_template(_prompt_messages(body), tools=tools or None)
     except ChatTemplateError as e:
         raise bad_request(f"cannot render the conversation: {e}", "messages") from None
     prompt_ids = tok.encode(prompt_text)

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .errors import ConstraintCompileError
 from .sql_functions import default_functions
 
 DIALECTS = ("sqlite", "postgres", "mysql", "duckdb", "bigquery", "snowflake")
+
+
+def tables_prompt(tables: Mapping[str, Sequence[str]]) -> str:
+    """How a request's SQL tables are told to the model (a system line): `Tables: t(a, b); u(c). ...`.
+
+    The constraint decides which names can be written; the model still has to know them to pick the
+    right ones (a column called `price`, not `close`). The demo corpus writes the same line."""
+    listed = "; ".join(f"{t}({', '.join(cols)})" for t, cols in tables.items())
+    return f"Tables: {listed}. Reply with one SQL query."
 
 
 @dataclass(frozen=True)
