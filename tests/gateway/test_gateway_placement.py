@@ -19,8 +19,8 @@ def test_finance_profiles_map_to_placement():
     assert fast_dense == "int8"  # exploration attention projections through the int8 CPU kernel
 
 
-def test_dev_profile_is_one_format_for_both_modes():
+def test_dev_profile_explores_in_int4_and_executes_at_the_checkpoints_precision():
     placement, exact_lm_head, fast_lm_head, fast_dense = placement_from_policy(load_policy(EXAMPLES / "dev.yaml"))
-    assert placement.fast_format == placement.execution_format == "int4"
-    assert placement.formatting_layers == 0 and not exact_lm_head and fast_lm_head == "int8"
+    assert placement.fast_format == "int4" and placement.execution_format == "bf16"
+    assert placement.formatting_layers == 0 and not exact_lm_head and fast_lm_head == "int8"  # the model's lm_head
     assert fast_dense == "int8"

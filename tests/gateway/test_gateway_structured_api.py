@@ -125,8 +125,9 @@ def _sql_bias(server, words):
 def test_sql_extension(gateway_server):
     """response_format type "sql": the caller's tables + the policy database's rules (allowed tables, LIMIT)."""
     tables = {"prices": ["ticker", "price"], "trades": ["ticker", "qty"]}
-    r = _chat(gateway_server, max_tokens=60, temperature=0,
-              logit_bias=_sql_bias(gateway_server, ["SELECT", " ticker", " FROM", " prices"]),
+    bias = _sql_bias(gateway_server, ["SELECT", " ticker", " FROM", " prices"])
+    bias.update({str(t): 10 for t in gateway_server.state.llm.engine.eos_token_ids})  # end once the grammar may
+    r = _chat(gateway_server, max_tokens=60, temperature=0, logit_bias=bias,
               response_format={"type": "sql", "sql": {"tables": tables, "dialect": "sqlite", "database": "market"}})
     sql = r.choices[0].message.content
     tree = sqlglot.parse_one(sql, read="sqlite")
