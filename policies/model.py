@@ -154,7 +154,7 @@ class AuditSettings(_Strict):
 
 class StoreSettings(_Strict):
     on_unavailable: Literal["fail_open", "fail_closed"] = "fail_closed"
-    timeout_s: Annotated[float, Field(gt=0, le=30, description="socket and connect timeout of each redis call")] = 0.5
+    timeout_s: Annotated[float, Field(gt=0, le=30, description="socket timeout of each redis call (opening a connection: at least 2 s)")] = 0.5
     circuit_failures: Annotated[int, Field(ge=1, description=(
         "consecutive redis failures or timeouts that open the circuit (redis is then not called, "
         "on_unavailable applies)"))] = 3

@@ -123,6 +123,9 @@ return 1
 """
 
 
+CONNECT_TIMEOUT_FLOOR_S = 2.0
+
+
 class RedisStore(Store):
     def __init__(self, url: str, on_unavailable: OnUnavailable = "fail_closed", *, prefix: str = "moegate:",
                  timeout_s: float = 0.5, poll_s: float = 0.02, max_connections: int = 64,
@@ -137,7 +140,9 @@ class RedisStore(Store):
         # redis-py then fails bursts with MaxConnectionsError, which would read as "redis unavailable"
         pool = aioredis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=pool_wait_s,
-            socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            # a connection is opened once per pooled socket: its timeout tolerates an event loop busy for a
+            # moment (a burst of coroutines), while every call keeps the policy's timeout
+            socket_timeout=timeout_s, socket_connect_timeout=max(timeout_s, CONNECT_TIMEOUT_FLOOR_S),
             retry=Retry(ConstantBackoff(0.01), 1, supported_errors=(RedisConnectionError,)),
         )
         self._pool = pool
