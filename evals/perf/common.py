@@ -54,3 +54,33 @@ def save_bar_plot(path: Path, title: str, groups: dict[str, dict[str, float]]) -
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_in_thread(settings, log_level: str = "warning", timeout_s: float = 120.0):
+    """`create_app(settings)` under uvicorn in a daemon thread, started -> (server, thread, app, base url).
+    Stop it with `server.should_exit = True; thread.join()`."""
+    import threading
+
+    import uvicorn
+
+    from gateway.app import create_app
+
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level=log_level))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the gateway did not start")
+        time.sleep(0.05)
+    return server, thread, app, f"http://127.0.0.1:{settings.port}"

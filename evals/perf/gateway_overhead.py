@@ -15,14 +15,13 @@ import asyncio
 import json
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 from tqdm.auto import tqdm
 
-from evals.perf.common import machine_info
+from evals.perf.common import free_port, machine_info, serve_in_thread
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -40,26 +39,10 @@ def _summary(xs: list[float]) -> dict:
 
 
 def start_server(model: str, state_dir: Path):
-    import socket
-
-    import uvicorn
-
-    from gateway.app import create_app
     from gateway.settings import Settings
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    settings = Settings(model=model, port=port, state_dir=state_dir, kv_cache_gib=0.1, max_queue=1024)
-    app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the gateway did not start")
-        time.sleep(0.05)
-    return server, thread, app, f"http://127.0.0.1:{port}"
+    settings = Settings(model=model, port=free_port(), state_dir=state_dir, kv_cache_gib=0.1, max_queue=1024)
+    return serve_in_thread(settings)
 
 
 def run(model: str, n: int, max_tokens: int, endpoint: str, out: Path) -> dict:

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 from tqdm.auto import tqdm
 
-from evals.perf.common import machine_info, save_bar_plot
+from evals.perf.common import free_port, machine_info, save_bar_plot, serve_in_thread
 from evals.perf.gateway_overhead import _percentile
 
 DEV = Path(__file__).resolve().parents[2] / "policies" / "examples" / "dev.yaml"
@@ -38,17 +38,11 @@ LIMITS = """limits:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("redis-server not found: install it to run this benchmark")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
                              "--save", "", "--appendonly", "no", "--loglevel", "warning"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -107,30 +101,20 @@ async def _load(url: str, model: str, clients: int, seconds: float, label: str) 
 
 
 def run(model: str, clients: int, seconds: float, out: Path) -> dict:
-    import threading
 
-    import uvicorn
 
     from engine.circuit_breaker import CircuitBreaker
-    from gateway.app import create_app
     from gateway.settings import Settings
 
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         redis, redis_url = _start_redis(tmp)
-        port = _free_port()
+        port = free_port()
         settings = Settings(model=model, model_name="moegate-demo", policy_path=str(_policy(tmp)), port=port,
                             state_dir=tmp / "state", kv_cache_gib=0.1, max_queue=1024, redis_url=redis_url)
-        app = create_app(settings)
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            if not thread.is_alive():
-                raise RuntimeError("the gateway did not start")
-            time.sleep(0.05)
-        url, store = f"http://127.0.0.1:{port}", app.state.moegate.store
+        server, thread, app, url = serve_in_thread(settings, log_level="error")
+        store = app.state.moegate.store
         phases: dict[str, dict] = {}
         try:
             asyncio.run(_load(url, "moegate-demo", clients, 2, "warm-up"))

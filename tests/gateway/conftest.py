@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from evals.perf.common import free_port, serve_in_thread  # noqa: F401 (re-exported for the tests)
 from policies.model import hash_api_key
 
 KEY_ALPHA, KEY_BETA, KEY_GAMMA = "sk-test-alpha-0123456789", "sk-test-beta-0123456789", "sk-test-gamma-0123456789"
@@ -72,17 +70,9 @@ class Server:
         return OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60, **kw)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def gateway_server(tiny_checkpoint, tmp_path_factory) -> Server:
-    import uvicorn
 
-    from gateway.app import create_app
     from gateway.settings import Settings
 
     tmp = tmp_path_factory.mktemp("gateway")
@@ -90,16 +80,7 @@ def gateway_server(tiny_checkpoint, tmp_path_factory) -> Server:
     settings = Settings(model=str(tiny_checkpoint()), policy_path=str(tmp / "policy.yaml"), port=free_port(),
                         device="cpu", kv_cache_gib=0.05, max_queue=3, max_request_bytes=100_000,
                         request_timeout_s=60, state_dir=tmp / "state", otlp_endpoint=None)
-    app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning",
-                                          lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the gateway did not start")
-        time.sleep(0.05)
-    yield Server(f"http://127.0.0.1:{settings.port}", app, tmp / "state")
+    server, thread, app, url = serve_in_thread(settings)
+    yield Server(url, app, tmp / "state")
     server.should_exit = True
     thread.join(30)

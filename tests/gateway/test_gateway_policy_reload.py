@@ -4,14 +4,13 @@ stays and keeps serving); a deferral change is applied to the running engine bet
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.gateway.conftest import KEY_ALPHA, POLICY, free_port
+from tests.gateway.conftest import KEY_ALPHA, POLICY, free_port, serve_in_thread
 
 
 def _write(path: Path, text: str) -> None:
@@ -22,9 +21,7 @@ def _write(path: Path, text: str) -> None:
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
-    import uvicorn
 
-    from gateway.app import create_app
     from gateway.settings import Settings
 
     tmp = tmp_path_factory.mktemp("reload")
@@ -32,15 +29,8 @@ def server(tiny_checkpoint, tmp_path_factory):
     policy.write_text(POLICY)
     settings = Settings(model=str(tiny_checkpoint()), policy_path=str(policy), port=free_port(), device="cpu",
                         kv_cache_gib=0.05, state_dir=tmp / "state")
-    app = create_app(settings)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
-        time.sleep(0.05)
-    yield app, policy, f"http://127.0.0.1:{settings.port}/v1"
+    srv, thread, app, url = serve_in_thread(settings)
+    yield app, policy, url + "/v1"
     srv.should_exit = True
     thread.join(30)
 

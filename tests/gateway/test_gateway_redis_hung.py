@@ -5,14 +5,12 @@ openai client; a reload that changes the redis timeout is rejected."""
 from __future__ import annotations
 
 import os
-import threading
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import KEY_ALPHA, POLICY, free_port
+from tests.gateway.conftest import KEY_ALPHA, POLICY, free_port, serve_in_thread
 
 pytestmark = pytest.mark.redis
 
@@ -24,9 +22,7 @@ def _write(path, text: str) -> None:
 
 
 def test_hung_redis_degrades_per_policy(tiny_checkpoint, redis_server, tmp_path):
-    import uvicorn
 
-    from gateway.app import create_app
     from gateway.settings import Settings
 
     policy = tmp_path / "policy.yaml"
@@ -34,14 +30,7 @@ def test_hung_redis_degrades_per_policy(tiny_checkpoint, redis_server, tmp_path)
     policy.write_text(limited)
     settings = Settings(model=str(tiny_checkpoint()), policy_path=str(policy), port=free_port(), device="cpu",
                         kv_cache_gib=0.05, state_dir=tmp_path / "state", redis_url=redis_server.url)
-    app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
-        time.sleep(0.05)
+    server, thread, app, _ = serve_in_thread(settings)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{settings.port}/v1", api_key=KEY_ALPHA, max_retries=0,
                            timeout=60)
 
