@@ -1,10 +1,15 @@
-"""A real gateway on loopback (uvicorn in a thread) over a tiny random checkpoint and a test policy."""
+"""A real gateway on loopback (uvicorn in a thread, or a `moegate serve` process) over a tiny random checkpoint and a
+test policy."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from evals.perf.common import free_port, serve_in_thread  # noqa: F401 (re-exported for the tests)
@@ -43,6 +48,29 @@ limits:
 audit: {{level: full, fsync: never}}
 stores: {{on_unavailable: fail_open}}
 """
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def serve_process(args: list[str], env: dict, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """`moegate serve ARGS --port P` as a real process, answering /health -> (process, base url); the caller
+    terminates it. `env` gets PYTHONPATH pointing at this checkout."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", *args, "--port", str(port)],
+                            env={**env, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"moegate serve exited {proc.returncode}: {proc.stdout.read().decode()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"moegate serve did not answer within {timeout_s:.0f} s")
+        try:
+            httpx.get(url + "/health", timeout=2).raise_for_status()
+            return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.3)
 
 
 @dataclass

@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import openai
 import pytest
 
 from gateway.audit import verify
+from tests.gateway.conftest import serve_process
 
 MSG = [{"role": "user", "content": "hi"}]
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,30 +133,9 @@ def test_lone_surrogate_in_user_is_recorded_escaped(gateway_server):
     assert verify(s.state_dir / "audit.jsonl").ok
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _serve(checkpoint: Path, state_dir: Path, env: dict) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--model", str(checkpoint),
-                             "--port", str(port), "--device", "cpu", "--log-level", "warning",
-                             "--state-dir", str(state_dir)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"moegate serve exited {proc.returncode}: {proc.stdout.read().decode()[-2000:]}")
-        try:
-            httpx.get(url + "/health", timeout=2)
-            return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise AssertionError("moegate serve did not answer within 90 s")
+    return serve_process(["--model", str(checkpoint), "--device", "cpu", "--log-level", "warning",
+                          "--state-dir", str(state_dir)], env, timeout_s=90)
 
 
 def _chat(url: str) -> httpx.Response:

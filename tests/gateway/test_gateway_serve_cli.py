@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 
 from gateway.cli import main
+from tests.gateway.conftest import serve_process
 
 
 def test_serve_without_a_model_explains_what_to_do(monkeypatch, tmp_path, capsys):
@@ -24,28 +21,12 @@ def test_serve_without_a_model_explains_what_to_do(monkeypatch, tmp_path, capsys
 
 
 def test_serve_process_answers(tiny_checkpoint, tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "MOEGATE_STATE_DIR": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--model", str(tiny_checkpoint()),
-                             "--port", str(port), "--device", "cpu", "--log-level", "warning"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc, url = serve_process(["--model", str(tiny_checkpoint()), "--device", "cpu", "--log-level", "warning"],
+                              {**os.environ, "MOEGATE_STATE_DIR": str(tmp_path)}, timeout_s=90)
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
-            try:
-                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
-                break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        else:
-            raise AssertionError("moegate serve did not answer within 90 s")
+        health = httpx.get(url + "/health", timeout=2).json()
         assert health["status"] == "ok" and health["policy_id"] == "dev"
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", headers={"Authorization": "Bearer anything"},
+        r = httpx.post(url + "/v1/chat/completions", headers={"Authorization": "Bearer anything"},
                        json={"model": "moegate-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 200 and r.json()["object"] == "chat.completion"  # embedded policy: any key
         assert (tmp_path / "audit.jsonl").exists()

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from gateway.cli import main
 from gateway.settings import DEMO_MODEL_DIR, ModelNotFound, from_env
 from policies.model import hash_api_key
+from tests.gateway.conftest import serve_process
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-policy-models-0123456789"
@@ -59,23 +55,9 @@ def test_policy_source_is_served_through_the_openai_client(init_random_checkpoin
     # a relative source is read from the policy file's directory
     policy = init_random_checkpoint.parent / "policy.yaml"
     policy.write_text(_policy([("big", init_random_checkpoint.name)]))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(policy),
-                             "--port", str(port), "--device", "cpu", "--log-level", "warning"],
-                            env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc, url = serve_process(["--config", str(policy), "--device", "cpu", "--log-level", "warning"], _env(tmp_path))
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "moegate serve did not answer within 120 s"
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
+        client = OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == ["big"]
         reply = client.chat.completions.create(model="big", messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=3)

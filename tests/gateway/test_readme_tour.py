@@ -13,16 +13,13 @@ import json
 import os
 import re
 import sqlite3
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import sqlglot
 
 from gateway.settings import DEMO_MODEL_DIR
+from tests.gateway.conftest import serve_process
 
 ROOT = Path(__file__).resolve().parents[2]
 README_URL = "http://127.0.0.1:8000/v1"
@@ -40,24 +37,11 @@ def tour_block() -> str:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from tests.gateway.conftest import free_port
-
-    port, state = free_port(), tmp_path_factory.mktemp("readme")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MOEGATE_STATE_DIR": str(state)}
+    env = {**os.environ, "MOEGATE_STATE_DIR": str(tmp_path_factory.mktemp("readme"))}
     env.pop("MOEGATE_MODEL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--log-level", "warning"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc, url = serve_process(["--log-level", "warning"], env, timeout_s=180)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "moegate serve did not answer within 180 s"
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).raise_for_status()
-                break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield url + "/v1"
     finally:
         proc.terminate()
         proc.wait(30)
