@@ -50,6 +50,7 @@ class EngineConfig:
     fast_lm_head: str | None = None  # exploration lm_head: None (model dtype), "bf16", "int8" or "int4" (CPU)
     fast_dense: str | None = None  # exploration attention projections on CPU: None (model dtype), int8, int4, bf16
     fused_decode: bool = True  # with fast_dense on CPU: small exploration batches run each layer in one kernel call
+    batch_invariant_execution: bool = True  # CPU fp32: execution chunks share one forward on batch-invariant kernels
     progress: bool = True
     # Prefix cache. The device tier (the KV pool) is on unless prefix_cache=False; RAM, disk and redis
     # hold demoted blocks. The library writes no disk cache unless told where (`moegate serve` passes
@@ -135,6 +136,10 @@ class LLMEngine:
         elif config.fast_dense:
             log.warning("fast_dense=%s packs CPU attention projections; on %s the model's own weights run",
                         config.fast_dense, self.device)
+        if config.batch_invariant_execution and self.device.type == "cpu" and config.dtype == "float32":
+            from engine.models.fused_decode import build_exact_path
+
+            build_exact_path(model)  # else each execution chunk runs alone on torch
         log.info("%s", self.placement_plan.summary(model))
         self.placement = self.placement_plan.describe(model)  # what /v1/models reports
         self.fused_decode = model.fused_layers is not None  # small exploration batches: one call per layer
@@ -219,7 +224,7 @@ class LLMEngine:
             "hot": None if p is None else [p.fast_format, p.hot_experts, p.hot_strategy],
             "lm_head": ("fp32" if c.exact_lm_head else c.dtype) if mode == "execution" else (c.fast_lm_head or c.dtype),
             "dense": c.dtype if mode == "execution" or self.device.type != "cpu" else (c.fast_dense or c.dtype),
-            "fused": mode != "execution" and self.fused_decode,
+            "fused": self.runner.model.batch_invariant(True) if mode == "execution" else self.fused_decode,
             "defer": 0 if mode == "execution" else c.defer,
             "chunk": c.max_num_batched_tokens if mode == "execution" else None,
         }
