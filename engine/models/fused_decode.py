@@ -170,5 +170,6 @@ def build_exact_path(model) -> bool:
         return False
     head = model.exact_lm_head if model.exact_lm_head is not None else model.lm_head.weight
     model.exact_head = PackedLinear.pack(head, exact_format(head))
+    model.exact_lm_head = None  # packed above: the torch copy would only hold memory
     model.exact_layers = layers
     return True

@@ -83,7 +83,9 @@ def gateway_streams(url: str, n: int, structured: bool, max_tokens: int, rounds:
     import httpx
 
     async def one(client, i: int) -> int:
-        body = {"model": "moegate-demo", "max_tokens": max_tokens,
+        # a JSON answer ends when its object closes: its budget stays loose (a tight one makes the constraint
+        # plan the shortest way to close at each step, which is not what this measures)
+        body = {"model": "moegate-demo", "max_tokens": 8 * max_tokens if structured else max_tokens,
                 "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]}
         if structured:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER_SCHEMA}}
