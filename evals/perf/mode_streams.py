@@ -147,23 +147,29 @@ def execution_bytes_per_token(model) -> int:
 
 
 def single_stream_section(model: str, tokens: int) -> dict:
+    """Decode tok/s of one stream per mode (and of serial execution, the baseline), bytes vs the triad."""
+    import torch
+
     from evals.perf.kernel_bench import stream_triad
     from evals.perf.modes_bench import _decode_rate
 
+    serial = policy_llm(model, batch_invariant_execution=False)
+    prompts = _prompts(serial, 1)
+    out = {"serial_execution_tok_s": _decode_rate(serial, prompts, tokens, "execution")}
+    serial.engine.runner.shutdown()
+    del serial
     llm = policy_llm(model)
-    prompts = _prompts(llm, 1)
-    out = {"execution_tok_s": _decode_rate(llm, prompts, tokens, "execution"),
-           "exploration_tok_s": _decode_rate(llm, prompts, tokens, "exploration")}
+    out["execution_tok_s"] = _decode_rate(llm, prompts, tokens, "execution")
+    out["exploration_tok_s"] = _decode_rate(llm, prompts, tokens, "exploration")
     model_ = llm.engine.runner.model
     if model_.batch_invariant(True):
         out["execution_bytes_per_token"] = execution_bytes_per_token(model_)
         out["execution_gb_s"] = out["execution_bytes_per_token"] * out["execution_tok_s"] / 1e9
     llm.engine.runner.shutdown()
-    import torch
-
     out["triad"] = stream_triad(torch.get_num_threads())
     triad = max(v for k, v in out["triad"].items() if k.startswith("triad"))
     out["execution_vs_exploration"] = out["execution_tok_s"] / out["exploration_tok_s"]
+    out["execution_vs_serial"] = out["execution_tok_s"] / out["serial_execution_tok_s"]
     if "execution_gb_s" in out:
         out["execution_share_of_triad"] = out["execution_gb_s"] / triad
     print(json.dumps(out), flush=True)
@@ -201,7 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
     groups.update({k: res[k] for k in ("engine_ratios", "gateway_ratios") if k in res})
     if "single_stream" in res:
         s = res["single_stream"]
-        groups["one stream, bench checkpoint"] = {k: s[k] for k in ("execution_tok_s", "exploration_tok_s")}
+        groups["one stream, bench checkpoint"] = {k: s[k] for k in ("serial_execution_tok_s", "execution_tok_s",
+                                                                     "exploration_tok_s")}
     save_bar_plot(out_dir / "mode_streams.png", f"execution streams (tok/s, ratios), {res['machine']['cpu_count']} "
                   f"CPUs", groups)
     print(json.dumps({k: res[k] for k in res if k.endswith("ratios")}, indent=2))
