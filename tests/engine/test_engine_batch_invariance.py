@@ -118,6 +118,24 @@ def test_prefix_cache_hit_gives_the_bytes_of_a_miss(ckpt):
     assert _run(llm, [_target(prompt)])["x"] == want
 
 
+def test_tokens_computed_as_one_chunk_equal_token_by_token(ckpt):
+    """What jump-forward decoding needs: tokens appended to a sequence and computed as one chunk give the
+    bytes of decoding them one step at a time (here: a prompt extended by k generated tokens)."""
+    llm = _llm(ckpt, prefix_cache=False)
+    prompt = _prompt(30, 5)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens, _ = _run(llm, [("g", prompt, greedy, "execution")])["g"]
+    rows = {}
+    for k in (0, 1, 5, 11):
+        rec = LogitsRecorder()
+        params = SamplingParams(max_tokens=12 - k, temperature=0.0, ignore_eos=True, logits_processors=[rec])
+        out = _run(llm, [(f"k{k}", prompt + tokens[:k], params, "execution")])[f"k{k}"]
+        assert out[0] == tokens[k:], k
+        rows[k] = rec.rows
+    for k in (1, 5, 11):
+        assert all(torch.equal(a, b) for a, b in zip(rows[k], rows[0][k:], strict=True)), k
+
+
 def _hidden_rows(model, kv, seqs: list[tuple[list[int], list[int], int]], exact: bool = True) -> torch.Tensor:
     """One forward over several sequences: (tokens, block table, start) each -> hidden [T, H]."""
     parts = [ForwardBatch.single(t, table, 8, start=s) for t, table, s in seqs]
