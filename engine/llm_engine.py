@@ -118,6 +118,15 @@ class LLMEngine:
                               if layer.is_moe and layer.mlp.experts.packed is not None}
         for le in self.layer_experts.values():
             le.num_threads = torch.get_num_threads()  # the kernel's own pool, whatever torch uses
+        self.hot_set = None
+        if config.placement is not None and config.placement.dynamic_hot and self.layer_experts:
+            if all(len(le.fast) == 2 for le in self.layer_experts.values()):
+                from engine.hot_experts import HotSetUpdater
+
+                self.hot_set = HotSetUpdater(self.layer_experts, model.expert_reader, config.placement.dynamic)
+            else:  # hot experts on the GPU asked for, none here
+                log.info("dynamic hot set: no faster tier on %s (GPU hot experts need CUDA); the hot set is off",
+                         self.device)
         if config.exact_lm_head:
             model.exact_lm_head = model.lm_head.weight.detach().float().clone()
         if config.fast_lm_head:
@@ -198,6 +207,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Writes the cached blocks to the durable tiers (disk, redis) and stops the writer."""
+        if self.hot_set is not None:
+            self.hot_set.close()
         if self.prefix_cache is not None:
             self.prefix_cache.flush()
             self.prefix_cache.close()
@@ -217,6 +228,7 @@ class LLMEngine:
                 else [p.fast_format, p.mixed_hot_fraction]
             ),
             "hot": None if p is None else [p.fast_format, p.hot_experts, p.hot_strategy],
+            "hot_set": self.hot_set.digest() if self.hot_set is not None and mode != "execution" else None,
             "lm_head": ("fp32" if c.exact_lm_head else c.dtype) if mode == "execution" else (c.fast_lm_head or c.dtype),
             "dense": c.dtype if mode == "execution" or self.device.type != "cpu" else (c.fast_dense or c.dtype),
             "fused": mode != "execution" and self.fused_decode,
@@ -239,6 +251,13 @@ class LLMEngine:
             return
         self.config = replace(self.config, defer=defer)
         self.runner.set_defer(defer)
+        self._exploration_numerics_changed()
+        log.info("exploration defers %d expert(s)/token from the next step", defer)
+
+    def _exploration_numerics_changed(self) -> None:
+        """Exploration's numerics changed (deferral, hot set): sequences that have computed nothing yet are
+        re-rooted under the new fingerprint; those part-way keep their KV but stop registering prefix-cache
+        blocks, whose KV would mix the two settings."""
         for seq in self._seqs.values():
             if seq.mode == "execution" or seq.cache_root is None or self.prefix_cache is None:
                 continue
@@ -246,7 +265,6 @@ class LLMEngine:
             fresh = not seq.block_table and seq.num_computed == 0
             seq.cache_root = self.prefix_cache.salt_root(seq.cache_salt, self.numerics_fingerprint("exploration"),
                                                          seq.cache_exact) if fresh else None
-        log.info("exploration defers %d expert(s)/token from the next step", defer)
 
     def set_mode(self, request_id: str, mode: str, resync: str = "keep") -> None:
         """Switches a sequence's mode at the next token boundary.
@@ -331,6 +349,8 @@ class LLMEngine:
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()  # logits processors and the vocab mask edit the (inference-mode) logits in place
     def step(self) -> list[RequestOutput]:
+        if self.hot_set is not None and self.scheduler.has_work() and self.hot_set.between_steps():
+            self._exploration_numerics_changed()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []

@@ -57,6 +57,7 @@ class MoeForCausalLM(nn.Module):
         self.exact_lm_head: torch.Tensor | None = None  # fp32 copy used in execution mode, if set
         self.fast_lm_head: QuantizedLMHead | None = None  # int8 / bf16 copy used in exploration, if set
         self.fused_layers: list | None = None  # engine.models.fused_decode layers for small exploration batches
+        self.expert_reader = None  # (layer, expert) -> checkpoint weights, set by the streaming loader
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Runs the stack over the batch's new tokens, writing their KV; returns hidden [T, H]."""
