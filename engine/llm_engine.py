@@ -30,6 +30,7 @@ from engine.sequence import SeqStatus, Sequence
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LAYERWISE_PREFILL_TOKENS = 512  # a burst this long keeps a GPU busier than the copy of a layer's experts
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class EngineConfig:
     fast_lm_head: str | None = None  # exploration lm_head: None (model dtype), "bf16", "int8" or "int4" (CPU)
     fast_dense: str | None = None  # exploration attention projections on CPU: None (model dtype), int8, int4, bf16
     fused_decode: bool = True  # with fast_dense on CPU: small exploration batches run each layer in one kernel call
+    # exploration forwards of at least this many tokens run their routed experts on the fast device, layer by
+    # layer (engine/layerwise_prefill.py); "auto": LAYERWISE_PREFILL_TOKENS on CUDA, off on the CPU; None: off
+    layerwise_prefill_tokens: int | str | None = "auto"
     progress: bool = True
     # Prefix cache. The device tier (the KV pool) is on unless prefix_cache=False; RAM, disk and redis
     # hold demoted blocks. The library writes no disk cache unless told where (`moegate serve` passes
@@ -70,6 +74,16 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if min(self.ram_cache_gib, self.disk_cache_gib) < 0:
             raise ValueError("ram_cache_gib and disk_cache_gib must be >= 0")
+        lw = self.layerwise_prefill_tokens
+        if not (lw is None or lw == "auto" or (isinstance(lw, int) and lw >= 1)):
+            raise ValueError(f"layerwise_prefill_tokens must be 'auto', None or an int >= 1, got {lw!r}")
+
+    def layerwise_tokens(self, device: torch.device) -> int | None:
+        """The layer-wise prefill threshold on `device` (None: off): on a CPU-only machine the experts are
+        on the fast device's own cores already, so `auto` leaves it off."""
+        if self.layerwise_prefill_tokens == "auto":
+            return LAYERWISE_PREFILL_TOKENS if device.type == "cuda" else None
+        return self.layerwise_prefill_tokens
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -155,6 +169,15 @@ class LLMEngine:
         )
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, spec.num_blocks * spec.block_size)
         self.runner = ModelRunner(model, spec, self.device, config.torch_dtype, defer=config.defer)
+        self.layerwise_tokens = config.layerwise_tokens(self.device) if self.layer_experts else None
+        if self.layerwise_tokens:
+            from engine.layerwise_prefill import LayerwisePrefill
+
+            self.runner.experts.layerwise = LayerwisePrefill(
+                [self.layer_experts[i] for i in sorted(self.layer_experts)], self.device, config.torch_dtype,
+                self.layerwise_tokens)
+            log.info("layer-wise prefill: exploration forwards of >= %d tokens run routed experts on %s",
+                     self.layerwise_tokens, self.device)
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
         self._fingerprint = model_fingerprint(model_dir, config.dtype, self._numerics())
         self.prefix_cache = self._build_prefix_cache(spec) if config.prefix_cache else None
@@ -229,6 +252,7 @@ class LLMEngine:
             ),
             "hot": None if p is None else [p.fast_format, p.hot_experts, p.hot_strategy],
             "hot_set": self.hot_set.digest() if self.hot_set is not None and mode != "execution" else None,
+            "layerwise": self.layerwise_tokens if mode != "execution" else None,
             "lm_head": ("fp32" if c.exact_lm_head else c.dtype) if mode == "execution" else (c.fast_lm_head or c.dtype),
             "dense": c.dtype if mode == "execution" or self.device.type != "cpu" else (c.fast_dense or c.dtype),
             "fused": mode != "execution" and self.fused_decode,
@@ -350,6 +374,8 @@ class LLMEngine:
     @torch.inference_mode()  # logits processors and the vocab mask edit the (inference-mode) logits in place
     def step(self) -> list[RequestOutput]:
         if self.hot_set is not None and self.scheduler.has_work() and self.hot_set.between_steps():
+            if self.runner.experts.layerwise is not None:
+                self.runner.experts.layerwise.reset()  # resident copies hold the old hot set
             self._exploration_numerics_changed()
         chunks = self.scheduler.schedule()
         if not chunks:
