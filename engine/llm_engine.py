@@ -19,7 +19,7 @@ from engine.experts import PlacementConfig
 from engine.kv_cache import BlockManager, KVCacheSpec
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
-from engine.placement_plan import PlacementPlan
+from engine.placement_plan import PlacementPlan, apply_numa
 from engine.prefix_cache import BlockHasher, PrefixCacheConfig, PrefixCacheManager, model_fingerprint
 from engine.prefix_cache.entry import EntryCodec
 from engine.sampler import SamplingError, sample
@@ -132,6 +132,7 @@ class LLMEngine:
                               if layer.is_moe and layer.mlp.experts.packed is not None}
         for le in self.layer_experts.values():
             le.num_threads = torch.get_num_threads()  # the kernel's own pool, whatever torch uses
+        self.numa_plan = apply_numa(self.layer_experts)  # more than one node: bind shards
         self.hot_set = None
         if config.placement is not None and config.placement.dynamic_hot and self.layer_experts:
             if all(len(le.fast) == 2 for le in self.layer_experts.values()):
