@@ -57,6 +57,7 @@ class ExpertPipeline:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="moegate-experts") if worker else None
         self._in_flight: set[Future] = set()
         self._aborted = threading.Event()
+        self.layerwise = None  # engine.layerwise_prefill.LayerwisePrefill: long exploration bursts on the fast device
 
     # -- public ---------------------------------------------------------------------------------
     def start_worker(self) -> ThreadPoolExecutor:
@@ -70,6 +71,10 @@ class ExpertPipeline:
         """x [T, H], ids [T, K] (-1 = skip), weights [T, K] -> [T, H] in x's dtype, computed now."""
         if experts.packed is None:
             return experts.reference(x, ids, weights)
+        if self.layerwise is not None and self.layerwise.applies(experts.packed, x.shape[0], exact):
+            out = self.layerwise.compute(experts.packed, x, ids, weights)  # host-held experts, on the fast device
+            hot = experts.packed.compute_device(x, ids, weights, exact)
+            return (out if hot is None else out + hot).to(x.dtype)
         staged = self._stage(experts.packed, x, ids, weights, exact)
         return self._land(experts.packed, x, ids, weights, exact,
                           self._compute(staged.x, staged.ids, staged.weights, experts.packed, exact, num_threads,
@@ -94,6 +99,8 @@ class ExpertPipeline:
     def abort(self) -> None:
         """Cancels queued expert work and waits for the running job (its result is dropped)."""
         self._aborted.set()
+        if self.layerwise is not None:
+            self.layerwise.reset()
         pending = list(self._in_flight)
         for fut in pending:
             fut.cancel()
@@ -107,6 +114,8 @@ class ExpertPipeline:
         return len(self._in_flight)
 
     def shutdown(self) -> None:
+        if self.layerwise is not None:
+            self.layerwise.close()
         if self.executor is not None:
             self.abort()
             self.executor.shutdown(wait=True)

@@ -27,6 +27,23 @@ EXPERT_FORMATS = ("fp32", "bf16", "int8", "int4")
 
 
 @dataclass(frozen=True)
+class DynamicHotConfig:
+    """How the hot set follows the traffic (`hot_strategy="dynamic"`, engine/hot_experts.py): every
+    `interval_steps` engine steps the decayed routing counts propose at most `max_swaps` swaps, each
+    worth more than `threshold` of its layer's activations; packed in the background, applied between steps."""
+
+    interval_steps: int = 64
+    decay: float = 0.95  # per interval
+    threshold: float = 0.02
+    max_swaps: int = 2
+
+    def __post_init__(self) -> None:
+        if self.interval_steps < 1 or not 0.0 < self.decay <= 1.0 or self.threshold < 0 or self.max_swaps < 1:
+            raise ValueError("dynamic hot set needs interval_steps >= 1, 0 < decay <= 1, threshold >= 0, "
+                             "max_swaps >= 1")
+
+
+@dataclass(frozen=True)
 class PlacementConfig:
     """How routed experts are stored and where they run; normalised once, logged at start."""
 
@@ -34,15 +51,17 @@ class PlacementConfig:
     exact_format: str = "bf16"  # execution profile of the formatting layers
     formatting_layers: int = 0  # last N MoE layers use exact_format in execution mode
     execution_format: str | None = None  # execution profile of the other layers (None: fast_format)
-    mixed_hot_fraction: float = 0.0  # share of most-routed experts kept at exact_format in the fast profile
+    mixed_hot_fraction: float = 0.0  # share of most-routed experts kept at mixed_format in the fast profile
+    mixed_format: str | None = None  # format of those experts (None: exact_format)
     hot_experts: int = 0  # experts per layer resident on the fast device (CUDA only)
-    hot_strategy: str = "uniform"  # uniform | frequency
+    hot_strategy: str = "uniform"  # uniform | frequency | dynamic (frequency or uniform at start, then follows traffic)
+    dynamic: DynamicHotConfig = field(default_factory=DynamicHotConfig)  # with hot_strategy="dynamic"
     stats_file: str | None = None  # routing counts (JSON) for `frequency` and mixed precision
     pack_cache_dir: str | None = None  # where packed experts are cached; None: no cache
 
     def __post_init__(self) -> None:
-        for name in ("fast_format", "exact_format", "execution_format"):
-            if name == "execution_format" and self.execution_format is None:
+        for name in ("fast_format", "exact_format", "execution_format", "mixed_format"):
+            if name in ("execution_format", "mixed_format") and getattr(self, name) is None:
                 continue
             if getattr(self, name) not in EXPERT_FORMATS:
                 raise ValueError(f"{name} must be one of {EXPERT_FORMATS}, got {getattr(self, name)!r}")
@@ -50,10 +69,20 @@ class PlacementConfig:
             raise ValueError("formatting_layers and hot_experts must be >= 0")
         if not 0.0 <= self.mixed_hot_fraction <= 1.0:
             raise ValueError(f"mixed_hot_fraction must be in [0, 1], got {self.mixed_hot_fraction}")
-        if self.hot_strategy not in ("uniform", "frequency"):
-            raise ValueError(f"hot_strategy must be uniform or frequency, got {self.hot_strategy!r}")
-        if (self.hot_strategy == "frequency" or self.mixed_hot_fraction) and not self.stats_file:
-            raise ValueError("frequency placement and mixed precision need stats_file (routing counts)")
+        if self.hot_strategy not in ("uniform", "frequency", "dynamic"):
+            raise ValueError(f"hot_strategy must be uniform, frequency or dynamic, got {self.hot_strategy!r}")
+        if self.hot_strategy == "frequency" and not self.stats_file:
+            raise ValueError("frequency placement needs stats_file (routing counts)")
+        if self.mixed_hot_fraction and not (self.stats_file or self.dynamic_hot):
+            raise ValueError("mixed precision needs stats_file (routing counts) or hot_strategy=dynamic")
+        if self.dynamic_hot and self.hot_experts and self.mixed_hot_fraction:
+            raise ValueError("a dynamic hot set is either hot_experts on the GPU or mixed_hot_fraction, not both")
+        if self.dynamic_hot and not (self.hot_experts or self.mixed_hot_fraction):
+            raise ValueError("hot_strategy=dynamic needs hot_experts (GPU) or mixed_hot_fraction > 0")
+
+    @property
+    def dynamic_hot(self) -> bool:
+        return self.hot_strategy == "dynamic"
 
     def describe(self) -> str:
         parts = [f"experts {self.fast_format}"]
@@ -62,9 +91,13 @@ class PlacementConfig:
         if self.formatting_layers:
             parts.append(f"execution: last {self.formatting_layers} MoE layers {self.exact_format}")
         if self.mixed_hot_fraction:
-            parts.append(f"top {self.mixed_hot_fraction:.0%} most-routed experts {self.exact_format}")
+            parts.append(f"top {self.mixed_hot_fraction:.0%} most-routed experts {self.mixed_format or self.exact_format}")
         if self.hot_experts:
             parts.append(f"{self.hot_experts} hot experts/layer on the fast device ({self.hot_strategy})")
+        if self.dynamic_hot:
+            d = self.dynamic
+            parts.append(f"hot set follows routing (every {d.interval_steps} steps, <= {d.max_swaps} swaps, "
+                         f"threshold {d.threshold:.0%}); execution keeps its own static shards")
         return "; ".join(parts)
 
 
@@ -104,30 +137,33 @@ def plan_layers(cfg, placement: PlacementConfig, fast_device: torch.device,
     formatting = set(moe_layers[max(0, len(moe_layers) - placement.formatting_layers) :])
     hot_on_device = placement.hot_experts if fast_device.type == "cuda" else 0
     hot_plan = (
-        plan_frequency(stats, per_layer=hot_on_device) if placement.hot_strategy == "frequency" and stats
+        plan_frequency(stats, per_layer=hot_on_device) if placement.hot_strategy != "uniform" and stats
         else plan_uniform(len(moe_layers), n, hot_on_device)
     )
     n_mixed = round(placement.mixed_hot_fraction * n)
-    mixed_plan = plan_frequency(stats, per_layer=n_mixed) if n_mixed and stats else None
+    mixed_plan = (plan_frequency(stats, per_layer=n_mixed) if stats else plan_uniform(len(moe_layers), n, n_mixed)
+                  ) if n_mixed else None
+    dynamic = placement.dynamic_hot
     fast_dev = str(fast_device)
     plans = {}
     for j, i in enumerate(moe_layers):
         hot = tuple(hot_plan.hot[j])
-        cold = [e for e in range(n) if e not in hot]
 
-        def shards(fmt: str, high: tuple[int, ...], high_fmt: str, cold=cold, hot=hot) -> tuple[ShardSpec, ...]:
+        def shards(fmt: str, high: tuple[int, ...], high_fmt: str, hot=hot) -> tuple[ShardSpec, ...]:
+            cold = [e for e in range(n) if e not in hot]
             out = [ShardSpec("bf16", hot, fast_dev)] if hot else []
             for fmt_, ids in ((high_fmt, [e for e in cold if e in high]), (fmt, [e for e in cold if e not in high])):
                 if ids:
                     out.append(ShardSpec(fmt_, tuple(ids), "cpu"))
             return tuple(out)
 
-        fast = shards(placement.fast_format, tuple(mixed_plan.hot[j]) if mixed_plan else (), placement.exact_format)
+        fast = shards(placement.fast_format, tuple(mixed_plan.hot[j]) if mixed_plan else (),
+                      placement.mixed_format or placement.exact_format)
         base = placement.execution_format or placement.fast_format
         if i in formatting:
-            exact = shards(placement.exact_format, (), placement.exact_format)
-        elif base != placement.fast_format:
-            exact = shards(base, (), base)
+            exact = shards(placement.exact_format, (), placement.exact_format, hot=() if dynamic else hot)
+        elif base != placement.fast_format or dynamic:  # a dynamic hot set must not move execution's numerics
+            exact = shards(base, (), base, hot=() if dynamic else hot)
         else:
             exact = fast
         plans[i] = LayerPlan(fast, exact)

@@ -19,7 +19,7 @@ from engine.experts import PlacementConfig
 from engine.kv_cache import BlockManager, KVCacheSpec
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
-from engine.placement_plan import PlacementPlan
+from engine.placement_plan import PlacementPlan, apply_numa
 from engine.prefix_cache import BlockHasher, PrefixCacheConfig, PrefixCacheManager, model_fingerprint
 from engine.prefix_cache.entry import EntryCodec
 from engine.sampler import SamplingError, sample
@@ -30,6 +30,7 @@ from engine.sequence import SeqStatus, Sequence
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LAYERWISE_PREFILL_TOKENS = 512  # a burst this long keeps a GPU busier than the copy of a layer's experts
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class EngineConfig:
     fast_lm_head: str | None = None  # exploration lm_head: None (model dtype), "bf16", "int8" or "int4" (CPU)
     fast_dense: str | None = None  # exploration attention projections on CPU: None (model dtype), int8, int4, bf16
     fused_decode: bool = True  # with fast_dense on CPU: small exploration batches run each layer in one kernel call
+    # exploration forwards of at least this many tokens run their routed experts on the fast device, layer by
+    # layer (engine/layerwise_prefill.py); "auto": LAYERWISE_PREFILL_TOKENS on CUDA, off on the CPU; None: off
+    layerwise_prefill_tokens: int | str | None = "auto"
     batch_invariant_execution: bool = True  # CPU fp32: execution chunks share one forward on batch-invariant kernels
     progress: bool = True
     # Prefix cache. The device tier (the KV pool) is on unless prefix_cache=False; RAM, disk and redis
@@ -71,6 +75,16 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if min(self.ram_cache_gib, self.disk_cache_gib) < 0:
             raise ValueError("ram_cache_gib and disk_cache_gib must be >= 0")
+        lw = self.layerwise_prefill_tokens
+        if not (lw is None or lw == "auto" or (isinstance(lw, int) and lw >= 1)):
+            raise ValueError(f"layerwise_prefill_tokens must be 'auto', None or an int >= 1, got {lw!r}")
+
+    def layerwise_tokens(self, device: torch.device) -> int | None:
+        """The layer-wise prefill threshold on `device` (None: off): on a CPU-only machine the experts are
+        on the fast device's own cores already, so `auto` leaves it off."""
+        if self.layerwise_prefill_tokens == "auto":
+            return LAYERWISE_PREFILL_TOKENS if device.type == "cuda" else None
+        return self.layerwise_prefill_tokens
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -119,6 +133,16 @@ class LLMEngine:
                               if layer.is_moe and layer.mlp.experts.packed is not None}
         for le in self.layer_experts.values():
             le.num_threads = torch.get_num_threads()  # the kernel's own pool, whatever torch uses
+        self.numa_plan = apply_numa(self.layer_experts)  # more than one node: bind shards
+        self.hot_set = None
+        if config.placement is not None and config.placement.dynamic_hot and self.layer_experts:
+            if all(len(le.fast) == 2 for le in self.layer_experts.values()):
+                from engine.hot_experts import HotSetUpdater
+
+                self.hot_set = HotSetUpdater(self.layer_experts, model.expert_reader, config.placement.dynamic)
+            else:  # hot experts on the GPU asked for, none here
+                log.info("dynamic hot set: no faster tier on %s (GPU hot experts need CUDA); the hot set is off",
+                         self.device)
         if config.exact_lm_head:
             model.exact_lm_head = model.lm_head.weight.detach().float().clone()
         if config.fast_lm_head:
@@ -151,6 +175,15 @@ class LLMEngine:
         )
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, spec.num_blocks * spec.block_size)
         self.runner = ModelRunner(model, spec, self.device, config.torch_dtype, defer=config.defer)
+        self.layerwise_tokens = config.layerwise_tokens(self.device) if self.layer_experts else None
+        if self.layerwise_tokens:
+            from engine.layerwise_prefill import LayerwisePrefill
+
+            self.runner.experts.layerwise = LayerwisePrefill(
+                [self.layer_experts[i] for i in sorted(self.layer_experts)], self.device, config.torch_dtype,
+                self.layerwise_tokens)
+            log.info("layer-wise prefill: exploration forwards of >= %d tokens run routed experts on %s",
+                     self.layerwise_tokens, self.device)
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
         self._fingerprint = model_fingerprint(model_dir, config.dtype, self._numerics())
         self.prefix_cache = self._build_prefix_cache(spec) if config.prefix_cache else None
@@ -203,6 +236,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Writes the cached blocks to the durable tiers (disk, redis) and stops the writer."""
+        if self.hot_set is not None:
+            self.hot_set.close()
         if self.prefix_cache is not None:
             self.prefix_cache.flush()
             self.prefix_cache.close()
@@ -222,6 +257,8 @@ class LLMEngine:
                 else [p.fast_format, p.mixed_hot_fraction]
             ),
             "hot": None if p is None else [p.fast_format, p.hot_experts, p.hot_strategy],
+            "hot_set": self.hot_set.digest() if self.hot_set is not None and mode != "execution" else None,
+            "layerwise": self.layerwise_tokens if mode != "execution" else None,
             "lm_head": ("fp32" if c.exact_lm_head else c.dtype) if mode == "execution" else (c.fast_lm_head or c.dtype),
             "dense": c.dtype if mode == "execution" or self.device.type != "cpu" else (c.fast_dense or c.dtype),
             "fused": self.runner.model.batch_invariant(True) if mode == "execution" else self.fused_decode,
@@ -244,6 +281,13 @@ class LLMEngine:
             return
         self.config = replace(self.config, defer=defer)
         self.runner.set_defer(defer)
+        self._exploration_numerics_changed()
+        log.info("exploration defers %d expert(s)/token from the next step", defer)
+
+    def _exploration_numerics_changed(self) -> None:
+        """Exploration's numerics changed (deferral, hot set): sequences that have computed nothing yet are
+        re-rooted under the new fingerprint; those part-way keep their KV but stop registering prefix-cache
+        blocks, whose KV would mix the two settings."""
         for seq in self._seqs.values():
             if seq.mode == "execution" or seq.cache_root is None or self.prefix_cache is None:
                 continue
@@ -251,7 +295,6 @@ class LLMEngine:
             fresh = not seq.block_table and seq.num_computed == 0
             seq.cache_root = self.prefix_cache.salt_root(seq.cache_salt, self.numerics_fingerprint("exploration"),
                                                          seq.cache_exact) if fresh else None
-        log.info("exploration defers %d expert(s)/token from the next step", defer)
 
     def set_mode(self, request_id: str, mode: str, resync: str = "keep") -> None:
         """Switches a sequence's mode at the next token boundary.
@@ -336,6 +379,10 @@ class LLMEngine:
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()  # logits processors and the vocab mask edit the (inference-mode) logits in place
     def step(self) -> list[RequestOutput]:
+        if self.hot_set is not None and self.scheduler.has_work() and self.hot_set.between_steps():
+            if self.runner.experts.layerwise is not None:
+                self.runner.experts.layerwise.reset()  # resident copies hold the old hot set
+            self._exploration_numerics_changed()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []

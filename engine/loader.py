@@ -215,6 +215,7 @@ def load_model(
             _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress)
         else:
             _stream_experts(model, cfg, plan, placement, model_dir, read, dtype, pack_workers, progress)
+            model.expert_reader = read  # a dynamic hot set packs swapped experts from the checkpoint again
     model.eval()
     return model
 

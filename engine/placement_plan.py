@@ -17,7 +17,7 @@ from engine.config import ModelConfig
 from engine.experts import LayerPlan, PlacementConfig, plan_layers
 from engine.sizing import PARTS, ROUTED, classify
 from kernels import load_stats
-from kernels.numa import NumaTopology, detect_topology
+from kernels.numa import NumaPlan, NumaTopology, assign_to_nodes, bind_expert_slots, detect_topology
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -27,8 +27,36 @@ def numa_statement(topo: NumaTopology) -> str:
     """What the engine does about NUMA on this machine, in one line for the startup table."""
     if len(topo.nodes) == 1:
         return "1 NUMA node: NUMA placement is a no-op (all host memory and kernel threads on node 0)"
-    return (f"{topo.summary()}: expert shards and kernel threads are NOT bound to nodes (first-touch "
-            "allocation by the loading threads); kernels.numa.assign_to_nodes plans it, the engine does not apply it yet")
+    return (f"{topo.summary()}: each expert's packed weights are bound to the node kernels.numa.assign_to_nodes "
+            "gives it (mbind, balancing bytes x routing frequency per CPU); kernel threads are not pinned to nodes")
+
+
+def apply_numa(layers: dict, topo: NumaTopology | None = None, counts: list[list[float]] | None = None,
+               force: bool = False) -> NumaPlan | None:
+    """Binds every host shard's expert slots to the node the NUMA plan gives them (more than one node, or
+    `force`); None where there is nothing to do. `layers`: MoE layer -> LayerExperts."""
+    topo = topo or detect_topology()
+    if len(topo.nodes) < 2 and not force or not layers:
+        return None
+    order = sorted(layers)
+    n = layers[order[0]].counts.numel()
+    expert_bytes = []
+    for i in order:
+        row = [0] * n
+        for shard in {id(s): s for s in layers[i].fast + layers[i].exact}.values():
+            if shard.device.type == "cpu":
+                for e in shard.packed.expert_ids:
+                    row[e] += shard.packed.expert_nbytes()
+        expert_bytes.append(row)
+    plan = assign_to_nodes(topo, expert_bytes, counts)
+    bound = 0
+    for j, i in enumerate(order):
+        node_of = dict(enumerate(plan.expert_node[j]))
+        for shard in {id(s): s for s in layers[i].fast + layers[i].exact}.values():
+            if shard.device.type == "cpu":
+                bound += bind_expert_slots(shard.packed.tensors, shard.packed.expert_ids, node_of)
+    log.info("%s; %.2f GiB of expert weights bound", plan.summary(), bound / GIB)
+    return plan
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ class FixedPolicy:
 def placement_from_policy(policy: Policy):
     """The policy's precision profiles of the two modes -> (expert placement with both profiles resident,
     fp32 lm_head in execution, exploration lm_head format, exploration attention format)."""
-    from engine.experts import PlacementConfig
+    from engine.experts import DynamicHotConfig, PlacementConfig
 
     fast = policy.precision_profiles[policy.modes.exploration.precision]
     exact = policy.precision_profiles[policy.modes.execution.precision]
@@ -49,11 +49,16 @@ def placement_from_policy(policy: Policy):
         log.warning("execution lm_head %s is not available: execution keeps the model's lm_head", exact.lm_head)
     if exact.attention != "model":
         log.warning("execution attention %s is not available: execution keeps the model's weights", exact.attention)
+    hot = fast.hot_experts
     placement = PlacementConfig(
         fast_format=fast.routed_experts,
         execution_format=exact.routed_experts,
         exact_format=exact.formatting_dtype,
         formatting_layers=exact.formatting_layers,
+        **({} if hot is None else dict(
+            hot_experts=hot.gpu_per_layer, mixed_hot_fraction=hot.exact_share, mixed_format=fast.formatting_dtype,
+            hot_strategy=hot.strategy, stats_file=hot.stats_file,
+            dynamic=DynamicHotConfig(hot.interval_steps, hot.decay, hot.threshold, hot.max_swaps))),
     )
     fast_lm_head = fast.lm_head if fast.lm_head != "fp32" else None
     fast_dense = fast.attention if fast.attention != "model" else None

@@ -31,6 +31,8 @@ class Metrics:
         self.engine_active = Gauge("moegate_engine_sequences", "Sequences in the engine", registry=r)
         self.prefix_cache = Gauge("moegate_prefix_cache", "Prefix-cache counters per tier (engine)",
                                   ["tier", "counter"], registry=r)
+        self.hot_set = Gauge("moegate_hot_set", "Dynamic hot set (engine): version, swaps, pending, hit_rate",
+                             ["counter"], registry=r)
 
     def render(self, llm=None) -> bytes:
         """The exposition text; engine gauges are read from `llm` at scrape time."""
@@ -41,4 +43,7 @@ class Metrics:
                 for name, value in counters.items():
                     if isinstance(value, int | float):
                         self.prefix_cache.labels(tier, name).set(value)
+            hot = getattr(getattr(llm, "engine", None), "hot_set", None)
+            for name, value in (hot.stats() if hot is not None else {}).items():
+                self.hot_set.labels(name).set(value)
         return generate_latest(self.registry)

@@ -68,6 +68,7 @@ def build(variant: str, source: Path | None = None) -> Path:
     name = f"moe_cpu-{variant}-{_build_key(cxx, flags, source)}.so"
     out = cache_dir() / name
     if out.exists():
+        _touch(out)
         return out
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +87,34 @@ def build(variant: str, source: Path | None = None) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    prune(out.parent, variant)
     return out
+
+
+STALE_S = 7 * 24 * 3600  # a build unused this long (other sources, older compilers) is deleted
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)  # marks the build as in use, so prune() leaves it alone
+    except OSError:
+        pass
+
+
+def prune(directory: Path, variant: str, stale_s: float = STALE_S) -> list[Path]:
+    """Deletes this variant's cached builds not used for `stale_s` (each use refreshes a build's mtime, so a
+    library another process is about to open is never the one deleted). Returns what was deleted."""
+    import time
+
+    gone = []
+    for old in directory.glob(f"moe_cpu-{variant}-*.so"):
+        try:
+            if time.time() - old.stat().st_mtime > stale_s:
+                old.unlink()
+                gone.append(old)
+        except OSError:
+            continue
+    return gone
 
 
 _FALLBACK = {"avx512": "avx2"}  # a variant whose build fails -> the one to use instead (same results)

@@ -1,4 +1,7 @@
-"""`moegate kernels info|bench`: show the CPU kernel backend and run the kernel benchmark."""
+"""`moegate kernels info`: show the CPU kernel backend, CPU features and NUMA nodes.
+
+`moegate kernels bench` is registered by evals/cli.py (the benchmark lives in evals/perf; kernels import
+nothing above them): it adds itself to `parser.subcommands`."""
 
 from __future__ import annotations
 
@@ -16,17 +19,8 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from evals.perf.kernel_bench import main
-
-    rest = args.bench_args
-    return main(rest[1:] if rest[:1] == ["--"] else rest)
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("kernels", help="CPU MoE kernel info and benchmark")
     sub = parser.add_subparsers(dest="kernels_command", required=True)
     sub.add_parser("info", help="kernel variant, CPU features, NUMA nodes").set_defaults(func=_info)
-    bench = sub.add_parser("bench", help="run evals/perf/kernel_bench.py (pass its flags after --)")
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=_bench)
+    parser.subcommands = sub  # higher layers add theirs (evals/cli.py: `kernels bench`)

@@ -119,3 +119,65 @@ def assign_to_nodes(topology: NumaTopology, expert_bytes: list[list[int]],
         loads.append(tuple(r / len(n.cpus) for r, n in zip(raw, nodes, strict=True)))
     threads = {n.node_id: n.cpus for n in nodes}
     return NumaPlan(tuple(expert_node), threads, tuple(loads))
+
+
+# -- applying a plan: mbind(2) on the packed weights -----------------------------------------------
+MPOL_BIND = 2
+MPOL_F_ADDR = 2  # get_mempolicy: the policy of the page at addr
+MPOL_MF_MOVE = 2  # migrate pages already touched (by the loading threads) to the bound node
+_SYSCALLS = {"x86_64": (237, 239), "aarch64": (235, 236)}  # (mbind, get_mempolicy)
+PAGE = 4096
+
+
+def _syscalls():
+    import ctypes
+    import platform
+
+    numbers = _SYSCALLS.get(platform.machine())
+    if numbers is None or not Path("/proc/self/numa_maps").exists():
+        return None
+    return ctypes.CDLL(None, use_errno=True), numbers
+
+
+def bind_range(addr: int, nbytes: int, node: int) -> bool:
+    """Binds the whole pages inside [addr, addr + nbytes) to `node` (migrating them): True on success.
+    Pages shared with a neighbouring range keep their node (a slot's edges), and nothing happens where
+    the kernel has no mbind (not Linux, or built without NUMA)."""
+    import ctypes
+
+    sc = _syscalls()
+    start, end = -(-addr // PAGE) * PAGE, (addr + nbytes) // PAGE * PAGE
+    if sc is None or end <= start:
+        return False
+    libc, (mbind, _) = sc
+    mask = ctypes.c_ulong(1 << node)
+    rc = libc.syscall(mbind, ctypes.c_void_p(start), ctypes.c_ulong(end - start), MPOL_BIND,
+                      ctypes.byref(mask), ctypes.c_ulong(64), MPOL_MF_MOVE)
+    return rc == 0
+
+
+def policy_node(addr: int) -> tuple[int, int] | None:
+    """(policy mode, node mask) of the page at `addr` (get_mempolicy with MPOL_F_ADDR); None if unavailable."""
+    import ctypes
+
+    sc = _syscalls()
+    if sc is None:
+        return None
+    libc, (_, get_mempolicy) = sc
+    mode, mask = ctypes.c_int(0), ctypes.c_ulong(0)
+    rc = libc.syscall(get_mempolicy, ctypes.byref(mode), ctypes.byref(mask), ctypes.c_ulong(64),
+                      ctypes.c_void_p(addr // PAGE * PAGE), MPOL_F_ADDR)
+    return (mode.value, mask.value) if rc == 0 else None
+
+
+def bind_expert_slots(tensors: dict, expert_ids: tuple[int, ...], node_of: dict[int, int]) -> int:
+    """Binds each expert's slot (dim 0 of every packed tensor) to its node. Returns the bytes bound."""
+    bound = 0
+    for t in tensors.values():
+        if not t.numel() or t.device.type != "cpu" or not t.is_contiguous():
+            continue
+        slot = t.numel() // t.shape[0] * t.element_size()
+        for k, e in enumerate(expert_ids):
+            if bind_range(t.data_ptr() + k * slot, slot, node_of.get(e, 0)):
+                bound += slot
+    return bound

@@ -151,6 +151,14 @@ class DynamicPlacement:
             if e >= 0:
                 row[e] += 1.0
 
+    def observe_counts(self, layer: int, counts: list[float]) -> None:
+        """Record activation counts per expert for ``layer`` (one interval's routing, aggregated)."""
+        row = self.counts[layer]
+        if len(counts) != len(row):
+            raise PlacementError(f"layer {layer}: expected {len(row)} counts, got {len(counts)}")
+        for e, c in enumerate(counts):
+            row[e] = row[e] * self.decay + c
+
     def propose(self) -> list[Swap]:
         candidates: list[Swap] = []
         for layer, (row, hot) in enumerate(zip(self.counts, self.hot, strict=True)):

@@ -97,6 +97,36 @@ class Modes(ModeRules):
         return self
 
 
+class HotExperts(_Strict):
+    """Routed experts served from a faster tier, chosen by routing counts: on the GPU (`gpu_per_layer`,
+    bf16; ignored without CUDA) or kept at `formatting_dtype` in host memory (`exact_share`, mixed
+    precision). Exploration profiles only: execution's numerics must not depend on the traffic."""
+
+    gpu_per_layer: Annotated[int, Field(ge=0, description="experts per MoE layer resident on the GPU")] = 0
+    exact_share: Annotated[float, Field(ge=0, le=1, description=(
+        "share of each layer's experts kept at formatting_dtype in host memory (mixed precision)"))] = 0.0
+    strategy: Annotated[Literal["uniform", "frequency", "dynamic"], Field(description=(
+        "uniform: experts 0..n-1; frequency: the most routed in stats_file; dynamic: starts from stats_file "
+        "(or uniform) and follows the traffic, swaps applied between engine steps"))] = "dynamic"
+    stats_file: Annotated[str | None, Field(description="routing counts (JSON) written by the engine")] = None
+    interval_steps: Annotated[int, Field(ge=1, description="engine steps between two looks at the counts")] = 64
+    decay: Annotated[float, Field(gt=0, le=1, description="weight kept by older counts at each look")] = 0.95
+    threshold: Annotated[float, Field(ge=0, lt=1, description=(
+        "a swap must move more than this share of its layer's activations to the faster tier"))] = 0.02
+    max_swaps: Annotated[int, Field(ge=1, description="swaps applied per look, at most")] = 2
+
+    @model_validator(mode="after")
+    def _consistent(self) -> HotExperts:
+        if not self.gpu_per_layer and not self.exact_share:
+            raise PydanticCustomError("hot_experts", "hot_experts needs gpu_per_layer > 0 or exact_share > 0", {})
+        if self.strategy == "dynamic" and self.gpu_per_layer and self.exact_share:
+            raise PydanticCustomError("hot_experts", "a dynamic hot set is gpu_per_layer or exact_share, not both",
+                                      {})
+        if self.strategy == "frequency" and not self.stats_file:
+            raise PydanticCustomError("hot_experts", "strategy frequency needs stats_file", {})
+        return self
+
+
 class PrecisionProfile(_Strict):
     routed_experts: Literal["int4", "int8", "bf16"] = "int4"
     formatting_layers: Annotated[int, Field(ge=0, description="last N layers kept at formatting_dtype")] = 0
@@ -104,6 +134,7 @@ class PrecisionProfile(_Strict):
     lm_head: Literal["int4", "int8", "bf16", "fp32"] = "bf16"
     attention: Annotated[Literal["model", "int8", "int4", "bf16"], Field(
         description="attention q/k/v/o projections on CPU; 'model' keeps the checkpoint's weights")] = "model"
+    hot_experts: HotExperts | None = None
 
 
 class SqlRules(_Strict):
@@ -226,6 +257,12 @@ class Policy(_Strict):
                 problems.append((("modes", mode, "precision"),
                                  f"unknown precision profile {name!r}; defined: {sorted(self.precision_profiles)}",
                                  name))
+        exact = self.precision_profiles.get(self.modes.execution.precision)
+        if exact is not None and exact.hot_experts is not None and exact is not self.precision_profiles.get(
+                self.modes.exploration.precision):
+            problems.append((("precision_profiles", self.modes.execution.precision, "hot_experts"),
+                             "hot experts apply to exploration only: execution's numerics must not follow the "
+                             "traffic", None))
         for ri, route in enumerate(self.routes):
             for mi, m in enumerate(route.models or []):
                 if m not in model_names:

@@ -59,6 +59,7 @@ class MoeForCausalLM(nn.Module):
         self.fused_layers: list | None = None  # engine.models.fused_decode layers for small exploration batches
         self.exact_layers: list | None = None  # fused layers of the execution profile (batch-invariant), if built
         self.exact_head = None  # kernels.linear.PackedLinear: lossless lm_head of the fused execution path
+        self.expert_reader = None  # (layer, expert) -> checkpoint weights, set by the streaming loader
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Runs the stack over the batch's new tokens, writing their KV; returns hidden [T, H]."""

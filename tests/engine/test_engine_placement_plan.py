@@ -47,8 +47,36 @@ def test_plan_places_every_tensor_and_prints_one_short_table(hf_checkpoint):
     assert plan.describe(model)["parts"] == rows
 
 
-def test_numa_is_a_stated_no_op_on_one_node_and_not_claimed_on_several():
+def test_numa_is_a_stated_no_op_on_one_node_and_says_what_it_binds_on_several():
     one = NumaTopology((NumaNode(0, (0, 1), 24 << 30),))
     two = NumaTopology((NumaNode(0, (0, 1), 12 << 30), NumaNode(1, (2, 3), 12 << 30)))
     assert "no-op" in numa_statement(one)
-    assert "NOT bound" in numa_statement(two) and "2 node(s)" in numa_statement(two)
+    assert "bound to the node" in numa_statement(two) and "2 node(s)" in numa_statement(two)
+    assert "threads are not pinned" in numa_statement(two)
+
+
+def test_numa_plan_binds_every_expert_slot_to_its_node(hf_checkpoint):
+    from engine.llm_engine import LLM
+    from engine.placement_plan import apply_numa
+    from kernels.numa import MPOL_BIND, detect_topology, policy_node
+
+    path = hf_checkpoint("qwen3_moe", hidden_size=256, moe_intermediate_size=256)  # slots of whole pages
+    llm = LLM(path, placement=PlacementConfig(fast_format="int4", exact_format="bf16", formatting_layers=1),
+              num_kv_blocks=16, block_size=8, progress=False)
+    layers = llm.engine.layer_experts
+    assert llm.engine.numa_plan is None or len(detect_topology().nodes) > 1  # one node: nothing bound
+    one_node = NumaTopology((NumaNode(0, (0, 1), 0),))
+    plan = apply_numa(layers, one_node, force=True)  # the same code a multi-node machine runs, on node 0
+    assert plan is not None and all(set(row) == {0} for row in plan.expert_node)
+    if policy_node(next(iter(layers.values())).fast[0].packed.tensors["gate_up"].data_ptr()) is None:
+        pytest.skip("no mbind on this kernel")
+    checked = 0
+    for le in layers.values():
+        for shard in le.fast + le.exact:
+            t = shard.packed.tensors["gate_up"]
+            slot = t.numel() // t.shape[0] * t.element_size()
+            assert slot >= 2 * 4096  # every slot holds whole pages
+            for k in range(t.shape[0]):
+                assert policy_node(t.data_ptr() + k * slot + slot // 2) == (MPOL_BIND, 1)  # node 0's bit
+                checked += 1
+    assert checked >= 8

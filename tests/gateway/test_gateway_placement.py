@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+from pydantic import ValidationError
+
 from gateway.app import placement_from_policy
 from policies.loader import load_policy
+from policies.model import HotExperts, Policy
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "policies" / "examples"
 
@@ -24,3 +28,30 @@ def test_dev_profile_explores_in_int4_and_executes_at_the_checkpoints_precision(
     assert placement.fast_format == "int4" and placement.execution_format == "bf16"
     assert placement.formatting_layers == 0 and not exact_lm_head and fast_lm_head == "int8"  # the model's lm_head
     assert fast_dense == "int8"
+
+
+def _with_hot(policy, profile: str, **hot):
+    profiles = dict(policy.precision_profiles)
+    profiles[profile] = profiles[profile].model_copy(update={"hot_experts": HotExperts(**hot)})
+    return Policy.model_validate({**policy.model_dump(), "precision_profiles": {
+        k: v.model_dump() for k, v in profiles.items()}})
+
+
+def test_exploration_hot_experts_become_a_dynamic_hot_set():
+    policy = _with_hot(load_policy(EXAMPLES / "dev.yaml"), "fast", exact_share=0.25, interval_steps=16, max_swaps=3)
+    placement, *_ = placement_from_policy(policy)
+    assert placement.dynamic_hot and placement.mixed_hot_fraction == 0.25 and placement.mixed_format == "bf16"
+    assert (placement.dynamic.interval_steps, placement.dynamic.max_swaps) == (16, 3)
+    assert placement.hot_experts == 0
+
+
+def test_hot_experts_are_refused_where_they_cannot_apply():
+    dev = load_policy(EXAMPLES / "dev.yaml")
+    with pytest.raises(ValidationError, match="exploration only"):
+        _with_hot(dev, "exact", exact_share=0.25)
+    with pytest.raises(ValidationError, match="gpu_per_layer > 0 or exact_share > 0"):
+        HotExperts()
+    with pytest.raises(ValidationError, match="not both"):
+        HotExperts(gpu_per_layer=2, exact_share=0.25)
+    with pytest.raises(ValidationError, match="needs stats_file"):
+        HotExperts(exact_share=0.25, strategy="frequency")

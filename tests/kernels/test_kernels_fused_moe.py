@@ -331,3 +331,21 @@ def test_thread_pool_survives_fork_and_many_calls() -> None:
         os.waitpid(pid, 0)
         pytest.fail("forked child hung in fused_moe")
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_stale_builds_are_pruned_and_used_ones_kept(tmp_path) -> None:
+    import os
+    import time
+
+    from kernels.build import prune
+
+    old = tmp_path / "moe_cpu-avx2-0000000000000000.so"
+    fresh = tmp_path / "moe_cpu-avx2-1111111111111111.so"
+    other = tmp_path / "moe_cpu-generic-2222222222222222.so"
+    for f in (old, fresh, other):
+        f.write_bytes(b"\0")
+    week_ago = time.time() - 8 * 24 * 3600
+    os.utime(old, (week_ago, week_ago))
+    os.utime(other, (week_ago, week_ago))
+    assert prune(tmp_path, "avx2") == [old]
+    assert fresh.exists() and other.exists()  # another variant is pruned when that variant is built
