@@ -54,6 +54,7 @@ class EngineConfig:
     # exploration forwards of at least this many tokens run their routed experts on the fast device, layer by
     # layer (engine/layerwise_prefill.py); "auto": LAYERWISE_PREFILL_TOKENS on CUDA, off on the CPU; None: off
     layerwise_prefill_tokens: int | str | None = "auto"
+    batch_invariant_execution: bool = True  # CPU fp32: execution chunks share one forward on batch-invariant kernels
     progress: bool = True
     # Prefix cache. The device tier (the KV pool) is on unless prefix_cache=False; RAM, disk and redis
     # hold demoted blocks. The library writes no disk cache unless told where (`moegate serve` passes
@@ -159,6 +160,10 @@ class LLMEngine:
         elif config.fast_dense:
             log.warning("fast_dense=%s packs CPU attention projections; on %s the model's own weights run",
                         config.fast_dense, self.device)
+        if config.batch_invariant_execution and self.device.type == "cpu" and config.dtype == "float32":
+            from engine.models.fused_decode import build_exact_path
+
+            build_exact_path(model)  # else each execution chunk runs alone on torch
         log.info("%s", self.placement_plan.summary(model))
         self.placement = self.placement_plan.describe(model)  # what /v1/models reports
         self.fused_decode = model.fused_layers is not None  # small exploration batches: one call per layer
@@ -256,7 +261,7 @@ class LLMEngine:
             "layerwise": self.layerwise_tokens if mode != "execution" else None,
             "lm_head": ("fp32" if c.exact_lm_head else c.dtype) if mode == "execution" else (c.fast_lm_head or c.dtype),
             "dense": c.dtype if mode == "execution" or self.device.type != "cpu" else (c.fast_dense or c.dtype),
-            "fused": mode != "execution" and self.fused_decode,
+            "fused": self.runner.model.batch_invariant(True) if mode == "execution" else self.fused_decode,
             "defer": 0 if mode == "execution" else c.defer,
             "chunk": c.max_num_batched_tokens if mode == "execution" else None,
         }

@@ -1,8 +1,11 @@
 """ModelRunner: owns the model and its KV pools on the device; turns scheduled chunks into logits.
 
-Exploration chunks share one batched forward (with expert deferral when configured). Each
-execution chunk runs in a forward of its own with the exact profile and no deferral, so its bytes
-never depend on what else is in flight (batch invariance by construction).
+Exploration chunks share one batched forward (with expert deferral when configured). Execution chunks
+(decodes and prefill chunks alike) share another, with the exact profile and no deferral, on the fused
+execution path (engine/models/fused_decode.py): each row's arithmetic there is fixed by the row alone,
+so its bytes never depend on what else is in flight or on how its prompt was chunked. Where that path
+is not built (architectures it does not cover, CUDA, non-fp32 dtypes) each execution chunk runs in a
+forward of its own on torch, batch invariant by serialising.
 """
 
 from __future__ import annotations
@@ -72,7 +75,12 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk], blocks: BlockManager) -> torch.Tensor:
         """All scheduled chunks -> fp32 logits [S, V] for the chunks that sample, in chunk order."""
         explore = [c for c in chunks if c.seq.mode != "execution"]
-        groups = ([(explore, False)] if explore else []) + [([c], True) for c in chunks if c.seq.mode == "execution"]
+        execute = [c for c in chunks if c.seq.mode == "execution"]
+        groups = [(explore, False)] if explore else []
+        if self.model.batch_invariant(True):
+            groups += [(execute, True)] if execute else []
+        else:
+            groups += [([c], True) for c in execute]
         logits: dict[int, torch.Tensor] = {}
         for group, exact in groups:
             out = self.forward(self.build_batch(group, blocks, exact))
@@ -99,8 +107,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the batch (writing its KV) -> fp32 logits [S, V] of the rows that sample, on the CPU."""
-        if self.device.type == "cpu":
-            want = 1 if batch.num_tokens <= SMALL_FORWARD_TOKENS else self.max_threads
+        if self.device.type == "cpu":  # the fused execution path runs on the kernel's own pool
+            small = batch.num_tokens <= SMALL_FORWARD_TOKENS or self.model.batch_invariant(batch.exact)
+            want = 1 if small else self.max_threads
             if torch.get_num_threads() != want:
                 torch.set_num_threads(want)
         try:

@@ -99,11 +99,16 @@ class PlacementPlan:
             seen.add(id(p))
             add(classify(name), str(p.device), str(p.dtype).removeprefix("torch."), 1, p.numel() * p.element_size())
         # per-mode copies beside the model's own weights: exploration's quantized attention and lm_head,
-        # execution's fp32 lm_head
+        # execution's fp32 lm_head and the fused execution path's packed attention and lm_head
         for layer in model.model.layers:
-            for packed in (getattr(layer.self_attn, "fast_qkv", None), getattr(layer.self_attn, "fast_o", None)):
+            attn = layer.self_attn
+            for packed, role in ((getattr(attn, "fast_qkv", None), "exploration"), (getattr(attn, "fast_o", None),
+                                 "exploration"), (getattr(attn, "exact_qkv", None), "execution"),
+                                 (getattr(attn, "exact_o", None), "execution")):
                 if packed is not None:
-                    add("attention", "cpu", f"{packed.fmt} (exploration)", 1, packed.nbytes)
+                    add("attention", "cpu", f"{packed.fmt} ({role})", 1, packed.nbytes)
+        if getattr(model, "exact_head", None) is not None:
+            add("lm_head", "cpu", f"{model.exact_head.fmt} (execution)", 1, model.exact_head.nbytes)
         if getattr(model, "fast_lm_head", None) is not None:
             head = model.fast_lm_head
             add("lm_head", str(self.fast_device), f"{head.fmt} (exploration)", 1, head.nbytes)

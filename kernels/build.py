@@ -159,6 +159,9 @@ def _declare(lib: ctypes.CDLL) -> None:
                                       p, p, p, p, p, p, ctypes.c_int]
     lib.moegate_linear.restype = ctypes.c_int
     lib.moegate_linear.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, p, ctypes.c_int]
+    if hasattr(lib, "moegate_rms_norm"):  # absent from an earlier revision's kernel (benchmarks)
+        lib.moegate_rms_norm.restype = ctypes.c_int
+        lib.moegate_rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_double]
     lib.moegate_is_avx2.restype = ctypes.c_int
     lib.moegate_is_vnni.restype = ctypes.c_int
     if hasattr(lib, "moegate_simd_path"):  # absent from an earlier revision's kernel (benchmarks)

@@ -3,7 +3,9 @@ compiled kernel's ``moegate_linear`` for small batches, with a plain-torch refer
 
 A ``PackedLinear`` holds W [N, K] as one down-style projection (R = 1) of kernels/formats.py:
 int8 (per row and group of G scales, fp32 activations), int4 / int4_asym (W4A8: activations quantized
-per token and group to int8, exact integer dot products) or bf16. The kernel's result for a row does
+per token and group to int8, exact integer dot products), bf16 or fp32. ``exact_format`` picks the
+lossless one for a weight (bf16 when every value is a bf16 number, as in a bf16 checkpoint loaded in
+fp32: the same products from half the bytes), which the execution path uses for its dense layers. The kernel's result for a row does
 not depend on the other rows of the call or the thread count; the reference is the dequantized
 matmul (int8, bf16: |kernel - reference| <= 1e-4 * max|ref| + 1e-5, only the fp32 summation order
 differs) or the W4A8 arithmetic replayed step by step (int4: equal but for ~2^-29-rare double roundings).
@@ -28,7 +30,15 @@ from kernels.formats import (
 from kernels.hugepages import to_hugepages
 from kernels.w4a8 import w4a8_tiles
 
-LINEAR_FORMATS = ("bf16", "int8", "int4", "int4_asym", "bf16_a16")
+LINEAR_FORMATS = ("fp32", "bf16", "int8", "int4", "int4_asym", "bf16_a16")
+
+
+def exact_format(weight: torch.Tensor) -> str:
+    """The lossless packed format of ``weight``: bf16 if bf16 holds every value exactly, else fp32."""
+    w = weight.detach()
+    if w.dtype == torch.bfloat16:
+        return "bf16"
+    return "bf16" if torch.equal(w.float().to(torch.bfloat16).float(), w.float()) else "fp32"
 
 
 @dataclass(frozen=True, eq=False)

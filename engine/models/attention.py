@@ -2,7 +2,8 @@
 
 Exploration batches on the CPU may run the q/k/v (fused) and o projections through quantized copies
 (`fast_qkv`, `fast_o`: kernels.linear.PackedLinear, set by the engine from its `fast_dense` format);
-execution batches always use the model's own weights.
+execution batches always use the model's own weights: on the torch path as they are, on the fused
+execution path (engine/models/fused_decode.py) as lossless packed copies (`exact_qkv`, `exact_o`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class Attention(nn.Module):
         self.scale = d**-0.5
         self.fast_qkv = None  # PackedLinear of [q; k; v] rows, exploration only
         self.fast_o = None
+        self.exact_qkv = None  # the same, lossless (kernels.linear.exact_format): the fused execution path
+        self.exact_o = None
 
     def set_fast_dense(self, fmt: str) -> None:
         """Quantized copies of the projections for exploration batches (the originals stay for execution)."""
@@ -44,6 +47,15 @@ class Attention(nn.Module):
         qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()  # [NH*D + 2*KV*D, H]
         self.fast_qkv = PackedLinear.pack(qkv, fmt)
         self.fast_o = PackedLinear.pack(self.o_proj.weight.detach(), fmt)
+
+    def set_exact_dense(self) -> None:
+        """Lossless packed copies of the projections for the fused execution path (one format for both)."""
+        from kernels.linear import PackedLinear, exact_format
+
+        qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()  # [NH*D + 2*KV*D, H]
+        fmt = "bf16" if exact_format(qkv) == exact_format(self.o_proj.weight) == "bf16" else "fp32"
+        self.exact_qkv = PackedLinear.pack(qkv, fmt)
+        self.exact_o = PackedLinear.pack(self.o_proj.weight.detach(), fmt)
 
     def _project_qkv(self, x: torch.Tensor, fast: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not fast:

@@ -57,25 +57,39 @@ class MoeForCausalLM(nn.Module):
         self.exact_lm_head: torch.Tensor | None = None  # fp32 copy used in execution mode, if set
         self.fast_lm_head: QuantizedLMHead | None = None  # int8 / bf16 copy used in exploration, if set
         self.fused_layers: list | None = None  # engine.models.fused_decode layers for small exploration batches
+        self.exact_layers: list | None = None  # fused layers of the execution profile (batch-invariant), if built
+        self.exact_head = None  # kernels.linear.PackedLinear: lossless lm_head of the fused execution path
         self.expert_reader = None  # (layer, expert) -> checkpoint weights, set by the streaming loader
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Runs the stack over the batch's new tokens, writing their KV; returns hidden [T, H]."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
-        if self._fused(batch, x):
-            from engine.models.fused_decode import FusedContext
+        if self.batch_invariant(batch.exact) and x.device.type == "cpu":
+            from kernels.norm import rms_norm_rows
 
-            cos, sin = self.model.layers[0].self_attn._rope(batch, torch.float32)
-            ctx = FusedContext(batch, cos, sin)
-            x = x.contiguous()
-            for fused, (k_cache, v_cache) in zip(self.fused_layers, kv_caches, strict=True):
-                fused(x, ctx, k_cache, v_cache)  # in place
-            return self.model.norm(x)
+            x = self._run_fused(self.exact_layers, batch, x, kv_caches)
+            return rms_norm_rows(x, self.model.norm.weight, self.model.norm.eps)  # each row alone
+        if self._fused(batch, x):
+            return self.model.norm(self._run_fused(self.fused_layers, batch, x, kv_caches))
         pending = None
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
             x, pending = layer(x, batch, k_cache, v_cache, pending)
         assert pending is None, "the last MoE layer must not defer"
         return self.model.norm(x)
+
+    def _run_fused(self, layers: list, batch: ForwardBatch, x: torch.Tensor, kv_caches) -> torch.Tensor:
+        from engine.models.fused_decode import FusedContext
+
+        cos, sin = self.model.layers[0].self_attn._rope(batch, torch.float32)
+        ctx = FusedContext(batch, cos, sin)
+        x = x.contiguous()
+        for fused, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+            fused(x, ctx, k_cache, v_cache)  # in place
+        return x
+
+    def batch_invariant(self, exact: bool) -> bool:
+        """Whether `exact` forwards run the fused execution path, whose rows do not depend on their batch."""
+        return exact and self.exact_layers is not None
 
     def _fused(self, batch: ForwardBatch, x: torch.Tensor) -> bool:
         from engine.models.fused_decode import SMALL_BATCH_TOKENS
@@ -85,12 +99,16 @@ class MoeForCausalLM(nn.Module):
 
     def logits_on_torch(self, exact: bool = False) -> bool:
         """Whether compute_logits runs torch ops (worth torch's threads) rather than the compiled kernel's pool."""
-        return exact or self.fast_lm_head is None or self.fast_lm_head.packed is None
+        if exact:
+            return self.exact_head is None
+        return self.fast_lm_head is None or self.fast_lm_head.packed is None
 
     def compute_logits(self, hidden: torch.Tensor, exact: bool = False) -> torch.Tensor:
         """hidden [S, H] -> fp32 logits [S, V]: execution may use a higher-precision lm_head, exploration
         a cheaper one (decode streams the whole [V, H] matrix once per step)."""
         if exact:
+            if self.exact_head is not None and hidden.device.type == "cpu":
+                return self.exact_head(hidden, num_threads=self.exact_layers[0].num_threads)
             if self.exact_lm_head is not None:
                 return torch.nn.functional.linear(hidden.float(), self.exact_lm_head)
         elif self.fast_lm_head is not None:

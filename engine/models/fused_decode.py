@@ -1,11 +1,20 @@
-"""The exploration fast path for small CPU batches: each decoder layer in one compiled call.
+"""Each decoder layer in one compiled call on CPU: the exploration fast path for small batches and the
+batch-invariant execution path.
 
-`FusedDecodeLayer` binds one DecoderLayer's weights (RMSNorm weights, the quantized fused q/k/v and o
-projections from `Attention.set_fast_dense`, the fp32 router, the layer's single CPU expert shard) to
-`moegate_decode_layer` (kernels/csrc/decode_layer.h). The torch modules stay the reference and the
-path for everything else: execution batches, prefill chunks over SMALL_BATCH_TOKENS, deferral, and
-architectures the fused layer does not cover (attention biases, clip_qkv, whole-projection q/k norms,
-shared experts, dense MLP layers, experts on other devices, non-fp32 dense weights).
+`FusedDecodeLayer` binds one DecoderLayer's weights (RMSNorm weights, the packed fused q/k/v and o
+projections, the fp32 router, the layer's single CPU expert shard of one profile) to
+`moegate_decode_layer` (kernels/csrc/decode_layer.h). Every step of that call computes a token's row
+in an order fixed by the row alone: per-row norms, dense projections on fixed K tiles, attention per
+token over its own context, experts summed in slot order. So a token's bytes do not depend on the
+other tokens of the forward, nor on how a prompt is cut into chunks.
+
+Two profiles: exploration (`fast`) binds the quantized copies from `Attention.set_fast_dense` and the
+fast expert shards, for batches up to SMALL_BATCH_TOKENS without deferral; execution (`exact`) binds
+lossless copies of the model's own projections (`Attention.set_exact_dense`, kernels.linear.exact_format)
+and the exact expert shards, for every execution batch, with the final norm and lm_head on the same
+kind of kernels (`build_exact_path`). The torch modules stay the reference and the path for everything
+else: architectures the fused layer does not cover (attention biases, clip_qkv, whole-projection q/k
+norms, shared experts, dense MLP layers, experts on other devices, non-fp32 dense weights).
 """
 
 from __future__ import annotations
@@ -43,16 +52,17 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None and t.numel() else None
 
 
-def unsupported_reason(cfg: ModelConfig, layer) -> str | None:
-    """Why `layer` cannot run fused (None: it can)."""
+def unsupported_reason(cfg: ModelConfig, layer, exact: bool = False) -> str | None:
+    """Why `layer` cannot run fused in the profile (None: it can; execution packs its projections itself)."""
     if cfg.attention_bias or cfg.clip_qkv is not None or cfg.qk_norm == "full":
         return "attention biases / clip_qkv / whole-projection q/k norms"
     if not layer.is_moe or layer.mlp.shared_expert is not None:
         return "dense MLP layer or shared expert"
     attn, packed = layer.self_attn, layer.mlp.experts.packed
-    if attn.fast_qkv is None:
+    if attn.fast_qkv is None and not exact:
         return "no quantized attention projections (fast_dense)"
-    if packed is None or len(packed.fast) != 1 or packed.fast[0].device.type != "cpu":
+    shards = None if packed is None else packed.exact if exact else packed.fast
+    if shards is None or len(shards) != 1 or shards[0].device.type != "cpu":
         return "routed experts not in one CPU shard"
     if layer.input_layernorm.weight.dtype != torch.float32 or layer.mlp.gate.weight.dtype != torch.float32:
         return "dense weights not fp32"
@@ -62,14 +72,15 @@ def unsupported_reason(cfg: ModelConfig, layer) -> str | None:
 
 
 class FusedDecodeLayer:
-    def __init__(self, cfg: ModelConfig, layer, lib: ctypes.CDLL) -> None:
+    def __init__(self, cfg: ModelConfig, layer, lib: ctypes.CDLL, exact: bool = False) -> None:
         attn, moe = layer.self_attn, layer.mlp
-        experts = moe.experts.packed.fast[0].packed
+        experts = (moe.experts.packed.exact if exact else moe.experts.packed.fast)[0].packed
+        proj_qkv, proj_o = (attn.exact_qkv, attn.exact_o) if exact else (attn.fast_qkv, attn.fast_o)
         if experts.expert_ids != tuple(range(cfg.num_experts)):
             raise ValueError("the fused layer needs every expert in its CPU shard")
         self.lib, self.top_k = lib, cfg.top_k
         self._keep = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, moe.gate.weight]
-        ex, qkv, o = experts.tensors, attn.fast_qkv.tensors, attn.fast_o.tensors
+        ex, qkv, o = experts.tensors, proj_qkv.tensors, proj_o.tensors
         qn = attn.q_norm.weight if cfg.qk_norm == "per_head" else None
         kn = attn.k_norm.weight if cfg.qk_norm == "per_head" else None
         self.params = DecodeLayerParams(
@@ -79,14 +90,16 @@ class FusedDecodeLayer:
             eps=cfg.rms_norm_eps, scale=attn.scale,
             ln1=_ptr(layer.input_layernorm.weight), ln2=_ptr(layer.post_attention_layernorm.weight),
             qn=_ptr(qn), kn=_ptr(kn),
-            dense_fmt=FORMAT_CODE[attn.fast_qkv.fmt], dense_gs=attn.fast_qkv.group_size,
+            dense_fmt=FORMAT_CODE[proj_qkv.fmt], dense_gs=proj_qkv.group_size,
             qkv_w=_ptr(qkv["weight"]), qkv_s=_ptr(qkv["scales"]), qkv_m=_ptr(qkv["mins"]),
             o_w=_ptr(o["weight"]), o_s=_ptr(o["scales"]), o_m=_ptr(o["mins"]),
             router=_ptr(moe.gate.weight), exp_fmt=FORMAT_CODE[experts.fmt], exp_gs=experts.group_size,
             gu_w=_ptr(ex["gate_up"]), gu_s=_ptr(ex["gate_up_scales"]), gu_m=_ptr(ex["gate_up_mins"]),
             dn_w=_ptr(ex["down"]), dn_s=_ptr(ex["down_scales"]), dn_m=_ptr(ex["down_mins"]),
         )
-        self._keep += [qn, kn, experts, attn.fast_qkv, attn.fast_o]  # the pointers above stay valid
+        if proj_o.fmt != proj_qkv.fmt or proj_o.group_size != proj_qkv.group_size:
+            raise ValueError(f"q/k/v and o projections must share a format, got {proj_qkv.fmt} and {proj_o.fmt}")
+        self._keep += [qn, kn, experts, proj_qkv, proj_o]  # the pointers above stay valid
         self.packed = moe.experts.packed
         self.num_threads = self.packed.num_threads or torch.get_num_threads()
 
@@ -120,8 +133,9 @@ class FusedContext:
         self.length = torch.tensor(lengths, dtype=torch.int64)
 
 
-def build_fused_layers(cfg: ModelConfig, layers) -> list[FusedDecodeLayer] | None:
-    """Fused layers for the whole stack, or None (with the reason logged) if any layer cannot run fused."""
+def build_fused_layers(cfg: ModelConfig, layers, exact: bool = False) -> list[FusedDecodeLayer] | None:
+    """Fused layers for the whole stack in one profile, or None (with the reason logged) if any layer
+    cannot run fused. The execution profile packs lossless copies of the attention projections first."""
     from kernels.fused_moe import kernel_library
 
     lib = kernel_library()
@@ -131,8 +145,31 @@ def build_fused_layers(cfg: ModelConfig, layers) -> list[FusedDecodeLayer] | Non
     lib.moegate_decode_layer.argtypes = [ctypes.POINTER(DecodeLayerParams), _P, ctypes.c_int64, _P, _P, _P, _P, _P,
                                          _P, _P, _P, _P, ctypes.c_int]
     for i, layer in enumerate(layers):
-        reason = unsupported_reason(cfg, layer)
+        reason = unsupported_reason(cfg, layer, exact)
         if reason is not None:
-            log.info("fused exploration decode off: layer %d: %s", i, reason)
+            log.info("fused %s path off: layer %d: %s", "execution" if exact else "exploration decode", i, reason)
             return None
-    return [FusedDecodeLayer(cfg, layer, lib) for layer in layers]
+    if exact:
+        for layer in layers:
+            layer.self_attn.set_exact_dense()
+    return [FusedDecodeLayer(cfg, layer, lib, exact) for layer in layers]
+
+
+def build_exact_path(model) -> bool:
+    """Batch-invariant execution for `model` on the CPU: fused exact layers, the final norm per row and a
+    lossless packed lm_head (the fp32 execution copy if the engine made one). False (logged) where the
+    architecture or placement does not allow it; execution chunks then run one per forward on torch."""
+    from kernels.linear import PackedLinear, exact_format
+
+    cfg = model.config
+    if model.model.norm.weight.dtype != torch.float32:
+        log.info("fused execution path off: dense weights not fp32")
+        return False
+    layers = build_fused_layers(cfg, model.model.layers, exact=True)
+    if layers is None:
+        return False
+    head = model.exact_lm_head if model.exact_lm_head is not None else model.lm_head.weight
+    model.exact_head = PackedLinear.pack(head, exact_format(head))
+    model.exact_lm_head = None  # packed above: the torch copy would only hold memory
+    model.exact_layers = layers
+    return True

@@ -25,7 +25,11 @@ def cpu_busy_fraction(seconds: float = 1.0) -> float:
 def machine_info() -> dict:
     import torch
 
+    from kernels.cpu_features import detect
+
+    cpu = detect()
     return {
+        "cpu": f"{cpu.model} {cpu.summary()}",
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),

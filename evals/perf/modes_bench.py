@@ -4,6 +4,10 @@ the overlap of deferred expert work with the dense path (a timeline), and the co
 Drift is measured by teacher forcing: every run follows the strict run's greedy tokens, so each step's
 next-token distribution is compared on the same prefix. Writes modes_bench.json, modes_bench.png and
 modes_timeline.png. Usage: python -m evals.perf.modes_bench [--model DIR] [--quick]
+
+`--streams` measures instead how execution scales with concurrent streams (evals/perf/mode_streams.py):
+1 vs 8 execution streams against 8 exploration streams through the engine API and the gateway, with the
+default policy, and one execution vs one exploration stream (modes_streams.json / .png).
 """
 
 from __future__ import annotations
@@ -130,7 +134,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--formatting-layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
+    ap.add_argument("--streams", action="store_true", help="concurrent execution streams (mode_streams.py)")
+    args, rest = ap.parse_known_args(argv)
+    if args.streams:
+        from evals.perf.mode_streams import main as streams_main
+
+        return streams_main(["--model", args.model, "--out", args.out, *rest])
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from engine.config import ModelConfig

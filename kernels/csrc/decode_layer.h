@@ -71,6 +71,12 @@ void rope(float* v, const float* cos, const float* sin, int64_t d) {  // rotate-
 
 }  // namespace
 
+// out[t] = RMSNorm(x[t]) * w for T rows of H: each row alone (the final norm of the execution path).
+extern "C" int moegate_rms_norm(const float* x, const float* w, float* out, int64_t T, int64_t H, double eps) {
+  for (int64_t t = 0; t < T; ++t) rms_norm(x + t * H, w, out + t * H, H, (float)eps);
+  return 0;
+}
+
 extern "C" int moegate_decode_layer(const DecodeLayerParams* p, float* x, int64_t T, const float* cos,
                                     const float* sin, float* k_cache, float* v_cache, const int64_t* slot_mapping,
                                     const int64_t* ctx_slots, const int64_t* ctx_start, const int64_t* ctx_len,

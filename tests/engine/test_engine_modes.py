@@ -239,6 +239,11 @@ def test_decode_with_a_kernel_lm_head_keeps_torch_single_threaded(ckpt, monkeypa
         assert calls and set(calls) == {1}  # dropped to 1 for the small forwards, never raised back
         calls.clear()
         _run(llm, [("e", prompt, SamplingParams(max_tokens=3, ignore_eos=True), "execution")])
-        assert 2 in calls  # an execution lm_head runs on torch: worth every core
+        assert set(calls) <= {1}  # the fused execution path and its lm_head: the kernel's pool, never raised
+        serial = _llm(ckpt, fast_dense="int8", fast_lm_head="int4", batch_invariant_execution=False)
+        serial.engine.runner.max_threads = 2
+        calls.clear()
+        _run(serial, [("e", prompt, SamplingParams(max_tokens=3, ignore_eos=True), "execution")])
+        assert 2 in calls  # an execution lm_head on torch: worth every core
     finally:
         real(before)

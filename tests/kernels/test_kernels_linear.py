@@ -1,5 +1,6 @@
 """Quantized dense projections (kernels.linear.PackedLinear): kernel vs torch reference per format,
-odd shapes and batch sizes 1..64, every compiled variant, per-row batch invariance."""
+odd shapes and batch sizes 1..64, every compiled variant, per-row batch invariance, and the lossless
+format the execution path packs the model's own dense weights in."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import torch
 
 from kernels import kernel_available
 from kernels.cpu_features import detect, vnni_capable
-from kernels.linear import PackedLinear
+from kernels.linear import PackedLinear, exact_format
 
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="C++ kernel could not be built here")
-FORMATS = [("bf16", None), ("int8", 64), ("int8", 32), ("int4", 32), ("int4", 64), ("int4_asym", 32)]
+FORMATS = [("fp32", None), ("bf16", None), ("int8", 64), ("int8", 32), ("int4", 32), ("int4", 64), ("int4_asym", 32)]
 SHAPES = [(8, 64), (13, 200), (300, 96), (1000, 72)]  # (N, K): odd N, K not a multiple of the group
 VARIANTS = ["generic", "avx2", *(["avx512"] if vnni_capable(detect()) else [])]
 
@@ -62,7 +63,7 @@ def test_linear_reference_is_the_dequantized_weight(fmt: str) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "int4_asym", "bf16_a16"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int4_asym", "bf16_a16"])
 def test_linear_variants(variant: str, fmt: str) -> None:
     packed = PackedLinear.pack(_weight(77, 200), fmt)
     x = torch.randn(19, 200)
@@ -73,7 +74,7 @@ def test_linear_variants(variant: str, fmt: str) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "int4_asym", "bf16_a16"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int4_asym", "bf16_a16"])
 def test_linear_row_is_batch_invariant(variant: str, fmt: str) -> None:
     """A row's output bits do not depend on the other rows of the call (M = 1..16 in any order, and 64),
     or on the thread count, on every compiled path. N = 150: an odd number of 8-row tiles."""
@@ -86,6 +87,23 @@ def test_linear_row_is_batch_invariant(variant: str, fmt: str) -> None:
         assert torch.equal(packed(x[rows], num_threads=1 + m % 2, variant=variant), alone[rows]), m
     for m, threads in ((64, 2), (33, 1)):
         assert torch.equal(packed(x[:m], num_threads=threads, variant=variant), alone[:m])
+
+
+@needs_kernel
+def test_exact_format_is_lossless() -> None:
+    """A bf16 checkpoint's weights (loaded in fp32) pack as bf16 with the same products as fp32, half the
+    bytes; weights bf16 cannot hold pack as fp32. Either way dequantize() is W itself."""
+    w32 = _weight(40, 96)
+    w16 = w32.to(torch.bfloat16).float()
+    assert exact_format(w32) == "fp32" and exact_format(w16) == "bf16"
+    assert exact_format(w32.to(torch.bfloat16)) == "bf16"
+    x = torch.randn(5, 96)
+    for w in (w32, w16):
+        packed = PackedLinear.pack(w, exact_format(w))
+        assert torch.equal(packed.dequantize(), w)
+        assert_close(packed(x), x @ w.T)
+    as_fp32, as_bf16 = PackedLinear.pack(w16, "fp32"), PackedLinear.pack(w16, "bf16")
+    assert torch.equal(as_fp32(x), as_bf16(x)) and as_bf16.nbytes * 2 == as_fp32.nbytes
 
 
 def test_linear_rejects_bad_input() -> None:
