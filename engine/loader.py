@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from engine.archs import arch_spec
 from engine.config import ModelConfig
 from engine.errors import CheckpointError, MissingTensorError, TensorShapeError
 from engine.experts import PlacementConfig
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _CANONICAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -111,9 +113,10 @@ class _Layout:
         self.dense: dict[str, str] = {}  # parameter -> checkpoint name
         self.per_expert: dict[str, str] = {}  # "{prefix}.{e}.{part}.weight" -> checkpoint name
         self.fused: dict[str, str] = {}  # expert parameter -> checkpoint name of the fused tensor
+        mtp = arch_spec(cfg.arch).mtp_layers
         for name in ckpt.where:
-            if _IGNORED.search(name):
-                continue
+            if _IGNORED.search(name) or (mtp and (m := _LAYER.match(name)) and int(m.group(1)) >= cfg.num_layers):
+                continue  # known unused: multi-token prediction layers follow the decoder stack
             key, tgt = _target(name, cfg.moe_intermediate_size)
             if tgt.param not in params:
                 log.warning("ignoring unexpected tensor %s in %s", name, ckpt.where[name][1].name)

@@ -58,11 +58,10 @@ class Attention(nn.Module):
             batch.rope[key] = self.rotary(batch.positions, dtype)
         return batch.rope[key]
 
-    def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> torch.Tensor:
-        """x [T, H]; k_cache/v_cache [slots, KV, D] (written in place) -> [T, H]."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """x [T, H]; cache (k_cache, v_cache), each [slots, KV, D], written in place -> [T, H]."""
         cfg = self.cfg
+        k_cache, v_cache = cache
         T = x.shape[0]
         fast = self.fast_qkv is not None and not batch.exact and x.device.type == "cpu"
         q, k, v = self._project_qkv(x, fast)  # [T, NH*D], [T, KV*D] x2

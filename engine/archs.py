@@ -1,0 +1,157 @@
+"""The architecture registry: config.json `model_type` -> how that family reads, loads and is built.
+
+Adding an architecture costs one entry here (its config fields, its attention module, the transformers
+classes that build random checkpoints of it) plus a model file under `engine/models/` when it needs a
+module the stack does not have yet. Torch-free: `moegate plan` reads it without loading a model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import CheckpointError
+
+Need = Callable[..., Any]  # need("a", "b") -> the first of these config.json keys that is set, else CheckpointError
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """One architecture family.
+
+    `fields(hf, need)` returns the family's own ModelConfig fields (experts, MLP widths, which layers are
+    MoE, attention and router variants); the fields every family shares are read by ModelConfig.from_hf.
+    `random_config(kw)` adjusts transformers config kwargs for a random checkpoint of this family.
+    """
+
+    model_type: str
+    fields: Callable[[dict[str, Any], Need], dict[str, Any]]
+    hf_classes: tuple[str, str]  # transformers (config class, causal LM class)
+    attention: str = "engine.models.attention:Attention"  # module:class of the layer's self_attn
+    random_config: Callable[[dict[str, Any]], dict[str, Any]] = lambda kw: kw
+    mtp_layers: bool = False  # tensors of layers past num_hidden_layers are multi-token prediction: unused
+
+    def attention_class(self) -> type:
+        module, _, name = self.attention.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+def _sparse_layers(hf: dict[str, Any], layers: int, num_experts: int) -> tuple[bool, ...]:
+    """Qwen-style MoE layer selection: mlp_only_layers and decoder_sparse_step."""
+    mlp_only = set(hf.get("mlp_only_layers") or [])
+    step = hf.get("decoder_sparse_step", 1) or 1
+    return tuple(i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(layers))
+
+
+def _no_qwen_sliding(hf: dict[str, Any]) -> None:
+    if hf.get("use_sliding_window"):
+        raise CheckpointError("use_sliding_window=true is not supported for qwen models")
+
+
+def _qwen3_moe(hf: dict[str, Any], need: Need) -> dict[str, Any]:
+    _no_qwen_sliding(hf)
+    experts, moe_inter = need("num_experts", "num_local_experts"), need("moe_intermediate_size")
+    return dict(num_experts=experts, moe_intermediate_size=moe_inter,
+                dense_intermediate_size=hf.get("intermediate_size", moe_inter),
+                moe_layers=_sparse_layers(hf, need("num_hidden_layers"), experts), qk_norm="per_head",
+                attention_bias=bool(hf.get("attention_bias", False)),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+
+
+def _qwen2_moe(hf: dict[str, Any], need: Need) -> dict[str, Any]:
+    _no_qwen_sliding(hf)
+    experts, moe_inter = need("num_experts", "num_local_experts"), need("moe_intermediate_size")
+    return dict(num_experts=experts, moe_intermediate_size=moe_inter,
+                dense_intermediate_size=hf.get("intermediate_size", moe_inter),
+                moe_layers=_sparse_layers(hf, need("num_hidden_layers"), experts),
+                attention_bias=bool(hf.get("qkv_bias", True)), norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
+                shared_expert_gate=True)
+
+
+def _mixtral(hf: dict[str, Any], need: Need) -> dict[str, Any]:
+    experts, inter = need("num_experts", "num_local_experts"), need("intermediate_size")
+    return dict(num_experts=experts, moe_intermediate_size=inter, dense_intermediate_size=inter,
+                moe_layers=_sparse_layers(hf, need("num_hidden_layers"), experts),
+                attention_bias=bool(hf.get("attention_bias", False)), norm_topk_prob=True,
+                sliding_window=hf.get("sliding_window"))
+
+
+def _olmoe(hf: dict[str, Any], need: Need) -> dict[str, Any]:
+    experts, inter = need("num_experts", "num_local_experts"), need("intermediate_size")
+    return dict(num_experts=experts, moe_intermediate_size=inter, dense_intermediate_size=inter,
+                moe_layers=_sparse_layers(hf, need("num_hidden_layers"), experts), qk_norm="full",
+                attention_bias=bool(hf.get("attention_bias", False)), clip_qkv=hf.get("clip_qkv"),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+
+
+def _deepseek(hf: dict[str, Any], need: Need, router: str) -> dict[str, Any]:
+    """DeepSeek-V2/V3: multi-head latent attention, shared experts, the first k layers dense."""
+    experts, moe_inter = need("n_routed_experts", "num_experts", "num_local_experts"), need("moe_intermediate_size")
+    first_dense = hf.get("first_k_dense_replace") or 0
+    if router == "softmax_grouped" and hf.get("topk_method", "greedy") not in ("greedy", "group_limited_greedy"):
+        raise CheckpointError(f"topk_method {hf.get('topk_method')!r} is not supported "
+                              "(deepseek_v2: 'greedy' or 'group_limited_greedy')")
+    grouped = router == "sigmoid_grouped" or hf.get("topk_method") == "group_limited_greedy"
+    n_group = (hf.get("n_group") or 1) if grouped else 1
+    return dict(
+        attention="mla", num_experts=experts, moe_intermediate_size=moe_inter,
+        dense_intermediate_size=need("intermediate_size"),
+        moe_layers=tuple(i >= first_dense for i in range(need("num_hidden_layers"))),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)) and router == "sigmoid_grouped",
+        shared_expert_intermediate_size=moe_inter * (hf.get("n_shared_experts") or 0),
+        q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=need("kv_lora_rank"),
+        qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=need("qk_rope_head_dim"),
+        v_head_dim=need("v_head_dim"), head_dim=need("qk_rope_head_dim"),  # the rotary width, as transformers
+        rope_layout="interleaved_cat" if router == "sigmoid_grouped" and hf.get("rope_interleave", True)
+        else "rotate_half" if router == "sigmoid_grouped" else "complex_pairs",
+        router=router, n_group=n_group, topk_group=(hf.get("topk_group") or n_group) if grouped else 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+    )
+
+
+def _deepseek_random(kw: dict[str, Any]) -> dict[str, Any]:
+    """Small MLA dims from the head size, one dense layer first, two expert groups when they divide."""
+    head_dim = kw.pop("head_dim", None) or kw["hidden_size"] // kw["num_attention_heads"]
+    num_experts = kw.pop("num_experts")
+    out = dict(n_routed_experts=num_experts, kv_lora_rank=2 * head_dim, q_lora_rank=3 * head_dim,
+               qk_nope_head_dim=head_dim, qk_rope_head_dim=max(2, head_dim // 2) // 2 * 2, v_head_dim=head_dim,
+               n_shared_experts=1, first_k_dense_replace=1, intermediate_size=2 * kw["moe_intermediate_size"],
+               num_key_value_heads=kw["num_attention_heads"])
+    groups = 2 if num_experts % 2 == 0 and num_experts // 2 >= 2 else 1
+    out.update(n_group=groups, topk_group=groups)
+    out.update({k: v for k, v in kw.items() if k != "num_key_value_heads"})
+    return out
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "qwen3_moe": ArchSpec("qwen3_moe", _qwen3_moe, ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")),
+    "qwen2_moe": ArchSpec("qwen2_moe", _qwen2_moe, ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")),
+    "mixtral": ArchSpec("mixtral", _mixtral, ("MixtralConfig", "MixtralForCausalLM")),
+    "olmoe": ArchSpec("olmoe", _olmoe, ("OlmoeConfig", "OlmoeForCausalLM")),
+    "deepseek_v3": ArchSpec(
+        "deepseek_v3", lambda hf, need: _deepseek(hf, need, "sigmoid_grouped"),
+        ("DeepseekV3Config", "DeepseekV3ForCausalLM"), attention="engine.models.mla:LatentAttention",
+        random_config=_deepseek_random, mtp_layers=True,
+    ),
+    "deepseek_v2": ArchSpec(
+        "deepseek_v2", lambda hf, need: _deepseek(hf, need, "softmax_grouped"),
+        ("DeepseekV2Config", "DeepseekV2ForCausalLM"), attention="engine.models.mla:LatentAttention",
+        random_config=lambda kw: {**_deepseek_random(kw), "topk_method": "group_limited_greedy"},
+    ),
+}
+ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2 ships DeepSeek-V3's architecture under its own model_type
+SUPPORTED_ARCHS = (*ARCHS, *ALIASES)
+
+
+def arch_spec(model_type: str) -> ArchSpec:
+    """The spec of a config.json model_type (aliases resolved); UnsupportedArchitectureError if none."""
+    from engine.errors import UnsupportedArchitectureError
+
+    spec = ARCHS.get(ALIASES.get(model_type, model_type))
+    if spec is None:
+        raise UnsupportedArchitectureError(model_type or "<missing model_type>")
+    return spec
