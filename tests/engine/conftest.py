@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2")
 VOCAB = 512
 
 
