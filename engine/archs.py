@@ -23,13 +23,14 @@ class ArchSpec:
 
     `fields(hf, need)` returns the family's own ModelConfig fields (experts, MLP widths, which layers are
     MoE, attention and router variants); the fields every family shares are read by ModelConfig.from_hf.
-    `random_config(kw)` adjusts transformers config kwargs for a random checkpoint of this family.
     """
 
     model_type: str
     fields: Callable[[dict[str, Any], Need], dict[str, Any]]
     hf_classes: tuple[str, str]  # transformers (config class, causal LM class)
     attention: str = "engine.models.attention:Attention"  # module:class of the layer's self_attn
+    # transformers config kwargs of a random checkpoint from the generic sizes (hidden_size, num_hidden_layers,
+    # num_attention_heads, num_key_value_heads, num_experts_per_tok, num_experts, moe_intermediate_size, head_dim)
     random_config: Callable[[dict[str, Any]], dict[str, Any]] = lambda kw: kw
     mtp_layers: bool = False  # tensors of layers past num_hidden_layers are multi-token prediction: unused
 
@@ -113,6 +114,23 @@ def _deepseek(hf: dict[str, Any], need: Need, router: str) -> dict[str, Any]:
     )
 
 
+def _qwen_random(kw: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {**kw, "intermediate_size": kw["moe_intermediate_size"] * kw["num_experts_per_tok"], **extra}  # dense MLP
+
+
+def _expert_width_random(kw: dict[str, Any], experts_key: str) -> dict[str, Any]:
+    """Mixtral / OLMoE name the expert width intermediate_size."""
+    kw = dict(kw)
+    kw.update(intermediate_size=kw.pop("moe_intermediate_size"), **{experts_key: kw.pop("num_experts")})
+    return kw
+
+
+def _olmoe_random(kw: dict[str, Any]) -> dict[str, Any]:
+    if kw.get("head_dim") not in (None, kw["hidden_size"] // kw["num_attention_heads"]):
+        raise CheckpointError("olmoe's q/k norms span hidden_size, so head_dim must be hidden_size // num_heads")
+    return _expert_width_random(kw, "num_experts")
+
+
 def _deepseek_random(kw: dict[str, Any]) -> dict[str, Any]:
     """Small MLA dims from the head size, one dense layer first, two expert groups when they divide."""
     head_dim = kw.pop("head_dim", None) or kw["hidden_size"] // kw["num_attention_heads"]
@@ -128,10 +146,18 @@ def _deepseek_random(kw: dict[str, Any]) -> dict[str, Any]:
 
 
 ARCHS: dict[str, ArchSpec] = {
-    "qwen3_moe": ArchSpec("qwen3_moe", _qwen3_moe, ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")),
-    "qwen2_moe": ArchSpec("qwen2_moe", _qwen2_moe, ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")),
-    "mixtral": ArchSpec("mixtral", _mixtral, ("MixtralConfig", "MixtralForCausalLM")),
-    "olmoe": ArchSpec("olmoe", _olmoe, ("OlmoeConfig", "OlmoeForCausalLM")),
+    "qwen3_moe": ArchSpec(
+        "qwen3_moe", _qwen3_moe, ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+        random_config=lambda kw: _qwen_random(
+            kw, norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}),
+    ),
+    "qwen2_moe": ArchSpec(
+        "qwen2_moe", _qwen2_moe, ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+        random_config=lambda kw: _qwen_random(kw, shared_expert_intermediate_size=4 * kw["moe_intermediate_size"]),
+    ),
+    "mixtral": ArchSpec("mixtral", _mixtral, ("MixtralConfig", "MixtralForCausalLM"),
+                        random_config=lambda kw: _expert_width_random(kw, "num_local_experts")),
+    "olmoe": ArchSpec("olmoe", _olmoe, ("OlmoeConfig", "OlmoeForCausalLM"), random_config=_olmoe_random),
     "deepseek_v3": ArchSpec(
         "deepseek_v3", lambda hf, need: _deepseek(hf, need, "sigmoid_grouped"),
         ("DeepseekV3Config", "DeepseekV3ForCausalLM"), attention="engine.models.mla:LatentAttention",

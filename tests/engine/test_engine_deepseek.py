@@ -39,6 +39,18 @@ def _hf_tokens(path, prompt: list[int], steps: int = STEPS) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+def test_init_random_checkpoint_matches_transformers(tiny_checkpoint, arch):
+    """`moegate model init-random --arch deepseek_v3` (engine.random_checkpoint) writes what both engines run alike."""
+    path = tiny_checkpoint(arch)
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.attention == "mla" and cfg.moe_layers == (False, True) and cfg.n_group == 2
+    prompt = _prompts(1, 17)[0]
+    out = LLM(path, num_kv_blocks=16, block_size=8, progress=False).generate(
+        [prompt], SamplingParams(max_tokens=STEPS, ignore_eos=True))[0]
+    assert out.token_ids == _hf_tokens(path, prompt)
+
+
 def test_latent_cache_holds_the_compressed_latent_only(hf_checkpoint):
     cfg = ModelConfig.from_dir(hf_checkpoint("deepseek_v3"))
     assert cfg.kv_cache_layout == (1, 1, 24 + 6)  # kv_lora_rank + qk_rope_head_dim, not per-head K and V
