@@ -206,7 +206,7 @@ def load_model(
             model.lm_head.weight = model.model.embed_tokens.weight
         for module in model.modules():
             if hasattr(module, "inv_freq"):  # non-persistent RoPE buffer: recompute in fp32
-                module.__init__(cfg.head_dim, cfg.rope_theta)
+                module.__init__(2 * module.inv_freq.shape[0], cfg.rope_theta)  # its own rotary width
                 module.to(device)
         moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
 

@@ -55,6 +55,7 @@ class ModelShape:
     mla: tuple[int | None, int, int, int, int] | None = None  # q_lora_rank, kv_lora_rank, nope, rope, v head dims
     router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
     shared_expert_gate: bool = False  # Qwen2-MoE's shared_expert_gate
+    qk_norm: str = "none"  # ModelConfig.qk_norm
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -110,7 +111,7 @@ class ModelShape:
             moe_layers=cfg.moe_layers,
             checkpoint_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"),
             kv_cache_layout=cfg.kv_cache_layout, mla=mla, router_bias=cfg.router == "sigmoid_grouped",
-            shared_expert_gate=cfg.shared_expert_gate,
+            shared_expert_gate=cfg.shared_expert_gate, qk_norm=cfg.qk_norm,
         )
 
 
@@ -148,9 +149,9 @@ def weights(shape: ModelShape) -> list[Weight]:
         out += [Weight(ATTENTION, (heads * hd,), layers), Weight(ATTENTION, (kv * hd,), 2 * layers)]
         if shape.arch in ("qwen3_moe", "olmoe"):  # attention_bias also puts a bias on o_proj there
             out.append(Weight(ATTENTION, (h,), layers))
-    if shape.arch == "qwen3_moe":  # RMSNorm over head_dim
+    if shape.qk_norm == "per_head":  # RMSNorm over head_dim (Qwen3, GLM-4.5 use_qk_norm)
         out.append(Weight(NORMS, (hd,), 2 * layers))
-    elif shape.arch == "olmoe":  # RMSNorm over all heads
+    elif shape.qk_norm == "full":  # RMSNorm over all heads (OLMoE)
         out += [Weight(NORMS, (h,), layers), Weight(NORMS, ((h // heads) * kv,), layers)]
     e, mi = shape.num_experts, shape.moe_intermediate_size
     if n_moe:

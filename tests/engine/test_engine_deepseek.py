@@ -1,6 +1,7 @@
-"""DeepSeek-V3/V2 and Kimi-K2 beyond the fp32 parity of test_engine_parity: the latent KV cache, the
-prefix cache over it, Kimi-K2's model_type, routed experts through the packed CPU shards, fast dense
-projections of latent attention, and the routing variants against transformers' routers.
+"""DeepSeek-V3/V2, Kimi-K2 and GLM-4.5 (DeepSeek-V3's routing over grouped-query attention) beyond the
+fp32 parity of test_engine_parity: the latent KV cache, the prefix cache over it, Kimi-K2's model_type,
+MTP tensors, routed experts through the packed CPU shards, random checkpoints, fast dense projections of
+latent attention.
 
 Quantized experts (teacher-forced along the fp32 model's greedy tokens, 4 prompts x 12 steps, tiny
 random DeepSeek-V3): int8 within mean KL 0.01 nats of the fp32 model and top-1 equal on >= 90% of
@@ -39,12 +40,13 @@ def _hf_tokens(path, prompt: list[int], steps: int = STEPS) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2", "glm4_moe"])
 def test_init_random_checkpoint_matches_transformers(tiny_checkpoint, arch):
     """`moegate model init-random --arch deepseek_v3` (engine.random_checkpoint) writes what both engines run alike."""
     path = tiny_checkpoint(arch)
     cfg = ModelConfig.from_dir(path)
-    assert cfg.attention == "mla" and cfg.moe_layers == (False, True) and cfg.n_group == 2
+    assert cfg.moe_layers == (False, True) and cfg.n_group == 2
+    assert cfg.attention == ("gqa" if arch == "glm4_moe" else "mla")
     prompt = _prompts(1, 17)[0]
     out = LLM(path, num_kv_blocks=16, block_size=8, progress=False).generate(
         [prompt], SamplingParams(max_tokens=STEPS, ignore_eos=True))[0]
@@ -87,7 +89,7 @@ def test_mtp_layers_past_the_stack_are_known_unused(hf_checkpoint, tmp_path):
     assert len(model.model.layers) == 3
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2", "glm4_moe"])
 def test_routed_experts_in_packed_cpu_shards_match_transformers(hf_checkpoint, arch):
     path = hf_checkpoint(arch)
     llm = LLM(path, num_kv_blocks=32, block_size=8, progress=False,

@@ -27,6 +27,9 @@ EXPECTED_NAMES = {
                      "mlp.shared_experts.gate_proj.weight", "mlp.gate.e_score_correction_bias"]),
     "deepseek_v2": ("n_routed_experts", "mlp.experts.7.up_proj.weight", "mlp.gate.weight",
                     ["self_attn.kv_a_layernorm.weight", "mlp.shared_experts.down_proj.weight"]),
+    "glm4_moe": ("n_routed_experts", "mlp.experts.7.gate_proj.weight", "mlp.gate.weight",
+                 ["self_attn.q_norm.weight", "self_attn.k_proj.bias", "mlp.shared_experts.up_proj.weight",
+                  "mlp.gate.e_score_correction_bias"]),
 }
 
 
