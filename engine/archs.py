@@ -32,6 +32,7 @@ class ArchSpec:
     # transformers config kwargs of a random checkpoint from the generic sizes (hidden_size, num_hidden_layers,
     # num_attention_heads, num_key_value_heads, num_experts_per_tok, num_experts, moe_intermediate_size, head_dim)
     random_config: Callable[[dict[str, Any]], dict[str, Any]] = lambda kw: kw
+    fp32_params: tuple[str, ...] = ()  # parameter name suffixes loaded in fp32 whatever the model dtype
     mtp_layers: bool = False  # tensors of layers past num_hidden_layers are multi-token prediction: unused
 
     def attention_class(self) -> type:
@@ -172,6 +173,7 @@ def _deepseek_random(kw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_GROUPED_SIGMOID_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # the router steers in fp32
 ARCHS: dict[str, ArchSpec] = {
     "qwen3_moe": ArchSpec(
         "qwen3_moe", _qwen3_moe, ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
@@ -188,15 +190,16 @@ ARCHS: dict[str, ArchSpec] = {
     "deepseek_v3": ArchSpec(
         "deepseek_v3", lambda hf, need: _deepseek(hf, need, "sigmoid_grouped"),
         ("DeepseekV3Config", "DeepseekV3ForCausalLM"), attention="engine.models.mla:LatentAttention",
-        random_config=_deepseek_random, mtp_layers=True,
+        random_config=_deepseek_random, mtp_layers=True, fp32_params=_GROUPED_SIGMOID_FP32,
     ),
     "deepseek_v2": ArchSpec(
         "deepseek_v2", lambda hf, need: _deepseek(hf, need, "softmax_grouped"),
         ("DeepseekV2Config", "DeepseekV2ForCausalLM"), attention="engine.models.mla:LatentAttention",
         random_config=lambda kw: {**_deepseek_random(kw), "topk_method": "group_limited_greedy"},
+        fp32_params=("mlp.gate.weight",),
     ),
     "glm4_moe": ArchSpec("glm4_moe", _glm4_moe, ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
-                         random_config=_glm4_moe_random, mtp_layers=True),
+                         random_config=_glm4_moe_random, mtp_layers=True, fp32_params=_GROUPED_SIGMOID_FP32),
 }
 ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2 ships DeepSeek-V3's architecture under its own model_type
 SUPPORTED_ARCHS = (*ARCHS, *ALIASES)

@@ -182,6 +182,7 @@ def load_model(
     """
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
+    spec = arch_spec(cfg.arch)
     plan = plan or PlacementPlan.build(cfg, placement, device)
     device = plan.fast_device
     with torch.device("meta"):
@@ -199,7 +200,9 @@ def load_model(
                disable=not progress)
     with torch.no_grad():
         for pname, name in layout.dense.items():
-            put(pname, ckpt.get(name).to(plan.device_for(pname), dtype, copy=True))  # never a view of the mmap
+            fp32 = pname.endswith(spec.fp32_params)  # as transformers keeps them (DeepSeek's routers)
+            value = ckpt.get(name).to(plan.device_for(pname), torch.float32 if fp32 else dtype, copy=True)
+            put(pname, value)  # a copy, never a view of the mmap
             bar.update()
         bar.close()
         if cfg.tie_word_embeddings:
