@@ -4,8 +4,10 @@ MTP tensors, routed experts through the packed CPU shards, random checkpoints, f
 latent attention.
 
 Quantized experts (teacher-forced along the fp32 model's greedy tokens, 4 prompts x 12 steps, tiny
-random DeepSeek-V3): int8 within mean KL 0.01 nats of the fp32 model and top-1 equal on >= 90% of
-steps; int4 within mean KL 0.05 and >= 75% (the deferral bound of test_engine_modes).
+random checkpoints): int8 within mean KL 0.01 nats of the fp32 model and top-1 equal on >= 90% of
+steps; int4 within mean KL 0.05 and >= 75% (the deferral bound of test_engine_modes). Measured:
+int8 mean KL ~1e-8 and top-1 100%, int4 ~1e-6 to 7e-6 and top-1 >= 97.9% (random routers and small
+logits: the tiny models' drift is far inside the bounds).
 """
 
 from __future__ import annotations
@@ -128,20 +130,25 @@ def _teacher_forced_rows(llm: LLM, prompts, reference) -> torch.Tensor:
     return torch.cat([torch.stack(p.rows) for p in procs])
 
 
-@pytest.mark.parametrize(("fmt", "kl_bound", "top1_bound"), [("int8", 0.01, 0.9), ("int4", 0.05, 0.75)])
-def test_quantized_experts_within_drift_bounds(hf_checkpoint, fmt, kl_bound, top1_bound):
-    path = hf_checkpoint("deepseek_v3")
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2", "glm4_moe"])
+def test_quantized_experts_within_drift_bounds(hf_checkpoint, arch):
+    path = hf_checkpoint(arch)
     prompts = _prompts(4, 31)
     args = dict(num_kv_blocks=64, block_size=8, progress=False)
     exact = LLM(path, **args)
     reference = [o.token_ids for o in exact.generate(prompts, SamplingParams(max_tokens=STEPS, ignore_eos=True))]
     base = _teacher_forced_rows(exact, prompts, reference)
-    quant = LLM(path, placement=PlacementConfig(fast_format=fmt, exact_format=fmt), **args)
-    rows = _teacher_forced_rows(quant, prompts, reference)
-    kl = torch.nn.functional.kl_div(rows.log_softmax(-1), base.log_softmax(-1), log_target=True,
-                                    reduction="none").sum(-1)
-    assert 0 < kl.mean().item() <= kl_bound  # > 0: the quantized experts really ran
-    assert (rows.argmax(-1) == base.argmax(-1)).float().mean().item() >= top1_bound
+    kl_mean = {}
+    for fmt, kl_bound, top1_bound in (("int8", 0.01, 0.9), ("int4", 0.05, 0.75)):
+        quant = LLM(path, placement=PlacementConfig(fast_format=fmt, exact_format=fmt), **args)
+        rows = _teacher_forced_rows(quant, prompts, reference)
+        assert not torch.equal(rows, base)  # the quantized experts really ran
+        kl = torch.nn.functional.kl_div(rows.log_softmax(-1), base.log_softmax(-1), log_target=True,
+                                        reduction="none").sum(-1)
+        kl_mean[fmt] = kl.mean().item()
+        assert kl_mean[fmt] <= kl_bound
+        assert (rows.argmax(-1) == base.argmax(-1)).float().mean().item() >= top1_bound
+    assert kl_mean["int4"] > kl_mean["int8"]  # 4 bits drift further than 8
 
 
 def test_fast_dense_latent_projections_and_fused_decode_declines(hf_checkpoint):
