@@ -65,6 +65,17 @@ def test_latent_cache_holds_the_compressed_latent_only(hf_checkpoint):
     assert cfg.kv_cache_layout[2] * 3 < expanded
 
 
+def test_absorbed_latent_attention_equals_the_expanded_form(hf_checkpoint):
+    """Decode attends over the latents with kv_b_proj folded in; long chunks expand K and V per head."""
+    attn = load_model(hf_checkpoint("deepseek_v3"), progress=False).model.layers[1].self_attn
+    g = torch.Generator().manual_seed(0)
+    for q_len, ctx in ((1, 1), (1, 37), (5, 37)):
+        q = torch.randn(4, q_len, 16, generator=g)  # [NH, q, N+P]
+        lat = torch.randn(ctx, 30, generator=g)  # [ctx, R+P]
+        expanded = attn._attend(q, *attn._expand(lat))
+        torch.testing.assert_close(attn._attend_absorbed(q, lat), expanded, rtol=1e-5, atol=1e-6)
+
+
 def test_kimi_k2_loads_as_deepseek_v3(hf_checkpoint, tmp_path):
     src = hf_checkpoint("deepseek_v3")
     kimi = tmp_path / "kimi"
