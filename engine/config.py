@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.errors import CheckpointError, UnsupportedArchitectureError
+from engine.archs import arch_spec
+from engine.errors import CheckpointError
 
-SUPPORTED_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+ROUTERS = ("softmax", "sigmoid_grouped", "softmax_grouped")
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,26 @@ class ModelConfig:
     dense_intermediate_size: int  # MLP width of non-MoE layers
     moe_layers: tuple[bool, ...]
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate on `mlp.shared_expert`; else `mlp.shared_experts`
+    # attention: "gqa" (q/k/v/o projections, K and V cached per KV head) or "mla" (multi-head latent attention:
+    # the cache holds the normalised latent kv_lora_rank plus the roped key qk_rope_head_dim per token)
+    attention: str = "gqa"
+    q_lora_rank: int | None = None  # MLA: None -> a direct q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    partial_rotary_factor: float = 1.0  # GLM-4.5: RoPE on the first head_dim * factor dims of each head only
+    rope_layout: str = "rotate_half"  # "rotate_half" | "interleaved_cat" (DeepSeek-V3) | "complex_pairs" (V2)
+    # router: "softmax" (top-k of softmax) | "sigmoid_grouped" (DeepSeek-V3: sigmoid, score-correction bias,
+    # best groups by top-2 sum) | "softmax_grouped" (DeepSeek-V2: softmax, best groups by max)
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.arch not in SUPPORTED_ARCHS:
-            raise UnsupportedArchitectureError(self.arch)
+        arch_spec(self.arch)  # UnsupportedArchitectureError for an unknown family
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -53,10 +70,34 @@ class ModelConfig:
             raise CheckpointError("moe_layers must have one entry per layer")
         if self.hidden_act != "silu":
             raise CheckpointError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if self.attention not in ("gqa", "mla") or self.router not in ROUTERS:
+            raise CheckpointError(f"attention {self.attention!r} / router {self.router!r} is not supported")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise CheckpointError(f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={self.head_dim} "
+                                  "must give an even rotary width")
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise CheckpointError(f"n_group={self.n_group} must divide n_routed_experts={self.num_experts} "
+                                  f"and topk_group={self.topk_group} be in 1..n_group")
+        if self.router == "sigmoid_grouped" and self.num_experts // self.n_group < 2:
+            raise CheckpointError("sigmoid grouped routing scores each group by its top-2 experts: "
+                                  "n_routed_experts / n_group must be at least 2")
+        if self.top_k > self.topk_group * self.num_experts // self.n_group:
+            raise CheckpointError(f"num_experts_per_tok={self.top_k} exceeds the experts of topk_group groups")
 
     @property
     def num_moe_layers(self) -> int:
         return sum(self.moe_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def kv_cache_layout(self) -> tuple[int, int, int]:
+        """(cache tensors per layer, heads, width) of one token: K and V per KV head, or MLA's one latent."""
+        if self.attention == "mla":
+            return 1, 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return 2, self.num_kv_heads, self.head_dim
 
     @property
     def last_moe_layer(self) -> int:
@@ -76,48 +117,28 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
-        arch = hf.get("model_type", "")
-        if arch not in SUPPORTED_ARCHS:
-            raise UnsupportedArchitectureError(arch or "<missing model_type>")
+        """Fields every family shares are read here; the family's own come from its registry entry."""
+        model_type = hf.get("model_type", "")
+        spec = arch_spec(model_type)
 
         def need(*names: str) -> Any:
             for name in names:
                 if hf.get(name) is not None:
                     return hf[name]
-            raise CheckpointError(f"config.json of a {arch} model lacks {' / '.join(names)}")
+            raise CheckpointError(f"config.json of a {model_type} model lacks {' / '.join(names)}")
 
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
-        layers = need("num_hidden_layers")
-        num_experts = need("num_experts", "num_local_experts")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise CheckpointError(f"rope type {rope_type!r} is not supported (only 'default')")
         rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-
-        if arch == "mixtral":
-            moe_inter = need("intermediate_size")
-            dense_inter = moe_inter
-        else:
-            moe_inter = need("moe_intermediate_size") if arch != "olmoe" else need("intermediate_size")
-            dense_inter = hf.get("intermediate_size", moe_inter)
-        mlp_only = set(hf.get("mlp_only_layers") or [])
-        step = hf.get("decoder_sparse_step", 1) or 1
-        moe_layers = tuple(
-            i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(layers)
-        )
-        sliding = None
-        if arch == "mixtral":
-            sliding = hf.get("sliding_window")
-        elif hf.get("use_sliding_window"):
-            raise CheckpointError("use_sliding_window=true is not supported for qwen models")
-
-        return cls(
-            arch=arch,
+        common = dict(
+            arch=spec.model_type,
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
-            num_layers=layers,
+            num_layers=need("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hidden // heads,
@@ -126,21 +147,14 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             hidden_act=hf.get("hidden_act", "silu"),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("qkv_bias", True)) if arch == "qwen2_moe"
-            else bool(hf.get("attention_bias", False)),
-            qk_norm={"qwen3_moe": "per_head", "olmoe": "full"}.get(arch, "none"),
-            clip_qkv=hf.get("clip_qkv"),
-            sliding_window=sliding,
-            num_experts=num_experts,
+            qk_norm="none",
+            clip_qkv=None,
+            sliding_window=None,
             top_k=need("num_experts_per_tok"),
-            moe_intermediate_size=moe_inter,
-            norm_topk_prob=True if arch == "mixtral" else bool(hf.get("norm_topk_prob", False)),
-            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0
-            if arch == "qwen2_moe" else 0,
-            dense_intermediate_size=dense_inter,
-            moe_layers=moe_layers,
+            shared_expert_intermediate_size=0,
             eos_token_ids=eos_token_ids or _as_ids(hf.get("eos_token_id")),
         )
+        return cls(**{**common, **spec.fields(hf, need)})
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ class CheckpointError(EngineError):
 
 class UnsupportedArchitectureError(CheckpointError):
     def __init__(self, arch: str) -> None:
-        from engine.config import SUPPORTED_ARCHS
+        from engine.archs import SUPPORTED_ARCHS
 
         super().__init__(
             f"unsupported architecture {arch!r}: moegate runs {', '.join(SUPPORTED_ARCHS)} "

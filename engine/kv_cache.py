@@ -22,7 +22,8 @@ class KVCacheSpec:
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+        tensors, heads, width = cfg.kv_cache_layout
+        per_token = tensors * cfg.num_layers * heads * width * torch.finfo(dtype).bits // 8
         return per_token * block_size
 
     @classmethod
@@ -33,13 +34,13 @@ class KVCacheSpec:
 
 def allocate_kv_cache(
     cfg: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device | str
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pair per layer, each [num_blocks * block_size, KV heads, head_dim]."""
-    shape = (spec.num_blocks * spec.block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(cfg.num_layers)
-    ]
+) -> list[tuple[torch.Tensor, ...]]:
+    """The cache tensors of each layer, each [num_blocks * block_size, heads, width] (`cfg.kv_cache_layout`):
+    (K, V) per KV head, or MLA's single compressed latent."""
+    tensors, heads, width = cfg.kv_cache_layout
+    shape = (spec.num_blocks * spec.block_size, heads, width)
+    return [tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(tensors))
+            for _ in range(cfg.num_layers)]
 
 
 class OutOfBlocks(Exception):

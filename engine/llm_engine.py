@@ -210,7 +210,8 @@ class LLMEngine:
 
     def _build_prefix_cache(self, spec: KVCacheSpec) -> PrefixCacheManager:
         c, m = self.config, self.model_config
-        shape = (m.num_layers, 2, spec.block_size, m.num_kv_heads, m.head_dim)
+        tensors, heads, width = m.kv_cache_layout
+        shape = (m.num_layers, tensors, spec.block_size, heads, width)
         return PrefixCacheManager(
             PrefixCacheConfig(
                 ram_bytes=int(c.ram_cache_gib * 2**30), disk_dir=c.disk_cache_dir,

@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from engine.archs import arch_spec
 from engine.config import ModelConfig
 from engine.errors import CheckpointError, MissingTensorError, TensorShapeError
 from engine.experts import PlacementConfig
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _CANONICAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -111,9 +113,10 @@ class _Layout:
         self.dense: dict[str, str] = {}  # parameter -> checkpoint name
         self.per_expert: dict[str, str] = {}  # "{prefix}.{e}.{part}.weight" -> checkpoint name
         self.fused: dict[str, str] = {}  # expert parameter -> checkpoint name of the fused tensor
+        mtp = arch_spec(cfg.arch).mtp_layers
         for name in ckpt.where:
-            if _IGNORED.search(name):
-                continue
+            if _IGNORED.search(name) or (mtp and (m := _LAYER.match(name)) and int(m.group(1)) >= cfg.num_layers):
+                continue  # known unused: multi-token prediction layers follow the decoder stack
             key, tgt = _target(name, cfg.moe_intermediate_size)
             if tgt.param not in params:
                 log.warning("ignoring unexpected tensor %s in %s", name, ckpt.where[name][1].name)
@@ -179,6 +182,7 @@ def load_model(
     """
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
+    spec = arch_spec(cfg.arch)
     plan = plan or PlacementPlan.build(cfg, placement, device)
     device = plan.fast_device
     with torch.device("meta"):
@@ -196,14 +200,16 @@ def load_model(
                disable=not progress)
     with torch.no_grad():
         for pname, name in layout.dense.items():
-            put(pname, ckpt.get(name).to(plan.device_for(pname), dtype, copy=True))  # never a view of the mmap
+            fp32 = pname.endswith(spec.fp32_params)  # as transformers keeps them (DeepSeek's routers)
+            value = ckpt.get(name).to(plan.device_for(pname), torch.float32 if fp32 else dtype, copy=True)
+            put(pname, value)  # a copy, never a view of the mmap
             bar.update()
         bar.close()
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         for module in model.modules():
             if hasattr(module, "inv_freq"):  # non-persistent RoPE buffer: recompute in fp32
-                module.__init__(cfg.head_dim, cfg.rope_theta)
+                module.__init__(2 * module.inv_freq.shape[0], cfg.rope_theta)  # its own rotary width
                 module.to(device)
         moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
 

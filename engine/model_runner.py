@@ -91,18 +91,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def read_block(self, block: int) -> torch.Tensor:
-        """A CPU copy of one KV block: [L, 2, block_size, KV heads, D]."""
+        """A CPU copy of one KV block: [L, tensors, block_size, heads, width] (`ModelConfig.kv_cache_layout`)."""
         rows = slice(block * self.spec.block_size, (block + 1) * self.spec.block_size)
-        return torch.stack([torch.stack((k[rows], v[rows])) for k, v in self.kv_caches]).cpu()
+        return torch.stack([torch.stack([t[rows] for t in layer]) for layer in self.kv_caches]).cpu()
 
     @torch.inference_mode()
     def write_block(self, block: int, kv: torch.Tensor) -> None:
-        """Copies kv [L, 2, block_size, KV heads, D] into one KV block."""
+        """Copies kv [L, tensors, block_size, heads, width] into one KV block."""
         rows = slice(block * self.spec.block_size, (block + 1) * self.spec.block_size)
         kv = kv.to(self.device, non_blocking=True)
-        for layer, (k, v) in enumerate(self.kv_caches):
-            k[rows].copy_(kv[layer, 0])
-            v[rows].copy_(kv[layer, 1])
+        for layer, tensors in enumerate(self.kv_caches):
+            for i, t in enumerate(tensors):
+                t[rows].copy_(kv[layer, i])
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -211,7 +211,7 @@ def build_plan(model_dir: str | Path, opts: PlanOptions, bandwidth_gbps: float) 
     one_expert = nbytes[ROUTED] // max(1, shape.num_experts * n_moe)
     hot = min(opts.hot_experts, shape.num_experts)
     hot_bytes = hot * n_moe * per_expert * dense_prec.bits // 8
-    kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dense_prec.bits // 8
+    kv_per_token = shape.kv_bytes_per_token(dense_prec.bits)
     kv_bytes = kv_per_token * opts.kv_tokens
     profiles = _expert_profiles(shape, opts)
     resident = profiles["resident"]

@@ -12,22 +12,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from engine.archs import ARCHS as REGISTRY
 from engine.bpe_vocab import small_bpe_tokenizer_json
+from engine.errors import CheckpointError
 from engine.qwen_vocab import QWEN_CONFIG_VOCAB_SIZE, qwen_tokenizer_json
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+ARCHS = tuple(REGISTRY)  # every family of engine/archs.py (aliases such as kimi_k2 share a family's checkpoints)
 VOCABS = ("bpe", "qwen")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PROGRESS_PARAMS = 50_000_000  # show progress above this many parameters
-
-# transformers class names per arch: (config, causal LM)
-_CLASSES = {
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
-}
-
 
 class RandomCheckpointError(ValueError):
     """Inconsistent options for a random checkpoint."""
@@ -101,23 +94,16 @@ def write_tokenizer_files(out_dir: str | Path, vocab: str = "bpe", max_length: i
 def _arch_config_kwargs(arch: str, *, hidden_size: int, num_layers: int, num_experts: int, top_k: int,
                         moe_intermediate_size: int, num_heads: int, num_kv_heads: int, head_dim: int | None,
                         options: dict[str, Any]) -> dict[str, Any]:
-    """transformers 5 config kwargs; `options` (extra arch fields) override the defaults chosen here."""
+    """transformers 5 config kwargs (the registry's random_config); `options` (extra arch fields) override them."""
     kw: dict[str, Any] = dict(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                              num_key_value_heads=num_kv_heads, num_experts_per_tok=top_k)
+                              num_key_value_heads=num_kv_heads, num_experts_per_tok=top_k, num_experts=num_experts,
+                              moe_intermediate_size=moe_intermediate_size)
     if head_dim is not None:
-        if arch == "olmoe" and head_dim != hidden_size // num_heads:
-            raise RandomCheckpointError("olmoe's q/k norms span hidden_size, so head_dim must be hidden_size // num_heads")
         kw["head_dim"] = head_dim
-    if arch in ("qwen3_moe", "qwen2_moe"):
-        kw.update(num_experts=num_experts, moe_intermediate_size=moe_intermediate_size,
-                  intermediate_size=moe_intermediate_size * top_k)  # dense MLP size, used only by mlp_only_layers
-    if arch == "qwen3_moe":
-        kw.update(norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
-    if arch == "qwen2_moe":
-        kw.update(shared_expert_intermediate_size=4 * moe_intermediate_size)
-    if arch in ("mixtral", "olmoe"):  # these name the expert width intermediate_size
-        kw["intermediate_size"] = moe_intermediate_size
-        kw["num_local_experts" if arch == "mixtral" else "num_experts"] = num_experts
+    try:
+        kw = REGISTRY[arch].random_config(kw)
+    except CheckpointError as exc:
+        raise RandomCheckpointError(str(exc)) from exc
     options = dict(options)
     if "rope_theta" in options:  # transformers 5 keeps it under rope_parameters
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": float(options.pop("rope_theta"))}
@@ -181,7 +167,7 @@ def write_random_checkpoint(
     kw = _arch_config_kwargs(arch, hidden_size=hidden_size, num_layers=num_layers, num_experts=num_experts,
                              top_k=top_k, moe_intermediate_size=moe_intermediate_size, num_heads=num_heads,
                              num_kv_heads=num_kv_heads, head_dim=head_dim, options=arch_options)
-    config_cls, model_cls = (getattr(transformers, name) for name in _CLASSES[arch])
+    config_cls, model_cls = (getattr(transformers, name) for name in REGISTRY[arch].hf_classes)
     known = set(config_cls().to_dict()) | set(config_cls.attribute_map) | {"head_dim", "rope_theta"}
     unknown = sorted(set(arch_options) - known)
     if unknown:  # transformers would silently keep them as unused attributes
@@ -201,6 +187,9 @@ def write_random_checkpoint(
                 if p.ndim == 1:  # norms (ones) and biases (zeros): make them distinguishable
                     base = 1.0 if name.endswith("norm.weight") else 0.0
                     p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):  # a saved buffer (DeepSeek-V3): make it steer
+                    b.copy_(0.05 * torch.randn(b.shape, generator=gen))
     steps.update()
     model = model.to(DTYPES[dtype])
     model.generation_config = GenerationConfig(

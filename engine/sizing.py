@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+from engine.archs import SUPPORTED_ARCHS
+from engine.config import ModelConfig
+from engine.errors import CheckpointError, UnsupportedArchitectureError
 
 # Placement parts. Everything but ROUTED lives on the fast device (GPU when present).
 EMBED, LM_HEAD, ATTENTION, NORMS, ROUTER, SHARED, DENSE_MLP, ROUTED, OTHER = (
@@ -49,10 +51,13 @@ class ModelShape:
     tie_word_embeddings: bool
     moe_layers: tuple[bool, ...]
     checkpoint_dtype: str  # "bfloat16", "float32", ... as written in config.json
+    kv_cache_layout: tuple[int, int, int]  # ModelConfig.kv_cache_layout: (tensors, heads, width)
+    mla: tuple[int | None, int, int, int, int] | None = None  # q_lora_rank, kv_lora_rank, nope, rope, v head dims
+    router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
+    shared_expert_gate: bool = False  # Qwen2-MoE's shared_expert_gate
+    qk_norm: str = "none"  # ModelConfig.qk_norm
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise SizingError(f"unsupported model_type {self.arch!r}: moegate sizes {', '.join(ARCHS)}")
         if self.num_heads % self.num_kv_heads:
             raise SizingError(f"num_attention_heads {self.num_heads} is not a multiple of "
                               f"num_key_value_heads {self.num_kv_heads}")
@@ -79,53 +84,34 @@ class ModelShape:
         except json.JSONDecodeError as exc:
             raise SizingError(f"{path} is not valid JSON: {exc}") from exc
 
+    def kv_bytes_per_token(self, bits: int) -> int:
+        """KV cache bytes of one token over every layer: K and V per KV head, or MLA's latent."""
+        tensors, heads, width = self.kv_cache_layout
+        return tensors * self.num_layers * heads * width * bits // 8
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelShape:
-        arch = hf.get("model_type", "")
-        if arch not in ARCHS:
-            raise SizingError(f"unsupported model_type {arch!r}: moegate sizes {', '.join(ARCHS)}")
-
-        def need(*names: str) -> Any:
-            for name in names:
-                if hf.get(name) is not None:
-                    return hf[name]
-            raise SizingError(f"config.json of a {arch} model lacks {' / '.join(names)}")
-
-        hidden, heads, layers = need("hidden_size"), need("num_attention_heads"), need("num_hidden_layers")
-        experts = need("num_experts", "num_local_experts")  # transformers 5 writes either name
-        if arch in ("mixtral", "olmoe"):  # no separate expert width: intermediate_size is the expert's
-            moe_inter = dense_inter = need("intermediate_size")
-        else:
-            moe_inter = need("moe_intermediate_size")
-            dense_inter = hf.get("intermediate_size") or moe_inter
-        mlp_only = set(hf.get("mlp_only_layers") or [])
-        step = hf.get("decoder_sparse_step") or 1
-        if arch in ("mixtral", "olmoe"):
-            moe_layers = tuple(True for _ in range(layers))
-        else:
-            moe_layers = tuple(i not in mlp_only and experts > 0 and (i + 1) % step == 0 for i in range(layers))
-        if arch == "qwen2_moe":
-            bias = bool(hf.get("qkv_bias", True))
-        else:
-            bias = bool(hf.get("attention_bias", False))
+        """The registry's reading of config.json (engine.archs), kept to what decides memory."""
+        try:
+            cfg = ModelConfig.from_hf(hf)
+        except UnsupportedArchitectureError:
+            raise SizingError(f"unsupported model_type {hf.get('model_type', '')!r}: moegate sizes "
+                              f"{', '.join(SUPPORTED_ARCHS)}") from None
+        except CheckpointError as exc:
+            raise SizingError(str(exc)) from exc
+        mla = ((cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
+               if cfg.attention == "mla" else None)
         return cls(
-            arch=arch,
-            vocab_size=need("vocab_size"),
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hidden // heads,
-            num_experts=experts,
-            top_k=need("num_experts_per_tok"),
-            moe_intermediate_size=moe_inter,
-            dense_intermediate_size=dense_inter,
-            shared_expert_intermediate_size=(hf.get("shared_expert_intermediate_size") or 0)
-            if arch == "qwen2_moe" else 0,
-            attention_bias=bias,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            moe_layers=moe_layers,
+            arch=cfg.arch, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            num_experts=cfg.num_experts, top_k=cfg.top_k, moe_intermediate_size=cfg.moe_intermediate_size,
+            dense_intermediate_size=cfg.dense_intermediate_size,
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+            attention_bias=cfg.attention_bias, tie_word_embeddings=cfg.tie_word_embeddings,
+            moe_layers=cfg.moe_layers,
             checkpoint_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"),
+            kv_cache_layout=cfg.kv_cache_layout, mla=mla, router_bias=cfg.router == "sigmoid_grouped",
+            shared_expert_gate=cfg.shared_expert_gate, qk_norm=cfg.qk_norm,
         )
 
 
@@ -151,18 +137,21 @@ def weights(shape: ModelShape) -> list[Weight]:
     out = [Weight(EMBED, (shape.vocab_size, h), 1), Weight(NORMS, (h,), 2 * layers + 1)]
     if not shape.tie_word_embeddings:
         out.append(Weight(LM_HEAD, (shape.vocab_size, h), 1))
-    out += [
-        Weight(ATTENTION, (heads * hd, h), layers),  # q_proj
-        Weight(ATTENTION, (kv * hd, h), 2 * layers),  # k_proj, v_proj
-        Weight(ATTENTION, (h, heads * hd), layers),  # o_proj
-    ]
-    if shape.attention_bias:
+    if shape.mla is not None:
+        out += _latent_attention_weights(shape)
+    else:
+        out += [
+            Weight(ATTENTION, (heads * hd, h), layers),  # q_proj
+            Weight(ATTENTION, (kv * hd, h), 2 * layers),  # k_proj, v_proj
+            Weight(ATTENTION, (h, heads * hd), layers),  # o_proj
+        ]
+    if shape.attention_bias and shape.mla is None:
         out += [Weight(ATTENTION, (heads * hd,), layers), Weight(ATTENTION, (kv * hd,), 2 * layers)]
         if shape.arch in ("qwen3_moe", "olmoe"):  # attention_bias also puts a bias on o_proj there
             out.append(Weight(ATTENTION, (h,), layers))
-    if shape.arch == "qwen3_moe":  # RMSNorm over head_dim
+    if shape.qk_norm == "per_head":  # RMSNorm over head_dim (Qwen3, GLM-4.5 use_qk_norm)
         out.append(Weight(NORMS, (hd,), 2 * layers))
-    elif shape.arch == "olmoe":  # RMSNorm over all heads
+    elif shape.qk_norm == "full":  # RMSNorm over all heads (OLMoE)
         out += [Weight(NORMS, (h,), layers), Weight(NORMS, ((h // heads) * kv,), layers)]
     e, mi = shape.num_experts, shape.moe_intermediate_size
     if n_moe:
@@ -171,13 +160,34 @@ def weights(shape: ModelShape) -> list[Weight]:
             Weight(ROUTED, (mi, h), 2 * e * n_moe),  # gate_proj, up_proj of every expert
             Weight(ROUTED, (h, mi), e * n_moe),  # down_proj
         ]
+        if shape.router_bias:
+            out.append(Weight(ROUTER, (e,), n_moe))  # e_score_correction_bias
     si = shape.shared_expert_intermediate_size
     if si and n_moe:
-        out += [Weight(SHARED, (si, h), 2 * n_moe), Weight(SHARED, (h, si), n_moe),
-                Weight(SHARED, (1, h), n_moe)]  # shared_expert_gate
+        out += [Weight(SHARED, (si, h), 2 * n_moe), Weight(SHARED, (h, si), n_moe)]
+        if shape.shared_expert_gate:
+            out.append(Weight(SHARED, (1, h), n_moe))
     if n_dense:
         di = shape.dense_intermediate_size
         out += [Weight(DENSE_MLP, (di, h), 2 * n_dense), Weight(DENSE_MLP, (h, di), n_dense)]
+    return out
+
+
+def _latent_attention_weights(shape: ModelShape) -> list[Weight]:
+    """Multi-head latent attention (DeepSeek-V2/V3): q through a LoRA or direct, the shared KV latent."""
+    q_rank, kv_rank, nope, rope, v = shape.mla
+    h, heads, n = shape.hidden_size, shape.num_heads, shape.num_layers
+    if q_rank is None:
+        out = [Weight(ATTENTION, (heads * (nope + rope), h), n)]  # q_proj
+    else:
+        out = [Weight(ATTENTION, (q_rank, h), n), Weight(NORMS, (q_rank,), n),  # q_a_proj, q_a_layernorm
+               Weight(ATTENTION, (heads * (nope + rope), q_rank), n)]  # q_b_proj
+    out += [Weight(ATTENTION, (kv_rank + rope, h), n), Weight(NORMS, (kv_rank,), n),  # kv_a_proj_with_mqa, norm
+            Weight(ATTENTION, (heads * (nope + v), kv_rank), n), Weight(ATTENTION, (h, heads * v), n)]  # kv_b, o
+    if shape.attention_bias:  # q_a_proj, kv_a_proj_with_mqa and o_proj
+        out += [Weight(ATTENTION, (kv_rank + rope,), n), Weight(ATTENTION, (h,), n)]
+        if q_rank is not None:
+            out.append(Weight(ATTENTION, (q_rank,), n))
     return out
 
 
@@ -203,7 +213,7 @@ def classify(name: str) -> str:
         return SHARED
     if ".experts." in name or name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
         return ROUTED
-    if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+    if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.gate.e_score_correction_bias")):
         return ROUTER
     if "norm" in name:
         return NORMS

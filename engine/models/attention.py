@@ -31,7 +31,7 @@ class Attention(nn.Module):
         elif cfg.qk_norm == "full":
             self.q_norm = RMSNorm(nh * d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(nkv * d, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(d, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
         self.scale = d**-0.5
         self.fast_qkv = None  # PackedLinear of [q; k; v] rows, exploration only
         self.fast_o = None
@@ -65,16 +65,15 @@ class Attention(nn.Module):
         return qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
 
     def _rope(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (self.cfg.head_dim, self.cfg.rope_theta, dtype)  # the same tables for every layer of a forward
+        key = (self.cfg.rotary_dim, self.cfg.rope_theta, dtype)  # the same tables for every layer of a forward
         if key not in batch.rope:
             batch.rope[key] = self.rotary(batch.positions, dtype)
         return batch.rope[key]
 
-    def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> torch.Tensor:
-        """x [T, H]; k_cache/v_cache [slots, KV, D] (written in place) -> [T, H]."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """x [T, H]; cache (k_cache, v_cache), each [slots, KV, D], written in place -> [T, H]."""
         cfg = self.cfg
+        k_cache, v_cache = cache
         T = x.shape[0]
         fast = self.fast_qkv is not None and not batch.exact and x.device.type == "cpu"
         q, k, v = self._project_qkv(x, fast)  # [T, NH*D], [T, KV*D] x2
@@ -88,7 +87,12 @@ class Attention(nn.Module):
         if cfg.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self._rope(batch, q.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cfg.rotary_dim == cfg.head_dim:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:  # partial rotary (GLM-4.5): the first rotary_dim dims of each head turn, the rest pass
+            r = cfg.rotary_dim
+            q = torch.cat((apply_rotary(q[..., :r], cos, sin), q[..., r:]), dim=-1)
+            k = torch.cat((apply_rotary(k[..., :r], cos, sin), k[..., r:]), dim=-1)
         k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.archs import arch_spec
 from engine.config import ModelConfig
 from engine.expert_pipeline import Deferred
 from engine.forward_batch import ForwardBatch
-from engine.models.attention import Attention
 from engine.models.layers import GatedMLP, RMSNorm
 from engine.models.moe import SparseMoeBlock
 
@@ -17,7 +17,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = arch_spec(cfg.arch).attention_class()(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.moe_layers[layer_idx]
         self.mlp = (
@@ -26,10 +26,11 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(
-        self, x, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor, pending: Deferred | None
+        self, x, batch: ForwardBatch, cache: tuple[torch.Tensor, ...], pending: Deferred | None
     ) -> tuple[torch.Tensor, Deferred | None]:
-        """-> (hidden [T, H], this layer's deferred expert output still in flight)."""
-        h = x + self.self_attn(self.input_layernorm(x), batch, k_cache, v_cache)
+        """-> (hidden [T, H], this layer's deferred expert output still in flight). `cache`: the layer's
+        KV cache tensors (engine.kv_cache.allocate_kv_cache)."""
+        h = x + self.self_attn(self.input_layernorm(x), batch, cache)
         if not self.is_moe:
             return h + self.mlp(self.post_attention_layernorm(h)), pending
         out, deferred = self.mlp(self.post_attention_layernorm(h), batch)
@@ -61,7 +62,7 @@ class MoeForCausalLM(nn.Module):
         self.exact_head = None  # kernels.linear.PackedLinear: lossless lm_head of the fused execution path
         self.expert_reader = None  # (layer, expert) -> checkpoint weights, set by the streaming loader
 
-    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """Runs the stack over the batch's new tokens, writing their KV; returns hidden [T, H]."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
         if self.batch_invariant(batch.exact) and x.device.type == "cpu":
@@ -72,8 +73,8 @@ class MoeForCausalLM(nn.Module):
         if self._fused(batch, x):
             return self.model.norm(self._run_fused(self.fused_layers, batch, x, kv_caches))
         pending = None
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
-            x, pending = layer(x, batch, k_cache, v_cache, pending)
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            x, pending = layer(x, batch, cache, pending)
         assert pending is None, "the last MoE layer must not defer"
         return self.model.norm(x)
 

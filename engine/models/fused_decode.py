@@ -13,7 +13,7 @@ fast expert shards, for batches up to SMALL_BATCH_TOKENS without deferral; execu
 lossless copies of the model's own projections (`Attention.set_exact_dense`, kernels.linear.exact_format)
 and the exact expert shards, for every execution batch, with the final norm and lm_head on the same
 kind of kernels (`build_exact_path`). The torch modules stay the reference and the path for everything
-else: architectures the fused layer does not cover (attention biases, clip_qkv, whole-projection q/k
+else: architectures the fused layer does not cover (non-GQA attention, grouped routing, partial rotary, attention biases, clip_qkv, whole-projection q/k
 norms, shared experts, dense MLP layers, experts on other devices, non-fp32 dense weights).
 """
 
@@ -54,9 +54,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def unsupported_reason(cfg: ModelConfig, layer, exact: bool = False) -> str | None:
     """Why `layer` cannot run fused in the profile (None: it can; execution packs its projections itself)."""
+    if cfg.attention != "gqa" or cfg.router != "softmax":
+        return f"{cfg.attention} attention / {cfg.router} routing (the kernel runs GQA with softmax top-k)"
+    if cfg.rotary_dim != cfg.head_dim:
+        return "partial rotary embedding"
     if cfg.attention_bias or cfg.clip_qkv is not None or cfg.qk_norm == "full":
         return "attention biases / clip_qkv / whole-projection q/k norms"
-    if not layer.is_moe or layer.mlp.shared_expert is not None:
+    if not layer.is_moe or cfg.shared_expert_intermediate_size:
         return "dense MLP layer or shared expert"
     attn, packed = layer.self_attn, layer.mlp.experts.packed
     if attn.fast_qkv is None and not exact:

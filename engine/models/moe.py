@@ -16,20 +16,55 @@ from engine.models.layers import GatedMLP
 
 
 class Router(nn.Module):
+    """Top-k routing. "softmax": top-k of the softmax (optionally renormalised). DeepSeek's grouped routers
+    score in fp32 as transformers does, keep the best `topk_group` of `n_group` expert groups and scale the
+    chosen weights by `routed_scaling_factor`: "sigmoid_grouped" (V3: sigmoid scores, a score-correction
+    bias that only steers the choice, groups ranked by their top-2 sum) and "softmax_grouped" (V2: groups
+    ranked by their best expert)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        if cfg.router == "sigmoid_grouped":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts))
+        self.kind = cfg.router
         self.top_k = cfg.top_k
         self.norm_topk_prob = cfg.norm_topk_prob
+        self.n_group, self.topk_group, self.scaling = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (router logits [T, E], top-k weights [T, K], top-k ids [T, K])."""
+        """x [T, H] -> (router logits [T, E], top-k weights [T, K], top-k ids [T, K]), weights descending."""
+        if self.kind != "softmax":
+            return self._grouped(x)
         logits = F.linear(x, self.weight)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, weights.to(logits.dtype), ids
+
+    def _grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
+        t, e = logits.shape
+        if self.kind == "sigmoid_grouped":
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias.float()
+            group_scores = choice.view(t, self.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+            masked = float("-inf")
+        else:
+            scores = choice = torch.softmax(logits, dim=-1)
+            group_scores = scores.view(t, self.n_group, -1).amax(dim=-1)  # [T, G]
+            masked = 0.0
+        if self.topk_group < self.n_group:
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, torch.topk(group_scores, self.topk_group, dim=-1)[1], True)  # [T, G]
+            choice = choice.masked_fill(~keep.repeat_interleave(e // self.n_group, dim=1), masked)
+        ids = torch.topk(choice, self.top_k, dim=-1)[1]  # [T, K]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights, order = (weights * self.scaling).sort(dim=-1, descending=True)
+        return logits.to(x.dtype), weights.to(x.dtype), ids.gather(1, order)
 
 
 class Experts(nn.Module):
@@ -73,11 +108,12 @@ class SparseMoeBlock(nn.Module):
         self.top_k = cfg.top_k
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
-        if cfg.shared_expert_intermediate_size:
+        self.shared_expert = self.shared_experts = None
+        if cfg.shared_expert_intermediate_size and cfg.shared_expert_gate:  # Qwen2-MoE: one gated shared expert
             self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
-        else:
-            self.shared_expert = None
+        elif cfg.shared_expert_intermediate_size:  # DeepSeek: n_shared_experts fused into one ungated MLP
+            self.shared_experts = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, Deferred | None]:
         """x [T, H] -> (output [T, H], deferred output [T, H] still being computed, or None).
@@ -102,6 +138,8 @@ class SparseMoeBlock(nn.Module):
         shared = None
         if self.shared_expert is not None:  # queued on the fast device before the host experts run
             shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_experts is not None:
+            shared = self.shared_experts(x)
         out = pipeline.run(self.experts, x, ids, weights, batch.exact)
         if shared is not None:
             out = out + shared

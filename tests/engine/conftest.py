@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe")
 VOCAB = 512
 
 
@@ -25,6 +25,24 @@ def write_hf_checkpoint(path, arch: str, seed: int = 0, **overrides) -> None:
                            intermediate_size=48)),
         "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8, intermediate_size=32)),
         "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, intermediate_size=32)),
+        # odd MLA sizes: q through a LoRA (q_lora_rank) or direct, latent 24 + rope 6, nope 10, v 12;
+        # one dense layer first, 8 experts in 4 groups of which the best 2 are kept, 2 shared experts
+        "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+            num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8, moe_intermediate_size=24,
+            intermediate_size=40, q_lora_rank=20, kv_lora_rank=24, qk_nope_head_dim=10, qk_rope_head_dim=6,
+            v_head_dim=12, n_group=4, topk_group=2, n_shared_experts=2, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True)),
+        "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+            num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8, moe_intermediate_size=24,
+            intermediate_size=40, q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=10, qk_rope_head_dim=6,
+            v_head_dim=12, n_group=4, topk_group=2, topk_method="group_limited_greedy", n_shared_experts=2,
+            first_k_dense_replace=1, routed_scaling_factor=1.5)),
+        # GLM-4.5: head_dim 20 with half of it rotary, q/k/v biases, per-head q/k norms
+        "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+            num_hidden_layers=3, head_dim=20, n_routed_experts=8, moe_intermediate_size=24, intermediate_size=40,
+            n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.8,
+            attention_bias=True, use_qk_norm=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
     }
     config_cls, model_cls, arch_kw = specs[arch]
     config = getattr(tf, config_cls)(**{**common, **arch_kw, **overrides})
@@ -36,6 +54,9 @@ def write_hf_checkpoint(path, arch: str, seed: int = 0, **overrides) -> None:
                 p.normal_(1.0, 0.1)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a real bias so it steers the choice
+                b.normal_(0.0, 0.05)
     model.save_pretrained(path, safe_serialization=True)
 
 

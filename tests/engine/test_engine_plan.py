@@ -43,6 +43,23 @@ def _tiny_configs():
                                    num_experts_per_tok=2),
         "olmoe": t.OlmoeConfig(**common, intermediate_size=32, num_hidden_layers=3, num_experts=8,
                                num_experts_per_tok=2, eos_token_id=0, pad_token_id=1),
+        # MLA with a q LoRA and biases, grouped routing with the score-correction bias, 2 shared experts
+        "deepseek_v3": t.DeepseekV3Config(**{**common, "num_key_value_heads": 4}, intermediate_size=48,
+                                          moe_intermediate_size=24, num_hidden_layers=3, n_routed_experts=8,
+                                          num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=20,
+                                          kv_lora_rank=24, qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=12,
+                                          n_shared_experts=2, first_k_dense_replace=1, attention_bias=True),
+        # direct q_proj, softmax routing, untied
+        "deepseek_v2": t.DeepseekV2Config(**{**common, "num_key_value_heads": 4}, intermediate_size=48,
+                                          moe_intermediate_size=24, num_hidden_layers=3, n_routed_experts=8,
+                                          num_experts_per_tok=2, q_lora_rank=None, kv_lora_rank=24,
+                                          qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=12,
+                                          n_shared_experts=1, first_k_dense_replace=2),
+        # q/k/v biases without an o_proj bias, per-head q/k norms, grouped sigmoid routing
+        "glm4_moe": t.Glm4MoeConfig(**common, head_dim=20, intermediate_size=48, moe_intermediate_size=24,
+                                    num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                                    topk_group=1, n_shared_experts=1, first_k_dense_replace=1, attention_bias=True,
+                                    use_qk_norm=True),
     }
 
 
@@ -53,14 +70,17 @@ def _save(config, path: Path, dtype=torch.float32) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2",
+                                  "glm4_moe"])
 def test_param_counts_match_transformers_and_headers_per_part(arch, tmp_path):
     model = _save(_tiny_configs()[arch], tmp_path)
     shape = ModelShape.from_dir(tmp_path)
     counts = params_by_part(shape)
     found = census(tmp_path)
     assert shape.arch == arch
-    assert sum(counts.values()) == sum(p.numel() for p in model.parameters())
+    saved_buffers = set(model.state_dict()) & {n for n, _ in model.named_buffers()}  # e_score_correction_bias
+    assert sum(counts.values()) == sum(p.numel() for p in model.parameters()) + sum(
+        b.numel() for n, b in model.named_buffers() if n in saved_buffers)
     assert found is not None and found.params["other"] == 0
     assert {p: found.params[p] for p in counts} == counts
     expert_sizes = {n: p.numel() for n, p in model.named_parameters() if "experts" in n and "shared" not in n}
@@ -79,6 +99,45 @@ def test_qwen3_30b_a3b_figures_from_config_numbers(tmp_path):
     assert p.host_ram_bytes == p.experts_bytes and p.fast_device_bytes == p.dense_bytes + p.kv_bytes
     assert p.checkpoint_check == {"headers": False}
     assert p.checkpoint_disk_bytes == p.params_total * 2
+
+
+DEEPSEEK_V3 = {  # numbers of deepseek-ai/DeepSeek-V3 config.json (its yarn rope_scaling left out: sizing ignores it)
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+    "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "norm_topk_prob": True, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "num_nextn_predict_layers": 1,
+}
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "kimi_k2"])
+def test_deepseek_v3_figures_and_latent_kv_from_config_numbers(tmp_path, model_type):
+    (tmp_path / "config.json").write_text(json.dumps({**DEEPSEEK_V3, "model_type": model_type}))
+    p = build_plan(tmp_path, PlanOptions(experts_precision="int4", kv_tokens=1000), bandwidth_gbps=20.0)
+    assert 670.5e9 < p.params_total < 671.5e9  # published: 671B total (the MTP module's 14B not counted)
+    assert 37.0e9 < p.params_active < 38.0e9  # published: 37B activated
+    assert p.kv_bytes_per_token == 61 * (512 + 64) * 2  # the latent and the roped key, bf16: not 128 heads of K+V
+    assert p.params["shared_experts"] == 58 * 3 * 7168 * 2048
+
+
+GLM_45_AIR = {  # numbers of zai-org/GLM-4.5-Air config.json
+    "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8,
+    "head_dim": 128, "n_shared_experts": 1, "n_routed_experts": 128, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 1, "norm_topk_prob": True, "attention_bias": True, "use_qk_norm": False,
+    "partial_rotary_factor": 0.5, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "rope_theta": 1000000, "num_nextn_predict_layers": 1,
+}
+
+
+def test_glm_45_air_figures_from_config_numbers(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(GLM_45_AIR))
+    p = build_plan(tmp_path, PlanOptions(experts_precision="int4", kv_tokens=1000), bandwidth_gbps=20.0)
+    assert 106.0e9 < p.params_total < 107.5e9  # published: 106B total (the MTP layer not counted)
+    embeddings = 2 * 151552 * 4096
+    assert 12.0e9 < p.params_active - embeddings < 12.5e9  # published: 12B active, embeddings aside
+    assert p.kv_bytes_per_token == 2 * 46 * 8 * 128 * 2
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,14 @@ EXPECTED_NAMES = {
     "mixtral": ("num_local_experts", "block_sparse_moe.experts.7.w2.weight", "block_sparse_moe.gate.weight", []),
     "olmoe": ("num_experts", "mlp.experts.7.gate_proj.weight", "mlp.gate.weight",
               ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]),
+    "deepseek_v3": ("n_routed_experts", "mlp.experts.7.down_proj.weight", "mlp.gate.weight",
+                    ["self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_b_proj.weight",
+                     "mlp.shared_experts.gate_proj.weight", "mlp.gate.e_score_correction_bias"]),
+    "deepseek_v2": ("n_routed_experts", "mlp.experts.7.up_proj.weight", "mlp.gate.weight",
+                    ["self_attn.kv_a_layernorm.weight", "mlp.shared_experts.down_proj.weight"]),
+    "glm4_moe": ("n_routed_experts", "mlp.experts.7.gate_proj.weight", "mlp.gate.weight",
+                 ["self_attn.q_norm.weight", "self_attn.k_proj.bias", "mlp.shared_experts.up_proj.weight",
+                  "mlp.gate.e_score_correction_bias"]),
 }
 
 

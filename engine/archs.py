@@ -1,0 +1,215 @@
+"""The architecture registry: config.json `model_type` -> how that family reads, loads and is built.
+
+Adding an architecture costs one entry here (its config fields, its attention module, the transformers
+classes that build random checkpoints of it) plus a model file under `engine/models/` when it needs a
+module the stack does not have yet. Torch-free: `moegate plan` reads it without loading a model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import CheckpointError
+
+Need = Callable[..., Any]  # need("a", "b") -> the first of these config.json keys that is set, else CheckpointError
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """One architecture family.
+
+    `fields(hf, need)` returns the family's own ModelConfig fields (experts, MLP widths, which layers are
+    MoE, attention and router variants); the fields every family shares are read by ModelConfig.from_hf.
+    """
+
+    model_type: str
+    fields: Callable[[dict[str, Any], Need], dict[str, Any]]
+    hf_classes: tuple[str, str]  # transformers (config class, causal LM class)
+    attention: str = "engine.models.attention:Attention"  # module:class of the layer's self_attn
+    # transformers config kwargs of a random checkpoint from the generic sizes (hidden_size, num_hidden_layers,
+    # num_attention_heads, num_key_value_heads, num_experts_per_tok, num_experts, moe_intermediate_size, head_dim)
+    random_config: Callable[[dict[str, Any]], dict[str, Any]] = lambda kw: kw
+    fp32_params: tuple[str, ...] = ()  # parameter name suffixes loaded in fp32 whatever the model dtype
+    mtp_layers: bool = False  # tensors of layers past num_hidden_layers are multi-token prediction: unused
+
+    def attention_class(self) -> type:
+        module, _, name = self.attention.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+def _sparse_layers(hf: dict[str, Any], layers: int, num_experts: int) -> tuple[bool, ...]:
+    """Qwen-style MoE layer selection: mlp_only_layers and decoder_sparse_step."""
+    mlp_only = set(hf.get("mlp_only_layers") or [])
+    step = hf.get("decoder_sparse_step", 1) or 1
+    return tuple(i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(layers))
+
+
+def _no_qwen_sliding(hf: dict[str, Any]) -> None:
+    if hf.get("use_sliding_window"):
+        raise CheckpointError("use_sliding_window=true is not supported for qwen models")
+
+
+def _qwen3_moe(hf: dict[str, Any], need: Need) -> dict[str, Any]:
+    _no_qwen_sliding(hf)
+    experts, moe_inter = need("num_experts", "num_local_experts"), need("moe_intermediate_size")
+    return dict(num_experts=experts, moe_intermediate_size=moe_inter,
+                dense_intermediate_size=hf.get("intermediate_size", moe_inter),
+                moe_layers=_sparse_layers(hf, need("num_hidden_layers"), experts), qk_norm="per_head",
+                attention_bias=bool(hf.get("attention_bias", False)),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+
+
+def _qwen2_moe(hf: dict[str, Any], need: Need) -> dict[str, Any]:
+    _no_qwen_sliding(hf)
+    experts, moe_inter = need("num_experts", "num_local_experts"), need("moe_intermediate_size")
+    return dict(num_experts=experts, moe_intermediate_size=moe_inter,
+                dense_intermediate_size=hf.get("intermediate_size", moe_inter),
+                moe_layers=_sparse_layers(hf, need("num_hidden_layers"), experts),
+                attention_bias=bool(hf.get("qkv_bias", True)), norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
+                shared_expert_gate=True)
+
+
+def _mixtral(hf: dict[str, Any], need: Need) -> dict[str, Any]:
+    experts, inter = need("num_experts", "num_local_experts"), need("intermediate_size")
+    return dict(num_experts=experts, moe_intermediate_size=inter, dense_intermediate_size=inter,
+                moe_layers=_sparse_layers(hf, need("num_hidden_layers"), experts),
+                attention_bias=bool(hf.get("attention_bias", False)), norm_topk_prob=True,
+                sliding_window=hf.get("sliding_window"))
+
+
+def _olmoe(hf: dict[str, Any], need: Need) -> dict[str, Any]:
+    experts, inter = need("num_experts", "num_local_experts"), need("intermediate_size")
+    return dict(num_experts=experts, moe_intermediate_size=inter, dense_intermediate_size=inter,
+                moe_layers=_sparse_layers(hf, need("num_hidden_layers"), experts), qk_norm="full",
+                attention_bias=bool(hf.get("attention_bias", False)), clip_qkv=hf.get("clip_qkv"),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+
+
+def _deepseek(hf: dict[str, Any], need: Need, router: str) -> dict[str, Any]:
+    """DeepSeek-V2/V3: multi-head latent attention, shared experts, the first k layers dense."""
+    experts, moe_inter = need("n_routed_experts", "num_experts", "num_local_experts"), need("moe_intermediate_size")
+    first_dense = hf.get("first_k_dense_replace") or 0
+    if router == "softmax_grouped" and hf.get("topk_method", "greedy") not in ("greedy", "group_limited_greedy"):
+        raise CheckpointError(f"topk_method {hf.get('topk_method')!r} is not supported "
+                              "(deepseek_v2: 'greedy' or 'group_limited_greedy')")
+    grouped = router == "sigmoid_grouped" or hf.get("topk_method") == "group_limited_greedy"
+    n_group = (hf.get("n_group") or 1) if grouped else 1
+    return dict(
+        attention="mla", num_experts=experts, moe_intermediate_size=moe_inter,
+        dense_intermediate_size=need("intermediate_size"),
+        moe_layers=tuple(i >= first_dense for i in range(need("num_hidden_layers"))),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)) and router == "sigmoid_grouped",
+        shared_expert_intermediate_size=moe_inter * (hf.get("n_shared_experts") or 0),
+        q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=need("kv_lora_rank"),
+        qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=need("qk_rope_head_dim"),
+        v_head_dim=need("v_head_dim"), head_dim=need("qk_rope_head_dim"),  # the rotary width, as transformers
+        rope_layout="interleaved_cat" if router == "sigmoid_grouped" and hf.get("rope_interleave", True)
+        else "rotate_half" if router == "sigmoid_grouped" else "complex_pairs",
+        router=router, n_group=n_group, topk_group=(hf.get("topk_group") or n_group) if grouped else 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+    )
+
+
+def _glm4_moe(hf: dict[str, Any], need: Need) -> dict[str, Any]:
+    """GLM-4.5: grouped-query attention (q/k/v biases, optional per-head q/k norms, partial rotary) with
+    DeepSeek-V3's sigmoid grouped routing, ungated shared experts and dense first layers."""
+    experts, moe_inter = need("n_routed_experts", "num_experts", "num_local_experts"), need("moe_intermediate_size")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    n_group = hf.get("n_group") or 1
+    return dict(
+        num_experts=experts, moe_intermediate_size=moe_inter, dense_intermediate_size=need("intermediate_size"),
+        moe_layers=tuple(i >= (hf.get("first_k_dense_replace") or 0) for i in range(need("num_hidden_layers"))),
+        attention_bias=bool(hf.get("attention_bias", False)), qk_norm="per_head" if hf.get("use_qk_norm") else "none",
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=moe_inter * (hf.get("n_shared_experts") or 0),
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
+        router="sigmoid_grouped", n_group=n_group, topk_group=hf.get("topk_group") or n_group,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+    )
+
+
+def _glm4_moe_random(kw: dict[str, Any]) -> dict[str, Any]:
+    num_experts = kw.pop("num_experts")
+    groups = 2 if num_experts % 2 == 0 and num_experts // 2 >= 2 else 1
+    return dict(n_routed_experts=num_experts, n_shared_experts=1, first_k_dense_replace=1,
+                intermediate_size=2 * kw["moe_intermediate_size"], n_group=groups, topk_group=groups,
+                attention_bias=True, use_qk_norm=True, **kw,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+
+
+def _qwen_random(kw: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {**kw, "intermediate_size": kw["moe_intermediate_size"] * kw["num_experts_per_tok"], **extra}  # dense MLP
+
+
+def _expert_width_random(kw: dict[str, Any], experts_key: str) -> dict[str, Any]:
+    """Mixtral / OLMoE name the expert width intermediate_size."""
+    kw = dict(kw)
+    kw.update(intermediate_size=kw.pop("moe_intermediate_size"), **{experts_key: kw.pop("num_experts")})
+    return kw
+
+
+def _olmoe_random(kw: dict[str, Any]) -> dict[str, Any]:
+    if kw.get("head_dim") not in (None, kw["hidden_size"] // kw["num_attention_heads"]):
+        raise CheckpointError("olmoe's q/k norms span hidden_size, so head_dim must be hidden_size // num_heads")
+    return _expert_width_random(kw, "num_experts")
+
+
+def _deepseek_random(kw: dict[str, Any]) -> dict[str, Any]:
+    """Small MLA dims from the head size, one dense layer first, two expert groups when they divide."""
+    head_dim = kw.pop("head_dim", None) or kw["hidden_size"] // kw["num_attention_heads"]
+    num_experts = kw.pop("num_experts")
+    out = dict(n_routed_experts=num_experts, kv_lora_rank=2 * head_dim, q_lora_rank=3 * head_dim,
+               qk_nope_head_dim=head_dim, qk_rope_head_dim=max(2, head_dim // 2) // 2 * 2, v_head_dim=head_dim,
+               n_shared_experts=1, first_k_dense_replace=1, intermediate_size=2 * kw["moe_intermediate_size"],
+               num_key_value_heads=kw["num_attention_heads"])
+    groups = 2 if num_experts % 2 == 0 and num_experts // 2 >= 2 else 1
+    out.update(n_group=groups, topk_group=groups)
+    out.update({k: v for k, v in kw.items() if k != "num_key_value_heads"})
+    return out
+
+
+_GROUPED_SIGMOID_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # the router steers in fp32
+ARCHS: dict[str, ArchSpec] = {
+    "qwen3_moe": ArchSpec(
+        "qwen3_moe", _qwen3_moe, ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+        random_config=lambda kw: _qwen_random(
+            kw, norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}),
+    ),
+    "qwen2_moe": ArchSpec(
+        "qwen2_moe", _qwen2_moe, ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+        random_config=lambda kw: _qwen_random(kw, shared_expert_intermediate_size=4 * kw["moe_intermediate_size"]),
+    ),
+    "mixtral": ArchSpec("mixtral", _mixtral, ("MixtralConfig", "MixtralForCausalLM"),
+                        random_config=lambda kw: _expert_width_random(kw, "num_local_experts")),
+    "olmoe": ArchSpec("olmoe", _olmoe, ("OlmoeConfig", "OlmoeForCausalLM"), random_config=_olmoe_random),
+    "deepseek_v3": ArchSpec(
+        "deepseek_v3", lambda hf, need: _deepseek(hf, need, "sigmoid_grouped"),
+        ("DeepseekV3Config", "DeepseekV3ForCausalLM"), attention="engine.models.mla:LatentAttention",
+        random_config=_deepseek_random, mtp_layers=True, fp32_params=_GROUPED_SIGMOID_FP32,
+    ),
+    "deepseek_v2": ArchSpec(
+        "deepseek_v2", lambda hf, need: _deepseek(hf, need, "softmax_grouped"),
+        ("DeepseekV2Config", "DeepseekV2ForCausalLM"), attention="engine.models.mla:LatentAttention",
+        random_config=lambda kw: {**_deepseek_random(kw), "topk_method": "group_limited_greedy"},
+        fp32_params=("mlp.gate.weight",),
+    ),
+    "glm4_moe": ArchSpec("glm4_moe", _glm4_moe, ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+                         random_config=_glm4_moe_random, mtp_layers=True, fp32_params=_GROUPED_SIGMOID_FP32),
+}
+ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2 ships DeepSeek-V3's architecture under its own model_type
+SUPPORTED_ARCHS = (*ARCHS, *ALIASES)
+
+
+def arch_spec(model_type: str) -> ArchSpec:
+    """The spec of a config.json model_type (aliases resolved); UnsupportedArchitectureError if none."""
+    from engine.errors import UnsupportedArchitectureError
+
+    spec = ARCHS.get(ALIASES.get(model_type, model_type))
+    if spec is None:
+        raise UnsupportedArchitectureError(model_type or "<missing model_type>")
+    return spec
