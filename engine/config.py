@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import CheckpointError, UnsupportedArchitectureError
+from engine.quantization import quantization_from_hf
 
 SUPPORTED_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
@@ -79,6 +80,7 @@ class ModelConfig:
         arch = hf.get("model_type", "")
         if arch not in SUPPORTED_ARCHS:
             raise UnsupportedArchitectureError(arch or "<missing model_type>")
+        quantization_from_hf(hf)
 
         def need(*names: str) -> Any:
             for name in names:

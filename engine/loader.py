@@ -6,7 +6,8 @@ placement plan puts it: dense tensors on the fast device, routed experts packed 
 host shards (`engine.expert_stream`). Both on-disk expert layouts are accepted: per-expert hub names
 (`mlp.experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`) and the
 fused layout (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]). Missing
-tensors and wrong shapes are reported from the headers before anything is loaded.
+tensors, wrong shapes and tensors the model has no place for (unless `engine.unused_tensors` knows them
+to be unused) are reported from the headers before anything is loaded.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from engine.errors import CheckpointError, MissingTensorError, TensorShapeError
 from engine.experts import PlacementConfig
 from engine.models.causal_lm import MoeForCausalLM
 from engine.placement_plan import PlacementPlan
+from engine.unused_tensors import check_unexpected
 from kernels import file_identity
 
 log = logging.getLogger(__name__)
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 _CANONICAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -106,23 +107,24 @@ def _is_experts(pname: str) -> bool:
 class _Layout:
     """Where each slot of the model is in the checkpoint: dense tensors by name, experts per expert or fused."""
 
-    def __init__(self, ckpt: _Checkpoint, cfg: ModelConfig, params: dict[str, tuple[int, ...]]) -> None:
+    def __init__(self, ckpt: _Checkpoint, cfg: ModelConfig, params: dict[str, tuple[int, ...]],
+                 extra_layers: int = 0) -> None:
         self.cfg = cfg
         self.dense: dict[str, str] = {}  # parameter -> checkpoint name
         self.per_expert: dict[str, str] = {}  # "{prefix}.{e}.{part}.weight" -> checkpoint name
         self.fused: dict[str, str] = {}  # expert parameter -> checkpoint name of the fused tensor
+        unexpected = []
         for name in ckpt.where:
-            if _IGNORED.search(name):
-                continue
             key, tgt = _target(name, cfg.moe_intermediate_size)
             if tgt.param not in params:
-                log.warning("ignoring unexpected tensor %s in %s", name, ckpt.where[name][1].name)
+                unexpected.append(name)
             elif tgt.expert is not None:
                 self.per_expert[key] = name
             elif _is_experts(tgt.param):
                 self.fused[tgt.param] = name
             else:
                 self.dense[tgt.param] = name
+        check_unexpected(unexpected, cfg, extra_layers)
         missing = []
         for pname in params:
             if cfg.tie_word_embeddings and pname == "lm_head.weight":
@@ -185,7 +187,7 @@ def load_model(
         model = MoeForCausalLM(cfg).to(dtype)
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
     ckpt = _Checkpoint(model_dir)
-    layout = _Layout(ckpt, cfg, params)
+    layout = _Layout(ckpt, cfg, params, _extra_layers(model_dir))
     modules = dict(model.named_modules())
 
     def put(pname: str, value: torch.Tensor) -> None:
@@ -217,6 +219,12 @@ def load_model(
             _stream_experts(model, cfg, plan, placement, model_dir, read, dtype, pack_workers, progress)
     model.eval()
     return model
+
+
+def _extra_layers(model_dir: Path) -> int:
+    """Layers stored past num_hidden_layers that decoding never runs (multi-token prediction)."""
+    hf = json.loads((model_dir / "config.json").read_text())
+    return int(hf.get("num_nextn_predict_layers") or 0)
 
 
 def _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress) -> None:
