@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import CheckpointError, UnsupportedArchitectureError
+from engine.fp8 import BlockFp8
 from engine.quantization import quantization_from_hf
+from engine.rope import RopeScaling
 
 SUPPORTED_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
@@ -24,7 +26,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    max_position_embeddings: int
+    max_position_embeddings: int  # the context served (stretched by rope scaling where it extends it)
     hidden_act: str
     tie_word_embeddings: bool
     attention_bias: bool  # bias on q/k/v projections
@@ -39,6 +41,8 @@ class ModelConfig:
     dense_intermediate_size: int  # MLP width of non-MoE layers
     moe_layers: tuple[bool, ...]
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
+    quantization: BlockFp8 | None = None  # the checkpoint's weight format, dequantized on load; None: unquantized
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -80,7 +84,6 @@ class ModelConfig:
         arch = hf.get("model_type", "")
         if arch not in SUPPORTED_ARCHS:
             raise UnsupportedArchitectureError(arch or "<missing model_type>")
-        quantization_from_hf(hf)
 
         def need(*names: str) -> Any:
             for name in names:
@@ -93,10 +96,8 @@ class ModelConfig:
         layers = need("num_hidden_layers")
         num_experts = need("num_experts", "num_local_experts")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise CheckpointError(f"rope type {rope_type!r} is not supported (only 'default')")
         rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_scaling = RopeScaling.from_hf(hf)
 
         if arch == "mixtral":
             moe_inter = need("intermediate_size")
@@ -125,7 +126,7 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hidden // heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            max_position_embeddings=rope_scaling.context_length() if rope_scaling else hf.get("max_position_embeddings", 4096),
             hidden_act=hf.get("hidden_act", "silu"),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("qkv_bias", True)) if arch == "qwen2_moe"
@@ -142,6 +143,8 @@ class ModelConfig:
             dense_intermediate_size=dense_inter,
             moe_layers=moe_layers,
             eos_token_ids=eos_token_ids or _as_ids(hf.get("eos_token_id")),
+            rope_scaling=rope_scaling,
+            quantization=quantization_from_hf(hf),
         )
 
 

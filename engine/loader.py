@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from engine.config import ModelConfig
 from engine.errors import CheckpointError, MissingTensorError, TensorShapeError
 from engine.experts import PlacementConfig
+from engine.fp8 import BlockFp8Checkpoint
 from engine.models.causal_lm import MoeForCausalLM
 from engine.placement_plan import PlacementPlan
 from engine.unused_tensors import check_unexpected
@@ -187,6 +188,8 @@ def load_model(
         model = MoeForCausalLM(cfg).to(dtype)
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
     ckpt = _Checkpoint(model_dir)
+    if cfg.quantization is not None:
+        ckpt = BlockFp8Checkpoint(ckpt, cfg.quantization)
     layout = _Layout(ckpt, cfg, params, _extra_layers(model_dir))
     modules = dict(model.named_modules())
 
@@ -203,10 +206,6 @@ def load_model(
         bar.close()
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        for module in model.modules():
-            if hasattr(module, "inv_freq"):  # non-persistent RoPE buffer: recompute in fp32
-                module.__init__(cfg.head_dim, cfg.rope_theta)
-                module.to(device)
         moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
 
         def read(layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
