@@ -9,6 +9,8 @@ from typing import Any
 
 from engine.errors import CheckpointError, UnsupportedArchitectureError
 from engine.fp8 import BlockFp8
+from engine.gguf import find_gguf
+from engine.gguf import hf_config as gguf_hf_config
 from engine.quantization import quantization_from_hf
 from engine.rope import RopeScaling
 
@@ -69,6 +71,10 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """From config.json, or from the metadata of a GGUF file (`model_dir` may name the .gguf)."""
+        gguf_file = find_gguf(model_dir)
+        if gguf_file is not None:
+            return cls.from_hf(gguf_hf_config(gguf_file))
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise CheckpointError(f"{path} not found: a checkpoint directory needs a config.json")

@@ -16,6 +16,8 @@ from tqdm.auto import tqdm
 from engine.config import ModelConfig
 from engine.errors import RequestError
 from engine.experts import PlacementConfig
+from engine.gguf import find_gguf, model_dir_of
+from engine.gguf import identity as gguf_identity
 from engine.kv_cache import BlockManager, KVCacheSpec
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -107,7 +109,7 @@ class LLMEngine:
         self.device = config.resolve_device()
         model_dir = Path(config.model)
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.tokenizer = _load_tokenizer(model_dir)
+        self.tokenizer = _load_tokenizer(model_dir_of(model_dir))
         cfg = self.model_config
         if config.defer and config.defer > cfg.top_k // 2:
             raise ValueError(f"defer={config.defer} must be at most top_k/2 = {cfg.top_k // 2}")
@@ -398,7 +400,11 @@ class LLMEngine:
 
 
 def _model_identity(model_dir: Path) -> str:
-    """Hash of config.json and the safetensors headers: the same weights give the same identity."""
+    """Hash of config.json and the safetensors headers (or of a GGUF file's head): the same weights give the
+    same identity."""
+    gguf_file = find_gguf(model_dir)
+    if gguf_file is not None:
+        return hashlib.sha256(gguf_identity(gguf_file)).hexdigest()[:16]
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
     for f in sorted(model_dir.glob("*.safetensors")):
         with open(f, "rb") as fh:

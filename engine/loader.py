@@ -8,6 +8,8 @@ host shards (`engine.expert_stream`). Both on-disk expert layouts are accepted: 
 fused layout (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]). Missing
 tensors, wrong shapes and tensors the model has no place for (unless `engine.unused_tensors` knows them
 to be unused) are reported from the headers before anything is loaded.
+Other formats are checkpoint views with the same interface: block-FP8 safetensors (`engine.fp8`) and
+GGUF files (`engine.gguf`), both dequantized tensor by tensor as they are read.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from engine.config import ModelConfig
 from engine.errors import CheckpointError, MissingTensorError, TensorShapeError
 from engine.experts import PlacementConfig
 from engine.fp8 import BlockFp8Checkpoint
+from engine.gguf import GgufCheckpoint, find_gguf
 from engine.models.causal_lm import MoeForCausalLM
 from engine.placement_plan import PlacementPlan
 from engine.unused_tensors import check_unexpected
@@ -187,9 +190,7 @@ def load_model(
     with torch.device("meta"):
         model = MoeForCausalLM(cfg).to(dtype)
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    ckpt = _Checkpoint(model_dir)
-    if cfg.quantization is not None:
-        ckpt = BlockFp8Checkpoint(ckpt, cfg.quantization)
+    ckpt = _open_checkpoint(model_dir, cfg)
     layout = _Layout(ckpt, cfg, params, _extra_layers(model_dir))
     modules = dict(model.named_modules())
 
@@ -215,14 +216,24 @@ def load_model(
         if not plan.layers:
             _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress)
         else:
-            _stream_experts(model, cfg, plan, placement, model_dir, read, dtype, pack_workers, progress)
+            _stream_experts(model, cfg, plan, placement, ckpt.files, read, dtype, pack_workers, progress)
     model.eval()
     return model
 
 
+def _open_checkpoint(model_dir: Path, cfg: ModelConfig):
+    """safetensors (block-FP8 dequantized on read where config.json says so) or a GGUF file."""
+    gguf_file = find_gguf(model_dir)
+    if gguf_file is not None:
+        return GgufCheckpoint(gguf_file, cfg.arch, cfg.num_heads, cfg.num_kv_heads)
+    ckpt = _Checkpoint(model_dir)
+    return BlockFp8Checkpoint(ckpt, cfg.quantization) if cfg.quantization is not None else ckpt
+
+
 def _extra_layers(model_dir: Path) -> int:
     """Layers stored past num_hidden_layers that decoding never runs (multi-token prediction)."""
-    hf = json.loads((model_dir / "config.json").read_text())
+    config = model_dir / "config.json"
+    hf = json.loads(config.read_text()) if config.is_file() and model_dir.is_dir() else {}
     return int(hf.get("num_nextn_predict_layers") or 0)
 
 
@@ -240,12 +251,12 @@ def _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress) 
         experts.down_proj = nn.Parameter(down, requires_grad=False)
 
 
-def _stream_experts(model, cfg, plan, placement, model_dir, read, dtype, workers, progress) -> None:
+def _stream_experts(model, cfg, plan, placement, files, read, dtype, workers, progress) -> None:
     from engine.expert_stream import stream_experts
 
     cache_dir = placement.pack_cache_dir if placement is not None else None
     # the cache key names the checkpoint files and the dtype the experts were rounded to before packing
-    source = ";".join(file_identity(p) for p in checkpoint_files(model_dir)) + f";{dtype}"
+    source = ";".join(file_identity(p) for p in files) + f";{dtype}"
     layers = stream_experts(read, plan.layers, cfg.hidden_size, cfg.moe_intermediate_size, cache_dir=cache_dir, source=source, workers=workers, progress=progress)
     for i, le in layers.items():
         experts = model.model.layers[i].mlp.experts

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+from engine.gguf import find_gguf, model_dir_of
+from engine.gguf import identity as gguf_identity
 from gateway.deps import AppState
 from gateway.errors import APIError, install_handlers
 from gateway.metrics import Metrics
@@ -70,7 +72,8 @@ def numerics_fingerprint(llm, settings: Settings, mode: str = "execution") -> st
     engine = llm.engine
     h = hashlib.sha256()
     model = Path(settings.model)
-    h.update((model / "config.json").read_bytes())
+    gguf_file = find_gguf(model)
+    h.update(gguf_identity(gguf_file) if gguf_file else (model / "config.json").read_bytes())
     for f in sorted(model.glob("*.safetensors")):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
     h.update(str(getattr(engine.tokenizer, "fingerprint", "")).encode())
@@ -227,8 +230,9 @@ def _start(settings: Settings, metrics: Metrics):
                                     redis_url=settings.redis_url,
                                     progress=sys.stderr.isatty()))  # load bars on a terminal, not in logs
     if engine.tokenizer is None:
-        raise ValueError(f"{settings.model} has no tokenizer.json; the gateway needs one")
-    tok = TokenizerInfo.from_file(Path(settings.model) / "tokenizer.json", sorted(engine.eos_token_ids))
+        raise ValueError(f"{model_dir_of(settings.model)} has no tokenizer.json; the gateway needs one "
+                         "(a GGUF model takes the tokenizer.json beside the .gguf file)")
+    tok = TokenizerInfo.from_file(model_dir_of(settings.model) / "tokenizer.json", sorted(engine.eos_token_ids))
     _ = tok.llg, tok.token_bytes  # build the constraint vocabulary once, before the first request
     llm = AsyncLLM(engine)
     store = make_store(settings.redis_url or "", policy.stores.on_unavailable, timeout_s=policy.stores.timeout_s,
