@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.errors import CheckpointError, UnsupportedCheckpointError
+from engine.gguf_file import TensorInfo, open_gguf
 
 ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}
 DEQUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -68,26 +69,11 @@ def identity(path: Path) -> bytes:
     return h.digest()
 
 
-def _reader(path: Path):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path), "r")
-    except (ValueError, OSError, IndexError) as exc:
-        raise CheckpointError(f"cannot read {path.name} as GGUF: {exc} (corrupt or truncated file?)") from exc
-
-
-def _meta(reader) -> dict[str, Any]:
-    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("tokenizer.ggml.")
-            or name.endswith("_token_id")}
-
-
 def hf_config(path: Path) -> dict[str, Any]:
     """A Hugging Face style config dict from the GGUF metadata and tensor list (for ModelConfig.from_hf)."""
-    reader = _reader(path)
-    meta = _meta(reader)
+    file = open_gguf(path)
+    meta, tensors = file.meta, file.tensors
     arch = meta.get("general.architecture")
-    tensors = {t.name: t for t in reader.tensors}
     if arch not in ARCHS or (arch == "llama" and not meta.get("llama.expert_count")):
         kind = f"{arch!r} without experts" if arch == "llama" else repr(arch)
         raise UnsupportedCheckpointError(f"GGUF architecture {kind} is not supported (moegate reads {', '.join(ARCHS)} "
@@ -107,7 +93,7 @@ def hf_config(path: Path) -> dict[str, Any]:
         "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
         "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
         "max_position_embeddings": need("context_length"),
-        "vocab_size": int(tensors["token_embd.weight"].shape[1]) if "token_embd.weight" in tensors else need("vocab_size"),
+        "vocab_size": tensors["token_embd.weight"].shape[0] if "token_embd.weight" in tensors else need("vocab_size"),
         "tie_word_embeddings": "output.weight" not in tensors,
         "num_experts_per_tok": need("expert_used_count"),
         "mlp_only_layers": [i for i, m in enumerate(moe) if not m],
@@ -143,15 +129,15 @@ class GgufCheckpoint:
         import gguf
 
         self.files, self.handles = [path], []
-        self._reader = _reader(path)
+        self._file = open_gguf(path)
         self._permute = {"attn_q": num_heads, "attn_k": num_kv_heads} if arch == "mixtral" else {}
         self.where: dict[str, tuple[Any, Path]] = {}
-        self._source: dict[str, tuple[Any, int | None, str]] = {}  # HF name -> (tensor, expert, gguf kind)
-        for t in self._reader.tensors:
-            qtype = gguf.GGMLQuantizationType(t.tensor_type).name
+        self._source: dict[str, tuple[TensorInfo, int | None, str]] = {}  # HF name -> (tensor, expert, gguf kind)
+        for t in self._file.tensors.values():
+            qtype = gguf.GGMLQuantizationType(t.qtype).name
             if qtype not in DEQUANTIZABLE:
                 raise UnsupportedCheckpointError(f"GGUF tensor {t.name} is {qtype}: moegate dequantizes {', '.join(DEQUANTIZABLE)}")
-            for name, expert, kind in self._names(t.name, int(t.shape[-1]) if t.name.endswith("_exps.weight") else 0):
+            for name, expert, kind in self._names(t.name, t.shape[0] if t.name.endswith("_exps.weight") else 0):
                 self.where[name] = (self, path)
                 self._source[name] = (t, expert, kind)
 
@@ -172,8 +158,7 @@ class GgufCheckpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         t, expert, _ = self._source[name]
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
-        shape = shape[1:] if expert is not None else shape
+        shape = t.shape[1:] if expert is not None else t.shape
         return (shape[0], 1) if name.endswith("shared_expert_gate.weight") and len(shape) == 1 else shape
 
     def get(self, name: str, expert: int | None = None) -> torch.Tensor:
@@ -181,9 +166,9 @@ class GgufCheckpoint:
         import gguf
 
         t, e, kind = self._source[name]
-        data = t.data if e is None else t.data[e]
+        data = self._file.raw(t.name) if e is None else self._file.raw(t.name)[e]
         try:
-            values = gguf.quants.dequantize(np.asarray(data), gguf.GGMLQuantizationType(t.tensor_type))
+            values = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(t.qtype))
         except (NotImplementedError, ValueError) as exc:
             raise CheckpointError(f"cannot dequantize GGUF tensor {t.name}: {exc}") from exc
         out = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(self.shape(name))  # a copy, not the mmap

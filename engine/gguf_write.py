@@ -40,6 +40,36 @@ def _gguf_name(name: str) -> tuple[str, int | None, str | None]:
     return f"blk.{layer}.{_HF_TO_GGUF[rest]}.{suffix}", None, None
 
 
+def _add_tokenizer(w, hf_dir: Path, vocab_size: int) -> None:
+    """The byte-level BPE vocabulary of tokenizer.json as convert_hf_to_gguf.py stores it (ids past the
+    tokenizer padded with unused [PADi] tokens), when its pre-tokenizer is one llama.cpp names."""
+    import gguf
+
+    from engine.gguf_tokenizer import _SPLIT, CONTROL, NORMAL, USER_DEFINED
+
+    path = hf_dir / "tokenizer.json"
+    if not path.is_file():
+        return
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    pre = json.dumps(spec.get("pre_tokenizer"))
+    names = [name for name, (regex, _) in _SPLIT.items() if json.dumps(regex)[1:-1] in pre]
+    if spec["model"]["type"] != "BPE" or not names:
+        return
+    tokens = {i: (t, NORMAL) for t, i in spec["model"]["vocab"].items()}
+    tokens.update({a["id"]: (a["content"], CONTROL if a["special"] else USER_DEFINED) for a in spec["added_tokens"]})
+    size = max(vocab_size, max(tokens) + 1)
+    listed = [tokens.get(i, (f"[PAD{i}]", gguf.TokenType.UNUSED)) for i in range(size)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(names[0])
+    w.add_token_list([t for t, _ in listed])
+    w.add_token_types([int(k) for _, k in listed])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    config = hf_dir / "tokenizer_config.json"
+    template = json.loads(config.read_text(encoding="utf-8")).get("chat_template") if config.is_file() else None
+    if isinstance(template, str):
+        w.add_chat_template(template)
+
+
 def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32") -> Path:
     """Converts the safetensors checkpoint in `hf_dir` to one GGUF file `out` with matrices in `qtype`."""
     import gguf
@@ -71,6 +101,8 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32") -> Path:
     if hf.get("eos_token_id") is not None:
         eos = hf["eos_token_id"]
         w.add_eos_token_id(eos if isinstance(eos, int) else eos[0])
+
+    _add_tokenizer(w, hf_dir, hf["vocab_size"])
 
     tensors: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}

@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.config import ModelConfig
-from engine.errors import RequestError
+from engine.errors import CheckpointError, RequestError
 from engine.experts import PlacementConfig
 from engine.gguf import find_gguf, model_dir_of
 from engine.gguf import identity as gguf_identity
@@ -109,7 +109,7 @@ class LLMEngine:
         self.device = config.resolve_device()
         model_dir = Path(config.model)
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.tokenizer = _load_tokenizer(model_dir_of(model_dir))
+        self.tokenizer = _load_tokenizer(model_dir)
         cfg = self.model_config
         if config.defer and config.defer > cfg.top_k // 2:
             raise ValueError(f"defer={config.defer} must be at most top_k/2 = {cfg.top_k // 2}")
@@ -431,7 +431,18 @@ def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
     return replace(params, max_tokens=max(1, max_tokens))
 
 
-def _load_tokenizer(model_dir: Path):
+def _load_tokenizer(model_path: Path):
+    """tokenizer.json of the model's directory, else the tokenizer a GGUF file carries, else None."""
+    model_dir = model_dir_of(model_path)
+    gguf_file = find_gguf(model_path)
+    if not (model_dir / "tokenizer.json").is_file() and gguf_file is not None:
+        from engine.gguf_tokenizer import load_tokenizer
+
+        try:
+            return load_tokenizer(gguf_file)
+        except CheckpointError as exc:
+            log.warning("%s: prompts must be token ids and no text is produced", exc)
+            return None
     if not (model_dir / "tokenizer.json").is_file():
         log.warning("%s has no tokenizer.json: prompts must be token ids and no text is produced", model_dir)
         return None

@@ -231,8 +231,12 @@ def _start(settings: Settings, metrics: Metrics):
                                     progress=sys.stderr.isatty()))  # load bars on a terminal, not in logs
     if engine.tokenizer is None:
         raise ValueError(f"{model_dir_of(settings.model)} has no tokenizer.json; the gateway needs one "
-                         "(a GGUF model takes the tokenizer.json beside the .gguf file)")
-    tok = TokenizerInfo.from_file(model_dir_of(settings.model) / "tokenizer.json", sorted(engine.eos_token_ids))
+                         "(a GGUF model without a tokenizer moegate can rebuild takes the tokenizer.json beside it)")
+    tokenizer_file = model_dir_of(settings.model) / "tokenizer.json"
+    if tokenizer_file.is_file():
+        tok = TokenizerInfo.from_file(tokenizer_file, sorted(engine.eos_token_ids))
+    else:  # the tokenizer a GGUF file carries
+        tok = TokenizerInfo.from_json(engine.tokenizer.to_json(), sorted(engine.eos_token_ids), str(settings.model))
     _ = tok.llg, tok.token_bytes  # build the constraint vocabulary once, before the first request
     llm = AsyncLLM(engine)
     store = make_store(settings.redis_url or "", policy.stores.on_unavailable, timeout_s=policy.stores.timeout_s,

@@ -88,17 +88,20 @@ def _hf_state(ours, ref) -> dict[str, torch.Tensor]:
     return {name: mine.get(name, value) for name, value in state.items()}
 
 
-def test_tokenizer_beside_the_gguf(tmp_path, prompt):
+def test_tokenizer_json_beside_the_gguf(tmp_path):
+    """A GGUF without a tokenizer takes the tokenizer.json beside it; without one, prompts are token ids."""
     from engine.random_checkpoint import write_random_checkpoint
 
     src = write_random_checkpoint(tmp_path / "src", hidden_size=64, num_layers=2, num_experts=4, top_k=2,
                                   moe_intermediate_size=32, num_heads=4, num_kv_heads=2, head_dim=16)
-    path = _gguf_dir(src, tmp_path / "gguf", "Q8_0")
-    assert LLM(path, num_kv_blocks=16, block_size=8, progress=False).engine.tokenizer is None
-    shutil.copy(src / "tokenizer.json", path / "tokenizer.json")
-    llm = LLM(path / "model.gguf", num_kv_blocks=16, block_size=8, progress=False)
+    full = _gguf_dir(src, tmp_path / "full", "Q8_0") / "model.gguf"
+    (tmp_path / "bare").mkdir()
+    _rewrite(full, tmp_path / "bare" / "model.gguf")  # the architecture's keys and tensors, no tokenizer
+    assert LLM(tmp_path / "bare", num_kv_blocks=16, block_size=8, progress=False).engine.tokenizer is None
+    shutil.copy(src / "tokenizer.json", tmp_path / "bare" / "tokenizer.json")
+    llm = LLM(tmp_path / "bare" / "model.gguf", num_kv_blocks=16, block_size=8, progress=False)
     out = llm.generate(["hello"], SamplingParams(max_tokens=4, ignore_eos=True))[0]
-    assert len(out.token_ids) == 4 and isinstance(out.text, str)
+    assert len(out.token_ids) == 4 and out.text == llm.engine.tokenizer.decode(out.token_ids)
 
 
 def _rewrite(src_gguf, dst_gguf, arch=None, drop=(), add=()):
@@ -161,3 +164,25 @@ def test_k_quant_experts_read_one_at_a_time(tmp_path, qtype, block_bytes, scale_
         name = f"model.layers.0.mlp.experts.{e}.gate_proj.weight"
         assert ckpt.shape(name) == (rows, cols)
         assert torch.equal(ckpt.get(name), torch.from_numpy(full[e]))
+
+
+@pytest.mark.parametrize("vocab", ["bpe", "qwen"])
+def test_tokenizer_from_gguf_metadata(tmp_path, vocab):
+    """No tokenizer.json beside the file: the vocabulary, merges, special tokens and chat template the GGUF
+    carries rebuild the same tokenizer."""
+    from engine.random_checkpoint import write_random_checkpoint
+    from engine.tokenizer import Tokenizer
+
+    src = write_random_checkpoint(tmp_path / "src", hidden_size=32, num_layers=1, num_experts=4, top_k=2,
+                                  moe_intermediate_size=32, num_heads=2, num_kv_heads=1, head_dim=16, vocab=vocab)
+    path = _gguf_dir(src, tmp_path / "gguf", "F32")
+    ours, ref = LLM(path / "model.gguf", num_kv_blocks=8, block_size=8, progress=False).engine.tokenizer, Tokenizer.from_dir(src)
+    texts = ["Hello, world!  It's 2026-11-25.\n\n\tdef f(x):\n    return x**2", "naïve café — 東京 🚀 ½",
+             "<|im_start|>user\nhi<tool_call>{\"a\": 1}</tool_call><|im_end|>", "   leading spaces and trailing   "]
+    for text in texts:
+        assert ours.encode(text) == ref.encode(text), text
+        assert ours.decode(ref.encode(text)) == ref.decode(ref.encode(text))
+    assert ours.chat_template == ref.chat_template
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages, add_generation_prompt=True) == ref.apply_chat_template(
+        messages, add_generation_prompt=True)

@@ -36,15 +36,12 @@ def test_serve_process_answers(tiny_checkpoint, tmp_path):
 
 
 def test_serve_a_gguf_file(tiny_checkpoint, tmp_path):
-    """`moegate serve --model FILE.gguf`: config from the GGUF metadata, tokenizer files beside it."""
+    """`moegate serve --model FILE.gguf`: config, tokenizer and chat template from the GGUF alone."""
     from engine.gguf_write import write_gguf
 
     src, model_dir = tiny_checkpoint(), tmp_path / "gguf"
     model_dir.mkdir()
     write_gguf(src, model_dir / "model.gguf", "Q8_0")
-    for f in src.iterdir():
-        if f.name.startswith("tokenizer") or f.name == "generation_config.json":
-            (model_dir / f.name).write_bytes(f.read_bytes())
     proc, url = serve_process(["--model", str(model_dir / "model.gguf"), "--device", "cpu", "--log-level", "warning"],
                               {**os.environ, "MOEGATE_STATE_DIR": str(tmp_path / "state")}, timeout_s=90)
     try:
