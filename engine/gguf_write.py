@@ -98,6 +98,11 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32") -> Path:
         w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
     if hf.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(hf["shared_expert_intermediate_size"])
+    if rope.get("rope_type", rope.get("type", "default")) in ("yarn", "linear"):
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope.get("rope_type", rope.get("type"))))
+        w.add_rope_scaling_factor(rope["factor"])
+        if rope.get("original_max_position_embeddings"):
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if hf.get("eos_token_id") is not None:
         eos = hf["eos_token_id"]
         w.add_eos_token_id(eos if isinstance(eos, int) else eos[0])

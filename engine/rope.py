@@ -6,7 +6,9 @@ transformers. Two variants depend on the sequence length: dynamic NTK stretches 
 sequence passes `max_position_embeddings`, longrope switches to its long factors past
 `original_max_position_embeddings`. transformers decides both from the longest position of the
 forward; here each sequence decides from its own length, which is the same for one sequence and
-keeps a sequence's numbers independent of what it is batched with.
+keeps a sequence's numbers independent of what it is batched with. A prompt prefilled in several
+chunks sees the length reached by each chunk (transformers, in one forward, sees the whole prompt),
+so past the switch point dynamic NTK and longrope match transformers only for prompts prefilled whole.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from engine.gguf_write import write_gguf
 from engine.llm_engine import LLM
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
+from engine.sizing import ModelShape
 
 STEPS = 16
 
@@ -49,12 +50,23 @@ def test_f32_gguf_is_the_checkpoint(hf_checkpoint, tmp_path, arch, prompt):
     ours, ref_cfg = ModelConfig.from_dir(path), ModelConfig.from_dir(src)
     assert np.float32(ours.rms_norm_eps) == np.float32(ref_cfg.rms_norm_eps)  # GGUF stores it as f32
     assert replace(ours, rms_norm_eps=ref_cfg.rms_norm_eps) == ref_cfg
+    gguf_shape, ref_shape = ModelShape.from_dir(path), ModelShape.from_dir(src)  # what `moegate plan` sizes
+    assert replace(gguf_shape, checkpoint_dtype=ref_shape.checkpoint_dtype) == ref_shape
     a, b = load_model(path, progress=False), load_model(src, progress=False)
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert torch.equal(p, q), name
     expected, _ = _hf_greedy(src, prompt)
     llm = LLM(path / "model.gguf", num_kv_blocks=32, block_size=8, progress=False)  # the file itself
     assert llm.generate([prompt], SamplingParams(max_tokens=STEPS, ignore_eos=True))[0].token_ids == expected
+
+
+def test_yarn_gguf(write_checkpoint, tmp_path):
+    """llama.cpp's rope.scaling.* keys: the same YaRN context and frequencies as the config.json."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10_000.0}
+    write_checkpoint(tmp_path / "src", "qwen3_moe", seed=1, rope_parameters=rope, max_position_embeddings=256)
+    path = _gguf_dir(tmp_path / "src", tmp_path / "gguf", "F32")
+    ours, ref = ModelConfig.from_dir(path), ModelConfig.from_dir(tmp_path / "src")
+    assert ours.rope_scaling == ref.rope_scaling and ours.max_position_embeddings == ref.max_position_embeddings
 
 
 def test_q8_0_gguf_is_close(hf_checkpoint, tmp_path, prompt):
