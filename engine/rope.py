@@ -172,14 +172,19 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        self._freqs: dict[tuple[torch.device, int | None], tuple[torch.Tensor, float]] = {}
+        self._freqs: dict[tuple[torch.device, bool | None], tuple[torch.Tensor, float]] = {}
 
     def _inv_freq(self, device: torch.device, seq_len: int | None) -> tuple[torch.Tensor, float]:
-        key = (device, seq_len if self.scaling is not None and self.scaling.per_sequence else None)
-        if key not in self._freqs:
-            freqs, attention = inv_freq(self.head_dim, self.theta, self.scaling, seq_len)
-            self._freqs[key] = (freqs.to(device), attention)
-        return self._freqs[key]
+        s, variant = self.scaling, None  # the frequencies differ per length only past the switch point
+        if s is not None and s.rope_type == "longrope":
+            variant = bool(seq_len and seq_len > s.original_max_position_embeddings)
+        elif s is not None and s.rope_type == "dynamic" and seq_len and seq_len > s.max_position_embeddings:
+            freqs, attention = inv_freq(self.head_dim, self.theta, s, seq_len)  # one per length: not cached
+            return freqs.to(device), attention
+        if (device, variant) not in self._freqs:
+            freqs, attention = inv_freq(self.head_dim, self.theta, s, seq_len)
+            self._freqs[(device, variant)] = (freqs.to(device), attention)
+        return self._freqs[(device, variant)]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype,
                 seq_lens: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
