@@ -33,7 +33,6 @@ class ArchSpec:
     # num_attention_heads, num_key_value_heads, num_experts_per_tok, num_experts, moe_intermediate_size, head_dim)
     random_config: Callable[[dict[str, Any]], dict[str, Any]] = lambda kw: kw
     fp32_params: tuple[str, ...] = ()  # parameter name suffixes loaded in fp32 whatever the model dtype
-    mtp_layers: bool = False  # tensors of layers past num_hidden_layers are multi-token prediction: unused
 
     def attention_class(self) -> type:
         module, _, name = self.attention.partition(":")
@@ -190,7 +189,7 @@ ARCHS: dict[str, ArchSpec] = {
     "deepseek_v3": ArchSpec(
         "deepseek_v3", lambda hf, need: _deepseek(hf, need, "sigmoid_grouped"),
         ("DeepseekV3Config", "DeepseekV3ForCausalLM"), attention="engine.models.mla:LatentAttention",
-        random_config=_deepseek_random, mtp_layers=True, fp32_params=_GROUPED_SIGMOID_FP32,
+        random_config=_deepseek_random, fp32_params=_GROUPED_SIGMOID_FP32,
     ),
     "deepseek_v2": ArchSpec(
         "deepseek_v2", lambda hf, need: _deepseek(hf, need, "softmax_grouped"),
@@ -199,7 +198,7 @@ ARCHS: dict[str, ArchSpec] = {
         fp32_params=("mlp.gate.weight",),
     ),
     "glm4_moe": ArchSpec("glm4_moe", _glm4_moe, ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
-                         random_config=_glm4_moe_random, mtp_layers=True, fp32_params=_GROUPED_SIGMOID_FP32),
+                         random_config=_glm4_moe_random, fp32_params=_GROUPED_SIGMOID_FP32),
 }
 ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2 ships DeepSeek-V3's architecture under its own model_type
 SUPPORTED_ARCHS = (*ARCHS, *ALIASES)

@@ -9,6 +9,11 @@ from typing import Any
 
 from engine.archs import arch_spec
 from engine.errors import CheckpointError
+from engine.fp8 import BlockFp8
+from engine.gguf import find_gguf
+from engine.gguf import hf_config as gguf_hf_config
+from engine.quantization import quantization_from_hf
+from engine.rope import RopeScaling
 
 ROUTERS = ("softmax", "sigmoid_grouped", "softmax_grouped")
 
@@ -24,7 +29,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    max_position_embeddings: int
+    max_position_embeddings: int  # the context served (stretched by rope scaling where it extends it)
     hidden_act: str
     tie_word_embeddings: bool
     attention_bias: bool  # bias on q/k/v projections
@@ -56,6 +61,8 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
+    quantization: BlockFp8 | None = None  # the checkpoint's weight format, dequantized on load; None: unquantized
 
     def __post_init__(self) -> None:
         arch_spec(self.arch)  # UnsupportedArchitectureError for an unknown family
@@ -105,6 +112,10 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """From config.json, or from the metadata of a GGUF file (`model_dir` may name the .gguf)."""
+        gguf_file = find_gguf(model_dir)
+        if gguf_file is not None:
+            return cls.from_hf(gguf_hf_config(gguf_file))
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise CheckpointError(f"{path} not found: a checkpoint directory needs a config.json")
@@ -130,10 +141,8 @@ class ModelConfig:
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise CheckpointError(f"rope type {rope_type!r} is not supported (only 'default')")
         rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_scaling = RopeScaling.from_hf(hf)
         common = dict(
             arch=spec.model_type,
             vocab_size=need("vocab_size"),
@@ -144,7 +153,8 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hidden // heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            max_position_embeddings=rope_scaling.context_length() if rope_scaling
+            else hf.get("max_position_embeddings", 4096),
             hidden_act=hf.get("hidden_act", "silu"),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qk_norm="none",
@@ -153,6 +163,8 @@ class ModelConfig:
             top_k=need("num_experts_per_tok"),
             shared_expert_intermediate_size=0,
             eos_token_ids=eos_token_ids or _as_ids(hf.get("eos_token_id")),
+            rope_scaling=rope_scaling,
+            quantization=quantization_from_hf(hf),
         )
         return cls(**{**common, **spec.fields(hf, need)})
 

@@ -35,5 +35,21 @@ class TensorShapeError(CheckpointError):
         self.name = name
 
 
+class UnexpectedTensorError(CheckpointError):
+    """Tensors the model has no place for: loading them nowhere would silently change the model."""
+
+    def __init__(self, names: list[str], hint: str = "") -> None:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        super().__init__(
+            f"checkpoint has {len(names)} tensor(s) the model does not use: {shown}"
+            + (f" ({hint})" if hint else " (a different architecture or an unsupported variant or quantization?)")
+        )
+        self.names = names
+
+
+class UnsupportedCheckpointError(CheckpointError):
+    """A checkpoint format or quantization the engine cannot load (named in the message)."""
+
+
 class RequestError(EngineError):
     """A request the engine cannot serve as given (e.g. a prompt longer than the model allows)."""

@@ -14,8 +14,10 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.config import ModelConfig
-from engine.errors import RequestError
+from engine.errors import CheckpointError, RequestError
 from engine.experts import PlacementConfig
+from engine.gguf import find_gguf, model_dir_of
+from engine.gguf import identity as gguf_identity
 from engine.kv_cache import BlockManager, KVCacheSpec
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -451,7 +453,11 @@ class LLMEngine:
 
 
 def _model_identity(model_dir: Path) -> str:
-    """Hash of config.json and the safetensors headers: the same weights give the same identity."""
+    """Hash of config.json and the safetensors headers (or of a GGUF file's head): the same weights give the
+    same identity."""
+    gguf_file = find_gguf(model_dir)
+    if gguf_file is not None:
+        return hashlib.sha256(gguf_identity(gguf_file)).hexdigest()[:16]
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
     for f in sorted(model_dir.glob("*.safetensors")):
         with open(f, "rb") as fh:
@@ -478,7 +484,18 @@ def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
     return replace(params, max_tokens=max(1, max_tokens))
 
 
-def _load_tokenizer(model_dir: Path):
+def _load_tokenizer(model_path: Path):
+    """tokenizer.json of the model's directory, else the tokenizer a GGUF file carries, else None."""
+    model_dir = model_dir_of(model_path)
+    gguf_file = find_gguf(model_path)
+    if not (model_dir / "tokenizer.json").is_file() and gguf_file is not None:
+        from engine.gguf_tokenizer import load_tokenizer
+
+        try:
+            return load_tokenizer(gguf_file)
+        except CheckpointError as exc:
+            log.warning("%s: prompts must be token ids and no text is produced", exc)
+            return None
     if not (model_dir / "tokenizer.json").is_file():
         log.warning("%s has no tokenizer.json: prompts must be token ids and no text is produced", model_dir)
         return None

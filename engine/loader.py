@@ -6,7 +6,10 @@ placement plan puts it: dense tensors on the fast device, routed experts packed 
 host shards (`engine.expert_stream`). Both on-disk expert layouts are accepted: per-expert hub names
 (`mlp.experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`) and the
 fused layout (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]). Missing
-tensors and wrong shapes are reported from the headers before anything is loaded.
+tensors, wrong shapes and tensors the model has no place for (unless `engine.unused_tensors` knows them
+to be unused) are reported from the headers before anything is loaded.
+Other formats are checkpoint views with the same interface: block-FP8 safetensors (`engine.fp8`) and
+GGUF files (`engine.gguf`), both dequantized tensor by tensor as they are read.
 """
 
 from __future__ import annotations
@@ -26,15 +29,16 @@ from engine.archs import arch_spec
 from engine.config import ModelConfig
 from engine.errors import CheckpointError, MissingTensorError, TensorShapeError
 from engine.experts import PlacementConfig
+from engine.fp8 import BlockFp8Checkpoint
+from engine.gguf import GgufCheckpoint, find_gguf
 from engine.models.causal_lm import MoeForCausalLM
 from engine.placement_plan import PlacementPlan
+from engine.unused_tensors import check_unexpected
 from kernels import file_identity
 
 log = logging.getLogger(__name__)
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _CANONICAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -108,24 +112,24 @@ def _is_experts(pname: str) -> bool:
 class _Layout:
     """Where each slot of the model is in the checkpoint: dense tensors by name, experts per expert or fused."""
 
-    def __init__(self, ckpt: _Checkpoint, cfg: ModelConfig, params: dict[str, tuple[int, ...]]) -> None:
+    def __init__(self, ckpt: _Checkpoint, cfg: ModelConfig, params: dict[str, tuple[int, ...]],
+                 extra_layers: int = 0) -> None:
         self.cfg = cfg
         self.dense: dict[str, str] = {}  # parameter -> checkpoint name
         self.per_expert: dict[str, str] = {}  # "{prefix}.{e}.{part}.weight" -> checkpoint name
         self.fused: dict[str, str] = {}  # expert parameter -> checkpoint name of the fused tensor
-        mtp = arch_spec(cfg.arch).mtp_layers
+        unexpected = []
         for name in ckpt.where:
-            if _IGNORED.search(name) or (mtp and (m := _LAYER.match(name)) and int(m.group(1)) >= cfg.num_layers):
-                continue  # known unused: multi-token prediction layers follow the decoder stack
             key, tgt = _target(name, cfg.moe_intermediate_size)
             if tgt.param not in params:
-                log.warning("ignoring unexpected tensor %s in %s", name, ckpt.where[name][1].name)
+                unexpected.append(name)
             elif tgt.expert is not None:
                 self.per_expert[key] = name
             elif _is_experts(tgt.param):
                 self.fused[tgt.param] = name
             else:
                 self.dense[tgt.param] = name
+        check_unexpected(unexpected, cfg, extra_layers)
         missing = []
         for pname in params:
             if cfg.tie_word_embeddings and pname == "lm_head.weight":
@@ -188,8 +192,8 @@ def load_model(
     with torch.device("meta"):
         model = MoeForCausalLM(cfg).to(dtype)
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    ckpt = _Checkpoint(model_dir)
-    layout = _Layout(ckpt, cfg, params)
+    ckpt = _open_checkpoint(model_dir, cfg)
+    layout = _Layout(ckpt, cfg, params, _extra_layers(model_dir))
     modules = dict(model.named_modules())
 
     def put(pname: str, value: torch.Tensor) -> None:
@@ -207,10 +211,6 @@ def load_model(
         bar.close()
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        for module in model.modules():
-            if hasattr(module, "inv_freq"):  # non-persistent RoPE buffer: recompute in fp32
-                module.__init__(2 * module.inv_freq.shape[0], cfg.rope_theta)  # its own rotary width
-                module.to(device)
         moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
 
         def read(layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,10 +220,26 @@ def load_model(
         if not plan.layers:
             _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress)
         else:
-            _stream_experts(model, cfg, plan, placement, model_dir, read, dtype, pack_workers, progress)
+            _stream_experts(model, cfg, plan, placement, ckpt.files, read, dtype, pack_workers, progress)
             model.expert_reader = read  # a dynamic hot set packs swapped experts from the checkpoint again
     model.eval()
     return model
+
+
+def _open_checkpoint(model_dir: Path, cfg: ModelConfig):
+    """safetensors (block-FP8 dequantized on read where config.json says so) or a GGUF file."""
+    gguf_file = find_gguf(model_dir)
+    if gguf_file is not None:
+        return GgufCheckpoint(gguf_file, cfg.arch, cfg.num_heads, cfg.num_kv_heads)
+    ckpt = _Checkpoint(model_dir)
+    return BlockFp8Checkpoint(ckpt, cfg.quantization) if cfg.quantization is not None else ckpt
+
+
+def _extra_layers(model_dir: Path) -> int:
+    """Layers stored past num_hidden_layers that decoding never runs (multi-token prediction)."""
+    config = model_dir / "config.json"
+    hf = json.loads(config.read_text()) if config.is_file() and model_dir.is_dir() else {}
+    return int(hf.get("num_nextn_predict_layers") or 0)
 
 
 def _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress) -> None:
@@ -240,12 +256,12 @@ def _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress) 
         experts.down_proj = nn.Parameter(down, requires_grad=False)
 
 
-def _stream_experts(model, cfg, plan, placement, model_dir, read, dtype, workers, progress) -> None:
+def _stream_experts(model, cfg, plan, placement, files, read, dtype, workers, progress) -> None:
     from engine.expert_stream import stream_experts
 
     cache_dir = placement.pack_cache_dir if placement is not None else None
     # the cache key names the checkpoint files and the dtype the experts were rounded to before packing
-    source = ";".join(file_identity(p) for p in checkpoint_files(model_dir)) + f";{dtype}"
+    source = ";".join(file_identity(p) for p in files) + f";{dtype}"
     layers = stream_experts(read, plan.layers, cfg.hidden_size, cfg.moe_intermediate_size, cache_dir=cache_dir, source=source, workers=workers, progress=progress)
     for i, le in layers.items():
         experts = model.model.layers[i].mlp.experts

@@ -75,6 +75,10 @@ class ModelShape:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelShape:
+        from engine.gguf import find_gguf, hf_config
+
+        if (gguf_file := find_gguf(model_dir)) is not None:  # a GGUF file: its metadata as a config
+            return cls.from_hf(hf_config(gguf_file))
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise SizingError(f"{path} not found: `moegate plan --model DIR` needs a checkpoint directory "

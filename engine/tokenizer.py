@@ -51,7 +51,8 @@ class Tokenizer:
         generation_config: Mapping[str, Any] | None = None,
         chat_template: str | dict[str, str] | None = None,
     ):
-        self._tok = HFTokenizer.from_str(tokenizer_json.decode("utf-8"))
+        self._json = tokenizer_json.decode("utf-8")
+        self._tok = HFTokenizer.from_str(self._json)
         self.fingerprint = hashlib.sha256(tokenizer_json).hexdigest()
         self.config = dict(tokenizer_config or {})
         self.generation_config = dict(generation_config or {})
@@ -93,6 +94,10 @@ class Tokenizer:
             _read_json(path / "generation_config.json"),
             template,
         )
+
+    def to_json(self) -> str:
+        """The tokenizer.json text this tokenizer was built from."""
+        return self._json
 
     # ---- vocabulary -------------------------------------------------------------------------------
     @property

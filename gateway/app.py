@@ -14,6 +14,8 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+from engine.gguf import find_gguf, model_dir_of
+from engine.gguf import identity as gguf_identity
 from gateway.deps import AppState
 from gateway.errors import APIError, install_handlers
 from gateway.metrics import Metrics
@@ -75,7 +77,8 @@ def numerics_fingerprint(llm, settings: Settings, mode: str = "execution") -> st
     engine = llm.engine
     h = hashlib.sha256()
     model = Path(settings.model)
-    h.update((model / "config.json").read_bytes())
+    gguf_file = find_gguf(model)
+    h.update(gguf_identity(gguf_file) if gguf_file else (model / "config.json").read_bytes())
     for f in sorted(model.glob("*.safetensors")):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
     h.update(str(getattr(engine.tokenizer, "fingerprint", "")).encode())
@@ -232,8 +235,13 @@ def _start(settings: Settings, metrics: Metrics):
                                     redis_url=settings.redis_url,
                                     progress=sys.stderr.isatty()))  # load bars on a terminal, not in logs
     if engine.tokenizer is None:
-        raise ValueError(f"{settings.model} has no tokenizer.json; the gateway needs one")
-    tok = TokenizerInfo.from_file(Path(settings.model) / "tokenizer.json", sorted(engine.eos_token_ids))
+        raise ValueError(f"{model_dir_of(settings.model)} has no tokenizer.json; the gateway needs one "
+                         "(a GGUF model without a tokenizer moegate can rebuild takes the tokenizer.json beside it)")
+    tokenizer_file = model_dir_of(settings.model) / "tokenizer.json"
+    if tokenizer_file.is_file():
+        tok = TokenizerInfo.from_file(tokenizer_file, sorted(engine.eos_token_ids))
+    else:  # the tokenizer a GGUF file carries
+        tok = TokenizerInfo.from_json(engine.tokenizer.to_json(), sorted(engine.eos_token_ids), str(settings.model))
     _ = tok.llg, tok.token_bytes  # build the constraint vocabulary once, before the first request
     llm = AsyncLLM(engine)
     store = make_store(settings.redis_url or "", policy.stores.on_unavailable, timeout_s=policy.stores.timeout_s,

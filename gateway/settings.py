@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.gguf import find_gguf
+
 log = logging.getLogger(__name__)
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "engine" / "assets" / "demo-moe"
 DEFAULT_MODEL_NAME = "moegate-demo"
@@ -44,8 +46,8 @@ class Settings:
     trace_file: bool = True
 
     def __post_init__(self) -> None:
-        if not (Path(self.model) / "config.json").is_file():
-            raise ModelNotFound(f"{self.model} is not a model directory (no config.json)")
+        if not (Path(self.model) / "config.json").is_file() and find_gguf(self.model) is None:
+            raise ModelNotFound(f"{self.model} is not a model directory (no config.json) nor a GGUF file")
         if self.max_queue < 1 or self.max_request_bytes < 1 or self.request_timeout_s <= 0:
             raise ValueError("max_queue, max_request_bytes and request_timeout_s must be positive")
         if self.strict_retries < 0:

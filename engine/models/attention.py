@@ -31,7 +31,7 @@ class Attention(nn.Module):
         elif cfg.qk_norm == "full":
             self.q_norm = RMSNorm(nh * d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(nkv * d, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         self.scale = d**-0.5
         self.fast_qkv = None  # PackedLinear of [q; k; v] rows, exploration only
         self.fast_o = None
@@ -67,7 +67,8 @@ class Attention(nn.Module):
     def _rope(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = (self.cfg.rotary_dim, self.cfg.rope_theta, dtype)  # the same tables for every layer of a forward
         if key not in batch.rope:
-            batch.rope[key] = self.rotary(batch.positions, dtype)
+            batch.rope[key] = self.rotary(batch.positions, dtype,
+                                          list(zip(batch.query_lens, batch.context_lens, strict=True)))
         return batch.rope[key]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:

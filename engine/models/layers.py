@@ -1,10 +1,14 @@
-"""Dense building blocks shared by every architecture: RMSNorm, rotary embedding, gated MLP."""
+"""Dense building blocks shared by every architecture: RMSNorm, rotary embedding (engine.rope), gated MLP."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.rope import RotaryEmbedding
+
+__all__ = ["GatedMLP", "RMSNorm", "RotaryEmbedding", "apply_rotary"]
 
 
 class RMSNorm(nn.Module):
@@ -18,20 +22,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """Default (unscaled) RoPE in the rotate-half layout Hugging Face uses."""
-
-    def __init__(self, head_dim: int, theta: float) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from engine.rope import softmax_mscale
 
 _LORA_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
 
@@ -52,8 +53,8 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, _LORA_NORM_EPS)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(nh * cfg.v_head_dim, h, bias=bias)
-        self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta)
-        self.scale = self.qk_dim**-0.5
+        self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.scale = self.qk_dim**-0.5 * softmax_mscale(cfg.rope_scaling)  # YaRN's mscale_all_dim, squared
         self.fast_in = None  # PackedLinear of [q_a_proj or q_proj; kv_a_proj_with_mqa] rows, exploration only
         self.fast_o = None
 
@@ -70,7 +71,8 @@ class LatentAttention(nn.Module):
     def _rope(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = (self.cfg.qk_rope_head_dim, self.cfg.rope_theta, dtype)
         if key not in batch.rope:
-            batch.rope[key] = self.rotary(batch.positions, dtype)
+            batch.rope[key] = self.rotary(batch.positions, dtype,
+                                          list(zip(batch.query_lens, batch.context_lens, strict=True)))
         return batch.rope[key]
 
     def _project(self, x: torch.Tensor, fast: bool) -> tuple[torch.Tensor, torch.Tensor]:

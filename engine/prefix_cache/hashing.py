@@ -8,6 +8,8 @@ import os
 import struct
 from pathlib import Path
 
+from engine.gguf import find_gguf, identity
+
 _VERSION = b"moegate-kv-v1"
 
 
@@ -27,7 +29,7 @@ def _safetensors_header(path: Path) -> bytes:
 
 
 def model_fingerprint(model_dir: str | Path, dtype: str, numerics: str) -> str:
-    """sha256 over the checkpoint's identity (config.json, safetensors headers), the dtype and numerics settings.
+    """sha256 over the checkpoint's identity (config.json, safetensors headers; a GGUF file's head), the dtype and numerics settings.
 
     The headers name every tensor with its shape, dtype and byte offsets, so another checkpoint of the same
     architecture differs unless its file layout is identical; `numerics` carries the engine settings that
@@ -35,6 +37,10 @@ def model_fingerprint(model_dir: str | Path, dtype: str, numerics: str) -> str:
     """
     model_dir = Path(model_dir)
     h = hashlib.sha256(_VERSION)
+    gguf_file = find_gguf(model_dir)
+    if gguf_file is not None:
+        h.update(identity(gguf_file))
+        model_dir = gguf_file.parent
     config = model_dir / "config.json"
     h.update(config.read_bytes() if config.is_file() else b"")
     for path in sorted(model_dir.glob("*.safetensors")):

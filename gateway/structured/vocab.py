@@ -39,6 +39,15 @@ class TokenizerInfo:
     def from_file(cls, path: str | os.PathLike, eos_ids: tuple[int, ...] | list[int]) -> TokenizerInfo:
         return _load(str(Path(path).resolve()), tuple(int(i) for i in eos_ids))
 
+    @classmethod
+    def from_json(cls, text: str, eos_ids: tuple[int, ...] | list[int], origin: str) -> TokenizerInfo:
+        """From tokenizer.json text held in memory (e.g. rebuilt from a GGUF file); `origin` names its source."""
+        eos = tuple(int(i) for i in eos_ids)
+        if not eos:
+            raise ValueError("TokenizerInfo needs at least one EOS id (the model's end-of-turn tokens)")
+        digest = hashlib.sha256(text.encode() + repr(eos).encode()).hexdigest()[:16]
+        return cls(path=origin, eos_ids=eos, hash=digest, json_text=text)
+
     @functools.cached_property
     def _spec(self) -> dict:
         return json.loads(self.json_text)

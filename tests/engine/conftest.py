@@ -73,3 +73,9 @@ def hf_checkpoint(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def write_checkpoint():
+    """write_hf_checkpoint(path, arch, seed, **config overrides) for tests that need their own config."""
+    return write_hf_checkpoint

@@ -33,3 +33,21 @@ def test_serve_process_answers(tiny_checkpoint, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_serve_a_gguf_file(tiny_checkpoint, tmp_path):
+    """`moegate serve --model FILE.gguf`: config, tokenizer and chat template from the GGUF alone."""
+    from engine.gguf_write import write_gguf
+
+    src, model_dir = tiny_checkpoint(), tmp_path / "gguf"
+    model_dir.mkdir()
+    write_gguf(src, model_dir / "model.gguf", "Q8_0")
+    proc, url = serve_process(["--model", str(model_dir / "model.gguf"), "--device", "cpu", "--log-level", "warning"],
+                              {**os.environ, "MOEGATE_STATE_DIR": str(tmp_path / "state")}, timeout_s=90)
+    try:
+        r = httpx.post(url + "/v1/chat/completions", headers={"Authorization": "Bearer anything"},
+                       json={"model": "moegate-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.terminate()
+        proc.wait(30)

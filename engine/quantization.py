@@ -1,0 +1,25 @@
+"""The checkpoint's `quantization_config` (config.json): the formats the loader can read, a clear error otherwise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import UnsupportedCheckpointError
+from engine.fp8 import BlockFp8
+
+LOADABLE = ("fp8 (block-wise, e4m3, dynamic activations: DeepSeek-V3's format)",)
+
+
+def quantization_from_hf(hf: dict[str, Any]) -> BlockFp8 | None:
+    """config.json's quantization_config -> the format to dequantize on load (None: unquantized).
+    Raises UnsupportedCheckpointError naming any other method."""
+    qc = hf.get("quantization_config") or hf.get("compression_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method", "<no quant_method>") if isinstance(qc, dict) else repr(qc)
+    if method == "fp8":
+        return BlockFp8.from_quantization_config(qc)
+    raise UnsupportedCheckpointError(
+        f"config.json has quantization_config quant_method={method!r}, which moegate cannot load "
+        f"(it loads {'; '.join(LOADABLE)}); use the unquantized (bf16/fp16/fp32) checkpoint, or a GGUF file"
+    )
