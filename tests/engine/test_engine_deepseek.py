@@ -24,7 +24,7 @@ from engine.experts import PlacementConfig
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from engine.llm_engine import LLM, EngineConfig, LLMEngine
 from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import LogitsRecorder, SamplingParams
 
 STEPS = 12
 
@@ -181,3 +181,27 @@ def test_fast_dense_latent_projections_and_fused_decode_declines(hf_checkpoint):
     while engine.has_work():
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
     assert [done[f"x{i}"] for i in range(len(prompts))] == want
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2", "glm4_moe"])
+def test_yarn_long_context_matches_transformers(tmp_path, arch):
+    """As DeepSeek-V3, Kimi-K2 and V2-Lite ship: YaRN over a prompt past the original context (MLA scales its
+    softmax by mscale_all_dim squared; GLM-4.5 ropes only its rotary half)."""
+    from tests.engine.conftest import write_hf_checkpoint
+
+    rope = {**YARN, "partial_rotary_factor": 0.5} if arch == "glm4_moe" else YARN
+    write_hf_checkpoint(tmp_path, arch, seed=3, rope_parameters=rope, max_position_embeddings=256)
+    assert ModelConfig.from_dir(tmp_path).rope_scaling.rope_type == "yarn"
+    prompt = torch.randint(1, 500, (150,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    out = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+                       output_logits=True, return_dict_in_generate=True)
+    llm = LLM(tmp_path, num_kv_blocks=64, block_size=8, progress=False)
+    rec = LogitsRecorder()
+    got = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, logits_processors=[rec]))[0]
+    assert got.token_ids == out.sequences[0, len(prompt):].tolist()
+    torch.testing.assert_close(torch.stack(rec.rows), torch.stack([lg[0] for lg in out.logits]), rtol=1e-4, atol=1e-4)
