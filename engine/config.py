@@ -10,7 +10,8 @@ from typing import Any
 from engine.archs import arch_spec
 from engine.errors import CheckpointError
 
-ROUTERS = ("softmax", "sigmoid_grouped", "softmax_grouped")
+ROUTERS = ("softmax", "sigmoid_grouped", "softmax_grouped", "topk_softmax")
+EXPERT_ACTS = ("silu", "swiglu_clamped")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,19 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # GPT-OSS: per-layer attention types ("sliding_attention" layers use sliding_window, "full_attention" none;
+    # empty: every layer uses sliding_window), a learned sink logit per head, a bias on o_proj too
+    layer_types: tuple[str, ...] = ()
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    # routed experts: "silu" (SiLU(gate) * up) or "swiglu_clamped" (GPT-OSS, kernels.formats.Activation),
+    # with per-expert biases on gate_up and down when expert_bias
+    expert_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False
+    # rope_parameters of a scaled RoPE as sorted (key, value) pairs (rope_type first); empty: default RoPE
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         arch_spec(self.arch)  # UnsupportedArchitectureError for an unknown family
@@ -79,6 +93,19 @@ class ModelConfig:
                                   "n_routed_experts / n_group must be at least 2")
         if self.top_k > self.topk_group * self.num_experts // self.n_group:
             raise CheckpointError(f"num_experts_per_tok={self.top_k} exceeds the experts of topk_group groups")
+        if self.layer_types and (len(self.layer_types) != self.num_layers or
+                                 set(self.layer_types) - {"sliding_attention", "full_attention"}):
+            raise CheckpointError(f"layer_types must give 'sliding_attention' or 'full_attention' for each of "
+                                  f"the {self.num_layers} layers, got {list(self.layer_types)}")
+        if self.expert_act not in EXPERT_ACTS or (self.expert_act == "swiglu_clamped" and not self.swiglu_limit > 0):
+            raise CheckpointError(f"expert activation {self.expert_act!r} (limit {self.swiglu_limit}) is not "
+                                  f"supported: one of {', '.join(EXPERT_ACTS)} with a positive swiglu_limit")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of a layer's attention (None: full attention)."""
+        if self.layer_types and self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
 
     @property
     def num_moe_layers(self) -> int:
@@ -123,8 +150,9 @@ class ModelConfig:
         heads = need("num_attention_heads")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise CheckpointError(f"rope type {rope_type!r} is not supported (only 'default')")
+        if rope_type not in spec.rope_types:
+            raise CheckpointError(f"rope type {rope_type!r} is not supported for {model_type} "
+                                  f"(only {', '.join(map(repr, spec.rope_types))})")
         rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         common = dict(
             arch=spec.model_type,
@@ -145,6 +173,8 @@ class ModelConfig:
             top_k=need("num_experts_per_tok"),
             shared_expert_intermediate_size=0,
             eos_token_ids=eos_token_ids or _as_ids(hf.get("eos_token_id")),
+            rope_scaling=() if rope_type == "default" else (("rope_type", rope_type), *sorted(
+                (k, v) for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta"))),
         )
         return cls(**{**common, **spec.fields(hf, need)})
 

@@ -5,8 +5,9 @@ The model is built on the `meta` device; each tensor is read from the memory-map
 placement plan puts it: dense tensors on the fast device, routed experts packed one at a time into
 host shards (`engine.expert_stream`). Both on-disk expert layouts are accepted: per-expert hub names
 (`mlp.experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`) and the
-fused layout (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]). Missing
-tensors and wrong shapes are reported from the headers before anything is loaded.
+fused layout (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]; GPT-OSS's
+transposed [E, H, 2I] with gate/up columns interleaved, [E, I, H], and their biases: `ArchSpec.fused_experts`).
+Missing tensors and wrong shapes are reported from the headers before anything is loaded.
 """
 
 from __future__ import annotations
@@ -58,9 +59,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _target(name: str, intermediate: int) -> tuple[str, _Target]:
+def _target(name: str, intermediate: int, renames: tuple[tuple[str, str], ...] = ()) -> tuple[str, _Target]:
     """Maps a checkpoint tensor name to (a key naming the covered slot, its target)."""
     name = name.replace(".block_sparse_moe.", ".mlp.")
+    for old, new in renames:
+        name = name.replace(old, new)
     m = _PER_EXPERT.match(name)
     if not m:
         return name, _Target(name)
@@ -101,8 +104,25 @@ class _Checkpoint:
             raise CheckpointError(f"cannot read tensor {name!r} from {path.name}: {exc}") from exc
 
 
+_EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_bias", "experts.down_proj_bias")
+
+
 def _is_experts(pname: str) -> bool:
-    return pname.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    return pname.endswith(_EXPERT_PARAMS)
+
+
+def _on_disk_shape(pname: str, shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    """The checkpoint shape of a fused expert parameter of `shape` ([E, 2I, H], [E, H, I] or a bias)."""
+    if layout == "gpt_oss" and len(shape) == 3:
+        return (shape[0], shape[2], shape[1])  # stored transposed: [E, H, 2I], [E, I, H]
+    return shape
+
+
+def _from_gpt_oss(gate_up: torch.Tensor, down: torch.Tensor, b_gate_up: torch.Tensor, b_down: torch.Tensor):
+    """One GPT-OSS expert as stored (gate_up [H, 2I] columns gate, up, gate, ...; down [I, H]; biases [2I], [H])
+    -> (gate_up [2I, H] gate rows first, down [H, I], gate_up bias [2I] gate first, down bias [H])."""
+    gate_up = torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1).t()  # [2I, H]
+    return gate_up, down.t(), torch.cat((b_gate_up[0::2], b_gate_up[1::2])), b_down
 
 
 class _Layout:
@@ -113,11 +133,12 @@ class _Layout:
         self.dense: dict[str, str] = {}  # parameter -> checkpoint name
         self.per_expert: dict[str, str] = {}  # "{prefix}.{e}.{part}.weight" -> checkpoint name
         self.fused: dict[str, str] = {}  # expert parameter -> checkpoint name of the fused tensor
-        mtp = arch_spec(cfg.arch).mtp_layers
+        spec = arch_spec(cfg.arch)
+        mtp, self.fused_layout = spec.mtp_layers, spec.fused_experts
         for name in ckpt.where:
             if _IGNORED.search(name) or (mtp and (m := _LAYER.match(name)) and int(m.group(1)) >= cfg.num_layers):
                 continue  # known unused: multi-token prediction layers follow the decoder stack
-            key, tgt = _target(name, cfg.moe_intermediate_size)
+            key, tgt = _target(name, cfg.moe_intermediate_size, spec.renames)
             if tgt.param not in params:
                 log.warning("ignoring unexpected tensor %s in %s", name, ckpt.where[name][1].name)
             elif tgt.expert is not None:
@@ -133,6 +154,8 @@ class _Layout:
             if not _is_experts(pname):
                 if pname not in self.dense:
                     missing.append(pname)
+            elif pname not in self.fused and pname.endswith("_bias"):
+                missing.append(pname)  # biased experts are read from the fused layout only
             elif pname not in self.fused:
                 prefix = pname.rsplit(".", 1)[0]
                 parts = ("gate_proj", "up_proj") if pname.endswith("gate_up_proj") else ("down_proj",)
@@ -140,18 +163,25 @@ class _Layout:
                             if (k := f"{prefix}.{e}.{part}.weight") not in self.per_expert]
         if missing:
             raise MissingTensorError(missing)
-        for pname, name in (*self.dense.items(), *self.fused.items()):
+        for pname, name in self.dense.items():
             if ckpt.shape(name) != params[pname]:
                 raise TensorShapeError(name, params[pname], ckpt.shape(name))
+        for pname, name in self.fused.items():
+            if ckpt.shape(name) != (want := _on_disk_shape(pname, params[pname], self.fused_layout)):
+                raise TensorShapeError(name, want, ckpt.shape(name))
         inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
         for key, name in self.per_expert.items():
             want = (hidden, inter) if key.endswith("down_proj.weight") else (inter, hidden)
             if ckpt.shape(name) != want:
                 raise TensorShapeError(name, want, ckpt.shape(name))
 
-    def read_expert(self, ckpt: _Checkpoint, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One expert -> (gate_up [2I, H], down [H, I]) as stored."""
+    def read_expert(self, ckpt: _Checkpoint, layer: int, e: int) -> tuple[torch.Tensor, ...]:
+        """One expert -> (gate_up [2I, H], down [H, I]) in the stored dtype, plus (gate_up bias [2I], down bias
+        [H]) for biased experts."""
         prefix = f"model.layers.{layer}.mlp.experts"
+        if self.fused_layout == "gpt_oss":
+            return _from_gpt_oss(*(ckpt.get(self.fused[f"{prefix}.{p}"], e) for p in
+                                   ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")))
         if f"{prefix}.gate_up_proj" in self.fused:
             gate_up = ckpt.get(self.fused[f"{prefix}.gate_up_proj"], e)
         else:
@@ -210,9 +240,9 @@ def load_model(
                 module.to(device)
         moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
 
-        def read(layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-            gate_up, down = layout.read_expert(ckpt, layer, e)
-            return gate_up.to(dtype), down.to(dtype)  # what the full-precision model would hold
+        def read(layer: int, e: int) -> tuple[torch.Tensor, ...]:
+            # what the full-precision model would hold
+            return tuple(t.to(dtype, memory_format=torch.contiguous_format) for t in layout.read_expert(ckpt, layer, e))
 
         if not plan.layers:
             _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress)
@@ -228,12 +258,18 @@ def _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress) 
         experts = model.model.layers[layer].mlp.experts
         gate_up = torch.empty(e, 2 * i, h, dtype=dtype, device=device)
         down = torch.empty(e, h, i, dtype=dtype, device=device)
+        biases = (torch.empty(e, 2 * i, dtype=dtype, device=device), torch.empty(e, h, dtype=dtype, device=device))
         for x in range(e):
-            gu, dn = read(layer, x)
+            gu, dn, *bias = read(layer, x)
             gate_up[x].copy_(gu)
             down[x].copy_(dn)
+            for dst, src in zip(biases, bias, strict=False):
+                dst[x].copy_(src)
         experts.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
         experts.down_proj = nn.Parameter(down, requires_grad=False)
+        if cfg.expert_bias:
+            experts.gate_up_proj_bias = nn.Parameter(biases[0], requires_grad=False)
+            experts.down_proj_bias = nn.Parameter(biases[1], requires_grad=False)
 
 
 def _stream_experts(model, cfg, plan, placement, model_dir, read, dtype, workers, progress) -> None:
@@ -242,9 +278,12 @@ def _stream_experts(model, cfg, plan, placement, model_dir, read, dtype, workers
     cache_dir = placement.pack_cache_dir if placement is not None else None
     # the cache key names the checkpoint files and the dtype the experts were rounded to before packing
     source = ";".join(file_identity(p) for p in checkpoint_files(model_dir)) + f";{dtype}"
-    layers = stream_experts(read, plan.layers, cfg.hidden_size, cfg.moe_intermediate_size, cache_dir=cache_dir, source=source, workers=workers, progress=progress)
+    act = model.model.layers[next(iter(plan.layers))].mlp.experts.act  # the experts' activation, packed with them
+    layers = stream_experts(read, plan.layers, cfg.hidden_size, cfg.moe_intermediate_size, cache_dir=cache_dir,
+                            source=source, workers=workers, progress=progress, act=act)
     for i, le in layers.items():
         experts = model.model.layers[i].mlp.experts
         experts.packed = le
-        experts.gate_up_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
-        experts.down_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            if hasattr(experts, name):
+                setattr(experts, name, nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False))

@@ -53,8 +53,11 @@ class ModelShape:
     checkpoint_dtype: str  # "bfloat16", "float32", ... as written in config.json
     kv_cache_layout: tuple[int, int, int]  # ModelConfig.kv_cache_layout: (tensors, heads, width)
     mla: tuple[int | None, int, int, int, int] | None = None  # q_lora_rank, kv_lora_rank, nope, rope, v head dims
-    router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
+    router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias, GPT-OSS's router bias
     shared_expert_gate: bool = False  # Qwen2-MoE's shared_expert_gate
+    o_proj_bias: bool = False  # GPT-OSS: attention_bias puts a bias on o_proj too
+    attention_sinks: bool = False  # GPT-OSS: one sink logit per head and layer
+    expert_bias: bool = False  # GPT-OSS: biases on every expert's gate_up and down
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -109,8 +112,9 @@ class ModelShape:
             attention_bias=cfg.attention_bias, tie_word_embeddings=cfg.tie_word_embeddings,
             moe_layers=cfg.moe_layers,
             checkpoint_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"),
-            kv_cache_layout=cfg.kv_cache_layout, mla=mla, router_bias=cfg.router == "sigmoid_grouped",
-            shared_expert_gate=cfg.shared_expert_gate,
+            kv_cache_layout=cfg.kv_cache_layout, mla=mla,
+            router_bias=cfg.router in ("sigmoid_grouped", "topk_softmax"), shared_expert_gate=cfg.shared_expert_gate,
+            o_proj_bias=cfg.o_proj_bias, attention_sinks=cfg.attention_sinks, expert_bias=cfg.expert_bias,
         )
 
 
@@ -146,8 +150,10 @@ def weights(shape: ModelShape) -> list[Weight]:
         ]
     if shape.attention_bias and shape.mla is None:
         out += [Weight(ATTENTION, (heads * hd,), layers), Weight(ATTENTION, (kv * hd,), 2 * layers)]
-        if shape.arch in ("qwen3_moe", "olmoe"):  # attention_bias also puts a bias on o_proj there
+        if shape.arch in ("qwen3_moe", "olmoe") or shape.o_proj_bias:  # attention_bias also biases o_proj there
             out.append(Weight(ATTENTION, (h,), layers))
+    if shape.attention_sinks:
+        out.append(Weight(ATTENTION, (heads,), layers))
     if shape.arch == "qwen3_moe":  # RMSNorm over head_dim
         out.append(Weight(NORMS, (hd,), 2 * layers))
     elif shape.arch == "olmoe":  # RMSNorm over all heads
@@ -160,7 +166,9 @@ def weights(shape: ModelShape) -> list[Weight]:
             Weight(ROUTED, (h, mi), e * n_moe),  # down_proj
         ]
         if shape.router_bias:
-            out.append(Weight(ROUTER, (e,), n_moe))  # e_score_correction_bias
+            out.append(Weight(ROUTER, (e,), n_moe))  # e_score_correction_bias / router.bias
+        if shape.expert_bias:
+            out += [Weight(ROUTED, (2 * mi,), e * n_moe), Weight(ROUTED, (h,), e * n_moe)]
     si = shape.shared_expert_intermediate_size
     if si and n_moe:
         out += [Weight(SHARED, (si, h), 2 * n_moe), Weight(SHARED, (h, si), n_moe)]
@@ -198,8 +206,9 @@ def params_by_part(shape: ModelShape) -> dict[str, int]:
 
 
 def expert_params(shape: ModelShape) -> int:
-    """Parameters of one routed expert (gate, up, down)."""
-    return 3 * shape.hidden_size * shape.moe_intermediate_size
+    """Parameters of one routed expert (gate, up, down and their biases if any)."""
+    biases = 2 * shape.moe_intermediate_size + shape.hidden_size if shape.expert_bias else 0
+    return 3 * shape.hidden_size * shape.moe_intermediate_size + biases
 
 
 def classify(name: str) -> str:
@@ -212,7 +221,8 @@ def classify(name: str) -> str:
         return SHARED
     if ".experts." in name or name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
         return ROUTED
-    if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.gate.e_score_correction_bias")):
+    if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.gate.e_score_correction_bias",
+                      "mlp.router.weight", "mlp.router.bias")):
         return ROUTER
     if "norm" in name:
         return NORMS

@@ -16,14 +16,15 @@ from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        self.sliding_window = cfg.window_of(layer_idx)
         nh, nkv, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         self.q_proj = nn.Linear(h, nh * d, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(h, nkv * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, nkv * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(nh * d, h, bias=False)
+        self.o_proj = nn.Linear(nh * d, h, bias=cfg.o_proj_bias)
         if cfg.qk_norm == "per_head":
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -106,7 +107,7 @@ class Attention(nn.Module):
 
     def _mask(self, q_len: int, ctx: int, device: torch.device) -> torch.Tensor | None:
         """Boolean [q, ctx] mask (True = attend), or None where every key is visible."""
-        window = self.cfg.sliding_window
+        window = self.sliding_window
         if q_len == 1 and (window is None or ctx <= window):
             return None
         q_pos = torch.arange(ctx - q_len, ctx, device=device)[:, None]

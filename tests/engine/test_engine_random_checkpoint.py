@@ -27,6 +27,9 @@ EXPECTED_NAMES = {
                      "mlp.shared_experts.gate_proj.weight", "mlp.gate.e_score_correction_bias"]),
     "deepseek_v2": ("n_routed_experts", "mlp.experts.7.up_proj.weight", "mlp.gate.weight",
                     ["self_attn.kv_a_layernorm.weight", "mlp.shared_experts.down_proj.weight"]),
+    "gpt_oss": ("num_local_experts", "mlp.experts.gate_up_proj", "mlp.router.weight",
+                ["mlp.router.bias", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias", "self_attn.sinks",
+                 "self_attn.o_proj.bias"]),
 }
 
 
