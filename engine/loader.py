@@ -6,7 +6,8 @@ placement plan puts it: dense tensors on the fast device, routed experts packed 
 host shards (`engine.expert_stream`). Both on-disk expert layouts are accepted: per-expert hub names
 (`mlp.experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`) and the
 fused layout (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]; GPT-OSS's
-transposed [E, H, 2I] with gate/up columns interleaved, [E, I, H], and their biases: `ArchSpec.fused_experts`).
+transposed [E, H, 2I] with gate/up columns interleaved, [E, I, H], and their biases: `ArchSpec.fused_experts`;
+its released MXFP4 `*_blocks` / `*_scales` are dequantized one expert at a time: engine/mxfp4.py).
 Missing tensors and wrong shapes are reported from the headers before anything is loaded.
 """
 
@@ -28,6 +29,7 @@ from engine.config import ModelConfig
 from engine.errors import CheckpointError, MissingTensorError, TensorShapeError
 from engine.experts import PlacementConfig
 from engine.models.causal_lm import MoeForCausalLM
+from engine.mxfp4 import dequantize_mxfp4
 from engine.placement_plan import PlacementPlan
 from kernels import file_identity
 
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_MXFP4 = re.compile(r"^(.*\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)$")
 _CANONICAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -133,11 +136,15 @@ class _Layout:
         self.dense: dict[str, str] = {}  # parameter -> checkpoint name
         self.per_expert: dict[str, str] = {}  # "{prefix}.{e}.{part}.weight" -> checkpoint name
         self.fused: dict[str, str] = {}  # expert parameter -> checkpoint name of the fused tensor
+        self.mxfp4: dict[str, dict[str, str]] = {}  # expert parameter -> {"blocks": name, "scales": name}
         spec = arch_spec(cfg.arch)
         mtp, self.fused_layout = spec.mtp_layers, spec.fused_experts
         for name in ckpt.where:
             if _IGNORED.search(name) or (mtp and (m := _LAYER.match(name)) and int(m.group(1)) >= cfg.num_layers):
                 continue  # known unused: multi-token prediction layers follow the decoder stack
+            if self.fused_layout == "gpt_oss" and (m := _MXFP4.match(name)) and m.group(1) in params:
+                self.mxfp4.setdefault(m.group(1), {})[m.group(2)] = name
+                continue
             key, tgt = _target(name, cfg.moe_intermediate_size, spec.renames)
             if tgt.param not in params:
                 log.warning("ignoring unexpected tensor %s in %s", name, ckpt.where[name][1].name)
@@ -154,6 +161,8 @@ class _Layout:
             if not _is_experts(pname):
                 if pname not in self.dense:
                     missing.append(pname)
+            elif pname in self.mxfp4:
+                missing += [f"{pname}_{part}" for part in ("blocks", "scales") if part not in self.mxfp4[pname]]
             elif pname not in self.fused and pname.endswith("_bias"):
                 missing.append(pname)  # biased experts are read from the fused layout only
             elif pname not in self.fused:
@@ -169,6 +178,11 @@ class _Layout:
         for pname, name in self.fused.items():
             if ckpt.shape(name) != (want := _on_disk_shape(pname, params[pname], self.fused_layout)):
                 raise TensorShapeError(name, want, ckpt.shape(name))
+        for pname, names in self.mxfp4.items():  # [E, N, K] in the stack's layout: blocks of 32 along K
+            e, n, k = params[pname]
+            for part, want in (("blocks", (e, n, -(-k // 32), 16)), ("scales", (e, n, -(-k // 32)))):
+                if k % 32 or ckpt.shape(names[part]) != want:
+                    raise TensorShapeError(names[part], want, ckpt.shape(names[part]))
         inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
         for key, name in self.per_expert.items():
             want = (hidden, inter) if key.endswith("down_proj.weight") else (inter, hidden)
@@ -180,7 +194,7 @@ class _Layout:
         [H]) for biased experts."""
         prefix = f"model.layers.{layer}.mlp.experts"
         if self.fused_layout == "gpt_oss":
-            return _from_gpt_oss(*(ckpt.get(self.fused[f"{prefix}.{p}"], e) for p in
+            return _from_gpt_oss(*(self._gpt_oss_tensor(ckpt, f"{prefix}.{p}", e) for p in
                                    ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")))
         if f"{prefix}.gate_up_proj" in self.fused:
             gate_up = ckpt.get(self.fused[f"{prefix}.gate_up_proj"], e)
@@ -191,6 +205,14 @@ class _Layout:
         else:
             down = ckpt.get(self.per_expert[f"{prefix}.{e}.down_proj.weight"])
         return gate_up, down
+
+
+    def _gpt_oss_tensor(self, ckpt: _Checkpoint, pname: str, e: int) -> torch.Tensor:
+        """Expert e of a GPT-OSS expert tensor as stored ([H, 2I], [I, H], biases), MXFP4 dequantized."""
+        if pname in self.mxfp4:
+            blocks, scales = (ckpt.get(self.mxfp4[pname][part], e) for part in ("blocks", "scales"))
+            return dequantize_mxfp4(blocks, scales).t()  # [N, K] -> as stored, [K, N]
+        return ckpt.get(self.fused[pname], e)
 
 
 def load_model(

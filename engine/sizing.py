@@ -260,6 +260,13 @@ def read_header(path: Path) -> dict[str, Any]:
     return header
 
 
+def _weights_held(name: str, numel: int) -> int:
+    """Parameters a tensor holds: MXFP4 `*_blocks` pack two weights per byte, their `*_scales` hold none."""
+    if name.endswith("_blocks"):
+        return 2 * numel
+    return 0 if name.endswith("_scales") else numel
+
+
 def census(model_dir: str | Path) -> CheckpointCensus | None:
     """Per-part element and byte counts from every *.safetensors header in `model_dir`; None if none."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -275,7 +282,7 @@ def census(model_dir: str | Path) -> CheckpointCensus | None:
             dtype = info["dtype"]
             if dtype not in _ST_DTYPE_BYTES:
                 raise SizingError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-            params[part] += numel
+            params[part] += _weights_held(name, numel)
             nbytes[part] += numel * _ST_DTYPE_BYTES[dtype]
             n += 1
     return CheckpointCensus(params=params, bytes=nbytes,
