@@ -1,7 +1,8 @@
 """Grouped-query attention over a paged KV cache, with the per-architecture q/k norms.
 
 Exploration batches on the CPU may run the q/k/v (fused) and o projections through quantized copies
-(`fast_qkv`, `fast_o`: kernels.linear.PackedLinear, set by the engine from its `fast_dense` format);
+(`fast_qkv`, `fast_o`: kernels.linear.PackedLinear, set by the engine from its `fast_dense` format; biases
+are added at full precision after them);
 execution batches always use the model's own weights.
 """
 
@@ -35,22 +36,27 @@ class Attention(nn.Module):
         self.scale = d**-0.5
         self.fast_qkv = None  # PackedLinear of [q; k; v] rows, exploration only
         self.fast_o = None
+        self.fast_qkv_bias = self.fast_o_bias = None
 
     def set_fast_dense(self, fmt: str) -> None:
         """Quantized copies of the projections for exploration batches (the originals stay for execution)."""
         from kernels.linear import PackedLinear
 
-        if self.q_proj.bias is not None:
-            raise ValueError("fast dense projections do not support attention biases; use fast_dense=None")
         qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()  # [NH*D + 2*KV*D, H]
         self.fast_qkv = PackedLinear.pack(qkv, fmt)
         self.fast_o = PackedLinear.pack(self.o_proj.weight.detach(), fmt)
+        # biases (Qwen2-MoE's q/k/v, GPT-OSS's q/k/v/o) stay at full precision, added after the kernel
+        self.fast_qkv_bias = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).detach()
+                              if self.q_proj.bias is not None else None)
+        self.fast_o_bias = self.o_proj.bias.detach() if self.o_proj.bias is not None else None
 
     def _project_qkv(self, x: torch.Tensor, fast: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not fast:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         nq, nkv = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
         qkv = self.fast_qkv(x).to(x.dtype)  # [T, NQ + 2 NKV]
+        if self.fast_qkv_bias is not None:
+            qkv = qkv + self.fast_qkv_bias
         return qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
 
     def _rope(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +95,8 @@ class Attention(nn.Module):
             vs = v_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)
             out[start : start + q_len] = self._attend(qs, ks, vs).transpose(0, 1)
         if fast:
-            return self.fast_o(out.reshape(T, -1)).to(x.dtype)
+            o = self.fast_o(out.reshape(T, -1)).to(x.dtype)
+            return o if self.fast_o_bias is None else o + self.fast_o_bias
         return self.o_proj(out.reshape(T, -1))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -78,11 +78,30 @@ def test_routed_experts_in_packed_cpu_shards_match_transformers(hf_checkpoint):
     packed = llm.engine.layer_experts[0].fast[0].packed
     assert packed.has_bias and packed.act.kind == "swiglu_clamped" and packed.act.limit == pytest.approx(0.1)
     assert llm.engine.fused_decode is False
-    with pytest.raises(ValueError, match="attention biases"):  # quantized attention copies: refused, not ignored
-        LLM(path, num_kv_blocks=64, block_size=8, progress=False, fast_dense="int8")
     prompts = _prompts(3, 11)
     outs = llm.generate(prompts, SamplingParams(max_tokens=STEPS, ignore_eos=True))
     assert [o.token_ids for o in outs] == _hf_tokens(path, prompts)
+
+
+def test_fast_dense_attention_keeps_the_biases(hf_checkpoint):
+    """Quantized q/k/v/o copies for exploration (as the example policies ask) with GPT-OSS's biases added at
+    full precision: tokens close to transformers; execution runs the model's own projections, exactly."""
+    path = hf_checkpoint("gpt_oss")
+    llm = LLM(path, num_kv_blocks=64, block_size=8, progress=False, fast_dense="int8",
+              placement=PlacementConfig(fast_format="fp32", exact_format="fp32"))
+    attn = llm.engine.runner.model.model.layers[1].self_attn
+    assert attn.fast_qkv is not None and attn.fast_o_bias is not None and llm.engine.fused_decode is False
+    prompts = _prompts(3, 41)
+    want = _hf_tokens(path, prompts, 6)
+    got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))]
+    assert sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True)) >= 0.75 * 18
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"x{i}", p, SamplingParams(max_tokens=6, ignore_eos=True), mode="execution")
+    done = {}
+    while engine.has_work():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert [done[f"x{i}"] for i in range(len(prompts))] == want
 
 
 def _teacher_forced_rows(llm: LLM, prompts, reference) -> torch.Tensor:
