@@ -32,6 +32,7 @@ class ArchSpec:
     # transformers config kwargs of a random checkpoint from the generic sizes (hidden_size, num_hidden_layers,
     # num_attention_heads, num_key_value_heads, num_experts_per_tok, num_experts, moe_intermediate_size, head_dim)
     random_config: Callable[[dict[str, Any]], dict[str, Any]] = lambda kw: kw
+    fp32_params: tuple[str, ...] = ()  # parameter name suffixes loaded in fp32 whatever the model dtype
     mtp_layers: bool = False  # tensors of layers past num_hidden_layers are multi-token prediction: unused
     rope_types: tuple[str, ...] = ("default",)  # rope_parameters types this family's attention implements
     # checkpoint name fragment -> the model's (e.g. GPT-OSS's `mlp.router.` is the stack's `mlp.gate.`)
@@ -120,6 +121,33 @@ def _deepseek(hf: dict[str, Any], need: Need, router: str) -> dict[str, Any]:
     )
 
 
+def _glm4_moe(hf: dict[str, Any], need: Need) -> dict[str, Any]:
+    """GLM-4.5: grouped-query attention (q/k/v biases, optional per-head q/k norms, partial rotary) with
+    DeepSeek-V3's sigmoid grouped routing, ungated shared experts and dense first layers."""
+    experts, moe_inter = need("n_routed_experts", "num_experts", "num_local_experts"), need("moe_intermediate_size")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    n_group = hf.get("n_group") or 1
+    return dict(
+        num_experts=experts, moe_intermediate_size=moe_inter, dense_intermediate_size=need("intermediate_size"),
+        moe_layers=tuple(i >= (hf.get("first_k_dense_replace") or 0) for i in range(need("num_hidden_layers"))),
+        attention_bias=bool(hf.get("attention_bias", False)), qk_norm="per_head" if hf.get("use_qk_norm") else "none",
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=moe_inter * (hf.get("n_shared_experts") or 0),
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
+        router="sigmoid_grouped", n_group=n_group, topk_group=hf.get("topk_group") or n_group,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+    )
+
+
+def _glm4_moe_random(kw: dict[str, Any]) -> dict[str, Any]:
+    num_experts = kw.pop("num_experts")
+    groups = 2 if num_experts % 2 == 0 and num_experts // 2 >= 2 else 1
+    return dict(n_routed_experts=num_experts, n_shared_experts=1, first_k_dense_replace=1,
+                intermediate_size=2 * kw["moe_intermediate_size"], n_group=groups, topk_group=groups,
+                attention_bias=True, use_qk_norm=True, **kw,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+
+
 def _gpt_oss(hf: dict[str, Any], need: Need) -> dict[str, Any]:
     """GPT-OSS: alternating sliding / full attention with sinks, biased clamped-SwiGLU experts, a router with
     a bias and a softmax over its top-k logits."""
@@ -173,6 +201,7 @@ def _deepseek_random(kw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_GROUPED_SIGMOID_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # the router steers in fp32
 ARCHS: dict[str, ArchSpec] = {
     "qwen3_moe": ArchSpec(
         "qwen3_moe", _qwen3_moe, ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
@@ -189,13 +218,16 @@ ARCHS: dict[str, ArchSpec] = {
     "deepseek_v3": ArchSpec(
         "deepseek_v3", lambda hf, need: _deepseek(hf, need, "sigmoid_grouped"),
         ("DeepseekV3Config", "DeepseekV3ForCausalLM"), attention="engine.models.mla:LatentAttention",
-        random_config=_deepseek_random, mtp_layers=True,
+        random_config=_deepseek_random, mtp_layers=True, fp32_params=_GROUPED_SIGMOID_FP32,
     ),
     "deepseek_v2": ArchSpec(
         "deepseek_v2", lambda hf, need: _deepseek(hf, need, "softmax_grouped"),
         ("DeepseekV2Config", "DeepseekV2ForCausalLM"), attention="engine.models.mla:LatentAttention",
         random_config=lambda kw: {**_deepseek_random(kw), "topk_method": "group_limited_greedy"},
+        fp32_params=("mlp.gate.weight",),
     ),
+    "glm4_moe": ArchSpec("glm4_moe", _glm4_moe, ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+                         random_config=_glm4_moe_random, mtp_layers=True, fp32_params=_GROUPED_SIGMOID_FP32),
     "gpt_oss": ArchSpec(
         "gpt_oss", _gpt_oss, ("GptOssConfig", "GptOssForCausalLM"), attention="engine.models.gpt_oss:SinkAttention",
         random_config=_gpt_oss_random, rope_types=("default", "yarn"), renames=((".mlp.router.", ".mlp.gate."),),

@@ -49,6 +49,7 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    partial_rotary_factor: float = 1.0  # GLM-4.5: RoPE on the first head_dim * factor dims of each head only
     rope_layout: str = "rotate_half"  # "rotate_half" | "interleaved_cat" (DeepSeek-V3) | "complex_pairs" (V2)
     # router: "softmax" (top-k of softmax) | "sigmoid_grouped" (DeepSeek-V3: sigmoid, score-correction bias,
     # best groups by top-2 sum) | "softmax_grouped" (DeepSeek-V2: softmax, best groups by max)
@@ -85,6 +86,9 @@ class ModelConfig:
             raise CheckpointError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
         if self.attention not in ("gqa", "mla") or self.router not in ROUTERS:
             raise CheckpointError(f"attention {self.attention!r} / router {self.router!r} is not supported")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise CheckpointError(f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={self.head_dim} "
+                                  "must give an even rotary width")
         if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
             raise CheckpointError(f"n_group={self.n_group} must divide n_routed_experts={self.num_experts} "
                                   f"and topk_group={self.topk_group} be in 1..n_group")
@@ -110,6 +114,10 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:
         return sum(self.moe_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def kv_cache_layout(self) -> tuple[int, int, int]:

@@ -234,6 +234,7 @@ def load_model(
     """
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
+    spec = arch_spec(cfg.arch)
     plan = plan or PlacementPlan.build(cfg, placement, device)
     device = plan.fast_device
     with torch.device("meta"):
@@ -251,14 +252,16 @@ def load_model(
                disable=not progress)
     with torch.no_grad():
         for pname, name in layout.dense.items():
-            put(pname, ckpt.get(name).to(plan.device_for(pname), dtype, copy=True))  # never a view of the mmap
+            fp32 = pname.endswith(spec.fp32_params)  # as transformers keeps them (DeepSeek's routers)
+            value = ckpt.get(name).to(plan.device_for(pname), torch.float32 if fp32 else dtype, copy=True)
+            put(pname, value)  # a copy, never a view of the mmap
             bar.update()
         bar.close()
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         for module in model.modules():
             if hasattr(module, "inv_freq"):  # non-persistent RoPE buffer: recompute in fp32
-                module.__init__(cfg.head_dim, cfg.rope_theta)
+                module.__init__(2 * module.inv_freq.shape[0], cfg.rope_theta)  # its own rotary width
                 module.to(device)
         moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
 

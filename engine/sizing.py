@@ -58,6 +58,7 @@ class ModelShape:
     o_proj_bias: bool = False  # GPT-OSS: attention_bias puts a bias on o_proj too
     attention_sinks: bool = False  # GPT-OSS: one sink logit per head and layer
     expert_bias: bool = False  # GPT-OSS: biases on every expert's gate_up and down
+    qk_norm: str = "none"  # ModelConfig.qk_norm
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -115,6 +116,7 @@ class ModelShape:
             kv_cache_layout=cfg.kv_cache_layout, mla=mla,
             router_bias=cfg.router in ("sigmoid_grouped", "topk_softmax"), shared_expert_gate=cfg.shared_expert_gate,
             o_proj_bias=cfg.o_proj_bias, attention_sinks=cfg.attention_sinks, expert_bias=cfg.expert_bias,
+            qk_norm=cfg.qk_norm,
         )
 
 
@@ -154,9 +156,9 @@ def weights(shape: ModelShape) -> list[Weight]:
             out.append(Weight(ATTENTION, (h,), layers))
     if shape.attention_sinks:
         out.append(Weight(ATTENTION, (heads,), layers))
-    if shape.arch == "qwen3_moe":  # RMSNorm over head_dim
+    if shape.qk_norm == "per_head":  # RMSNorm over head_dim (Qwen3, GLM-4.5 use_qk_norm)
         out.append(Weight(NORMS, (hd,), 2 * layers))
-    elif shape.arch == "olmoe":  # RMSNorm over all heads
+    elif shape.qk_norm == "full":  # RMSNorm over all heads (OLMoE)
         out += [Weight(NORMS, (h,), layers), Weight(NORMS, ((h // heads) * kv,), layers)]
     e, mi = shape.num_experts, shape.moe_intermediate_size
     if n_moe:

@@ -32,7 +32,7 @@ class Attention(nn.Module):
         elif cfg.qk_norm == "full":
             self.q_norm = RMSNorm(nh * d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(nkv * d, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(d, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
         self.scale = d**-0.5
         self.fast_qkv = None  # PackedLinear of [q; k; v] rows, exploration only
         self.fast_o = None
@@ -60,7 +60,7 @@ class Attention(nn.Module):
         return qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
 
     def _rope(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (self.cfg.head_dim, self.cfg.rope_theta, dtype)  # the same tables for every layer of a forward
+        key = (self.cfg.rotary_dim, self.cfg.rope_theta, dtype)  # the same tables for every layer of a forward
         if key not in batch.rope:
             batch.rope[key] = self.rotary(batch.positions, dtype)
         return batch.rope[key]
@@ -82,7 +82,12 @@ class Attention(nn.Module):
         if cfg.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self._rope(batch, q.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cfg.rotary_dim == cfg.head_dim:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:  # partial rotary (GLM-4.5): the first rotary_dim dims of each head turn, the rest pass
+            r = cfg.rotary_dim
+            q = torch.cat((apply_rotary(q[..., :r], cos, sin), q[..., r:]), dim=-1)
+            k = torch.cat((apply_rotary(k[..., :r], cos, sin), k[..., r:]), dim=-1)
         k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
 

@@ -47,6 +47,8 @@ def unsupported_reason(cfg: ModelConfig, layer) -> str | None:
     """Why `layer` cannot run fused (None: it can)."""
     if cfg.attention != "gqa" or cfg.router != "softmax":
         return f"{cfg.attention} attention / {cfg.router} routing (the kernel runs GQA with softmax top-k)"
+    if cfg.rotary_dim != cfg.head_dim:
+        return "partial rotary embedding"
     if cfg.attention_bias or cfg.clip_qkv is not None or cfg.qk_norm == "full":
         return "attention biases / clip_qkv / whole-projection q/k norms"
     if cfg.attention_sinks or cfg.expert_bias or cfg.expert_act != "silu" or cfg.rope_scaling:

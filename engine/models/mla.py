@@ -1,8 +1,10 @@
 """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2) over a paged cache of compressed latents.
 
 Per token the cache holds the normalised KV latent (kv_lora_rank) and the roped shared key
-(qk_rope_head_dim): one [slots, 1, R + P] tensor per layer instead of K and V per head. Each
-sequence's latents are expanded through kv_b_proj at attention time, as transformers does.
+(qk_rope_head_dim): one [slots, 1, R + P] tensor per layer instead of K and V per head. Long query
+chunks expand each sequence's latents through kv_b_proj into per-head K and V, as transformers does;
+short ones (decode) absorb kv_b_proj into the query and the output instead and attend over the
+latents directly, which costs q * (2R + P) per context token and head instead of R * (N + V).
 
 Shapes: T = tokens, NH = heads, R = kv_lora_rank, P = qk_rope_head_dim, N = qk_nope_head_dim,
 V = v_head_dim.
@@ -102,8 +104,11 @@ class LatentAttention(nn.Module):
 
         out = q.new_empty(T, cfg.num_heads, cfg.v_head_dim)
         for start, q_len, slots in zip(batch.query_starts, batch.query_lens, batch.context_slots, strict=True):
-            k, v = self._expand(latents.index_select(0, slots)[:, 0].to(q.dtype))  # [NH, ctx, N+P], [NH, ctx, V]
-            out[start : start + q_len] = self._attend(q[start : start + q_len].transpose(0, 1), k, v).transpose(0, 1)
+            lat = latents.index_select(0, slots)[:, 0].to(q.dtype)  # [ctx, R+P]
+            qs = q[start : start + q_len].transpose(0, 1)  # [NH, q, N+P]
+            absorb = q_len * (2 * R + cfg.qk_rope_head_dim) < R * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+            out[start : start + q_len] = (self._attend_absorbed(qs, lat) if absorb
+                                          else self._attend(qs, *self._expand(lat))).transpose(0, 1)
         if fast:
             return self.fast_o(out.reshape(T, -1)).to(x.dtype)
         return self.o_proj(out.reshape(T, -1))
@@ -119,10 +124,24 @@ class LatentAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [NH, q, N+P], k [NH, ctx, N+P], v [NH, ctx, V] -> [NH, q, V]; causal, softmax in fp32."""
-        q_len, ctx = q.shape[1], k.shape[1]
-        scores = torch.bmm(q, k.transpose(1, 2)) * self.scale  # [NH, q, ctx]
+        return torch.bmm(self._probs(torch.bmm(q, k.transpose(1, 2))), v)
+
+    def _attend_absorbed(self, q: torch.Tensor, lat: torch.Tensor) -> torch.Tensor:
+        """q [NH, q, N+P], lat [ctx, R+P] -> [NH, q, V]: the same attention with kv_b_proj folded into the
+        query (its K rows) and the output (its V rows), so no per-head K or V is built."""
+        cfg = self.cfg
+        n, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        w = self.kv_b_proj.weight.view(cfg.num_heads, n + cfg.v_head_dim, r).to(q.dtype)  # [NH, N+V, R]
+        q_lat = torch.bmm(q[..., :n], w[:, :n])  # [NH, q, R]
+        scores = torch.matmul(q_lat, lat[:, :r].T) + torch.matmul(q[..., n:], lat[:, r:].T)  # [NH, q, ctx]
+        out_lat = torch.matmul(self._probs(scores), lat[:, :r])  # [NH, q, R]
+        return torch.bmm(out_lat, w[:, n:].transpose(1, 2))  # [NH, q, V]
+
+    def _probs(self, scores: torch.Tensor) -> torch.Tensor:
+        """Unscaled scores [NH, q, ctx] of the chunk's last q positions -> causal softmax (fp32) in their dtype."""
+        q_len, ctx = scores.shape[1:]
+        scores = scores * self.scale
         if q_len > 1:
-            q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-            scores = scores.masked_fill(torch.arange(ctx, device=q.device)[None, :] > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.bmm(probs, v)
+            q_pos = torch.arange(ctx - q_len, ctx, device=scores.device)[:, None]
+            scores = scores.masked_fill(torch.arange(ctx, device=scores.device)[None, :] > q_pos, float("-inf"))
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)

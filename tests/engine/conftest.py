@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss")
 VOCAB = 512
 
 
@@ -37,6 +37,12 @@ def write_hf_checkpoint(path, arch: str, seed: int = 0, **overrides) -> None:
             intermediate_size=40, q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=10, qk_rope_head_dim=6,
             v_head_dim=12, n_group=4, topk_group=2, topk_method="group_limited_greedy", n_shared_experts=2,
             first_k_dense_replace=1, routed_scaling_factor=1.5)),
+        # GLM-4.5: head_dim 20 with half of it rotary, q/k/v biases, per-head q/k norms
+        "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+            num_hidden_layers=3, head_dim=20, n_routed_experts=8, moe_intermediate_size=24, intermediate_size=40,
+            n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.8,
+            attention_bias=True, use_qk_norm=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
         # sliding / full / sliding layers with a window shorter than the prompts, YaRN past its original 16
         # positions, odd head_dim 18 and expert width 40, a SwiGLU limit small enough that both clamps bite
         "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(

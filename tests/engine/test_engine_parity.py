@@ -18,7 +18,7 @@ from engine.llm_engine import LLM
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss")
 VOCAB = 512  # the tiny checkpoints of tests/engine/conftest.py
 
 STEPS = 32
@@ -73,7 +73,7 @@ def test_greedy_generation_matches_transformers(hf_checkpoint, arch, prompt):
     assert out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe"])
 def test_bf16_within_documented_tolerance(hf_checkpoint, arch, prompt):
     path = hf_checkpoint(arch)
     tokens, ref = _hf_greedy(path, prompt, torch.bfloat16)

@@ -55,6 +55,11 @@ def _tiny_configs():
                                           num_experts_per_tok=2, q_lora_rank=None, kv_lora_rank=24,
                                           qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=12,
                                           n_shared_experts=1, first_k_dense_replace=2),
+        # q/k/v biases without an o_proj bias, per-head q/k norms, grouped sigmoid routing
+        "glm4_moe": t.Glm4MoeConfig(**common, head_dim=20, intermediate_size=48, moe_intermediate_size=24,
+                                    num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                                    topk_group=1, n_shared_experts=1, first_k_dense_replace=1, attention_bias=True,
+                                    use_qk_norm=True),
         # sinks, biases on q/k/v/o, the router and every expert; fused [E, H, 2I] experts on disk
         "gpt_oss": t.GptOssConfig(**common, intermediate_size=40, num_hidden_layers=2, head_dim=18,
                                   num_local_experts=6, num_experts_per_tok=2),
@@ -69,7 +74,7 @@ def _save(config, path: Path, dtype=torch.float32) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2",
-                                  "gpt_oss"])
+                                  "glm4_moe", "gpt_oss"])
 def test_param_counts_match_transformers_and_headers_per_part(arch, tmp_path):
     model = _save(_tiny_configs()[arch], tmp_path)
     shape = ModelShape.from_dir(tmp_path)
@@ -117,6 +122,25 @@ def test_deepseek_v3_figures_and_latent_kv_from_config_numbers(tmp_path, model_t
     assert 37.0e9 < p.params_active < 38.0e9  # published: 37B activated
     assert p.kv_bytes_per_token == 61 * (512 + 64) * 2  # the latent and the roped key, bf16: not 128 heads of K+V
     assert p.params["shared_experts"] == 58 * 3 * 7168 * 2048
+
+
+GLM_45_AIR = {  # numbers of zai-org/GLM-4.5-Air config.json
+    "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8,
+    "head_dim": 128, "n_shared_experts": 1, "n_routed_experts": 128, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 1, "norm_topk_prob": True, "attention_bias": True, "use_qk_norm": False,
+    "partial_rotary_factor": 0.5, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "rope_theta": 1000000, "num_nextn_predict_layers": 1,
+}
+
+
+def test_glm_45_air_figures_from_config_numbers(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(GLM_45_AIR))
+    p = build_plan(tmp_path, PlanOptions(experts_precision="int4", kv_tokens=1000), bandwidth_gbps=20.0)
+    assert 106.0e9 < p.params_total < 107.5e9  # published: 106B total (the MTP layer not counted)
+    embeddings = 2 * 151552 * 4096
+    assert 12.0e9 < p.params_active - embeddings < 12.5e9  # published: 12B active, embeddings aside
+    assert p.kv_bytes_per_token == 2 * 46 * 8 * 128 * 2
 
 
 GPT_OSS_20B = {  # numbers of openai/gpt-oss-20b config.json
