@@ -33,6 +33,11 @@ class ArchSpec:
     # num_attention_heads, num_key_value_heads, num_experts_per_tok, num_experts, moe_intermediate_size, head_dim)
     random_config: Callable[[dict[str, Any]], dict[str, Any]] = lambda kw: kw
     fp32_params: tuple[str, ...] = ()  # parameter name suffixes loaded in fp32 whatever the model dtype
+    # checkpoint name fragment -> the model's (e.g. GPT-OSS's `mlp.router.` is the stack's `mlp.gate.`)
+    renames: tuple[tuple[str, str], ...] = ()
+    # on-disk fused experts: "rows" (gate_up_proj [E, 2I, H] gate rows first, down_proj [E, H, I]) or
+    # "gpt_oss" (gate_up_proj [E, H, 2I] with gate/up columns interleaved, down_proj [E, I, H], biases alike)
+    fused_experts: str = "rows"
 
     def attention_class(self) -> type:
         module, _, name = self.attention.partition(":")
@@ -141,6 +146,28 @@ def _glm4_moe_random(kw: dict[str, Any]) -> dict[str, Any]:
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
 
 
+def _gpt_oss(hf: dict[str, Any], need: Need) -> dict[str, Any]:
+    """GPT-OSS: alternating sliding / full attention with sinks, biased clamped-SwiGLU experts, a router with
+    a bias and a softmax over its top-k logits."""
+    experts, inter, layers = need("num_local_experts", "num_experts"), need("intermediate_size"), need("num_hidden_layers")
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    return dict(num_experts=experts, moe_intermediate_size=inter, dense_intermediate_size=inter,
+                moe_layers=(True,) * layers, attention_bias=bool(hf.get("attention_bias", True)),
+                o_proj_bias=bool(hf.get("attention_bias", True)), norm_topk_prob=False,
+                sliding_window=hf.get("sliding_window"), layer_types=tuple(layer_types), attention_sinks=True,
+                router="topk_softmax", expert_act="swiglu_clamped", expert_bias=True,
+                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
+
+
+def _gpt_oss_random(kw: dict[str, Any]) -> dict[str, Any]:
+    """A sliding window of 8 tokens (shorter than test prompts), YaRN as the released checkpoints."""
+    kw = _expert_width_random(kw, "num_local_experts")
+    return {**kw, "sliding_window": 8, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 4096}}
+
+
 def _qwen_random(kw: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {**kw, "intermediate_size": kw["moe_intermediate_size"] * kw["num_experts_per_tok"], **extra}  # dense MLP
 
@@ -199,6 +226,10 @@ ARCHS: dict[str, ArchSpec] = {
     ),
     "glm4_moe": ArchSpec("glm4_moe", _glm4_moe, ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
                          random_config=_glm4_moe_random, fp32_params=_GROUPED_SIGMOID_FP32),
+    "gpt_oss": ArchSpec(
+        "gpt_oss", _gpt_oss, ("GptOssConfig", "GptOssForCausalLM"), attention="engine.models.gpt_oss:SinkAttention",
+        random_config=_gpt_oss_random, renames=((".mlp.router.", ".mlp.gate."),), fused_experts="gpt_oss",
+    ),
 }
 ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2 ships DeepSeek-V3's architecture under its own model_type
 SUPPORTED_ARCHS = (*ARCHS, *ALIASES)

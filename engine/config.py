@@ -15,7 +15,8 @@ from engine.gguf import hf_config as gguf_hf_config
 from engine.quantization import quantization_from_hf
 from engine.rope import RopeScaling
 
-ROUTERS = ("softmax", "sigmoid_grouped", "softmax_grouped")
+ROUTERS = ("softmax", "sigmoid_grouped", "softmax_grouped", "topk_softmax")
+EXPERT_ACTS = ("silu", "swiglu_clamped")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,17 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
     quantization: BlockFp8 | None = None  # the checkpoint's weight format, dequantized on load; None: unquantized
+    # GPT-OSS: per-layer attention types ("sliding_attention" layers use sliding_window, "full_attention" none;
+    # empty: every layer uses sliding_window), a learned sink logit per head, a bias on o_proj too
+    layer_types: tuple[str, ...] = ()
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    # routed experts: "silu" (SiLU(gate) * up) or "swiglu_clamped" (GPT-OSS, kernels.formats.Activation),
+    # with per-expert biases on gate_up and down when expert_bias
+    expert_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         arch_spec(self.arch)  # UnsupportedArchitectureError for an unknown family
@@ -90,6 +102,19 @@ class ModelConfig:
                                   "n_routed_experts / n_group must be at least 2")
         if self.top_k > self.topk_group * self.num_experts // self.n_group:
             raise CheckpointError(f"num_experts_per_tok={self.top_k} exceeds the experts of topk_group groups")
+        if self.layer_types and (len(self.layer_types) != self.num_layers or
+                                 set(self.layer_types) - {"sliding_attention", "full_attention"}):
+            raise CheckpointError(f"layer_types must give 'sliding_attention' or 'full_attention' for each of "
+                                  f"the {self.num_layers} layers, got {list(self.layer_types)}")
+        if self.expert_act not in EXPERT_ACTS or (self.expert_act == "swiglu_clamped" and not self.swiglu_limit > 0):
+            raise CheckpointError(f"expert activation {self.expert_act!r} (limit {self.swiglu_limit}) is not "
+                                  f"supported: one of {', '.join(EXPERT_ACTS)} with a positive swiglu_limit")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of a layer's attention (None: full attention)."""
+        if self.layer_types and self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
 
     @property
     def num_moe_layers(self) -> int:

@@ -23,12 +23,14 @@ from tqdm.auto import tqdm
 
 from engine.experts import ExpertShard, LayerExperts, LayerPlan, ShardSpec
 from kernels import PackCache, PackedExperts, pack_experts
+from kernels.formats import SILU, Activation
 from kernels.hugepages import hugepage_copy
 
 log = logging.getLogger(__name__)
 
-# reads (layer, expert) -> (gate_up [2I, H], down [H, I]) on the CPU in the model dtype
-ExpertReader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+# reads (layer, expert) -> (gate_up [2I, H], down [H, I]) on the CPU in the model dtype, then for biased
+# experts (gate_up bias [2I], down bias [H])
+ExpertReader = Callable[[int, int], tuple[torch.Tensor, ...]]
 
 
 def default_workers() -> int:
@@ -42,7 +44,7 @@ class _ShardBuffer:
         self.spec = spec
         self.slot = {e: k for k, e in enumerate(spec.expert_ids)}
         self.tensors: dict[str, torch.Tensor] | None = None
-        self.meta: tuple[int, int, int] | None = None  # hidden, intermediate, group size
+        self.meta: tuple | None = None  # hidden, intermediate, group size
         self.filled = 0
         self.lock = threading.Lock()
 
@@ -52,7 +54,7 @@ class _ShardBuffer:
                 n = len(self.spec.expert_ids)
                 self.tensors = {k: hugepage_copy(torch.empty((n, *t.shape[1:]), dtype=t.dtype)) if t.numel() else t
                                 for k, t in one.tensors.items()}
-                self.meta = (one.hidden, one.intermediate, one.group_size)
+                self.meta = (one.hidden, one.intermediate, one.group_size, one.act)
         k = self.slot[expert]
         for name, t in one.tensors.items():
             if t.numel():
@@ -62,16 +64,19 @@ class _ShardBuffer:
 
     def finish(self) -> PackedExperts:
         assert self.tensors is not None and self.meta is not None and self.filled == len(self.slot)
-        return PackedExperts(self.spec.fmt, *self.meta, self.spec.expert_ids, self.tensors)
+        hidden, inter, gs, act = self.meta
+        return PackedExperts(self.spec.fmt, hidden, inter, gs, self.spec.expert_ids, self.tensors, act)
 
 
-def _pack_one(expert: int, gate_up: torch.Tensor, down: torch.Tensor, targets: list[_ShardBuffer],
-              bar: tqdm) -> None:
+def _pack_one(expert: int, weights: tuple[torch.Tensor, ...], targets: list[_ShardBuffer], bar: tqdm,
+              act: Activation) -> None:
+    gate_up, down, *bias = weights
+    biases = (bias[0][None], bias[1][None]) if bias else None
     by_fmt: dict[str, PackedExperts] = {}
     for buf in targets:
         fmt = buf.spec.fmt
         if fmt not in by_fmt:  # [1, 2I, H], [1, H, I] -> one packed expert per format
-            by_fmt[fmt] = pack_experts(gate_up[None], down[None], fmt, progress=False)
+            by_fmt[fmt] = pack_experts(gate_up[None], down[None], fmt, progress=False, biases=biases, act=act)
         buf.put(expert, by_fmt[fmt])
     bar.update(1)
 
@@ -94,6 +99,7 @@ def stream_experts(
     source: str = "",
     workers: int | None = None,
     progress: bool = True,
+    act: Activation = SILU,
 ) -> dict[int, LayerExperts]:
     """Packs every MoE layer's shards from `read`, one expert at a time in a pool of `workers` threads.
 
@@ -134,14 +140,14 @@ def stream_experts(
                     in_flight.release()
                     break
                 try:
-                    gate_up, down = read(i, e)
-                    fut = pool.submit(_pack_one, e, gate_up, down, targets, bar)
+                    weights = read(i, e)
+                    fut = pool.submit(_pack_one, e, weights, targets, bar, act)
                 except BaseException:
                     in_flight.release()
                     raise
                 fut.add_done_callback(lambda _f: in_flight.release())
                 futures.append(fut)
-                del gate_up, down  # the pool holds the only reference: freed as soon as it is packed
+                del weights  # the pool holds the only reference: freed as soon as it is packed
         except BaseException:
             for f in futures:
                 f.cancel()

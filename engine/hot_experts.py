@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,7 +29,7 @@ from kernels.placement import DynamicPlacement, HotExpertPlan, Swap
 
 log = logging.getLogger(__name__)
 
-ExpertReader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]  # (layer, expert) -> gate_up, down
+ExpertReader = Callable[[int, int], tuple[torch.Tensor, ...]]  # (layer, expert) -> gate_up, down[, biases]
 
 
 @dataclass
@@ -54,9 +54,10 @@ def _tiers(layers: dict[int, LayerExperts]) -> list[_Tier]:
 
 
 def _pack_one(read: ExpertReader, layer: int, expert: int, like: ExpertShard) -> PackedExperts:
-    gate_up, down = read(layer, expert)
+    gate_up, down, *bias = read(layer, expert)  # biases too where the family has them (GPT-OSS)
     p = like.packed
-    one = pack_experts(gate_up[None], down[None], p.fmt, group_size=p.group_size or None, progress=False)
+    one = pack_experts(gate_up[None], down[None], p.fmt, group_size=p.group_size or None, progress=False,
+                       biases=(bias[0][None], bias[1][None]) if bias else None, act=p.act)
     return one.to(like.device) if like.device.type != "cpu" else one
 
 
@@ -141,8 +142,8 @@ class HotSetUpdater:
                 low.tensors[name][sl].copy_(t[0])
         up_ids = tuple(swap.admit if e == swap.evict else e for e in up.expert_ids)
         low_ids = tuple(swap.evict if e == swap.admit else e for e in low.expert_ids)
-        tier.upper.packed = PackedExperts(up.fmt, up.hidden, up.intermediate, up.group_size, up_ids, up.tensors)
-        tier.lower.packed = PackedExperts(low.fmt, low.hidden, low.intermediate, low.group_size, low_ids, low.tensors)
+        tier.upper.packed = replace(up, expert_ids=up_ids)  # the same tensors, relabelled
+        tier.lower.packed = replace(low, expert_ids=low_ids)
         le = self.layers[tier.layer]
         for key in ("_host_fast", "_host_exact"):  # which experts are computed on the host changed
             le.__dict__.pop(key, None)

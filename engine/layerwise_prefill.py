@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import EngineError
+from kernels.formats import SILU, Activation
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,9 @@ class DeviceExperts:
     gate_up: torch.Tensor  # [n, 2I, H]
     down: torch.Tensor  # [n, H, I]
     ready: torch.cuda.Event | None  # recorded after the copy (CUDA)
+    act: Activation = SILU  # the experts' gated activation (kernels.formats.Activation)
+    gate_up_bias: torch.Tensor | None = None  # [n, 2I] (GPT-OSS), else None
+    down_bias: torch.Tensor | None = None  # [n, H]
 
 
 def copy_to_device(layer, device: torch.device, dtype: torch.dtype) -> DeviceExperts:
@@ -47,16 +51,21 @@ def copy_to_device(layer, device: torch.device, dtype: torch.dtype) -> DeviceExp
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
     n_total = layer.counts.numel()
-    ids, gus, dns = [], [], []
+    ids, gus, dns, b_gus, b_dns, act = [], [], [], [], [], SILU
     with ctx:
         for shard in layer.fast:
             if shard.device.type != "cpu":
                 continue  # hot experts are on the fast device already and computed there
             packed = shard.packed.to(device)  # the packed (quantized) bytes cross the bus, not fp32
+            act = packed.act
             for local, e in enumerate(packed.expert_ids):
                 gu, dn = packed.dequantize(local)
                 gus.append(gu.to(dtype))
                 dns.append(dn.to(dtype))
+                bias = packed.biases(local)
+                if bias is not None:
+                    b_gus.append(bias[0].float())
+                    b_dns.append(bias[1].float())
                 ids.append(e)
         lut = torch.full((n_total,), -1, dtype=torch.long, device=device)
         if ids:
@@ -67,7 +76,8 @@ def copy_to_device(layer, device: torch.device, dtype: torch.dtype) -> DeviceExp
         if stream is not None:
             ready = torch.cuda.Event()
             ready.record(stream)
-    return DeviceExperts(lut, gate_up, down, ready)
+    return DeviceExperts(lut, gate_up, down, ready, act, torch.stack(b_gus) if b_gus else None,
+                         torch.stack(b_dns) if b_dns else None)
 
 
 class _nullcontext:
@@ -78,8 +88,7 @@ class _nullcontext:
         return False
 
 
-def compute_on_device(w: DeviceExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                      activation=F.silu) -> torch.Tensor:
+def compute_on_device(w: DeviceExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """x [T, H], ids [T, K] global (-1 skip), weights [T, K] -> [T, H] fp32: the host-held experts' sum."""
     if w.ready is not None:
         torch.cuda.current_stream(x.device).wait_event(w.ready)
@@ -87,9 +96,14 @@ def compute_on_device(w: DeviceExperts, x: torch.Tensor, ids: torch.Tensor, weig
     local = torch.where(ids >= 0, w.lut[ids.clamp(min=0)], -1)  # [T, K]
     for e in torch.unique(local[local >= 0]).tolist():
         tok, slot = torch.where(local == e)
-        gate, up = F.linear(x[tok].to(w.gate_up.dtype), w.gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(activation(gate) * up, w.down[e])  # [n, H]
-        out.index_add_(0, tok, y.float() * weights[tok, slot, None].float())
+        h = F.linear(x[tok].to(w.gate_up.dtype), w.gate_up[e]).float()  # [n, 2I]
+        if w.gate_up_bias is not None:
+            h = h + w.gate_up_bias[e]
+        gate, up = h.chunk(2, dim=-1)
+        y = F.linear(w.act(gate, up).to(w.down.dtype), w.down[e]).float()  # [n, H]
+        if w.down_bias is not None:
+            y = y + w.down_bias[e]
+        out.index_add_(0, tok, y * weights[tok, slot, None].float())
     return out
 
 

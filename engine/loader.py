@@ -5,7 +5,9 @@ The model is built on the `meta` device; each tensor is read from the memory-map
 placement plan puts it: dense tensors on the fast device, routed experts packed one at a time into
 host shards (`engine.expert_stream`). Both on-disk expert layouts are accepted: per-expert hub names
 (`mlp.experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`) and the
-fused layout (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]). Missing
+fused layout (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]; GPT-OSS's
+transposed [E, H, 2I] with gate/up columns interleaved, [E, I, H], and their biases: `ArchSpec.fused_experts`;
+its released MXFP4 `*_blocks` / `*_scales` are dequantized one expert at a time: engine/mxfp4.py). Missing
 tensors, wrong shapes and tensors the model has no place for (unless `engine.unused_tensors` knows them
 to be unused) are reported from the headers before anything is loaded.
 Other formats are checkpoint views with the same interface: block-FP8 safetensors (`engine.fp8`) and
@@ -32,6 +34,7 @@ from engine.experts import PlacementConfig
 from engine.fp8 import BlockFp8Checkpoint
 from engine.gguf import GgufCheckpoint, find_gguf
 from engine.models.causal_lm import MoeForCausalLM
+from engine.mxfp4 import dequantize_mxfp4
 from engine.placement_plan import PlacementPlan
 from engine.unused_tensors import check_unexpected
 from kernels import file_identity
@@ -39,6 +42,7 @@ from kernels import file_identity
 log = logging.getLogger(__name__)
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_MXFP4 = re.compile(r"^(.*\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)$")
 _CANONICAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -62,9 +66,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _target(name: str, intermediate: int) -> tuple[str, _Target]:
+def _target(name: str, intermediate: int, renames: tuple[tuple[str, str], ...] = ()) -> tuple[str, _Target]:
     """Maps a checkpoint tensor name to (a key naming the covered slot, its target)."""
     name = name.replace(".block_sparse_moe.", ".mlp.")
+    for old, new in renames:
+        name = name.replace(old, new)
     m = _PER_EXPERT.match(name)
     if not m:
         return name, _Target(name)
@@ -105,8 +111,25 @@ class _Checkpoint:
             raise CheckpointError(f"cannot read tensor {name!r} from {path.name}: {exc}") from exc
 
 
+_EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_bias", "experts.down_proj_bias")
+
+
 def _is_experts(pname: str) -> bool:
-    return pname.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    return pname.endswith(_EXPERT_PARAMS)
+
+
+def _on_disk_shape(pname: str, shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    """The checkpoint shape of a fused expert parameter of `shape` ([E, 2I, H], [E, H, I] or a bias)."""
+    if layout == "gpt_oss" and len(shape) == 3:
+        return (shape[0], shape[2], shape[1])  # stored transposed: [E, H, 2I], [E, I, H]
+    return shape
+
+
+def _from_gpt_oss(gate_up: torch.Tensor, down: torch.Tensor, b_gate_up: torch.Tensor, b_down: torch.Tensor):
+    """One GPT-OSS expert as stored (gate_up [H, 2I] columns gate, up, gate, ...; down [I, H]; biases [2I], [H])
+    -> (gate_up [2I, H] gate rows first, down [H, I], gate_up bias [2I] gate first, down bias [H])."""
+    gate_up = torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1).t()  # [2I, H]
+    return gate_up, down.t(), torch.cat((b_gate_up[0::2], b_gate_up[1::2])), b_down
 
 
 class _Layout:
@@ -118,9 +141,15 @@ class _Layout:
         self.dense: dict[str, str] = {}  # parameter -> checkpoint name
         self.per_expert: dict[str, str] = {}  # "{prefix}.{e}.{part}.weight" -> checkpoint name
         self.fused: dict[str, str] = {}  # expert parameter -> checkpoint name of the fused tensor
+        self.mxfp4: dict[str, dict[str, str]] = {}  # expert parameter -> {"blocks": name, "scales": name}
+        spec = arch_spec(cfg.arch)
+        self.fused_layout = spec.fused_experts
         unexpected = []
         for name in ckpt.where:
-            key, tgt = _target(name, cfg.moe_intermediate_size)
+            if self.fused_layout == "gpt_oss" and (m := _MXFP4.match(name)) and m.group(1) in params:
+                self.mxfp4.setdefault(m.group(1), {})[m.group(2)] = name
+                continue
+            key, tgt = _target(name, cfg.moe_intermediate_size, spec.renames)
             if tgt.param not in params:
                 unexpected.append(name)
             elif tgt.expert is not None:
@@ -137,6 +166,10 @@ class _Layout:
             if not _is_experts(pname):
                 if pname not in self.dense:
                     missing.append(pname)
+            elif pname in self.mxfp4:
+                missing += [f"{pname}_{part}" for part in ("blocks", "scales") if part not in self.mxfp4[pname]]
+            elif pname not in self.fused and pname.endswith("_bias"):
+                missing.append(pname)  # biased experts are read from the fused layout only
             elif pname not in self.fused:
                 prefix = pname.rsplit(".", 1)[0]
                 parts = ("gate_proj", "up_proj") if pname.endswith("gate_up_proj") else ("down_proj",)
@@ -144,18 +177,30 @@ class _Layout:
                             if (k := f"{prefix}.{e}.{part}.weight") not in self.per_expert]
         if missing:
             raise MissingTensorError(missing)
-        for pname, name in (*self.dense.items(), *self.fused.items()):
+        for pname, name in self.dense.items():
             if ckpt.shape(name) != params[pname]:
                 raise TensorShapeError(name, params[pname], ckpt.shape(name))
+        for pname, name in self.fused.items():
+            if ckpt.shape(name) != (want := _on_disk_shape(pname, params[pname], self.fused_layout)):
+                raise TensorShapeError(name, want, ckpt.shape(name))
+        for pname, names in self.mxfp4.items():  # [E, N, K] in the stack's layout: blocks of 32 along K
+            e, n, k = params[pname]
+            for part, want in (("blocks", (e, n, -(-k // 32), 16)), ("scales", (e, n, -(-k // 32)))):
+                if k % 32 or ckpt.shape(names[part]) != want:
+                    raise TensorShapeError(names[part], want, ckpt.shape(names[part]))
         inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
         for key, name in self.per_expert.items():
             want = (hidden, inter) if key.endswith("down_proj.weight") else (inter, hidden)
             if ckpt.shape(name) != want:
                 raise TensorShapeError(name, want, ckpt.shape(name))
 
-    def read_expert(self, ckpt: _Checkpoint, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One expert -> (gate_up [2I, H], down [H, I]) as stored."""
+    def read_expert(self, ckpt: _Checkpoint, layer: int, e: int) -> tuple[torch.Tensor, ...]:
+        """One expert -> (gate_up [2I, H], down [H, I]) in the stored dtype, plus (gate_up bias [2I], down bias
+        [H]) for biased experts."""
         prefix = f"model.layers.{layer}.mlp.experts"
+        if self.fused_layout == "gpt_oss":
+            return _from_gpt_oss(*(self._gpt_oss_tensor(ckpt, f"{prefix}.{p}", e) for p in
+                                   ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")))
         if f"{prefix}.gate_up_proj" in self.fused:
             gate_up = ckpt.get(self.fused[f"{prefix}.gate_up_proj"], e)
         else:
@@ -165,6 +210,14 @@ class _Layout:
         else:
             down = ckpt.get(self.per_expert[f"{prefix}.{e}.down_proj.weight"])
         return gate_up, down
+
+
+    def _gpt_oss_tensor(self, ckpt: _Checkpoint, pname: str, e: int) -> torch.Tensor:
+        """Expert e of a GPT-OSS expert tensor as stored ([H, 2I], [I, H], biases), MXFP4 dequantized."""
+        if pname in self.mxfp4:
+            blocks, scales = (ckpt.get(self.mxfp4[pname][part], e) for part in ("blocks", "scales"))
+            return dequantize_mxfp4(blocks, scales).t()  # [N, K] -> as stored, [K, N]
+        return ckpt.get(self.fused[pname], e)
 
 
 def load_model(
@@ -213,9 +266,9 @@ def load_model(
             model.lm_head.weight = model.model.embed_tokens.weight
         moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
 
-        def read(layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-            gate_up, down = layout.read_expert(ckpt, layer, e)
-            return gate_up.to(dtype), down.to(dtype)  # what the full-precision model would hold
+        def read(layer: int, e: int) -> tuple[torch.Tensor, ...]:
+            # what the full-precision model would hold
+            return tuple(t.to(dtype, memory_format=torch.contiguous_format) for t in layout.read_expert(ckpt, layer, e))
 
         if not plan.layers:
             _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress)
@@ -248,12 +301,18 @@ def _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress) 
         experts = model.model.layers[layer].mlp.experts
         gate_up = torch.empty(e, 2 * i, h, dtype=dtype, device=device)
         down = torch.empty(e, h, i, dtype=dtype, device=device)
+        biases = (torch.empty(e, 2 * i, dtype=dtype, device=device), torch.empty(e, h, dtype=dtype, device=device))
         for x in range(e):
-            gu, dn = read(layer, x)
+            gu, dn, *bias = read(layer, x)
             gate_up[x].copy_(gu)
             down[x].copy_(dn)
+            for dst, src in zip(biases, bias, strict=False):
+                dst[x].copy_(src)
         experts.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
         experts.down_proj = nn.Parameter(down, requires_grad=False)
+        if cfg.expert_bias:
+            experts.gate_up_proj_bias = nn.Parameter(biases[0], requires_grad=False)
+            experts.down_proj_bias = nn.Parameter(biases[1], requires_grad=False)
 
 
 def _stream_experts(model, cfg, plan, placement, files, read, dtype, workers, progress) -> None:
@@ -262,9 +321,12 @@ def _stream_experts(model, cfg, plan, placement, files, read, dtype, workers, pr
     cache_dir = placement.pack_cache_dir if placement is not None else None
     # the cache key names the checkpoint files and the dtype the experts were rounded to before packing
     source = ";".join(file_identity(p) for p in files) + f";{dtype}"
-    layers = stream_experts(read, plan.layers, cfg.hidden_size, cfg.moe_intermediate_size, cache_dir=cache_dir, source=source, workers=workers, progress=progress)
+    act = model.model.layers[next(iter(plan.layers))].mlp.experts.act  # the experts' activation, packed with them
+    layers = stream_experts(read, plan.layers, cfg.hidden_size, cfg.moe_intermediate_size, cache_dir=cache_dir,
+                            source=source, workers=workers, progress=progress, act=act)
     for i, le in layers.items():
         experts = model.model.layers[i].mlp.experts
         experts.packed = le
-        experts.gate_up_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
-        experts.down_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            if hasattr(experts, name):
+                setattr(experts, name, nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False))

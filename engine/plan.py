@@ -21,6 +21,7 @@ from engine.sizing import (
     ROUTED,
     ModelShape,
     SizingError,
+    Weight,
     census,
     expert_params,
     params_by_part,
@@ -145,12 +146,19 @@ def measure_bandwidth(total_mb: int = 256, repeats: int = 4) -> float:
     return min(5 * n * 8 / triad, 2 * n * 8 / read) / 1e9
 
 
+def _routed_bytes(prec: Precision, w: Weight) -> int:
+    """Packed bytes of routed-expert tensors: matrices in `prec`, biases (GPT-OSS) in fp32 as kernels/formats.py."""
+    if len(w.shape) == 1:
+        return w.shape[0] * 4 * w.count
+    return prec.matrix_bytes(*w.shape) * w.count
+
+
 def _part_bytes(shape: ModelShape, opts: PlanOptions) -> dict[str, int]:
     dense, experts = PRECISIONS[opts.dense_precision], PRECISIONS[opts.experts_precision]
     out = dict.fromkeys(PARTS, 0)
     for w in weights(shape):
         if w.part == ROUTED:
-            out[w.part] += experts.matrix_bytes(*w.shape) * w.count
+            out[w.part] += _routed_bytes(experts, w)
         else:
             out[w.part] += math.prod(w.shape) * dense.bits // 8 * w.count
     return out
@@ -158,7 +166,7 @@ def _part_bytes(shape: ModelShape, opts: PlanOptions) -> dict[str, int]:
 
 def _expert_profiles(shape: ModelShape, opts: PlanOptions) -> dict[str, int]:
     """Routed-expert bytes of each mode's profile and of what stays resident (a profile both share counts once)."""
-    per_layer = {fmt: sum(PRECISIONS[fmt].matrix_bytes(*w.shape) * w.count for w in weights(shape)
+    per_layer = {fmt: sum(_routed_bytes(PRECISIONS[fmt], w) for w in weights(shape)
                           if w.part == ROUTED) // max(1, shape.num_moe_layers) for fmt in EXPERT_PRECISIONS}
     n = shape.num_moe_layers
     formatting = min(opts.formatting_layers, n)

@@ -7,7 +7,8 @@ from typing import Any
 from engine.errors import UnsupportedCheckpointError
 from engine.fp8 import BlockFp8
 
-LOADABLE = ("fp8 (block-wise, e4m3, dynamic activations: DeepSeek-V3's format)",)
+LOADABLE = ("fp8 (block-wise, e4m3, dynamic activations: DeepSeek-V3's format)",
+            "mxfp4 (GPT-OSS's released experts, dequantized one expert at a time by engine/mxfp4.py)")
 
 
 def quantization_from_hf(hf: dict[str, Any]) -> BlockFp8 | None:
@@ -19,6 +20,8 @@ def quantization_from_hf(hf: dict[str, Any]) -> BlockFp8 | None:
     method = qc.get("quant_method", "<no quant_method>") if isinstance(qc, dict) else repr(qc)
     if method == "fp8":
         return BlockFp8.from_quantization_config(qc)
+    if method == "mxfp4" and hf.get("model_type") == "gpt_oss":
+        return None  # the loader reads the experts' *_blocks / *_scales itself (engine/loader.py, engine/mxfp4.py)
     raise UnsupportedCheckpointError(
         f"config.json has quantization_config quant_method={method!r}, which moegate cannot load "
         f"(it loads {'; '.join(LOADABLE)}); use the unquantized (bf16/fp16/fp32) checkpoint, or a GGUF file"

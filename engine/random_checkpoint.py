@@ -184,8 +184,8 @@ def write_random_checkpoint(
         gen = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if p.ndim == 1:  # norms (ones) and biases (zeros): make them distinguishable
-                    base = 1.0 if name.endswith("norm.weight") else 0.0
+                if p.ndim == 1 or name.endswith("_bias"):  # norms (ones), biases (zeros; GPT-OSS's expert
+                    base = 1.0 if name.endswith("norm.weight") else 0.0  # biases are [E, N]): distinguishable
                     p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
             for name, b in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):  # a saved buffer (DeepSeek-V3): make it steer

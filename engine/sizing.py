@@ -53,8 +53,11 @@ class ModelShape:
     checkpoint_dtype: str  # "bfloat16", "float32", ... as written in config.json
     kv_cache_layout: tuple[int, int, int]  # ModelConfig.kv_cache_layout: (tensors, heads, width)
     mla: tuple[int | None, int, int, int, int] | None = None  # q_lora_rank, kv_lora_rank, nope, rope, v head dims
-    router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
+    router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias, GPT-OSS's router bias
     shared_expert_gate: bool = False  # Qwen2-MoE's shared_expert_gate
+    o_proj_bias: bool = False  # GPT-OSS: attention_bias puts a bias on o_proj too
+    attention_sinks: bool = False  # GPT-OSS: one sink logit per head and layer
+    expert_bias: bool = False  # GPT-OSS: biases on every expert's gate_up and down
     qk_norm: str = "none"  # ModelConfig.qk_norm
 
     def __post_init__(self) -> None:
@@ -114,8 +117,10 @@ class ModelShape:
             attention_bias=cfg.attention_bias, tie_word_embeddings=cfg.tie_word_embeddings,
             moe_layers=cfg.moe_layers,
             checkpoint_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"),
-            kv_cache_layout=cfg.kv_cache_layout, mla=mla, router_bias=cfg.router == "sigmoid_grouped",
-            shared_expert_gate=cfg.shared_expert_gate, qk_norm=cfg.qk_norm,
+            kv_cache_layout=cfg.kv_cache_layout, mla=mla,
+            router_bias=cfg.router in ("sigmoid_grouped", "topk_softmax"), shared_expert_gate=cfg.shared_expert_gate,
+            o_proj_bias=cfg.o_proj_bias, attention_sinks=cfg.attention_sinks, expert_bias=cfg.expert_bias,
+            qk_norm=cfg.qk_norm,
         )
 
 
@@ -151,8 +156,10 @@ def weights(shape: ModelShape) -> list[Weight]:
         ]
     if shape.attention_bias and shape.mla is None:
         out += [Weight(ATTENTION, (heads * hd,), layers), Weight(ATTENTION, (kv * hd,), 2 * layers)]
-        if shape.arch in ("qwen3_moe", "olmoe"):  # attention_bias also puts a bias on o_proj there
+        if shape.arch in ("qwen3_moe", "olmoe") or shape.o_proj_bias:  # attention_bias also biases o_proj there
             out.append(Weight(ATTENTION, (h,), layers))
+    if shape.attention_sinks:
+        out.append(Weight(ATTENTION, (heads,), layers))
     if shape.qk_norm == "per_head":  # RMSNorm over head_dim (Qwen3, GLM-4.5 use_qk_norm)
         out.append(Weight(NORMS, (hd,), 2 * layers))
     elif shape.qk_norm == "full":  # RMSNorm over all heads (OLMoE)
@@ -165,7 +172,9 @@ def weights(shape: ModelShape) -> list[Weight]:
             Weight(ROUTED, (h, mi), e * n_moe),  # down_proj
         ]
         if shape.router_bias:
-            out.append(Weight(ROUTER, (e,), n_moe))  # e_score_correction_bias
+            out.append(Weight(ROUTER, (e,), n_moe))  # e_score_correction_bias / router.bias
+        if shape.expert_bias:
+            out += [Weight(ROUTED, (2 * mi,), e * n_moe), Weight(ROUTED, (h,), e * n_moe)]
     si = shape.shared_expert_intermediate_size
     if si and n_moe:
         out += [Weight(SHARED, (si, h), 2 * n_moe), Weight(SHARED, (h, si), n_moe)]
@@ -203,8 +212,9 @@ def params_by_part(shape: ModelShape) -> dict[str, int]:
 
 
 def expert_params(shape: ModelShape) -> int:
-    """Parameters of one routed expert (gate, up, down)."""
-    return 3 * shape.hidden_size * shape.moe_intermediate_size
+    """Parameters of one routed expert (gate, up, down and their biases if any)."""
+    biases = 2 * shape.moe_intermediate_size + shape.hidden_size if shape.expert_bias else 0
+    return 3 * shape.hidden_size * shape.moe_intermediate_size + biases
 
 
 def classify(name: str) -> str:
@@ -217,7 +227,8 @@ def classify(name: str) -> str:
         return SHARED
     if ".experts." in name or name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
         return ROUTED
-    if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.gate.e_score_correction_bias")):
+    if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.gate.e_score_correction_bias",
+                      "mlp.router.weight", "mlp.router.bias")):
         return ROUTER
     if "norm" in name:
         return NORMS
@@ -255,6 +266,13 @@ def read_header(path: Path) -> dict[str, Any]:
     return header
 
 
+def _weights_held(name: str, numel: int) -> int:
+    """Parameters a tensor holds: MXFP4 `*_blocks` pack two weights per byte, their `*_scales` hold none."""
+    if name.endswith("_blocks"):
+        return 2 * numel
+    return 0 if name.endswith("_scales") else numel
+
+
 def census(model_dir: str | Path) -> CheckpointCensus | None:
     """Per-part element and byte counts from every *.safetensors header in `model_dir`; None if none."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -270,7 +288,7 @@ def census(model_dir: str | Path) -> CheckpointCensus | None:
             dtype = info["dtype"]
             if dtype not in _ST_DTYPE_BYTES:
                 raise SizingError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-            params[part] += numel
+            params[part] += _weights_held(name, numel)
             nbytes[part] += numel * _ST_DTYPE_BYTES[dtype]
             n += 1
     return CheckpointCensus(params=params, bytes=nbytes,

@@ -156,7 +156,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.moegate_fused_moe.restype = ctypes.c_int
     lib.moegate_fused_moe.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i64, i64,
-                                      p, p, p, p, p, p, ctypes.c_int]
+                                      p, p, p, p, p, p, ctypes.c_int, p, p, ctypes.c_int, ctypes.c_float,
+                                      ctypes.c_float]
     lib.moegate_linear.restype = ctypes.c_int
     lib.moegate_linear.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, p, ctypes.c_int]
     if hasattr(lib, "moegate_rms_norm"):  # absent from an earlier revision's kernel (benchmarks)

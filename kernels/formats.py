@@ -14,6 +14,11 @@ down uses R = 1. int4 packs blocks of 8 k as one dword per row: [N8, Kp / 8, R, 
 holding k0 + c (low nibble) and k0 + 4 + c (high nibble), the operand order of AVX2 maddubs.
 Scales (and mins) are [N8, Kp / G, R, 8].
 
+Activations (``Activation``): SiLU(gate) * up, or GPT-OSS's clamped SwiGLU (gate clamped above at
+``limit``, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)). Optional per-expert biases
+(``gate_up_bias`` [E, 2, I8*8]: gate then up, ``down_bias`` [E, H8*8], fp32, zero-padded) are added to
+the projections' outputs, before the activation and before the router weight.
+
 int4 gate_up runs W4A8 (kernels/csrc/moe_cpu.cpp): the layer input is quantized per token and group
 of G to int8 (``quantize_activations``), so the torch reference applies the same quantization.
 """
@@ -32,10 +37,45 @@ FORMATS = ("fp32", "bf16", "int8", "int4", "int4_asym", "bf16_a16")
 FORMAT_CODE = {name: code for code, name in enumerate(FORMATS)}
 DEFAULT_GROUP_SIZE = {"fp32": 0, "bf16": 0, "int8": 64, "int4": 32, "int4_asym": 32, "bf16_a16": 0}
 _TENSOR_NAMES = ("gate_up", "gate_up_scales", "gate_up_mins", "down", "down_scales", "down_mins")
+_BIAS_NAMES = ("gate_up_bias", "down_bias")
+ACTIVATIONS = ("silu", "swiglu_clamped")
 
 
 class FormatError(ValueError):
     """A weight format, group size or packed-tensor set that cannot be used."""
+
+
+@dataclass(frozen=True)
+class Activation:
+    """The experts' gated activation: "silu" (SiLU(gate) * up) or "swiglu_clamped" (GPT-OSS: gate clamped
+    above at `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate))."""
+
+    kind: str = "silu"
+    alpha: float = 1.0
+    limit: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ACTIVATIONS:
+            raise FormatError(f"unknown expert activation {self.kind!r}; choose one of {', '.join(ACTIVATIONS)}")
+        if self.kind == "swiglu_clamped" and not self.limit > 0:
+            raise FormatError(f"swiglu_clamped needs a positive limit, got {self.limit}")
+
+    @property
+    def code(self) -> int:
+        return ACTIVATIONS.index(self.kind)
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate, up [n, I] fp32 -> [n, I] fp32; the sigmoid in float64 rounded once, as the kernel."""
+        if self.kind == "silu":
+            g = gate.double()
+            return (g / (1.0 + torch.exp(-g))).float() * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        g = gate.double()
+        return (up + 1.0) * (g / (1.0 + torch.exp(-self.alpha * g))).float()
+
+
+SILU = Activation()
 
 
 BF16_FORMATS = ("bf16", "bf16_a16")  # the same packed weights; bf16_a16 also rounds activations to bf16
@@ -145,7 +185,8 @@ class PackedExperts:
     intermediate: int
     group_size: int
     expert_ids: tuple[int, ...]
-    tensors: dict[str, torch.Tensor] = field(repr=False)
+    tensors: dict[str, torch.Tensor] = field(repr=False)  # the packed projections, plus biases if any
+    act: Activation = SILU
 
     def __post_init__(self) -> None:  # CPU weights the kernel streams: in huge pages (kernels/hugepages.py)
         to_hugepages(self.tensors)
@@ -177,11 +218,24 @@ class PackedExperts:
         """A PackedExperts holding only ``global_ids`` (copies), e.g. to move hot experts elsewhere."""
         local = torch.tensor([self.local_index(g) for g in global_ids], dtype=torch.long)
         tensors = {k: (v.index_select(0, local) if v.numel() else v) for k, v in self.tensors.items()}
-        return PackedExperts(self.fmt, self.hidden, self.intermediate, self.group_size, tuple(global_ids), tensors)
+        return PackedExperts(self.fmt, self.hidden, self.intermediate, self.group_size, tuple(global_ids), tensors,
+                             self.act)
+
+    @property
+    def has_bias(self) -> bool:
+        return "gate_up_bias" in self.tensors
+
+    def biases(self, expert: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Local expert index -> (gate_up bias [2I] gate then up, down bias [H]) fp32, or None."""
+        if not self.has_bias:
+            return None
+        gu = self.tensors["gate_up_bias"][expert][:, : self.intermediate].reshape(-1)  # [2I]
+        return gu, self.tensors["down_bias"][expert][: self.hidden]
 
     def to(self, device: torch.device | str) -> PackedExperts:
         tensors = {k: v.to(device) for k, v in self.tensors.items()}
-        return PackedExperts(self.fmt, self.hidden, self.intermediate, self.group_size, self.expert_ids, tensors)
+        return PackedExperts(self.fmt, self.hidden, self.intermediate, self.group_size, self.expert_ids, tensors,
+                             self.act)
 
     def dequantize(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Local expert index -> (w_gate_up [2I, H], w_down [H, I]) fp32, exactly as the kernel sees them."""
@@ -207,6 +261,8 @@ class PackedExperts:
         out = {k: v.contiguous() for k, v in self.tensors.items()}
         out["meta"] = torch.tensor(meta, dtype=torch.int64)
         out["expert_ids"] = torch.tensor(self.expert_ids, dtype=torch.int64)
+        if self.act != SILU:
+            out["act"] = torch.tensor([self.act.code, self.act.alpha, self.act.limit], dtype=torch.float64)
         return out
 
     @classmethod
@@ -217,9 +273,13 @@ class PackedExperts:
         version, code, hidden, inter, gs = (int(v) for v in sd["meta"].tolist())
         if version != LAYOUT_VERSION:
             raise FormatError(f"packed layout version {version} != {LAYOUT_VERSION}; repack the experts")
-        tensors = {k: sd[k] for k in _TENSOR_NAMES}
+        tensors = {k: sd[k] for k in (*_TENSOR_NAMES, *_BIAS_NAMES) if k in sd}
         ids = tuple(int(i) for i in sd["expert_ids"].tolist())
-        packed = cls(FORMATS[code], hidden, inter, gs, ids, tensors)
+        act = SILU
+        if "act" in sd:
+            kind, alpha, limit = sd["act"].tolist()
+            act = Activation(ACTIVATIONS[int(kind)], alpha, limit)
+        packed = cls(FORMATS[code], hidden, inter, gs, ids, tensors, act)
         packed.validate()
         return packed
 
@@ -238,6 +298,13 @@ class PackedExperts:
                 want = (e, n // 8, kp // self.group_size, r, 8) if used else (0,)
                 if tuple(st.shape) != want:
                     raise FormatError(f"{name}{suffix}: got {tuple(st.shape)}, expected {want}; repack")
+        if self.has_bias != ("down_bias" in self.tensors):
+            raise FormatError("packed experts hold one of gate_up_bias / down_bias without the other; repack")
+        if self.has_bias:
+            for name, want in (("gate_up_bias", (e, 2, r_i)), ("down_bias", (e, r_h))):
+                t = self.tensors[name]
+                if tuple(t.shape) != want or t.dtype != torch.float32:
+                    raise FormatError(f"{name}: got {tuple(t.shape)} {t.dtype}, expected {want} float32; repack")
 
 
 _WEIGHT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8,
@@ -257,10 +324,22 @@ def _pack_proj(w: torch.Tensor, r: int, fmt: str, gs: int) -> dict[str, torch.Te
             "_mins": _tile_groups(mins) if mins is not None else empty}
 
 
+def _pack_biases(b_gate_up: torch.Tensor, b_down: torch.Tensor, e: int, i: int, h: int) -> dict[str, torch.Tensor]:
+    """b_gate_up [E, 2I] (gate then up), b_down [E, H] -> zero-padded fp32 [E, 2, I8*8] and [E, H8*8]."""
+    if tuple(b_gate_up.shape) != (e, 2 * i) or tuple(b_down.shape) != (e, h):
+        raise FormatError(f"expected biases [E, 2I] = {(e, 2 * i)} and [E, H] = {(e, h)}; got "
+                          f"{tuple(b_gate_up.shape)} and {tuple(b_down.shape)}")
+    gu = torch.nn.functional.pad(b_gate_up.float().reshape(e, 2, i), (0, _round_up(i, 8) - i))
+    return {"gate_up_bias": gu.contiguous(),
+            "down_bias": torch.nn.functional.pad(b_down.float(), (0, _round_up(h, 8) - h)).contiguous()}
+
+
 def pack_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, fmt: str, group_size: int | None = None,
                  progress: bool = True, expert_ids: tuple[int, ...] | None = None,
-                 chunk: int = 8) -> PackedExperts:
-    """Pack w_gate_up [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up) and w_down [E, H, I] into ``fmt``."""
+                 chunk: int = 8, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 act: Activation = SILU) -> PackedExperts:
+    """Pack w_gate_up [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up) and w_down [E, H, I] into ``fmt``;
+    ``biases`` (gate_up [E, 2I], down [E, H]) and ``act`` go with them."""
     gs = check_format(fmt, DEFAULT_GROUP_SIZE.get(fmt, 0) if group_size is None else group_size)
     e, two_i, h = w_gate_up.shape
     if two_i % 2 or w_down.shape != (e, h, two_i // 2):
@@ -275,7 +354,9 @@ def pack_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, fmt: str, group_
         bar.update(min(chunk, e - s))
     bar.close()
     tensors = {k: (torch.cat(v) if v[0].numel() else v[0]) for k, v in parts.items()}
+    if biases is not None:
+        tensors.update(_pack_biases(*biases, e, two_i // 2, h))
     ids = tuple(range(e)) if expert_ids is None else tuple(expert_ids)
     if len(ids) != e:
         raise FormatError(f"expert_ids has {len(ids)} ids for {e} experts")
-    return PackedExperts(fmt, h, two_i // 2, gs, ids, tensors)
+    return PackedExperts(fmt, h, two_i // 2, gs, ids, tensors, act)

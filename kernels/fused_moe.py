@@ -1,8 +1,10 @@
 """Fused routed-expert MoE on CPU (compiled kernel) and its plain-torch reference.
 
 T = tokens, k = experts per token, H = hidden, I = expert intermediate.
-out[t] = sum over slots s (in slot order) of w[t, s] * down(SiLU(gate(x[t])) * up(x[t])) for expert
-topk_ids[t, s]; a slot with id -1 is skipped. Tokens sharing an expert read its weights once.
+out[t] = sum over slots s (in slot order) of w[t, s] * down(act(gate(x[t]), up(x[t]))) for expert
+topk_ids[t, s]; a slot with id -1 is skipped. Tokens sharing an expert read its weights once. `act` and the
+optional per-expert biases (added to gate/up before act, to down before w) come with the PackedExperts
+(kernels/formats.py: SiLU, or GPT-OSS's clamped SwiGLU).
 
 Tolerance vs the reference (tests/kernels): fp32 / bf16 / int8 multiply by exactly the dequantized
 weights the reference uses and only the fp32 summation order differs (bf16_a16: the reference rounds
@@ -92,9 +94,9 @@ def _auto_threads(slots: int, experts: PackedExperts) -> int:
 
 
 def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: PackedExperts,
-           act: str) -> None:
-    if act != "silu":
-        raise ValueError(f"unsupported activation {act!r}; only 'silu' is implemented")
+           act: str | None) -> None:
+    if act is not None and act != experts.act.kind:
+        raise ValueError(f"activation {act!r} requested but these experts were packed with {experts.act.kind!r}")
     if x.dim() != 2 or x.shape[1] != experts.hidden:
         raise ValueError(f"x must be [T, {experts.hidden}], got {tuple(x.shape)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
@@ -103,7 +105,7 @@ def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
 
 
 def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                        experts: PackedExperts, act: str = "silu", *, skip_missing: bool = False) -> torch.Tensor:
+                        experts: PackedExperts, act: str | None = None, *, skip_missing: bool = False) -> torch.Tensor:
     """Plain torch: dequantize each used expert, matmul in fp32. Works on any device. -> [T, H] fp32."""
     _check(x, topk_ids, topk_weights, experts, act)
     x = x.float()  # [T, H]
@@ -119,10 +121,17 @@ def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     for e in torch.unique(local[local >= 0]).tolist():
         tok, slot = (local == e).nonzero(as_tuple=True)
         w_gu, w_dn = (t.to(x.device) for t in experts.dequantize(e))  # [2I, H], [H, I]
-        gu = xa[tok] @ w_gu.T  # [n, 2I]
-        h = round_activations(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:], fmt)  # [n, I]
-        out.index_add_(0, tok, (h @ w_dn.T) * w[tok, slot, None])  # [n, H]
+        b_gu, b_dn = _biases(experts, e, x.device)
+        gu = xa[tok] @ w_gu.T + b_gu  # [n, 2I]
+        h = round_activations(experts.act(gu[:, :inter], gu[:, inter:]), fmt)  # [n, I]
+        out.index_add_(0, tok, (h @ w_dn.T + b_dn) * w[tok, slot, None])  # [n, H]
     return out
+
+
+def _biases(experts: PackedExperts, e: int, device: torch.device) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+    """Local expert e's (gate_up bias [2I], down bias [H]) on `device`, or zeros as scalars."""
+    b = experts.biases(e)
+    return (0.0, 0.0) if b is None else (b[0].to(device), b[1].to(device))
 
 
 def fused_moe_fake_quant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -138,14 +147,15 @@ def fused_moe_fake_quant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     for e in torch.unique(local[local >= 0]).tolist():
         tok, slot = (local == e).nonzero(as_tuple=True)
         w_gu, w_dn = experts.dequantize(e)  # [2I, H], [H, I]
-        gu = xq[tok] @ w_gu.T  # [n, 2I]
-        h = quantize_activations(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:], gs)  # [n, I]
-        out.index_add_(0, tok, (h @ w_dn.T) * topk_weights.float()[tok, slot, None])
+        b_gu, b_dn = _biases(experts, e, x.device)
+        gu = xq[tok] @ w_gu.T + b_gu  # [n, 2I]
+        h = quantize_activations(experts.act(gu[:, :inter], gu[:, inter:]), gs)  # [n, I]
+        out.index_add_(0, tok, (h @ w_dn.T + b_dn) * topk_weights.float()[tok, slot, None])
     return out
 
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: PackedExperts,
-              act: str = "silu", *, skip_missing: bool = False, use_cpp: bool | None = None,
+              act: str | None = None, *, skip_missing: bool = False, use_cpp: bool | None = None,
               variant: str | None = None, num_threads: int | None = None) -> torch.Tensor:
     """Routed-expert MoE: x [T, H] fp32/bf16, topk_ids [T, k] (-1 = skip), topk_weights [T, k] -> [T, H] fp32.
 
@@ -173,12 +183,15 @@ def run_kernel(lib, x: torch.Tensor, local_ids: torch.Tensor, topk_weights: torc
     ldo = (h + 7) // 8 * 8
     out = torch.empty(t, ldo, dtype=torch.float32)  # [T, H8*8]
     tens = experts.tensors
-    ptr = [tens[n].data_ptr() if tens[n].numel() else None for n in
-           ("gate_up", "gate_up_scales", "gate_up_mins", "down", "down_scales", "down_mins")]
+    ptr = [tens[n].data_ptr() if n in tens and tens[n].numel() else None for n in
+           ("gate_up", "gate_up_scales", "gate_up_mins", "down", "down_scales", "down_mins", "gate_up_bias",
+            "down_bias")]
+    act = experts.act
     rc = lib.moegate_fused_moe(xf.data_ptr(), ids.data_ptr(), wts.data_ptr(), out.data_ptr(), t, k,
                                FORMAT_CODE[experts.fmt], experts.num_experts, h, experts.intermediate,
                                experts.group_size, ptr[0], ptr[1], ptr[2], ptr[3], ptr[4], ptr[5],
-                               ctypes.c_int(num_threads or _auto_threads(t * k, experts)))
+                               ctypes.c_int(num_threads or _auto_threads(t * k, experts)), ptr[6], ptr[7],
+                               act.code, ctypes.c_float(act.alpha), ctypes.c_float(act.limit))
     if rc == -1:
         raise ExpertIdError(f"topk_ids must lie in [-1, {experts.num_experts}) for this PackedExperts")
     if rc != 0:

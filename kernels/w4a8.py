@@ -7,7 +7,7 @@ acc = fma(s * sx, sum(u q) - 8 sum(q), acc) (the difference is an integer, exact
 acc = fma(s * sx, sum(u q), acc); acc = fma(m * sx, sum(q), acc) with m the group min.
 An fp32 fma is emulated in float64 (the product is exact there; one rounding to float64, one to
 float32 — a double rounding that differs from a true fma with probability ~2^-29 per operation).
-SiLU is computed in float64 and rounded once, as in the kernel.
+The activation's sigmoid is computed in float64 and rounded once, as in the kernel; biases are single fp32 adds.
 """
 
 from __future__ import annotations
@@ -60,11 +60,6 @@ def w4a8_tiles(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, mins:
     return acc
 
 
-def silu_f64(g: torch.Tensor) -> torch.Tensor:
-    gd = g.double()
-    return (gd / (1.0 + torch.exp(-gd))).float()
-
-
 def w4a8_moe(x: torch.Tensor, local: torch.Tensor, w: torch.Tensor, packed: PackedExperts) -> torch.Tensor:
     """x [T, H] fp32, local expert indices [T, k] (-1 skip), w [T, k] -> [T, H] fp32, bitwise as the kernel."""
     t, k = local.shape
@@ -76,9 +71,13 @@ def w4a8_moe(x: torch.Tensor, local: torch.Tensor, w: torch.Tensor, packed: Pack
     for e in torch.unique(local[local >= 0]).tolist():
         tok, slot = (local == e).nonzero(as_tuple=True)
         gu = w4a8_project(xp[tok], packed, "gate_up", e)  # [n, 2 * I8*8]
-        act = silu_f64(gu[:, :i8]) * gu[:, i8:]  # [n, I8*8]
+        if packed.has_bias:
+            gu = gu + packed.tensors["gate_up_bias"][e].reshape(-1)  # [2 * I8*8], zero-padded
+        act = packed.act(gu[:, :i8], gu[:, i8:])  # [n, I8*8]
         act = torch.nn.functional.pad(act, (0, hbuf - i8))[:, : packed.padded_intermediate]  # [n, Ip]
         y[tok, slot] = w4a8_project(act, packed, "down", e)
+        if packed.has_bias:
+            y[tok, slot] += packed.tensors["down_bias"][e]  # [H8*8]
     out = torch.zeros(t, h8)
     for s in range(k):
         valid = local[:, s] >= 0

@@ -1,9 +1,10 @@
 """Grouped-query attention over a paged KV cache, with the per-architecture q/k norms.
 
 Exploration batches on the CPU may run the q/k/v (fused) and o projections through quantized copies
-(`fast_qkv`, `fast_o`: kernels.linear.PackedLinear, set by the engine from its `fast_dense` format);
-execution batches always use the model's own weights: on the torch path as they are, on the fused
-execution path (engine/models/fused_decode.py) as lossless packed copies (`exact_qkv`, `exact_o`).
+(`fast_qkv`, `fast_o`: kernels.linear.PackedLinear, set by the engine from its `fast_dense` format; biases
+are added at full precision after them); execution batches always use the model's own weights: on the torch
+path as they are, on the fused execution path (engine/models/fused_decode.py) as lossless packed copies
+(`exact_qkv`, `exact_o`).
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        self.sliding_window = cfg.window_of(layer_idx)
         nh, nkv, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         self.q_proj = nn.Linear(h, nh * d, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(h, nkv * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, nkv * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(nh * d, h, bias=False)
+        self.o_proj = nn.Linear(nh * d, h, bias=cfg.o_proj_bias)
         if cfg.qk_norm == "per_head":
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -37,16 +39,19 @@ class Attention(nn.Module):
         self.fast_o = None
         self.exact_qkv = None  # the same, lossless (kernels.linear.exact_format): the fused execution path
         self.exact_o = None
+        self.fast_qkv_bias = self.fast_o_bias = None
 
     def set_fast_dense(self, fmt: str) -> None:
         """Quantized copies of the projections for exploration batches (the originals stay for execution)."""
         from kernels.linear import PackedLinear
 
-        if self.q_proj.bias is not None:
-            raise ValueError("fast dense projections do not support attention biases; use fast_dense=None")
         qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()  # [NH*D + 2*KV*D, H]
         self.fast_qkv = PackedLinear.pack(qkv, fmt)
         self.fast_o = PackedLinear.pack(self.o_proj.weight.detach(), fmt)
+        # biases (Qwen2-MoE's q/k/v, GPT-OSS's q/k/v/o) stay at full precision, added after the kernel
+        self.fast_qkv_bias = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).detach()
+                              if self.q_proj.bias is not None else None)
+        self.fast_o_bias = self.o_proj.bias.detach() if self.o_proj.bias is not None else None
 
     def set_exact_dense(self) -> None:
         """Lossless packed copies of the projections for the fused execution path (one format for both)."""
@@ -62,6 +67,8 @@ class Attention(nn.Module):
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         nq, nkv = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
         qkv = self.fast_qkv(x).to(x.dtype)  # [T, NQ + 2 NKV]
+        if self.fast_qkv_bias is not None:
+            qkv = qkv + self.fast_qkv_bias
         return qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
 
     def _rope(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +113,8 @@ class Attention(nn.Module):
             vs = v_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)
             out[start : start + q_len] = self._attend(qs, ks, vs).transpose(0, 1)
         if fast:
-            return self.fast_o(out.reshape(T, -1)).to(x.dtype)
+            o = self.fast_o(out.reshape(T, -1)).to(x.dtype)
+            return o if self.fast_o_bias is None else o + self.fast_o_bias
         return self.o_proj(out.reshape(T, -1))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -124,7 +132,7 @@ class Attention(nn.Module):
 
     def _mask(self, q_len: int, ctx: int, device: torch.device) -> torch.Tensor | None:
         """Boolean [q, ctx] mask (True = attend), or None where every key is visible."""
-        window = self.cfg.sliding_window
+        window = self.sliding_window
         if q_len == 1 and (window is None or ctx <= window):
             return None
         q_pos = torch.arange(ctx - q_len, ctx, device=device)[:, None]

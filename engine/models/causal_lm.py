@@ -17,7 +17,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = arch_spec(cfg.arch).attention_class()(cfg)
+        attention = arch_spec(cfg.arch).attention_class()
+        # per-layer attention types (sliding / full) need the layer's index
+        self.self_attn = attention(cfg, layer_idx) if cfg.layer_types else attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.moe_layers[layer_idx]
         self.mlp = (

@@ -60,6 +60,8 @@ def unsupported_reason(cfg: ModelConfig, layer, exact: bool = False) -> str | No
         return "partial rotary embedding"
     if cfg.attention_bias or cfg.clip_qkv is not None or cfg.qk_norm == "full":
         return "attention biases / clip_qkv / whole-projection q/k norms"
+    if cfg.attention_sinks or cfg.expert_bias or cfg.expert_act != "silu" or cfg.rope_scaling:
+        return "attention sinks / biased or non-SiLU experts / scaled RoPE"
     if not layer.is_moe or cfg.shared_expert_intermediate_size:
         return "dense MLP layer or shared expert"
     attn, packed = layer.self_attn, layer.mlp.experts.packed

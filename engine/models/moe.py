@@ -13,6 +13,7 @@ from engine.config import ModelConfig
 from engine.expert_pipeline import Deferred, ExpertPipeline
 from engine.forward_batch import ForwardBatch
 from engine.models.layers import GatedMLP
+from kernels.formats import Activation
 
 
 class Router(nn.Module):
@@ -20,13 +21,15 @@ class Router(nn.Module):
     score in fp32 as transformers does, keep the best `topk_group` of `n_group` expert groups and scale the
     chosen weights by `routed_scaling_factor`: "sigmoid_grouped" (V3: sigmoid scores, a score-correction
     bias that only steers the choice, groups ranked by their top-2 sum) and "softmax_grouped" (V2: groups
-    ranked by their best expert)."""
+    ranked by their best expert). "topk_softmax" (GPT-OSS): logits with a bias, softmax over the top-k logits."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         if cfg.router == "sigmoid_grouped":
             self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts))
+        if cfg.router == "topk_softmax":
+            self.bias = nn.Parameter(torch.zeros(cfg.num_experts))
         self.kind = cfg.router
         self.top_k = cfg.top_k
         self.norm_topk_prob = cfg.norm_topk_prob
@@ -34,6 +37,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (router logits [T, E], top-k weights [T, K], top-k ids [T, K]), weights descending."""
+        if self.kind == "topk_softmax":
+            logits = F.linear(x, self.weight, self.bias)  # [T, E]
+            top, ids = torch.topk(logits, self.top_k, dim=-1)  # [T, K] descending
+            return logits, torch.softmax(top, dim=-1, dtype=top.dtype), ids
         if self.kind != "softmax":
             return self._grouped(x)
         logits = F.linear(x, self.weight)  # [T, E]
@@ -68,7 +75,8 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts in the fused layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+    """Routed experts in the fused layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I],
+    with GPT-OSS's biases gate_up_proj_bias [E, 2I] and down_proj_bias [E, H] when `cfg.expert_bias`.
 
     `packed` (engine.experts.LayerExperts) replaces the raw weights when the engine packs the experts.
     """
@@ -79,6 +87,11 @@ class Experts(nn.Module):
         self.num_experts, self.intermediate = e, i
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        if cfg.expert_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
+            self.down_proj_bias = nn.Parameter(torch.empty(e, h))
+        self.act = Activation(cfg.expert_act, cfg.swiglu_alpha, cfg.swiglu_limit) \
+            if cfg.expert_act != "silu" else Activation()
         self.packed = None
 
     def forward(
@@ -95,8 +108,10 @@ class Experts(nn.Module):
             if e < 0:
                 continue
             tok, slot = torch.where(topk_ids == e)  # [n], [n]
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] x2
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, H]
+            bias = hasattr(self, "gate_up_proj_bias")
+            gate, up = F.linear(x[tok], self.gate_up_proj[e], self.gate_up_proj_bias[e] if bias else None).chunk(2, -1)
+            h = F.silu(gate) * up if self.act.kind == "silu" else self.act(gate.float(), up.float()).to(x.dtype)  # [n, I]
+            y = F.linear(h, self.down_proj[e], self.down_proj_bias[e] if bias else None)  # [n, H]
             out.index_add_(0, tok, (y * topk_weights[tok, slot, None]).to(out.dtype))
         return out
 

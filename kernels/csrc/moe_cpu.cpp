@@ -1,4 +1,7 @@
-// Fused routed-expert MoE for CPU: gate+up -> SiLU(gate)*up -> down, weighted sum per token.
+// Fused routed-expert MoE for CPU: gate+up -> SiLU(gate)*up -> down, weighted sum per token. Optional
+// per-expert biases (gate_up [E][2][I8*8] and down [E][H8*8] fp32, zero-padded) and GPT-OSS's clamped
+// SwiGLU ((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)) are chosen at run
+// time (Act); padding rows stay 0 under both activations.
 //
 // Compiled three ways by kernels/build.py: avx512 (the AVX2 path, with the int4 W4A8 projections on
 // 512-bit AVX-512 VNNI vpdpbusd, 16 output rows x up to 8 tokens per weight block: w4a8_zmm.h), avx2
@@ -315,9 +318,26 @@ void tile_rows(const Mat& A, int64_t tile, const float* const* X, float* const* 
 // SiLU in double, rounded once to float (reproducible by the torch reference to the last bit).
 inline float silu(float g) { return (float)((double)g / (1.0 + std::exp(-(double)g))); }
 
+enum ActKind { ACT_SILU = 0, ACT_SWIGLU_CLAMPED = 1 };
+
+// The experts' gated activation (kernels/formats.py Activation), the sigmoid in double rounded once.
+struct Act {
+  int kind = ACT_SILU;
+  float alpha = 1.f, limit = 0.f;
+  float operator()(float g, float u) const {
+    if (kind == ACT_SILU) return silu(g) * u;
+    g = std::min(g, limit);
+    u = std::min(limit, std::max(-limit, u));
+    return (u + 1.f) * (float)((double)g / (1.0 + std::exp(-(double)alpha * (double)g)));
+  }
+};
+
 struct Problem {
   int64_t T, K, E, H, I, gs, h8, i8, hp, ip, hbuf;
   Mat gu, dn;
+  const float* gu_bias = nullptr;  // [E][2][i8 * 8] or null
+  const float* dn_bias = nullptr;  // [E][h8 * 8] or null
+  Act act;
 };
 
 template <int FMT>
@@ -404,9 +424,13 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       else if constexpr (zmm) zmm_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8, qr, sxr, qsr, n8r, orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 2>(P.gu, e * P.i8 + tile, qr, sxr, qsr, orow, n);
       else tile_rows<FMT, 2>(P.gu, e * P.i8 + tile, xr, orow, n);
+      const float* gb = P.gu_bias ? P.gu_bias + e * 2 * P.i8 * 8 + tile * 8 : nullptr;  // gate; up at + i8*8
       for (int i = 0; i < n; ++i) {
         float* hrow = &hb[(r0 + i) * hbuf + tile * 8];
-        for (int c = 0; c < 8; ++c) hrow[c] = silu(tmp[i][c]) * tmp[i][8 + c];
+        if (gb)
+          for (int c = 0; c < 8; ++c) hrow[c] = P.act(tmp[i][c] + gb[c], tmp[i][8 + c] + gb[P.i8 * 8 + c]);
+        else
+          for (int c = 0; c < 8; ++c) hrow[c] = P.act(tmp[i][c], tmp[i][8 + c]);
       }
     }
     if (p1_left[a].fetch_sub(1, std::memory_order_acq_rel) == 1) {
@@ -458,14 +482,17 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
     if (it < n1) gate_up_item(it);
     else down_item(it - n1);
   });
-  // out[t] = sum over slots in slot order of weight * Y[row(t, slot)].
+  // out[t] = sum over slots in slot order of weight * (Y[row(t, slot)] + down bias of its expert).
   pool.parallel_for(T, 8, nthreads, [&](int64_t t) {
     float* o = out + t * ldy;
     for (int64_t c = 0; c < ldy; c += 8) {
       V8 acc = v_zero();
       for (int64_t s = 0; s < K; ++s) {
         const int64_t r = row_of[t * K + s];
-        if (r >= 0) acc = v_fma_exact(v_set1(wts[t * K + s]), v_load(&y[r * ldy + c]), acc);
+        if (r < 0) continue;
+        V8 yv = v_load(&y[r * ldy + c]);
+        if (P.dn_bias) yv = v_add(yv, v_load(P.dn_bias + ids[t * K + s] * ldy + c));
+        acc = v_fma_exact(v_set1(wts[t * K + s]), yv, acc);
       }
       v_store(o + c, acc);
     }
@@ -581,13 +608,20 @@ int linear_dispatch(int64_t fmt, const Mat& A, const float* x, float* out, int64
 
 extern "C" {
 
-// Returns 0 on success, -1 if an expert id is out of range, -2 for an unknown format.
+// Returns 0 on success, -1 if an expert id is out of range, -2 for an unknown format or activation.
 // x [T, H] fp32; ids [T, K] int64 (-1 = skip); wts [T, K] fp32; out [T, ceil(H/8)*8] fp32.
+// gu_b [E][2][ceil(I/8)*8] and dn_b [E][ceil(H/8)*8] fp32 biases or null; act 0 SiLU, 1 clamped SwiGLU.
 int moegate_fused_moe(const float* x, const int64_t* ids, const float* wts, float* out, int64_t T, int64_t K,
                       int64_t fmt, int64_t E, int64_t H, int64_t I, int64_t gs, const void* gu_w,
                       const uint16_t* gu_s, const uint16_t* gu_m, const void* dn_w, const uint16_t* dn_s,
-                      const uint16_t* dn_m, int nthreads) {
-  const Problem P = make_problem(T, K, fmt, E, H, I, gs, gu_w, gu_s, gu_m, dn_w, dn_s, dn_m);
+                      const uint16_t* dn_m, int nthreads, const float* gu_b, const float* dn_b, int act,
+                      float alpha, float limit) {
+  if (act != ACT_SILU && act != ACT_SWIGLU_CLAMPED) return -2;
+  if ((gu_b == nullptr) != (dn_b == nullptr)) return -2;
+  Problem P = make_problem(T, K, fmt, E, H, I, gs, gu_w, gu_s, gu_m, dn_w, dn_s, dn_m);
+  P.gu_bias = gu_b;
+  P.dn_bias = dn_b;
+  P.act = Act{act, alpha, limit};
   return moe_dispatch(fmt, P, x, ids, wts, out, std::max(nthreads, 1));
 }
 

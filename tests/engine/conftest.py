@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss")
 VOCAB = 512
 
 
@@ -43,6 +43,14 @@ def write_hf_checkpoint(path, arch: str, seed: int = 0, **overrides) -> None:
             n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.8,
             attention_bias=True, use_qk_norm=True,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+        # sliding / full / sliding layers with a window shorter than the prompts, YaRN past its original 16
+        # positions, odd head_dim 18 and expert width 40, a SwiGLU limit small enough that both clamps bite
+        "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+            num_hidden_layers=3, num_local_experts=6, intermediate_size=40, head_dim=18, sliding_window=5,
+            max_position_embeddings=64,
+            swiglu_limit=0.1, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                               "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                               "original_max_position_embeddings": 16})),
     }
     config_cls, model_cls, arch_kw = specs[arch]
     config = getattr(tf, config_cls)(**{**common, **arch_kw, **overrides})
@@ -54,6 +62,8 @@ def write_hf_checkpoint(path, arch: str, seed: int = 0, **overrides) -> None:
                 p.normal_(1.0, 0.1)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
+            elif name.endswith("sinks"):  # GPT-OSS: sink logits that take a visible share of attention
+                p.normal_(0.0, 1.0)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a real bias so it steers the choice
                 b.normal_(0.0, 0.05)

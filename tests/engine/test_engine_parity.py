@@ -18,7 +18,7 @@ from engine.llm_engine import LLM
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss")
 VOCAB = 512  # the tiny checkpoints of tests/engine/conftest.py
 
 STEPS = 32

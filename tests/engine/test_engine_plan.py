@@ -15,7 +15,7 @@ import torch
 
 from engine import plan as plan_mod
 from engine.plan import GIB, PRECISIONS, PlanOptions, build_plan, measure_bandwidth
-from engine.sizing import ROUTED, ModelShape, SizingError, census, params_by_part
+from engine.sizing import EMBED, ROUTED, ModelShape, SizingError, census, params_by_part
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,6 +60,9 @@ def _tiny_configs():
                                     num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
                                     topk_group=1, n_shared_experts=1, first_k_dense_replace=1, attention_bias=True,
                                     use_qk_norm=True),
+        # sinks, biases on q/k/v/o, the router and every expert; fused [E, H, 2I] experts on disk
+        "gpt_oss": t.GptOssConfig(**common, intermediate_size=40, num_hidden_layers=2, head_dim=18,
+                                  num_local_experts=6, num_experts_per_tok=2),
     }
 
 
@@ -71,7 +74,7 @@ def _save(config, path: Path, dtype=torch.float32) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2",
-                                  "glm4_moe"])
+                                  "glm4_moe", "gpt_oss"])
 def test_param_counts_match_transformers_and_headers_per_part(arch, tmp_path):
     model = _save(_tiny_configs()[arch], tmp_path)
     shape = ModelShape.from_dir(tmp_path)
@@ -138,6 +141,33 @@ def test_glm_45_air_figures_from_config_numbers(tmp_path):
     embeddings = 2 * 151552 * 4096
     assert 12.0e9 < p.params_active - embeddings < 12.5e9  # published: 12B active, embeddings aside
     assert p.kv_bytes_per_token == 2 * 46 * 8 * 128 * 2
+
+
+GPT_OSS_20B = {  # numbers of openai/gpt-oss-20b config.json
+    "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+    "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128, "tie_word_embeddings": False,
+    "attention_bias": True, "max_position_embeddings": 131072, "swiglu_limit": 7.0, "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "torch_dtype": "bfloat16",
+}
+
+
+@pytest.mark.parametrize(("layers", "experts", "total", "active"), [(24, 32, 20.91e9, 3.61e9),
+                                                                    (36, 128, 116.83e9, 5.13e9)])
+def test_gpt_oss_figures_from_config_numbers(tmp_path, layers, experts, total, active):
+    """gpt-oss-20b and (with its layer and expert counts) gpt-oss-120b against OpenAI's published counts,
+    whose active figure leaves out the embedding."""
+    config = {**GPT_OSS_20B, "num_hidden_layers": layers, "num_local_experts": experts,
+              "layer_types": ["sliding_attention", "full_attention"] * (layers // 2)}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    p = build_plan(tmp_path, PlanOptions(experts_precision="int4", kv_tokens=1000), bandwidth_gbps=20.0)
+    assert p.params_total == pytest.approx(total, abs=0.01e9)
+    assert p.params_active - p.params[EMBED] == pytest.approx(active, abs=0.01e9)
+    assert p.kv_bytes_per_token == 2 * layers * 8 * 64 * 2  # every layer's K and V are cached in full
+    biases = (2 * 2880 + 2880) * experts * layers * 4  # expert biases stay fp32 in the packed shards
+    assert p.experts_bytes == pytest.approx((p.params[ROUTED] - biases // 4) * 0.5625 + biases, rel=1e-9)
 
 
 @pytest.fixture(scope="module")

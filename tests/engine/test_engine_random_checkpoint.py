@@ -30,6 +30,9 @@ EXPECTED_NAMES = {
     "glm4_moe": ("n_routed_experts", "mlp.experts.7.gate_proj.weight", "mlp.gate.weight",
                  ["self_attn.q_norm.weight", "self_attn.k_proj.bias", "mlp.shared_experts.up_proj.weight",
                   "mlp.gate.e_score_correction_bias"]),
+    "gpt_oss": ("num_local_experts", "mlp.experts.gate_up_proj", "mlp.router.weight",
+                ["mlp.router.bias", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias", "self_attn.sinks",
+                 "self_attn.o_proj.bias"]),
 }
 
 
