@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import uuid
 from collections.abc import Sequence as Seq
@@ -18,7 +17,9 @@ from engine.errors import RequestError
 from engine.experts import PlacementConfig
 from engine.kv_cache import BlockManager, KVCacheSpec
 from engine.loader import load_model
+from engine.mode import Mode
 from engine.model_runner import ModelRunner
+from engine.numerics import NumericsProfile
 from engine.placement_plan import PlacementPlan
 from engine.prefix_cache import BlockHasher, PrefixCacheConfig, PrefixCacheManager, model_fingerprint
 from engine.prefix_cache.entry import EntryCodec
@@ -50,6 +51,8 @@ class EngineConfig:
     fast_lm_head: str | None = None  # exploration lm_head: None (model dtype), "bf16", "int8" or "int4" (CPU)
     fast_dense: str | None = None  # exploration attention projections on CPU: None (model dtype), int8, int4, bf16
     fused_decode: bool = True  # with fast_dense on CPU: small exploration batches run each layer in one kernel call
+    # The six fields above in one object (engine/numerics.py): pass either `numerics` or those fields.
+    numerics: NumericsProfile | None = None
     progress: bool = True
     # Prefix cache. The device tier (the KV pool) is on unless prefix_cache=False; RAM, disk and redis
     # hold demoted blocks. The library writes no disk cache unless told where (`moegate serve` passes
@@ -70,6 +73,17 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if min(self.ram_cache_gib, self.disk_cache_gib) < 0:
             raise ValueError("ram_cache_gib and disk_cache_gib must be >= 0")
+        legacy = {"placement": "experts", "exact_lm_head": "exact_lm_head", "fast_lm_head": "fast_lm_head",
+                  "fast_dense": "fast_dense", "defer": "defer", "fused_decode": "fused"}
+        if self.numerics is None:
+            object.__setattr__(self, "numerics", NumericsProfile(**{p: getattr(self, c) for c, p in legacy.items()}))
+            return
+        for ours, theirs in legacy.items():  # the separate fields follow the profile (they may repeat it)
+            value, default = getattr(self.numerics, theirs), type(self).__dataclass_fields__[ours].default
+            if getattr(self, ours) not in (default, value):
+                raise ValueError(f"{ours}={getattr(self, ours)!r} contradicts numerics.{theirs}={value!r}; "
+                                 "pass one of them")
+            object.__setattr__(self, ours, value)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -109,35 +123,37 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = _load_tokenizer(model_dir)
         cfg = self.model_config
-        if config.defer and config.defer > cfg.top_k // 2:
-            raise ValueError(f"defer={config.defer} must be at most top_k/2 = {cfg.top_k // 2}")
-        self.placement_plan = PlacementPlan.build(cfg, config.placement, self.device)
+        numerics = config.numerics
+        if numerics.defer and numerics.defer > cfg.top_k // 2:
+            raise ValueError(f"defer={numerics.defer} must be at most top_k/2 = {cfg.top_k // 2}")
+        self.placement_plan = PlacementPlan.build(cfg, numerics.experts, self.device)
         model = load_model(model_dir, dtype=config.torch_dtype, progress=config.progress,
-                           placement=config.placement, plan=self.placement_plan)
+                           placement=numerics.experts, plan=self.placement_plan)
         self.layer_experts = {i: layer.mlp.experts.packed for i, layer in enumerate(model.model.layers)
                               if layer.is_moe and layer.mlp.experts.packed is not None}
         for le in self.layer_experts.values():
             le.num_threads = torch.get_num_threads()  # the kernel's own pool, whatever torch uses
-        if config.exact_lm_head:
+        if numerics.exact_lm_head:
             model.exact_lm_head = model.lm_head.weight.detach().float().clone()
-        if config.fast_lm_head:
+        if numerics.fast_lm_head:
             from engine.models.causal_lm import QuantizedLMHead
 
-            model.fast_lm_head = QuantizedLMHead(model.lm_head.weight, config.fast_lm_head)
-        if config.fast_dense and self.device.type == "cpu":
-            for layer in tqdm(model.model.layers, desc=f"pack attention {config.fast_dense}", leave=False,
+            model.fast_lm_head = QuantizedLMHead(model.lm_head.weight, numerics.fast_lm_head)
+        if numerics.fast_dense and self.device.type == "cpu":
+            for layer in tqdm(model.model.layers, desc=f"pack attention {numerics.fast_dense}", leave=False,
                               disable=not config.progress):
-                layer.self_attn.set_fast_dense(config.fast_dense)
-            if config.fused_decode and config.dtype == "float32":
+                layer.self_attn.set_fast_dense(numerics.fast_dense)
+            if numerics.fused and config.dtype == "float32":
                 from engine.models.fused_decode import build_fused_layers
 
                 model.fused_layers = build_fused_layers(cfg, model.model.layers)
-        elif config.fast_dense:
+        elif numerics.fast_dense:
             log.warning("fast_dense=%s packs CPU attention projections; on %s the model's own weights run",
-                        config.fast_dense, self.device)
+                        numerics.fast_dense, self.device)
         log.info("%s", self.placement_plan.summary(model))
         self.placement = self.placement_plan.describe(model)  # what /v1/models reports
         self.fused_decode = model.fused_layers is not None  # small exploration batches: one call per layer
+        self.numerics = numerics.resolved(self.device.type, self.fused_decode)  # what runs, per mode
         self._identity = _model_identity(model_dir)
         spec = (
             KVCacheSpec(config.num_kv_blocks, config.block_size)
@@ -145,7 +161,7 @@ class LLMEngine:
             else KVCacheSpec.from_budget(cfg, config.kv_cache_gib, config.block_size, config.torch_dtype)
         )
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, spec.num_blocks * spec.block_size)
-        self.runner = ModelRunner(model, spec, self.device, config.torch_dtype, defer=config.defer)
+        self.runner = ModelRunner(model, spec, self.device, config.torch_dtype, defer=numerics.defer)
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
         self._fingerprint = model_fingerprint(model_dir, config.dtype, self._numerics())
         self.prefix_cache = self._build_prefix_cache(spec) if config.prefix_cache else None
@@ -162,8 +178,8 @@ class LLMEngine:
             "engine ready: %s (%s) on %s, dtype %s, %d KV blocks x %d tokens, max_model_len %d; %s; "
             "exploration defers %d expert(s)/token",
             model_dir, cfg.arch, self.device, config.dtype, spec.num_blocks, spec.block_size, self.max_model_len,
-            config.placement.describe() if config.placement else "experts unpacked (torch reference)",
-            config.defer,
+            numerics.experts.describe() if numerics.experts else "experts unpacked (torch reference)",
+            numerics.defer,
         )
 
     def _numerics(self) -> str:
@@ -205,26 +221,11 @@ class LLMEngine:
             self.prefix_cache = self.scheduler.prefix = None
 
     # -- numerics ------------------------------------------------------------------------------
-    def numerics_fingerprint(self, mode: str = "execution") -> str:
-        """Identifies what computes a token in `mode`: model, dtype, expert precision profile, deferral."""
+    def numerics_fingerprint(self, mode: Mode = Mode.EXECUTION) -> str:
+        """Identifies what computes a token in `mode` (`self.numerics`, the model, its dtype): the root of its
+        prefix-cache chains and the responses' `system_fingerprint`."""
         c = self.config
-        p = c.placement
-        profile = {
-            "model": self._identity,
-            "dtype": c.dtype,
-            "experts": None if p is None else (
-                [p.execution_format or p.fast_format, p.exact_format, p.formatting_layers] if mode == "execution"
-                else [p.fast_format, p.mixed_hot_fraction]
-            ),
-            "hot": None if p is None else [p.fast_format, p.hot_experts, p.hot_strategy],
-            "lm_head": ("fp32" if c.exact_lm_head else c.dtype) if mode == "execution" else (c.fast_lm_head or c.dtype),
-            "dense": c.dtype if mode == "execution" or self.device.type != "cpu" else (c.fast_dense or c.dtype),
-            "fused": mode != "execution" and self.fused_decode,
-            "defer": 0 if mode == "execution" else c.defer,
-            "chunk": c.max_num_batched_tokens if mode == "execution" else None,
-        }
-        digest = hashlib.sha256(json.dumps(profile, sort_keys=True).encode()).hexdigest()
-        return f"fp_{mode[:4]}_{digest[:16]}"
+        return self.numerics.fingerprint(mode, self._identity, c.dtype, c.max_num_batched_tokens)
 
     def set_deferral(self, defer: int) -> None:
         """Changes exploration's expert deferral from the next step on (the execution profile never defers).
@@ -235,27 +236,27 @@ class LLMEngine:
         """
         if not 0 <= defer <= self.model_config.top_k // 2:
             raise ValueError(f"defer={defer} must be in [0, top_k/2 = {self.model_config.top_k // 2}]")
-        if defer == self.config.defer:
+        if defer == self.numerics.defer:
             return
-        self.config = replace(self.config, defer=defer)
+        self.config = replace(self.config, numerics=self.config.numerics.with_defer(defer), defer=defer)
+        self.numerics = self.numerics.with_defer(defer)
         self.runner.set_defer(defer)
         for seq in self._seqs.values():
-            if seq.mode == "execution" or seq.cache_root is None or self.prefix_cache is None:
+            if seq.mode == Mode.EXECUTION or seq.cache_root is None or self.prefix_cache is None:
                 continue
             seq.block_hashes.clear()
             fresh = not seq.block_table and seq.num_computed == 0
-            seq.cache_root = self.prefix_cache.salt_root(seq.cache_salt, self.numerics_fingerprint("exploration"),
+            seq.cache_root = self.prefix_cache.salt_root(seq.cache_salt, self.numerics_fingerprint(Mode.EXPLORATION),
                                                          seq.cache_exact) if fresh else None
         log.info("exploration defers %d expert(s)/token from the next step", defer)
 
-    def set_mode(self, request_id: str, mode: str, resync: str = "keep") -> None:
+    def set_mode(self, request_id: str, mode: Mode, resync: str = "keep") -> None:
         """Switches a sequence's mode at the next token boundary.
 
         resync="recompute" on a switch to execution drops the sequence's KV so it is recomputed
         strictly: the execution segment then equals an all-strict run. "keep" reuses the KV.
         """
-        if mode not in ("exploration", "execution"):
-            raise ValueError(f"mode must be exploration or execution, got {mode!r}")
+        mode = Mode.parse(mode)
         if resync not in ("keep", "recompute"):
             raise ValueError(f"resync must be keep or recompute, got {resync!r}")
         seq = self._seqs.get(request_id)
@@ -263,20 +264,20 @@ class LLMEngine:
             return
         seq.mode = mode
         seq.mode_switches.append((len(seq.output_token_ids), mode))
-        recompute = mode == "execution" and resync == "recompute" and seq.num_computed
+        recompute = mode == Mode.EXECUTION and resync == "recompute" and seq.num_computed
         if recompute and seq.status is SeqStatus.RUNNING:
             self.scheduler.drop_kv(seq)
         if self.prefix_cache is not None:
             # Recomputed KV is all in the new mode: it is cached under that mode's chain. Kept KV mixes
             # both modes: its later blocks are not cached at all.
             seq.block_hashes.clear()
-            seq.cache_exact = mode == "execution"
+            seq.cache_exact = mode == Mode.EXECUTION
             seq.cache_root = self.prefix_cache.salt_root(seq.cache_salt, self.numerics_fingerprint(mode),
                                                          seq.cache_exact) if recompute else None
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, mode: str = "exploration",
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, mode: Mode = Mode.EXPLORATION,
         *, cache_salt: str = "",
     ) -> None:
         """Queues a request. `cache_salt` is set by the server (the tenant), never by a client: prefix-cache
@@ -298,11 +299,13 @@ class LLMEngine:
             raise RequestError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
         if total > self.max_model_len:
             params = _with_max_tokens(params, self.max_model_len - len(prompt_token_ids))
-        if mode not in ("exploration", "execution"):
-            raise RequestError(f"mode must be exploration or execution, got {mode!r}")
+        try:
+            mode = Mode.parse(mode)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         seq = Sequence(request_id, list(prompt_token_ids), params, mode=mode)
         if self.prefix_cache is not None:
-            seq.cache_salt, seq.cache_exact = cache_salt, mode == "execution"
+            seq.cache_salt, seq.cache_exact = cache_salt, mode == Mode.EXECUTION
             seq.cache_root = self.prefix_cache.salt_root(cache_salt, self.numerics_fingerprint(mode), seq.cache_exact)
         if self.tokenizer is not None:
             seq.detokenizer = self.tokenizer.stream()
@@ -338,7 +341,7 @@ class LLMEngine:
         for c in chunks:
             c.seq.num_computed = c.start + c.num_tokens
             if self.prefix_cache is not None:
-                self.prefix_cache.register(c.seq, c.start, c.num_tokens, alone=len(chunks) == 1 or c.seq.mode == "execution")
+                self.prefix_cache.register(c.seq, c.start, c.num_tokens, alone=len(chunks) == 1 or c.seq.mode == Mode.EXECUTION)
         sampling = [c.seq for c in chunks if c.samples]
         tokens = sample(logits, sampling, self.vocab_limit) if sampling else []
         outputs = []

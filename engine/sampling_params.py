@@ -8,6 +8,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from engine.mode import Mode
+
 # A logits processor sees the tokens generated so far for its sequence and that sequence's
 # logits row [V]; it returns the (possibly masked) row. Constrained decoding plugs in here.
 LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
@@ -67,7 +69,7 @@ class SamplingParams:
     # Segment triggers: sampling one of these token ids switches the sequence to the mapped mode
     # ("execution" / "exploration") before its next token, e.g. {<tool_call>: execution,
     # </tool_call>: exploration}. `resync` applies to switches into execution.
-    mode_triggers: dict[int, str] = field(default_factory=dict)
+    mode_triggers: dict[int, Mode] = field(default_factory=dict)
     resync: str = "keep"
 
     def __post_init__(self) -> None:
@@ -81,9 +83,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.resync not in ("keep", "recompute"):
             raise ValueError(f"resync must be keep or recompute, got {self.resync!r}")
-        bad = {m for m in self.mode_triggers.values() if m not in ("exploration", "execution")}
-        if bad:
-            raise ValueError(f"mode_triggers map to exploration or execution, got {sorted(bad)}")
+        self.mode_triggers = {t: Mode.parse(m, "mode_triggers values") for t, m in self.mode_triggers.items()}
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 

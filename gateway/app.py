@@ -14,6 +14,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+from engine.mode import Mode
 from gateway.deps import AppState
 from gateway.errors import APIError, install_handlers
 from gateway.metrics import Metrics
@@ -35,10 +36,12 @@ class FixedPolicy:
         self.current: Policy = base.model_copy(update={"models": [ModelEntry(name=model_name, source=model_dir)]})
 
 
-def placement_from_policy(policy: Policy):
-    """The policy's precision profiles of the two modes -> (expert placement with both profiles resident,
-    fp32 lm_head in execution, exploration lm_head format, exploration attention format)."""
+def numerics_from_policy(policy: Policy, defer: int = 0):
+    """The engine's numerics profile (engine/numerics.py) from the policy's precision profiles of the two modes:
+    both expert profiles resident, fp32 lm_head in execution, exploration's lm_head and attention formats,
+    exploration's deferral `defer` (resolved by `deferral_for`)."""
     from engine.experts import PlacementConfig
+    from engine.numerics import NumericsProfile
 
     fast = policy.precision_profiles[policy.modes.exploration.precision]
     exact = policy.precision_profiles[policy.modes.execution.precision]
@@ -55,12 +58,12 @@ def placement_from_policy(policy: Policy):
         exact_format=exact.formatting_dtype,
         formatting_layers=exact.formatting_layers,
     )
-    fast_lm_head = fast.lm_head if fast.lm_head != "fp32" else None
-    fast_dense = fast.attention if fast.attention != "model" else None
-    return placement, exact.lm_head == "fp32", fast_lm_head, fast_dense
+    return NumericsProfile(experts=placement, exact_lm_head=exact.lm_head == "fp32",
+                           fast_lm_head=fast.lm_head if fast.lm_head != "fp32" else None,
+                           fast_dense=fast.attention if fast.attention != "model" else None, defer=defer)
 
 
-def numerics_fingerprint(llm, settings: Settings, mode: str = "execution") -> str:
+def numerics_fingerprint(llm, settings: Settings, mode: Mode = Mode.EXECUTION) -> str:
     """`system_fingerprint`: the engine's numerics fingerprint for `mode` when it has one, else a hash of what
     decides the numerics (config, weight files, tokenizer, dtype, device)."""
     own = getattr(llm, "numerics_fingerprint", None)
@@ -218,11 +221,9 @@ def _start(settings: Settings, metrics: Metrics):
         log.info("expert deferral auto: exploration defers %d expert(s) per token on %s%s", defer, device,
                  "" if device == "cuda" else " (CPU only: experts and the dense path share the cores, nothing "
                  "to overlap; set modes.exploration.deferral_depth to force a depth)")
-    placement, exact_lm_head, fast_lm_head, fast_dense = placement_from_policy(policy)
     engine = LLMEngine(EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
                                     kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
-                                    defer=defer, placement=placement, exact_lm_head=exact_lm_head,
-                                    fast_lm_head=fast_lm_head, fast_dense=fast_dense,
+                                    numerics=numerics_from_policy(policy, defer),
                                     disk_cache_dir=str(_kv_dir(settings)),
                                     redis_url=settings.redis_url,
                                     progress=sys.stderr.isatty()))  # load bars on a terminal, not in logs
@@ -243,7 +244,7 @@ def _start(settings: Settings, metrics: Metrics):
         log.warning("audit chain unkeyed (sha256): set %s to make it HMAC-SHA256", KEY_ENV)
     state = AppState(settings=settings, llm=llm, generator=Generator(llm, tok, settings.strict_retries),
                      policies=policies, open_access=open_access, store=store, telemetry=tel, audit=audit,
-                     metrics=metrics, fingerprints={m: numerics_fingerprint(llm, settings, m) for m in ("exploration", "execution")}, created=int(time.time()))
+                     metrics=metrics, fingerprints={m: numerics_fingerprint(llm, settings, m) for m in Mode}, created=int(time.time()))
     if isinstance(policies, PolicyHolder):  # reloads are checked against, and applied to, this process
         PolicyReloads(state, top_k, device, numerics_fingerprint).install(policies)
 

@@ -6,7 +6,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-EXPLORATION, EXECUTION = "exploration", "execution"
+from engine.mode import EXECUTION, EXPLORATION, Mode
+
 # Features that ask for structure: the request is execution whatever the policy says.
 STRUCTURAL = frozenset({"json_schema", "json_object", "tools_required", "sql"})
 _FENCE_OPEN = re.compile(rb"(?:^|\n)```(json|sql)[ \t]*\n$")
@@ -17,7 +18,7 @@ FENCE_CLOSE = b"\n```"
 class Decision:
     """One mode decision: the request's initial mode or a switch inside a sequence."""
 
-    mode: str
+    mode: Mode
     reason: str
     token_index: int | None = None  # index in the generated tokens (None: before the first token)
     segment: str | None = None  # tool_call | json_fence | sql_fence
@@ -78,7 +79,7 @@ class SegmentDetector:
     token_bytes: Sequence[bytes | None]
     tool_open_id: int | None
     tool_close_id: int | None
-    segment_modes: Mapping[str, str]  # kind -> execution | exploration (the policy's `segments`)
+    segment_modes: Mapping[str, Mode]  # kind -> mode (the policy's `segments`) (the policy's `segments`)
     fences: frozenset[str] = frozenset({"json", "sql"})  # languages whose fences open segments
     segments: list[Segment] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
@@ -91,7 +92,7 @@ class SegmentDetector:
         return self.segments[-1] if self.segments and self.segments[-1].end is None else None
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> Mode:
         return EXECUTION if self.open is not None else EXPLORATION
 
     def push_all(self, token_ids: Sequence[int]) -> list[Decision]:

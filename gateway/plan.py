@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.mode import Mode
 from gateway.classify import Decision, classify, request_features
 from gateway.errors import APIError, bad_request
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -36,7 +37,7 @@ class Plan:
     n: int
     decision: Decision  # the request's mode
     features: set[str]
-    segment_modes: dict[str, str]
+    segment_modes: dict[str, Mode]
     # whole-request execution: the constraint and the validator of the complete output
     kind: str | None = None  # json | tool_calls | sql
     spec: ConstraintSpec | None = None
@@ -54,7 +55,7 @@ class Plan:
 
     @property
     def execution(self) -> bool:
-        return self.decision.mode == "execution"
+        return self.decision.mode == Mode.EXECUTION
 
     def sampling_fields(self) -> dict:
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.errors import EngineError, RequestError
+from engine.mode import Mode
 from gateway.audit import audit_data
 from gateway.deps import AppState, check_model
 from gateway.errors import APIError, bad_request
@@ -219,7 +220,7 @@ class _Ctx:
         m.tokens.labels("completion").inc(out_tokens)
         for _, _, fin in results:
             for d in fin.decisions[1:]:
-                rt.mode_switch("exploration" if d.mode == "execution" else "execution", d.mode, d.reason,
+                rt.mode_switch(Mode.EXPLORATION if d.mode == Mode.EXECUTION else Mode.EXECUTION, d.mode, d.reason,
                                d.token_index)
                 m.switches.labels(d.mode, d.segment or "").inc()
             for v in fin.validations:

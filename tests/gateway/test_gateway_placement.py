@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gateway.app import placement_from_policy
+from gateway.app import numerics_from_policy
 from policies.loader import load_policy
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "policies" / "examples"
 
 
 def test_finance_profiles_map_to_placement():
-    placement, exact_lm_head, fast_lm_head, fast_dense = placement_from_policy(load_policy(EXAMPLES / "finance.yaml"))
+    n = numerics_from_policy(load_policy(EXAMPLES / "finance.yaml"))
+    placement, exact_lm_head, fast_lm_head, fast_dense = n.experts, n.exact_lm_head, n.fast_lm_head, n.fast_dense
     assert placement.fast_format == "int4"  # exploration: fast profile
     assert placement.execution_format == "int8"  # execution: routed experts
     assert (placement.formatting_layers, placement.exact_format) == (4, "bf16")  # formatting layers
@@ -20,7 +21,9 @@ def test_finance_profiles_map_to_placement():
 
 
 def test_dev_profile_explores_in_int4_and_executes_at_the_checkpoints_precision():
-    placement, exact_lm_head, fast_lm_head, fast_dense = placement_from_policy(load_policy(EXAMPLES / "dev.yaml"))
+    n = numerics_from_policy(load_policy(EXAMPLES / "dev.yaml"), defer=1)
+    placement, exact_lm_head, fast_lm_head, fast_dense = n.experts, n.exact_lm_head, n.fast_lm_head, n.fast_dense
+    assert n.defer == 1 and n.parts("execution", "float32")["defer"] == 0  # execution never defers
     assert placement.fast_format == "int4" and placement.execution_format == "bf16"
     assert placement.formatting_layers == 0 and not exact_lm_head and fast_lm_head == "int8"  # the model's lm_head
     assert fast_dense == "int8"
