@@ -20,12 +20,14 @@ from engine.loader import load_model
 from engine.mode import Mode
 from engine.model_runner import ModelRunner
 from engine.numerics import NumericsProfile
+from engine.output import RequestOutput, finish_text, make_output, push_token, record_switch
 from engine.placement_plan import PlacementPlan
 from engine.prefix_cache import BlockHasher, PrefixCacheConfig, PrefixCacheManager, model_fingerprint
 from engine.prefix_cache.entry import EntryCodec
 from engine.sampler import SamplingError, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.segments import SegmentTracker
 from engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
@@ -98,21 +100,6 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # all output tokens so far
-    text: str  # all output text released so far
-    new_token_ids: list[int]  # since the previous output of this request
-    new_text: str
-    finished: bool
-    finish_reason: str | None  # stop | length | abort | error
-    error: str | None = None  # why the request failed (finish_reason "error")
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    cache_hits: dict[str, int] | None = None  # blocks served per tier (device, ram, disk, redis)
 
 
 class LLMEngine:
@@ -260,8 +247,13 @@ class LLMEngine:
         if resync not in ("keep", "recompute"):
             raise ValueError(f"resync must be keep or recompute, got {resync!r}")
         seq = self._seqs.get(request_id)
-        if seq is None or seq.mode == mode:
-            return
+        if seq is not None:
+            self._switch(seq, mode, resync)
+
+    def _switch(self, seq: Sequence, mode: Mode, resync: str) -> bool:
+        """`seq` runs in `mode` from its next token; False when it already did."""
+        if seq.mode == mode:
+            return False
         seq.mode = mode
         seq.mode_switches.append((len(seq.output_token_ids), mode))
         recompute = mode == Mode.EXECUTION and resync == "recompute" and seq.num_computed
@@ -274,6 +266,7 @@ class LLMEngine:
             seq.cache_exact = mode == Mode.EXECUTION
             seq.cache_root = self.prefix_cache.salt_root(seq.cache_salt, self.numerics_fingerprint(mode),
                                                          seq.cache_exact) if recompute else None
+        return True
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -309,6 +302,9 @@ class LLMEngine:
             seq.cache_root = self.prefix_cache.salt_root(cache_salt, self.numerics_fingerprint(mode), seq.cache_exact)
         if self.tokenizer is not None:
             seq.detokenizer = self.tokenizer.stream()
+        if params.segments is not None:  # its constraint masks after the request's own processors
+            seq.segments = SegmentTracker(params.segments)
+            seq.params = replace(params, logits_processors=[*params.logits_processors, seq.segments])
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -323,7 +319,7 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return None
         self.scheduler.finish(seq, "abort")
-        return self._output(seq)
+        return make_output(seq)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -348,56 +344,35 @@ class LLMEngine:
         for seq, token in zip(sampling, tokens, strict=True):
             if isinstance(token, SamplingError):
                 self._fail(seq, str(token))
-                outputs.append(self._output(seq))
+                outputs.append(make_output(seq))
                 continue
             seq.output_token_ids.append(token)
-            reason = self._check_stop(seq, token)
-            if reason is None and token in seq.params.mode_triggers:
-                self.set_mode(seq.request_id, seq.params.mode_triggers[token], seq.params.resync)
+            reason = self._advance(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)
-            outputs.append(self._output(seq))
+            outputs.append(make_output(seq))
         return outputs
 
-    def _check_stop(self, seq: Sequence, token: int) -> str | None:
+    def _advance(self, seq: Sequence, token: int) -> str | None:
+        """Text, stop conditions and mode switches after `seq` sampled `token`; the finish reason, if any.
+        A switch applies before the sequence's next forward, so the next token is computed in the new mode."""
         p = seq.params
-        is_eos = token in self.eos_token_ids and not p.ignore_eos
-        if seq.detokenizer is not None and not is_eos and token not in p.stop_token_ids:
-            seq.text += seq.detokenizer.push(token)
-            for stop in p.stop:
-                at = seq.text.find(stop, max(0, seq.emitted - len(stop)))
-                if at >= 0:
-                    seq.text = seq.text[:at]
-                    return "stop"
-        if is_eos or token in p.stop_token_ids:
-            return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            if seq.detokenizer is not None:
-                seq.text += seq.detokenizer.flush()
-            return "length"
-        return None
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        finished = seq.is_finished
-        release = len(seq.text) if finished else len(seq.text) - _stop_holdback(seq.text, seq.params.stop)
-        new_text = seq.text[seq.emitted : release] if release > seq.emitted else ""
-        seq.emitted = max(seq.emitted, release)
-        prev = getattr(seq, "_reported_tokens", 0)
-        seq._reported_tokens = len(seq.output_token_ids)  # type: ignore[attr-defined]
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
-            text=seq.text[: seq.emitted],
-            new_token_ids=seq.output_token_ids[prev:],
-            new_text=new_text,
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_tokens,
-            cache_hits=dict(seq.cache_hits),
-            error=seq.error,
-        )
+        is_end = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        stopped, switch = push_token(seq, token, is_end)
+        if stopped or is_end:
+            reason = "stop"
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        else:
+            reason = None
+        if reason is not None and not stopped:
+            finish_text(seq)  # an unfinished character at the end becomes U+FFFD, as in a full decode
+        if switch is not None:
+            record_switch(seq, switch, reason is None and self._switch(seq, switch.mode, p.resync), self.tokenizer)
+        elif reason is None and token in p.mode_triggers:
+            self._switch(seq, p.mode_triggers[token], p.resync)
+        return reason
 
 
 def _model_identity(model_dir: Path) -> str:
@@ -409,17 +384,6 @@ def _model_identity(model_dir: Path) -> str:
             h.update(fh.read(min(n, 1 << 24)))
         h.update(str(f.stat().st_size).encode())
     return h.hexdigest()[:16]
-
-
-def _stop_holdback(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that could still grow into a stop string."""
-    hold = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), hold, -1):
-            if stop.startswith(text[-n:]):
-                hold = n
-                break
-    return hold
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:

@@ -10,6 +10,7 @@ import torch
 
 from engine.mode import Mode
 from engine.sampling_params import SamplingParams
+from engine.segments import SegmentTracker
 
 _arrival = itertools.count()
 
@@ -41,6 +42,8 @@ class Sequence:
     text: str = ""
     emitted: int = 0
     detokenizer: object | None = None
+    num_reported: int = 0  # output tokens already handed to the caller
+    segments: SegmentTracker | None = None  # structured segments in the output (params.segments)
     # Prefix cache: root of the block hash chain (None: not cached), exact reuse (execution mode), the
     # chain's hashes so far, how many leading blocks are registered or came from the cache, and what the
     # latest admission found in the cache (tokens, blocks per tier).

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.mode import Mode
+from engine.sampling_params import MIN_TEMPERATURE
 from gateway.classify import Decision, classify, request_features
 from gateway.errors import APIError, bad_request
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -21,7 +22,7 @@ from gateway.structured.validate import validate_json, validate_sql, validate_to
 from gateway.structured.vocab import TokenizerInfo
 from policies.resolve import PolicyDenied, ResolvedPolicy
 
-MIN_TEMPERATURE, MIN_TOP_P = 1e-4, 1e-6  # below these, sampling is greedy
+MIN_TOP_P = 1e-6  # below this (or engine's MIN_TEMPERATURE), sampling is greedy
 
 
 @dataclass
