@@ -41,7 +41,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
-            raise UnsupportedArchitectureError(self.arch)
+            raise UnsupportedArchitectureError(self.arch, SUPPORTED_ARCHS)
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -78,7 +78,7 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
         arch = hf.get("model_type", "")
         if arch not in SUPPORTED_ARCHS:
-            raise UnsupportedArchitectureError(arch or "<missing model_type>")
+            raise UnsupportedArchitectureError(arch or "<missing model_type>", SUPPORTED_ARCHS)
 
         def need(*names: str) -> Any:
             for name in names:

@@ -195,7 +195,8 @@ def _kv_dir(settings: Settings) -> Path:
 def _start(settings: Settings, metrics: Metrics):
     from engine.async_engine import AsyncLLM
     from engine.config import ModelConfig
-    from engine.llm_engine import EngineConfig, LLMEngine, resolve_device
+    from engine.engine_config import EngineConfig, resolve_device
+    from engine.llm_engine import LLMEngine
     from gateway.audit import KEY_ENV, AuditLog, key_from_env
     from gateway.generation import Generator
     from gateway.policy_reload import PolicyReloads, deferral_for
