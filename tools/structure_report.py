@@ -32,18 +32,27 @@ def modules(root: Path) -> dict[str, Path]:
     return out
 
 
-def _imported(node: ast.AST, module: str, is_package: bool) -> list[str]:
+def _imported(node: ast.AST, module: str, is_package: bool, mods: dict[str, Path]) -> list[str]:
+    """The project modules an import statement names (`from pkg import sub` names the submodule, not `pkg`)."""
     if isinstance(node, ast.Import):
-        return [a.name for a in node.names]
-    if not isinstance(node, ast.ImportFrom):
-        return []
-    if node.level:  # relative: resolve against this module's package
-        base = module.split(".")
-        base = base[: len(base) - node.level + (1 if is_package else 0)]
-        prefix = ".".join(base + ([node.module] if node.module else []))
+        names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        if node.level:  # relative: resolve against this module's package
+            base = module.split(".")
+            base = base[: len(base) - node.level + (1 if is_package else 0)]
+            prefix = ".".join(base + ([node.module] if node.module else []))
+        else:
+            prefix = node.module or ""
+        names = [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in mods else prefix for a in node.names]
     else:
-        prefix = node.module or ""
-    return [prefix] + [f"{prefix}.{a.name}" for a in node.names]
+        return []
+    out = []
+    for name in names:  # the longest project module the name points at
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            out.append(name)
+    return out
 
 
 def import_graph(root: Path, top_level_only: bool) -> dict[str, set[str]]:
@@ -53,12 +62,7 @@ def import_graph(root: Path, top_level_only: bool) -> dict[str, set[str]]:
         tree = ast.parse(path.read_text(), str(path))
         nodes = tree.body if top_level_only else ast.walk(tree)
         for node in nodes:
-            for name in _imported(node, mod, path.name == "__init__.py"):
-                # the longest project module the name points at (`a.b.c` may be a module or a name in `a.b`)
-                while name and name not in mods:
-                    name = name.rpartition(".")[0]
-                if name and name != mod:
-                    graph[mod].add(name)
+            graph[mod].update(_imported(node, mod, path.name == "__init__.py", mods))
     return graph
 
 
