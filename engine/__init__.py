@@ -11,13 +11,20 @@ USER_OPENMP_ENV = {key: os.environ.get(key) for key in OPENMP_ENV}  # as found (
 for _key, _value in OPENMP_ENV.items():
     os.environ.setdefault(_key, _value)
 
-from engine.sampling_params import SamplingParams  # noqa: E402
-
-__all__ = ["LLM", "AsyncLLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncLLM", "EngineConfig", "RequestOutput", "SamplingParams", "Mode"]
 
 
 def __getattr__(name: str):
-    # Heavy modules load on first use so `import engine` stays cheap for the CLI.
+    # Heavy modules (torch) load on first use so `import engine` (and `engine.mode`, which the policies
+    # import) stays cheap for the CLI.
+    if name == "SamplingParams":
+        from engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name == "Mode":
+        from engine.mode import Mode
+
+        return Mode
     if name in ("LLM", "EngineConfig", "RequestOutput", "LLMEngine"):
         from engine import llm_engine
 

@@ -241,5 +241,5 @@ def arch_spec(model_type: str) -> ArchSpec:
 
     spec = ARCHS.get(ALIASES.get(model_type, model_type))
     if spec is None:
-        raise UnsupportedArchitectureError(model_type or "<missing model_type>")
+        raise UnsupportedArchitectureError(model_type or "<missing model_type>", SUPPORTED_ARCHS)
     return spec

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from engine.errors import EngineError
 from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from engine.mode import Mode
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class AsyncLLM:
         return len(self._streams)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, mode: str = "exploration",
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, mode: Mode = Mode.EXPLORATION,
         *, cache_salt: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Yields incremental outputs until the request finishes; closing the iterator aborts it.
@@ -82,7 +83,7 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
-    def set_mode(self, request_id: str, mode: str, resync: str = "keep") -> None:
+    def set_mode(self, request_id: str, mode: Mode, resync: str = "keep") -> None:
         """Switches the request to `mode` before its next token (applied on the engine thread)."""
         self._commands.put(("mode", request_id, mode, resync))
 
@@ -93,7 +94,7 @@ class AsyncLLM:
         self._commands.put(("defer", defer, done))
         return done
 
-    def numerics_fingerprint(self, mode: str = "execution") -> str:
+    def numerics_fingerprint(self, mode: Mode = Mode.EXECUTION) -> str:
         return self.engine.numerics_fingerprint(mode)
 
     def cache_stats(self) -> dict[str, dict[str, int]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class EngineError(Exception):
     """Base class of errors raised by the engine."""
@@ -12,11 +14,9 @@ class CheckpointError(EngineError):
 
 
 class UnsupportedArchitectureError(CheckpointError):
-    def __init__(self, arch: str) -> None:
-        from engine.archs import SUPPORTED_ARCHS
-
+    def __init__(self, arch: str, supported: Iterable[str]) -> None:
         super().__init__(
-            f"unsupported architecture {arch!r}: moegate runs {', '.join(SUPPORTED_ARCHS)} "
+            f"unsupported architecture {arch!r}: moegate runs {', '.join(supported)} "
             "(config.json 'model_type')"
         )
         self.arch = arch

@@ -3,120 +3,35 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import uuid
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
 from engine.errors import CheckpointError, RequestError
-from engine.experts import PlacementConfig
 from engine.gguf import find_gguf, model_dir_of
 from engine.gguf import identity as gguf_identity
 from engine.kv_cache import BlockManager, KVCacheSpec
 from engine.loader import load_model
+from engine.mode import Mode
 from engine.model_runner import ModelRunner
+from engine.output import RequestOutput, finish_text, make_output, push_token, record_switch
 from engine.placement_plan import PlacementPlan, apply_numa
 from engine.prefix_cache import BlockHasher, PrefixCacheConfig, PrefixCacheManager, model_fingerprint
 from engine.prefix_cache.entry import EntryCodec
 from engine.sampler import SamplingError, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.segments import SegmentTracker
 from engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LAYERWISE_PREFILL_TOKENS = 512  # a burst this long keeps a GPU busier than the copy of a layer's experts
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str
-    dtype: str = "float32"
-    device: str = "auto"  # auto | cpu | cuda
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # default: from kv_cache_gib
-    kv_cache_gib: float = 1.0
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    mask_unused_vocab: bool = True  # never sample embedding rows the tokenizer has no token for
-    placement: PlacementConfig | None = None  # None: routed experts unpacked, torch reference compute
-    defer: int = 0  # exploration: experts per token deferred to the next MoE layer (0 = strict)
-    exact_lm_head: bool = False  # execution mode computes logits with an fp32 copy of lm_head
-    fast_lm_head: str | None = None  # exploration lm_head: None (model dtype), "bf16", "int8" or "int4" (CPU)
-    fast_dense: str | None = None  # exploration attention projections on CPU: None (model dtype), int8, int4, bf16
-    fused_decode: bool = True  # with fast_dense on CPU: small exploration batches run each layer in one kernel call
-    # exploration forwards of at least this many tokens run their routed experts on the fast device, layer by
-    # layer (engine/layerwise_prefill.py); "auto": LAYERWISE_PREFILL_TOKENS on CUDA, off on the CPU; None: off
-    layerwise_prefill_tokens: int | str | None = "auto"
-    batch_invariant_execution: bool = True  # CPU fp32: execution chunks share one forward on batch-invariant kernels
-    progress: bool = True
-    # Prefix cache. The device tier (the KV pool) is on unless prefix_cache=False; RAM, disk and redis
-    # hold demoted blocks. The library writes no disk cache unless told where (`moegate serve` passes
-    # engine.prefix_cache.default_disk_cache_dir()).
-    prefix_cache: bool = True
-    ram_cache_gib: float = 1.0
-    disk_cache_dir: str | None = None
-    disk_cache_gib: float = 8.0
-    redis_url: str | None = None
-    redis_cache_ttl_s: int = 24 * 3600
-
-    def __post_init__(self) -> None:
-        if self.defer < 0:
-            raise ValueError(f"defer must be >= 0, got {self.defer}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if min(self.ram_cache_gib, self.disk_cache_gib) < 0:
-            raise ValueError("ram_cache_gib and disk_cache_gib must be >= 0")
-        lw = self.layerwise_prefill_tokens
-        if not (lw is None or lw == "auto" or (isinstance(lw, int) and lw >= 1)):
-            raise ValueError(f"layerwise_prefill_tokens must be 'auto', None or an int >= 1, got {lw!r}")
-
-    def layerwise_tokens(self, device: torch.device) -> int | None:
-        """The layer-wise prefill threshold on `device` (None: off): on a CPU-only machine the experts are
-        on the fast device's own cores already, so `auto` leaves it off."""
-        if self.layerwise_prefill_tokens == "auto":
-            return LAYERWISE_PREFILL_TOKENS if device.type == "cuda" else None
-        return self.layerwise_prefill_tokens
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
-    def resolve_device(self) -> torch.device:
-        return resolve_device(self.device)
-
-
-def resolve_device(device: str) -> torch.device:
-    """`auto` -> CUDA when present, else the CPU; `cpu` / `cuda` as given."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # all output tokens so far
-    text: str  # all output text released so far
-    new_token_ids: list[int]  # since the previous output of this request
-    new_text: str
-    finished: bool
-    finish_reason: str | None  # stop | length | abort | error
-    error: str | None = None  # why the request failed (finish_reason "error")
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    cache_hits: dict[str, int] | None = None  # blocks served per tier (device, ram, disk, redis)
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -126,49 +41,53 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = _load_tokenizer(model_dir)
         cfg = self.model_config
-        if config.defer and config.defer > cfg.top_k // 2:
-            raise ValueError(f"defer={config.defer} must be at most top_k/2 = {cfg.top_k // 2}")
-        self.placement_plan = PlacementPlan.build(cfg, config.placement, self.device)
+        numerics = config.numerics
+        if numerics.defer and numerics.defer > cfg.top_k // 2:
+            raise ValueError(f"defer={numerics.defer} must be at most top_k/2 = {cfg.top_k // 2}")
+        self.placement_plan = PlacementPlan.build(cfg, numerics.experts, self.device)
         model = load_model(model_dir, dtype=config.torch_dtype, progress=config.progress,
-                           placement=config.placement, plan=self.placement_plan)
+                           placement=numerics.experts, plan=self.placement_plan)
         self.layer_experts = {i: layer.mlp.experts.packed for i, layer in enumerate(model.model.layers)
                               if layer.is_moe and layer.mlp.experts.packed is not None}
         for le in self.layer_experts.values():
             le.num_threads = torch.get_num_threads()  # the kernel's own pool, whatever torch uses
         self.numa_plan = apply_numa(self.layer_experts)  # more than one node: bind shards
         self.hot_set = None
-        if config.placement is not None and config.placement.dynamic_hot and self.layer_experts:
+        placement = numerics.experts
+        if placement is not None and placement.dynamic_hot and self.layer_experts:
             if all(len(le.fast) == 2 for le in self.layer_experts.values()):
                 from engine.hot_experts import HotSetUpdater
 
-                self.hot_set = HotSetUpdater(self.layer_experts, model.expert_reader, config.placement.dynamic)
+                self.hot_set = HotSetUpdater(self.layer_experts, model.expert_reader, placement.dynamic)
             else:  # hot experts on the GPU asked for, none here
                 log.info("dynamic hot set: no faster tier on %s (GPU hot experts need CUDA); the hot set is off",
                          self.device)
-        if config.exact_lm_head:
+        if numerics.exact_lm_head:
             model.exact_lm_head = model.lm_head.weight.detach().float().clone()
-        if config.fast_lm_head:
+        if numerics.fast_lm_head:
             from engine.models.causal_lm import QuantizedLMHead
 
-            model.fast_lm_head = QuantizedLMHead(model.lm_head.weight, config.fast_lm_head)
-        if config.fast_dense and self.device.type == "cpu":
-            for layer in tqdm(model.model.layers, desc=f"pack attention {config.fast_dense}", leave=False,
+            model.fast_lm_head = QuantizedLMHead(model.lm_head.weight, numerics.fast_lm_head)
+        if numerics.fast_dense and self.device.type == "cpu":
+            for layer in tqdm(model.model.layers, desc=f"pack attention {numerics.fast_dense}", leave=False,
                               disable=not config.progress):
-                layer.self_attn.set_fast_dense(config.fast_dense)
-            if config.fused_decode and config.dtype == "float32":
+                layer.self_attn.set_fast_dense(numerics.fast_dense)
+            if numerics.fused and config.dtype == "float32":
                 from engine.models.fused_decode import build_fused_layers
 
                 model.fused_layers = build_fused_layers(cfg, model.model.layers)
-        elif config.fast_dense:
+        elif numerics.fast_dense:
             log.warning("fast_dense=%s packs CPU attention projections; on %s the model's own weights run",
-                        config.fast_dense, self.device)
-        if config.batch_invariant_execution and self.device.type == "cpu" and config.dtype == "float32":
+                        numerics.fast_dense, self.device)
+        if numerics.exact_fused and self.device.type == "cpu" and config.dtype == "float32":
             from engine.models.fused_decode import build_exact_path
 
             build_exact_path(model)  # else each execution chunk runs alone on torch
         log.info("%s", self.placement_plan.summary(model))
         self.placement = self.placement_plan.describe(model)  # what /v1/models reports
         self.fused_decode = model.fused_layers is not None  # small exploration batches: one call per layer
+        self.numerics = numerics.resolved(self.device.type, self.fused_decode,  # what runs, per mode
+                                          bool(model.batch_invariant(True)))
         self._identity = _model_identity(model_dir)
         spec = (
             KVCacheSpec(config.num_kv_blocks, config.block_size)
@@ -176,8 +95,8 @@ class LLMEngine:
             else KVCacheSpec.from_budget(cfg, config.kv_cache_gib, config.block_size, config.torch_dtype)
         )
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, spec.num_blocks * spec.block_size)
-        self.runner = ModelRunner(model, spec, self.device, config.torch_dtype, defer=config.defer)
-        self.layerwise_tokens = config.layerwise_tokens(self.device) if self.layer_experts else None
+        self.runner = ModelRunner(model, spec, self.device, config.torch_dtype, defer=numerics.defer)
+        self.layerwise_tokens = self.numerics.layerwise_tokens if self.layer_experts else None
         if self.layerwise_tokens:
             from engine.layerwise_prefill import LayerwisePrefill
 
@@ -202,8 +121,8 @@ class LLMEngine:
             "engine ready: %s (%s) on %s, dtype %s, %d KV blocks x %d tokens, max_model_len %d; %s; "
             "exploration defers %d expert(s)/token",
             model_dir, cfg.arch, self.device, config.dtype, spec.num_blocks, spec.block_size, self.max_model_len,
-            config.placement.describe() if config.placement else "experts unpacked (torch reference)",
-            config.defer,
+            numerics.experts.describe() if numerics.experts else "experts unpacked (torch reference)",
+            numerics.defer,
         )
 
     def _numerics(self) -> str:
@@ -248,28 +167,12 @@ class LLMEngine:
             self.prefix_cache = self.scheduler.prefix = None
 
     # -- numerics ------------------------------------------------------------------------------
-    def numerics_fingerprint(self, mode: str = "execution") -> str:
-        """Identifies what computes a token in `mode`: model, dtype, expert precision profile, deferral."""
+    def numerics_fingerprint(self, mode: Mode = Mode.EXECUTION) -> str:
+        """Identifies what computes a token in `mode` (`self.numerics`, the model, its dtype): the root of its
+        prefix-cache chains and the responses' `system_fingerprint`."""
         c = self.config
-        p = c.placement
-        profile = {
-            "model": self._identity,
-            "dtype": c.dtype,
-            "experts": None if p is None else (
-                [p.execution_format or p.fast_format, p.exact_format, p.formatting_layers] if mode == "execution"
-                else [p.fast_format, p.mixed_hot_fraction]
-            ),
-            "hot": None if p is None else [p.fast_format, p.hot_experts, p.hot_strategy],
-            "hot_set": self.hot_set.digest() if self.hot_set is not None and mode != "execution" else None,
-            "layerwise": self.layerwise_tokens if mode != "execution" else None,
-            "lm_head": ("fp32" if c.exact_lm_head else c.dtype) if mode == "execution" else (c.fast_lm_head or c.dtype),
-            "dense": c.dtype if mode == "execution" or self.device.type != "cpu" else (c.fast_dense or c.dtype),
-            "fused": self.runner.model.batch_invariant(True) if mode == "execution" else self.fused_decode,
-            "defer": 0 if mode == "execution" else c.defer,
-            "chunk": c.max_num_batched_tokens if mode == "execution" else None,
-        }
-        digest = hashlib.sha256(json.dumps(profile, sort_keys=True).encode()).hexdigest()
-        return f"fp_{mode[:4]}_{digest[:16]}"
+        return self.numerics.fingerprint(mode, self._identity, c.dtype, c.max_num_batched_tokens,
+                                         self.hot_set.digest() if self.hot_set is not None else None)
 
     def set_deferral(self, defer: int) -> None:
         """Changes exploration's expert deferral from the next step on (the execution profile never defers).
@@ -280,9 +183,10 @@ class LLMEngine:
         """
         if not 0 <= defer <= self.model_config.top_k // 2:
             raise ValueError(f"defer={defer} must be in [0, top_k/2 = {self.model_config.top_k // 2}]")
-        if defer == self.config.defer:
+        if defer == self.numerics.defer:
             return
-        self.config = replace(self.config, defer=defer)
+        self.config = replace(self.config, numerics=self.config.numerics.with_defer(defer), defer=defer)
+        self.numerics = self.numerics.with_defer(defer)
         self.runner.set_defer(defer)
         self._exploration_numerics_changed()
         log.info("exploration defers %d expert(s)/token from the next step", defer)
@@ -292,42 +196,47 @@ class LLMEngine:
         re-rooted under the new fingerprint; those part-way keep their KV but stop registering prefix-cache
         blocks, whose KV would mix the two settings."""
         for seq in self._seqs.values():
-            if seq.mode == "execution" or seq.cache_root is None or self.prefix_cache is None:
+            if seq.mode == Mode.EXECUTION or seq.cache_root is None or self.prefix_cache is None:
                 continue
             seq.block_hashes.clear()
             fresh = not seq.block_table and seq.num_computed == 0
-            seq.cache_root = self.prefix_cache.salt_root(seq.cache_salt, self.numerics_fingerprint("exploration"),
+            seq.cache_root = self.prefix_cache.salt_root(seq.cache_salt, self.numerics_fingerprint(Mode.EXPLORATION),
                                                          seq.cache_exact) if fresh else None
 
-    def set_mode(self, request_id: str, mode: str, resync: str = "keep") -> None:
+    def set_mode(self, request_id: str, mode: Mode, resync: str = "keep") -> None:
         """Switches a sequence's mode at the next token boundary.
 
         resync="recompute" on a switch to execution drops the sequence's KV so it is recomputed
         strictly: the execution segment then equals an all-strict run. "keep" reuses the KV.
         """
-        if mode not in ("exploration", "execution"):
-            raise ValueError(f"mode must be exploration or execution, got {mode!r}")
+        mode = Mode.parse(mode)
         if resync not in ("keep", "recompute"):
             raise ValueError(f"resync must be keep or recompute, got {resync!r}")
         seq = self._seqs.get(request_id)
-        if seq is None or seq.mode == mode:
-            return
+        if seq is not None:
+            self._switch(seq, mode, resync)
+
+    def _switch(self, seq: Sequence, mode: Mode, resync: str) -> bool:
+        """`seq` runs in `mode` from its next token; False when it already did."""
+        if seq.mode == mode:
+            return False
         seq.mode = mode
         seq.mode_switches.append((len(seq.output_token_ids), mode))
-        recompute = mode == "execution" and resync == "recompute" and seq.num_computed
+        recompute = mode == Mode.EXECUTION and resync == "recompute" and seq.num_computed
         if recompute and seq.status is SeqStatus.RUNNING:
             self.scheduler.drop_kv(seq)
         if self.prefix_cache is not None:
             # Recomputed KV is all in the new mode: it is cached under that mode's chain. Kept KV mixes
             # both modes: its later blocks are not cached at all.
             seq.block_hashes.clear()
-            seq.cache_exact = mode == "execution"
+            seq.cache_exact = mode == Mode.EXECUTION
             seq.cache_root = self.prefix_cache.salt_root(seq.cache_salt, self.numerics_fingerprint(mode),
                                                          seq.cache_exact) if recompute else None
+        return True
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, mode: str = "exploration",
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, mode: Mode = Mode.EXPLORATION,
         *, cache_salt: str = "",
     ) -> None:
         """Queues a request. `cache_salt` is set by the server (the tenant), never by a client: prefix-cache
@@ -349,14 +258,19 @@ class LLMEngine:
             raise RequestError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
         if total > self.max_model_len:
             params = _with_max_tokens(params, self.max_model_len - len(prompt_token_ids))
-        if mode not in ("exploration", "execution"):
-            raise RequestError(f"mode must be exploration or execution, got {mode!r}")
+        try:
+            mode = Mode.parse(mode)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         seq = Sequence(request_id, list(prompt_token_ids), params, mode=mode)
         if self.prefix_cache is not None:
-            seq.cache_salt, seq.cache_exact = cache_salt, mode == "execution"
+            seq.cache_salt, seq.cache_exact = cache_salt, mode == Mode.EXECUTION
             seq.cache_root = self.prefix_cache.salt_root(cache_salt, self.numerics_fingerprint(mode), seq.cache_exact)
         if self.tokenizer is not None:
             seq.detokenizer = self.tokenizer.stream()
+        if params.segments is not None:  # its constraint masks after the request's own processors
+            seq.segments = SegmentTracker(params.segments)
+            seq.params = replace(params, logits_processors=[*params.logits_processors, seq.segments])
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -371,7 +285,7 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return None
         self.scheduler.finish(seq, "abort")
-        return self._output(seq)
+        return make_output(seq)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -393,63 +307,42 @@ class LLMEngine:
         for c in chunks:
             c.seq.num_computed = c.start + c.num_tokens
             if self.prefix_cache is not None:
-                self.prefix_cache.register(c.seq, c.start, c.num_tokens, alone=len(chunks) == 1 or c.seq.mode == "execution")
+                self.prefix_cache.register(c.seq, c.start, c.num_tokens, alone=len(chunks) == 1 or c.seq.mode == Mode.EXECUTION)
         sampling = [c.seq for c in chunks if c.samples]
         tokens = sample(logits, sampling, self.vocab_limit) if sampling else []
         outputs = []
         for seq, token in zip(sampling, tokens, strict=True):
             if isinstance(token, SamplingError):
                 self._fail(seq, str(token))
-                outputs.append(self._output(seq))
+                outputs.append(make_output(seq))
                 continue
             seq.output_token_ids.append(token)
-            reason = self._check_stop(seq, token)
-            if reason is None and token in seq.params.mode_triggers:
-                self.set_mode(seq.request_id, seq.params.mode_triggers[token], seq.params.resync)
+            reason = self._advance(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)
-            outputs.append(self._output(seq))
+            outputs.append(make_output(seq))
         return outputs
 
-    def _check_stop(self, seq: Sequence, token: int) -> str | None:
+    def _advance(self, seq: Sequence, token: int) -> str | None:
+        """Text, stop conditions and mode switches after `seq` sampled `token`; the finish reason, if any.
+        A switch applies before the sequence's next forward, so the next token is computed in the new mode."""
         p = seq.params
-        is_eos = token in self.eos_token_ids and not p.ignore_eos
-        if seq.detokenizer is not None and not is_eos and token not in p.stop_token_ids:
-            seq.text += seq.detokenizer.push(token)
-            for stop in p.stop:
-                at = seq.text.find(stop, max(0, seq.emitted - len(stop)))
-                if at >= 0:
-                    seq.text = seq.text[:at]
-                    return "stop"
-        if is_eos or token in p.stop_token_ids:
-            return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            if seq.detokenizer is not None:
-                seq.text += seq.detokenizer.flush()
-            return "length"
-        return None
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        finished = seq.is_finished
-        release = len(seq.text) if finished else len(seq.text) - _stop_holdback(seq.text, seq.params.stop)
-        new_text = seq.text[seq.emitted : release] if release > seq.emitted else ""
-        seq.emitted = max(seq.emitted, release)
-        prev = getattr(seq, "_reported_tokens", 0)
-        seq._reported_tokens = len(seq.output_token_ids)  # type: ignore[attr-defined]
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
-            text=seq.text[: seq.emitted],
-            new_token_ids=seq.output_token_ids[prev:],
-            new_text=new_text,
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_tokens,
-            cache_hits=dict(seq.cache_hits),
-            error=seq.error,
-        )
+        is_end = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        stopped, switch = push_token(seq, token, is_end)
+        if stopped or is_end:
+            reason = "stop"
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        else:
+            reason = None
+        if reason is not None and not stopped:
+            finish_text(seq)  # an unfinished character at the end becomes U+FFFD, as in a full decode
+        if switch is not None:
+            record_switch(seq, switch, reason is None and self._switch(seq, switch.mode, p.resync), self.tokenizer)
+        elif reason is None and token in p.mode_triggers:
+            self._switch(seq, p.mode_triggers[token], p.resync)
+        return reason
 
 
 def _model_identity(model_dir: Path) -> str:
@@ -467,20 +360,7 @@ def _model_identity(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _stop_holdback(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that could still grow into a stop string."""
-    hold = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), hold, -1):
-            if stop.startswith(text[-n:]):
-                hold = n
-                break
-    return hold
-
-
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    from dataclasses import replace
-
     return replace(params, max_tokens=max(1, max_tokens))
 
 

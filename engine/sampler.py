@@ -14,11 +14,8 @@ import numpy as np
 import torch
 
 from engine.errors import EngineError
-from engine.sampling_params import MaskProcessor
+from engine.sampling_params import MIN_TEMPERATURE, MaskProcessor
 from engine.sequence import Sequence
-
-# Temperatures below this sample like greedy (dividing by them overflows fp32).
-MIN_TEMPERATURE = 1e-5
 
 
 class SamplingError(EngineError):

@@ -8,9 +8,16 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from engine.mode import Mode
+from engine.segments import SegmentRules
+
 # A logits processor sees the tokens generated so far for its sequence and that sequence's
 # logits row [V]; it returns the (possibly masked) row. Constrained decoding plugs in here.
 LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
+
+# Temperatures below this sample like greedy: only the top token survives, and dividing by them overflows fp32.
+# The one threshold of the engine's sampler and of the gateway's requests.
+MIN_TEMPERATURE = 1e-4
 
 
 class LogitsRecorder:
@@ -64,10 +71,14 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
-    # Segment triggers: sampling one of these token ids switches the sequence to the mapped mode
-    # ("execution" / "exploration") before its next token, e.g. {<tool_call>: execution,
-    # </tool_call>: exploration}. `resync` applies to switches into execution.
-    mode_triggers: dict[int, str] = field(default_factory=dict)
+    # Mode switches inside the step that samples a token, so the next token is computed in the new mode.
+    # `mode_triggers`: sampling one of these token ids switches to the mapped mode, e.g. {<tool_call>:
+    # execution, </tool_call>: exploration}. `segments`: structured segments (tool calls, ```json / ```sql
+    # fences) detected on the sampled tokens, each masked by its own constraint, reported as segment events
+    # (engine/segments.py). `resync` applies to switches into execution: "recompute" recomputes the KV
+    # strictly (the segment then equals an all-execution run from the same prefix), "keep" reuses it.
+    mode_triggers: dict[int, Mode] = field(default_factory=dict)
+    segments: SegmentRules | None = None
     resync: str = "keep"
 
     def __post_init__(self) -> None:
@@ -81,9 +92,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.resync not in ("keep", "recompute"):
             raise ValueError(f"resync must be keep or recompute, got {self.resync!r}")
-        bad = {m for m in self.mode_triggers.values() if m not in ("exploration", "execution")}
-        if bad:
-            raise ValueError(f"mode_triggers map to exploration or execution, got {sorted(bad)}")
+        self.mode_triggers = {t: Mode.parse(m, "mode_triggers values") for t, m in self.mode_triggers.items()}
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.kv_cache import BlockManager
+from engine.mode import Mode
 from engine.sequence import SeqStatus, Sequence
 
 
@@ -63,7 +64,7 @@ class Scheduler:
         not charged to the shared budget.
         """
         remaining = seq.num_tokens - seq.num_computed
-        if seq.mode == "execution":
+        if seq.mode == Mode.EXECUTION:
             align = self.config.max_num_batched_tokens
             return min(remaining, align - seq.num_computed % align)
         return min(remaining, budget)
@@ -87,7 +88,7 @@ class Scheduler:
                 break
             self.blocks.grow(seq.block_table, seq.num_computed + n)
             chunks.append(ScheduledChunk.of(seq, n))
-            budget -= 0 if seq.mode == "execution" else n
+            budget -= 0 if seq.mode == Mode.EXECUTION else n
             i += 1
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -106,7 +107,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk.of(seq, n))
-            budget -= 0 if seq.mode == "execution" else n
+            budget -= 0 if seq.mode == Mode.EXECUTION else n
         return chunks
 
     def drop_kv(self, seq: Sequence) -> None:

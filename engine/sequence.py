@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.mode import Mode
 from engine.sampling_params import SamplingParams
+from engine.segments import SegmentTracker
 
 _arrival = itertools.count()
 
@@ -32,14 +34,16 @@ class Sequence:
     error: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrival))
     num_preemptions: int = 0
-    mode: str = "exploration"  # exploration | execution (strict: exact profile, no deferral, batch-invariant)
-    mode_switches: list[tuple[int, str]] = field(default_factory=list)  # (output token index, new mode)
+    mode: Mode = Mode.EXPLORATION  # execution: exact profile, no deferral, batch-invariant
+    mode_switches: list[tuple[int, Mode]] = field(default_factory=list)  # (output token index, new mode)
     generator: torch.Generator | None = None
     # Text: `text` is the detokenized output so far (stop strings cut off); `emitted` how much of it
     # has been handed to the caller (text that may still turn out to start a stop string is held back).
     text: str = ""
     emitted: int = 0
     detokenizer: object | None = None
+    num_reported: int = 0  # output tokens already handed to the caller
+    segments: SegmentTracker | None = None  # structured segments in the output (params.segments)
     # Prefix cache: root of the block hash chain (None: not cached), exact reuse (execution mode), the
     # chain's hashes so far, how many leading blocks are registered or came from the cache, and what the
     # latest admission found in the cache (tokens, blocks per tier).
@@ -52,6 +56,7 @@ class Sequence:
     cache_hits: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.mode = Mode.parse(self.mode)
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: empty prompt")
         if self.params.seed is not None:

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from engine.gguf import find_gguf, model_dir_of
 from engine.gguf import identity as gguf_identity
+from engine.mode import Mode
 from gateway.deps import AppState
 from gateway.errors import APIError, install_handlers
 from gateway.metrics import Metrics
@@ -37,10 +38,12 @@ class FixedPolicy:
         self.current: Policy = base.model_copy(update={"models": [ModelEntry(name=model_name, source=model_dir)]})
 
 
-def placement_from_policy(policy: Policy):
-    """The policy's precision profiles of the two modes -> (expert placement with both profiles resident,
-    fp32 lm_head in execution, exploration lm_head format, exploration attention format)."""
+def numerics_from_policy(policy: Policy, defer: int = 0):
+    """The engine's numerics profile (engine/numerics.py) from the policy's precision profiles of the two modes:
+    both expert profiles resident, fp32 lm_head in execution, exploration's lm_head and attention formats and
+    hot experts, exploration's deferral `defer` (resolved by `deferral_for`)."""
     from engine.experts import DynamicHotConfig, PlacementConfig
+    from engine.numerics import NumericsProfile
 
     fast = policy.precision_profiles[policy.modes.exploration.precision]
     exact = policy.precision_profiles[policy.modes.execution.precision]
@@ -62,12 +65,12 @@ def placement_from_policy(policy: Policy):
             hot_strategy=hot.strategy, stats_file=hot.stats_file,
             dynamic=DynamicHotConfig(hot.interval_steps, hot.decay, hot.threshold, hot.max_swaps))),
     )
-    fast_lm_head = fast.lm_head if fast.lm_head != "fp32" else None
-    fast_dense = fast.attention if fast.attention != "model" else None
-    return placement, exact.lm_head == "fp32", fast_lm_head, fast_dense
+    return NumericsProfile(experts=placement, exact_lm_head=exact.lm_head == "fp32",
+                           fast_lm_head=fast.lm_head if fast.lm_head != "fp32" else None,
+                           fast_dense=fast.attention if fast.attention != "model" else None, defer=defer)
 
 
-def numerics_fingerprint(llm, settings: Settings, mode: str = "execution") -> str:
+def numerics_fingerprint(llm, settings: Settings, mode: Mode = Mode.EXECUTION) -> str:
     """`system_fingerprint`: the engine's numerics fingerprint for `mode` when it has one, else a hash of what
     decides the numerics (config, weight files, tokenizer, dtype, device)."""
     own = getattr(llm, "numerics_fingerprint", None)
@@ -200,7 +203,8 @@ def _kv_dir(settings: Settings) -> Path:
 def _start(settings: Settings, metrics: Metrics):
     from engine.async_engine import AsyncLLM
     from engine.config import ModelConfig
-    from engine.llm_engine import EngineConfig, LLMEngine, resolve_device
+    from engine.engine_config import EngineConfig, resolve_device
+    from engine.llm_engine import LLMEngine
     from gateway.audit import KEY_ENV, AuditLog, key_from_env
     from gateway.generation import Generator
     from gateway.policy_reload import PolicyReloads, deferral_for
@@ -226,11 +230,9 @@ def _start(settings: Settings, metrics: Metrics):
         log.info("expert deferral auto: exploration defers %d expert(s) per token on %s%s", defer, device,
                  "" if device == "cuda" else " (CPU only: experts and the dense path share the cores, nothing "
                  "to overlap; set modes.exploration.deferral_depth to force a depth)")
-    placement, exact_lm_head, fast_lm_head, fast_dense = placement_from_policy(policy)
     engine = LLMEngine(EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
                                     kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
-                                    defer=defer, placement=placement, exact_lm_head=exact_lm_head,
-                                    fast_lm_head=fast_lm_head, fast_dense=fast_dense,
+                                    numerics=numerics_from_policy(policy, defer),
                                     disk_cache_dir=str(_kv_dir(settings)),
                                     redis_url=settings.redis_url,
                                     progress=sys.stderr.isatty()))  # load bars on a terminal, not in logs
@@ -256,7 +258,7 @@ def _start(settings: Settings, metrics: Metrics):
         log.warning("audit chain unkeyed (sha256): set %s to make it HMAC-SHA256", KEY_ENV)
     state = AppState(settings=settings, llm=llm, generator=Generator(llm, tok, settings.strict_retries),
                      policies=policies, open_access=open_access, store=store, telemetry=tel, audit=audit,
-                     metrics=metrics, fingerprints={m: numerics_fingerprint(llm, settings, m) for m in ("exploration", "execution")}, created=int(time.time()))
+                     metrics=metrics, fingerprints={m: numerics_fingerprint(llm, settings, m) for m in Mode}, created=int(time.time()))
     if isinstance(policies, PolicyHolder):  # reloads are checked against, and applied to, this process
         PolicyReloads(state, top_k, device, numerics_fingerprint).install(policies)
 

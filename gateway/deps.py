@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Header, Request
 
+from engine.mode import Mode
 from gateway.errors import APIError
 from gateway.request_audit import request_audit
 from policies.model import Policy, Tenant
@@ -25,13 +26,13 @@ class AppState:
     telemetry: Any
     audit: Any
     metrics: Any
-    fingerprints: dict[str, str]  # mode -> the engine's numerics fingerprint (`system_fingerprint`)
+    fingerprints: dict[Mode, str]  # the engine's numerics fingerprint per mode (`system_fingerprint`)
     created: int = 0
     in_flight: int = 0
 
     @property
     def fingerprint(self) -> str:
-        return self.fingerprints["execution"]
+        return self.fingerprints[Mode.EXECUTION]
 
     @property
     def policy(self) -> Policy:

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.mode import Mode
+from engine.sampling_params import MIN_TEMPERATURE
 from gateway.classify import Decision, classify, request_features
 from gateway.errors import APIError, bad_request
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -20,7 +22,7 @@ from gateway.structured.validate import validate_json, validate_sql, validate_to
 from gateway.structured.vocab import TokenizerInfo
 from policies.resolve import PolicyDenied, ResolvedPolicy
 
-MIN_TEMPERATURE, MIN_TOP_P = 1e-4, 1e-6  # below these, sampling is greedy
+MIN_TOP_P = 1e-6  # below this (or engine's MIN_TEMPERATURE), sampling is greedy
 
 
 @dataclass
@@ -36,7 +38,7 @@ class Plan:
     n: int
     decision: Decision  # the request's mode
     features: set[str]
-    segment_modes: dict[str, str]
+    segment_modes: dict[str, Mode]
     # whole-request execution: the constraint and the validator of the complete output
     kind: str | None = None  # json | tool_calls | sql
     spec: ConstraintSpec | None = None
@@ -54,7 +56,7 @@ class Plan:
 
     @property
     def execution(self) -> bool:
-        return self.decision.mode == "execution"
+        return self.decision.mode == Mode.EXECUTION
 
     def sampling_fields(self) -> dict:
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from engine.mode import Mode
 from policies.loader import PolicyIssue
 from policies.model import Policy
 
@@ -68,7 +69,7 @@ class PolicyReloads:
             issues.append(_issue(f"models[{names.index(served)}].source",
                                  f"the source of the served model {served!r} changed ({before.source!r} -> "
                                  f"{entry.source!r}); loading another checkpoint needs a restart"))
-        for mode in ("exploration", "execution"):
+        for mode in Mode:
             old_p = current.precision_profiles[getattr(current.modes, mode).precision]
             new_p = new.precision_profiles[getattr(new.modes, mode).precision]
             if new_p != old_p:
@@ -113,7 +114,7 @@ class PolicyReloads:
                      stores.circuit_cooldown_s)
             breaker.threshold, breaker.cooldown_s = stores.circuit_failures, stores.circuit_cooldown_s
         defer = deferral_for(policy, self.top_k, self.device)
-        if hasattr(state.llm, "set_deferral") and defer != state.llm.engine.config.defer:
+        if hasattr(state.llm, "set_deferral") and defer != state.llm.engine.numerics.defer:
             done = state.llm.set_deferral(defer)
 
             def refresh(future) -> None:  # on the engine thread, once the step boundary applied it
@@ -121,7 +122,7 @@ class PolicyReloads:
                     log.error("policy deferral_depth %d not applied: %s", defer, future.exception())
                     return
                 state.fingerprints.update({m: self.fingerprint(state.llm, state.settings, m)
-                                           for m in ("exploration", "execution")})
+                                           for m in Mode})
                 log.info("policy reload applied: exploration defers %d expert(s)/token", defer)
 
             done.add_done_callback(refresh)

@@ -16,13 +16,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.errors import EngineError, RequestError
+from engine.mode import Mode
 from gateway.audit import audit_data
 from gateway.deps import AppState, check_model
 from gateway.errors import APIError, bad_request
-from gateway.generation import Finished, SegmentFences, TextDelta, ToolCall, generate_complete
+from gateway.events import Finished, TextDelta, ToolCall
+from gateway.generation import generate_complete
 from gateway.limits import LimitExceeded, admit, settle
 from gateway.plan import Plan, policy_error
 from gateway.request_audit import RequestAudit, request_audit
+from gateway.segments import SegmentFences
 from gateway.sse import Chunker, ClosingStream, Sent, sse
 from gateway.stores import (
     IdempotencyKeyMismatch,
@@ -219,12 +222,12 @@ class _Ctx:
         m.tokens.labels("completion").inc(out_tokens)
         for _, _, fin in results:
             for d in fin.decisions[1:]:
-                rt.mode_switch("exploration" if d.mode == "execution" else "execution", d.mode, d.reason,
+                rt.mode_switch(Mode.EXPLORATION if d.mode == Mode.EXECUTION else Mode.EXECUTION, d.mode, d.reason,
                                d.token_index)
                 m.switches.labels(d.mode, d.segment or "").inc()
             for v in fin.validations:
-                rt.validation(v["kind"], v["ok"], [v["error"]] if "error" in v else [], fin.retries)
-                m.validations.labels(v["kind"], "pass" if v["ok"] else "fail").inc()
+                rt.validation(v.kind, v.ok, [v.error] if v.error is not None else [], fin.retries)
+                m.validations.labels(v.kind, "pass" if v.ok else "fail").inc()
             m.retries.inc(fin.retries)
         hits = {}
         for _, _, fin in results:
@@ -238,15 +241,15 @@ class _Ctx:
         await self._audit({"status": 200, "finish_reasons": reasons, "usage": {
             "prompt_tokens": len(plan.prompt_ids), "completion_tokens": out_tokens},
             "decisions": [[d.to_dict() for d in f.decisions] for _, _, f in results],
-            "validations": [f.validations for _, _, f in results],
+            "validations": [[v.to_dict() for v in f.validations] for _, _, f in results],
             "retries": [f.retries for _, _, f in results]}, output)
 
     def record_failed_validations(self, e: BaseException) -> None:
-        checks = getattr(e, "validations", [])
-        retries = max(0, sum(1 for v in checks if not v["ok"]) - 1)
+        checks = e.validations if isinstance(e, StructuredOutputError) else ()
+        retries = max(0, sum(1 for v in checks if not v.ok) - 1)
         for v in checks:
-            self.rt.validation(v["kind"], v["ok"], [v["error"]] if "error" in v else [], retries)
-            self.state.metrics.validations.labels(v["kind"], "pass" if v["ok"] else "fail").inc()
+            self.rt.validation(v.kind, v.ok, [v.error] if v.error is not None else [], retries)
+            self.state.metrics.validations.labels(v.kind, "pass" if v.ok else "fail").inc()
         self.state.metrics.retries.inc(retries)
 
     async def audit_failure(self, err: APIError) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import anyio
 from fastapi.responses import StreamingResponse
 
-from gateway.generation import Finished, ToolCall
+from gateway.events import Finished, ToolCall
 
 
 def usage_of(prompt: int, completion: int) -> dict:

@@ -8,13 +8,23 @@ import re
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 from sqlglot.dialects.dialect import Dialects
 
+from engine.mode import Mode
 from policies.resolve import ResolvedPolicy, resolve
 
-Mode = Literal["exploration", "execution"]
+# engine.mode.Mode in policy files: the schema and its errors list the plain words; values become Mode members.
+PolicyMode = Annotated[Literal[tuple(m.value for m in Mode)], AfterValidator(Mode)]
 ExecutionTrigger = Literal["json_schema", "json_object", "tools_required", "tools_any", "sql", "always"]
 SegmentKind = Literal["json_fence", "sql_fence", "tool_call"]
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]*$", max_length=200)]
@@ -69,7 +79,7 @@ class ModeSettings(_Strict):
     def default_temperature(self, mode: Mode) -> float:
         if self.temperature is not None:
             return self.temperature
-        return 0.0 if mode == "execution" else 1.0
+        return 0.0 if mode == Mode.EXECUTION else 1.0
 
 
 class ModeRules(_Strict):
@@ -77,8 +87,8 @@ class ModeRules(_Strict):
         default_factory=lambda: ["json_schema", "json_object", "tools_required", "sql"],
         description="request features that make the whole request execution; `always` forces it",
     )
-    segments: dict[SegmentKind, Mode] = Field(
-        default_factory=lambda: {"json_fence": "execution", "sql_fence": "execution", "tool_call": "execution"},
+    segments: dict[SegmentKind, PolicyMode] = Field(
+        default_factory=lambda: {"json_fence": Mode.EXECUTION, "sql_fence": Mode.EXECUTION, "tool_call": Mode.EXECUTION},
         description="mode of a segment detected inside an exploration response",
     )
 
@@ -251,7 +261,7 @@ class Policy(_Strict):
         dup([r.path for r in self.routes], "routes", "path")
         dup([t.id for t in self.tenants], "tenants", "id")
         key_owner: dict[str, str] = {}
-        for mode in ("exploration", "execution"):
+        for mode in Mode:
             name = getattr(self.modes, mode).precision
             if name not in self.precision_profiles:
                 problems.append((("modes", mode, "precision"),

@@ -6,6 +6,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from engine.mode import Mode
+
 if TYPE_CHECKING:
     from policies.model import AuditSettings, Limits, Policy, PrecisionProfile, SqlRules, Tenant
 
@@ -26,13 +28,13 @@ class ResolvedPolicy:
     route: str
     model: str
     execution_when: frozenset[str]
-    segments: Mapping[str, str]  # segment kind -> "execution" | "exploration"
+    segments: Mapping[str, Mode]  # segment kind -> mode
     allowed_tools: frozenset[str]  # contains "*" when every tool is allowed
     sql: Mapping[str, SqlRules]  # database name -> rules
-    precision: Mapping[str, str]  # mode -> precision profile name
-    precision_profiles: Mapping[str, PrecisionProfile]  # mode -> profile
-    deferral_depth: Mapping[str, int]  # mode -> depth (execution is always 0)
-    temperature: Mapping[str, float]  # mode -> temperature of requests that send none
+    precision: Mapping[Mode, str]  # precision profile name
+    precision_profiles: Mapping[Mode, PrecisionProfile]
+    deferral_depth: Mapping[Mode, int]  # execution is always 0
+    temperature: Mapping[Mode, float]  # temperature of requests that send none
     limits: Limits
     audit: AuditSettings
     audit_level: Literal["off", "metadata", "full"]
@@ -45,9 +47,9 @@ class ResolvedPolicy:
         tools_any, sql) or the `always` rule make the whole request execution."""
         return "always" in self.execution_when or bool(self.execution_when & set(features))
 
-    def segment_mode(self, kind: str) -> str:
+    def segment_mode(self, kind: str) -> Mode:
         """Mode for a segment detected in an exploration response (unknown kinds stay exploration)."""
-        return self.segments.get(kind, "exploration")
+        return self.segments.get(kind, Mode.EXPLORATION)
 
     def tool_allowed(self, name: str) -> bool:
         return "*" in self.allowed_tools or name in self.allowed_tools
@@ -97,11 +99,10 @@ def resolve(policy: Policy, tenant: Tenant | str, route: str, model: str) -> Res
         segments=dict(rules.segments),
         allowed_tools=frozenset(tenant.allowed_tools),
         sql={d: policy.databases[d] for d in tenant.databases},
-        precision={"exploration": modes.exploration.precision, "execution": modes.execution.precision},
-        precision_profiles={"exploration": policy.precision_profiles[modes.exploration.precision],
-                            "execution": policy.precision_profiles[modes.execution.precision]},
-        deferral_depth={"exploration": modes.exploration.deferral_depth, "execution": 0},
-        temperature={m: getattr(modes, m).default_temperature(m) for m in ("exploration", "execution")},
+        precision={m: getattr(modes, m).precision for m in Mode},
+        precision_profiles={m: policy.precision_profiles[getattr(modes, m).precision] for m in Mode},
+        deferral_depth={Mode.EXPLORATION: modes.exploration.deferral_depth, Mode.EXECUTION: 0},
+        temperature={m: getattr(modes, m).default_temperature(m) for m in Mode},
         limits=policy.limits.overlay(route_rule.limits).overlay(tenant.limits),
         audit=policy.audit,
         audit_level=tenant.audit_level or policy.audit.level,

@@ -42,15 +42,14 @@ def policy_llm(model: str, **overrides):
     """An LLM configured from the dev policy as `moegate serve` configures its engine (CPU)."""
     from engine.config import ModelConfig
     from engine.llm_engine import LLM
-    from gateway.app import DEV_POLICY, placement_from_policy
+    from gateway.app import DEV_POLICY, numerics_from_policy
     from gateway.policy_reload import deferral_for
     from policies.loader import load_policy
 
     policy = load_policy(DEV_POLICY)
-    placement, exact_lm_head, fast_lm_head, fast_dense = placement_from_policy(policy)
-    defer = deferral_for(policy, ModelConfig.from_dir(model).top_k, "cpu")
-    kw = dict(placement=placement, defer=defer, exact_lm_head=exact_lm_head, fast_lm_head=fast_lm_head,
-              fast_dense=fast_dense, prefix_cache=False, progress=False, device="cpu")
+    n = numerics_from_policy(policy, deferral_for(policy, ModelConfig.from_dir(model).top_k, "cpu"))
+    kw = dict(placement=n.experts, defer=n.defer, exact_lm_head=n.exact_lm_head, fast_lm_head=n.fast_lm_head,
+              fast_dense=n.fast_dense, prefix_cache=False, progress=False, device="cpu")
     return LLM(model, **{**kw, **overrides})
 
 

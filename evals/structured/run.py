@@ -17,12 +17,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from gateway.structured.base import ConstraintSpec, get_backend
+from gateway.structured.base import ConstraintSpec
 from gateway.structured.bitmask import apply_bitmask_, bitmask_words, row_allows, row_ids
 from gateway.structured.build import json_schema_spec
 from gateway.structured.closing import completion_hints, shortest_completion
 from gateway.structured.constraint import Constraint
 from gateway.structured.errors import ConstraintCompileTimeout, StructuredOutputError, UnsupportedSchemaError
+from gateway.structured.registry import get_backend
 from gateway.structured.sql_grammar import sql_spec
 from gateway.structured.sql_schema import DatabaseSchema, SQLPolicy
 from gateway.structured.sql_validate import check_sql

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from engine.chat_template import ChatTemplateError
 from gateway.deps import State, TenantDep
 from gateway.errors import bad_request
-from gateway.generation import Finished, SegmentFences, ToolCall
+from gateway.events import Finished, ToolCall
 from gateway.plan import chat_plan, dumps_args, policy_error, sql_target
 from gateway.schemas import (
     ChatCompletion,
@@ -20,6 +20,7 @@ from gateway.schemas import (
     lone_surrogate_at,
     new_id,
 )
+from gateway.segments import SegmentFences
 from gateway.serving import Job, budget, resolve_policy, serve
 from gateway.sse import Chunker, usage_of
 from gateway.structured.sql_schema import tables_prompt
@@ -90,7 +91,8 @@ def shape(rid: str, created: int, results: list[tuple[str, list[ToolCall], Finis
     choices = [{"index": i, "message": _message(text, calls), "finish_reason": fin.reason, "logprobs": None}
                for i, (text, calls, fin) in enumerate(results)]
     completion = sum(f.completion_tokens for _, _, f in results)
-    ext = {"choices": [{"decisions": [d.to_dict() for d in f.decisions], "validations": f.validations,
+    ext = {"choices": [{"decisions": [d.to_dict() for d in f.decisions],
+                        "validations": [v.to_dict() for v in f.validations],
                         "retries": f.retries, **_enforcement(f)} for _, _, f in results]}
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage_of(prompt_tokens, completion),
@@ -118,7 +120,7 @@ class ChatChunker(Chunker):
                 self._chunk({"tool_calls": [{"index": index, "function": {"arguments": dumps_args(call.arguments)}}]})]
 
     def finish(self, fin: Finished) -> dict:
-        ext = {"decisions": [d.to_dict() for d in fin.decisions], "validations": fin.validations,
+        ext = {"decisions": [d.to_dict() for d in fin.decisions], "validations": [v.to_dict() for v in fin.validations],
                "retries": fin.retries, **_enforcement(fin)}
         return self._chunk({}, fin.reason, moegate=ext)
 

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 
 from gateway.deps import State, TenantDep
 from gateway.errors import bad_request
-from gateway.generation import Finished, ToolCall
+from gateway.events import Finished, ToolCall
 from gateway.plan import completion_plan
 from gateway.schemas import Completion, CompletionRequest, ErrorBody, new_id
 from gateway.serving import Job, budget, resolve_policy, serve

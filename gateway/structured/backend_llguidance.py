@@ -6,7 +6,7 @@ import re
 
 import llguidance
 
-from .base import Backend, CompiledConstraint, ConstraintKind, ConstraintSpec, Matcher, register_backend
+from .base import Backend, CompiledConstraint, ConstraintKind, ConstraintSpec, Matcher
 from .errors import ConstraintCompileError, UnsupportedSchemaError
 from .json_enforce import (
     GUIDED,
@@ -240,6 +240,5 @@ class LLGuidanceBackend(Backend):
         return LLGuidanceCompiled(spec, tokenizer, grammar)
 
 
-register_backend(LLGuidanceBackend())
 
 __all__ = ["LLGuidanceBackend", "LLGuidanceCompiled", "LLGuidanceMatcher"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import outlines_core
 
-from .base import Backend, CompiledConstraint, ConstraintKind, ConstraintSpec, Matcher, register_backend
+from .base import Backend, CompiledConstraint, ConstraintKind, ConstraintSpec, Matcher
 from .errors import ConstraintCompileError
 from .json_schema import outlines_json_regex, parse_schema
 from .vocab import TokenizerInfo
@@ -76,4 +76,3 @@ class OutlinesBackend(Backend):
         return OutlinesCompiled(spec, tokenizer, regex)
 
 
-register_backend(OutlinesBackend())

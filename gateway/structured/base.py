@@ -7,7 +7,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import StrEnum
 
-from .errors import UnknownBackendError
 from .vocab import TokenizerInfo
 
 
@@ -77,36 +76,3 @@ class Backend(ABC):
     @abstractmethod
     def compile(self, spec: ConstraintSpec, tokenizer: TokenizerInfo) -> CompiledConstraint:
         """Compile or raise a typed StructuredOutputError (never drop a feature silently)."""
-
-
-_BACKENDS: dict[str, Backend] = {}
-
-# Default backend per constraint kind, chosen by evals/structured (see docs/structured.md):
-# llguidance compiles in ms where outlines-core needs seconds over a 151k vocabulary, and it
-# enforces numeric bounds and formats that outlines-core's JSON-Schema regex drops.
-DEFAULT_BACKEND: dict[ConstraintKind, str] = {
-    ConstraintKind.JSON_SCHEMA: "llguidance",
-    ConstraintKind.REGEX: "llguidance",
-    ConstraintKind.GRAMMAR: "llguidance",
-    ConstraintKind.TOOL_CALLS: "llguidance",
-    ConstraintKind.SQL: "llguidance",
-}
-
-
-def register_backend(backend: Backend) -> Backend:
-    _BACKENDS[backend.name] = backend
-    return backend
-
-
-def get_backend(kind: ConstraintKind, name: str | None = None) -> Backend:
-    _ensure_builtin_backends()
-    name = name or DEFAULT_BACKEND[kind]
-    backend = _BACKENDS.get(name)
-    if backend is None or kind not in backend.kinds:
-        avail = sorted(n for n, b in _BACKENDS.items() if kind in b.kinds)
-        raise UnknownBackendError(name, kind, avail)
-    return backend
-
-
-def _ensure_builtin_backends() -> None:
-    from . import backend_llguidance, backend_outlines  # noqa: F401  (modules register themselves)

@@ -9,8 +9,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .base import CompiledConstraint, ConstraintSpec, get_backend
+from .base import CompiledConstraint, ConstraintSpec
 from .errors import ConstraintCompileTimeout
+from .registry import get_backend
 from .vocab import TokenizerInfo
 
 

@@ -8,6 +8,7 @@ class StructuredOutputError(Exception):
 
     http_status = 400
     code = "structured_output_error"
+    validations: tuple = ()  # gateway.retry.Validation outcomes of the request's attempts, set by the gateway
 
     def to_dict(self) -> dict:
         return {"type": "invalid_request_error", "code": self.code, "message": str(self)}

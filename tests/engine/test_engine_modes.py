@@ -146,6 +146,25 @@ def test_fingerprint_tracks_profile_and_deferral(ckpt):
     assert a.numerics_fingerprint("exploration") != a.numerics_fingerprint("execution")
 
 
+def test_numerics_profile_is_the_engine_fields_in_one_object(ckpt):
+    """EngineConfig(numerics=...) and the separate fields build the same engine numerics; a contradiction is
+    refused; the fingerprint reads the resolved profile."""
+    from engine.llm_engine import EngineConfig
+    from engine.mode import Mode
+    from engine.numerics import NumericsProfile
+
+    profile = NumericsProfile(experts=PLACEMENT, fast_lm_head="int8", defer=1)
+    by_fields = _llm(ckpt, fast_lm_head="int8", defer=1).engine
+    by_profile = _llm(ckpt, placement=None, numerics=profile).engine
+    assert by_fields.numerics == by_profile.numerics and by_profile.config.defer == 1
+    for mode in Mode:
+        assert by_fields.numerics_fingerprint(mode) == by_profile.numerics_fingerprint(mode)
+    with pytest.raises(ValueError, match="contradicts numerics.defer"):
+        EngineConfig(model=str(ckpt), numerics=profile, defer=2)
+    with pytest.raises(ValueError, match="mode must be exploration or execution"):
+        by_fields.set_mode("none", "fast")
+
+
 def test_mode_triggers_switch_at_the_token_boundary(ckpt):
     llm = _llm(ckpt, defer=1)
     engine = llm.engine

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gateway.app import placement_from_policy
+from gateway.app import numerics_from_policy
 from policies.loader import load_policy
 from policies.model import HotExperts, Policy
 
@@ -15,7 +15,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "policies" / "examples"
 
 
 def test_finance_profiles_map_to_placement():
-    placement, exact_lm_head, fast_lm_head, fast_dense = placement_from_policy(load_policy(EXAMPLES / "finance.yaml"))
+    n = numerics_from_policy(load_policy(EXAMPLES / "finance.yaml"))
+    placement, exact_lm_head, fast_lm_head, fast_dense = n.experts, n.exact_lm_head, n.fast_lm_head, n.fast_dense
     assert placement.fast_format == "int4"  # exploration: fast profile
     assert placement.execution_format == "int8"  # execution: routed experts
     assert (placement.formatting_layers, placement.exact_format) == (4, "bf16")  # formatting layers
@@ -24,7 +25,9 @@ def test_finance_profiles_map_to_placement():
 
 
 def test_dev_profile_explores_in_int4_and_executes_at_the_checkpoints_precision():
-    placement, exact_lm_head, fast_lm_head, fast_dense = placement_from_policy(load_policy(EXAMPLES / "dev.yaml"))
+    n = numerics_from_policy(load_policy(EXAMPLES / "dev.yaml"), defer=1)
+    placement, exact_lm_head, fast_lm_head, fast_dense = n.experts, n.exact_lm_head, n.fast_lm_head, n.fast_dense
+    assert n.defer == 1 and n.parts("execution", "float32")["defer"] == 0  # execution never defers
     assert placement.fast_format == "int4" and placement.execution_format == "bf16"
     assert placement.formatting_layers == 0 and not exact_lm_head and fast_lm_head == "int8"  # the model's lm_head
     assert fast_dense == "int8"
@@ -39,7 +42,7 @@ def _with_hot(policy, profile: str, **hot):
 
 def test_exploration_hot_experts_become_a_dynamic_hot_set():
     policy = _with_hot(load_policy(EXAMPLES / "dev.yaml"), "fast", exact_share=0.25, interval_steps=16, max_swaps=3)
-    placement, *_ = placement_from_policy(policy)
+    placement = numerics_from_policy(policy).experts
     assert placement.dynamic_hot and placement.mixed_hot_fraction == 0.25 and placement.mixed_format == "bf16"
     assert (placement.dynamic.interval_steps, placement.dynamic.max_swaps) == (16, 3)
     assert placement.hot_experts == 0

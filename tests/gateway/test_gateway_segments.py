@@ -1,5 +1,6 @@
-"""Classification and the segment detector: on token streams directly, then a mixed response (free text,
-a tool call, free text) through the server showing the mode switches in order."""
+"""Classification and the segment detector: on token streams directly, then the engine's segment tracker with
+the gateway's constraints, a mixed response (free text, a tool call, free text) through the server showing
+the mode switches in order, and a tool call inside free text equal to an all-execution run from its prefix."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import json
 
 import pytest
 
-from gateway.classify import EXECUTION, EXPLORATION, SegmentDetector, classify, request_features
+from engine.mode import EXECUTION, EXPLORATION
+from engine.segments import SegmentDetector, SegmentTracker
+from gateway.classify import classify, request_features
 
 ALL_EXEC = {"tool_call": EXECUTION, "json_fence": EXECUTION, "sql_fence": EXECUTION}
 
@@ -135,19 +138,42 @@ def _drive(tok, proc, ids, steps=80, seed=0):
     return ids
 
 
-def _processor(tok, fences, budget=300):
-    from gateway.generation import SegmentProcessor, make_detector, segment_factory
+class _Driven:
+    """A SegmentTracker driven as the engine drives it: masks the next row, then sees the sampled token."""
 
-    switches = []
-    proc = SegmentProcessor(make_detector(tok, ALL_EXEC, fences), segment_factory(tok, [2048, 2050], budget, fences), [2048, 2050],
-                            lambda n: [], switches.append)
-    return proc, switches
+    def __init__(self, tracker: SegmentTracker):
+        self.tracker, self.switches = tracker, []
+        self.detector = tracker.detector
+
+    @property
+    def error(self):
+        return self.tracker.error
+
+    def __call__(self, ids, row):
+        while self.detector._next < len(ids):  # tokens sampled since the last row
+            s = self.tracker.push(int(ids[self.detector._next]))
+            if s is not None:
+                self.switches.append(s)
+        return self.tracker(ids, row)
+
+
+def _processor(tok, fences, budget=300, modes=ALL_EXEC):
+    from gateway.plan import Plan
+    from gateway.segments import segment_rules
+
+    plan = Plan(prompt_ids=[1], max_tokens=budget, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=[],
+                logit_bias={}, n=1, decision=None, features=set(), segment_modes=dict(modes), tools=fences.tools)
+    import dataclasses
+
+    rules = dataclasses.replace(segment_rules(tok, [2048, 2050], plan, fences), banned=None)  # constraints only
+    proc = _Driven(SegmentTracker(rules))
+    return proc, proc.switches
 
 
 def test_json_fence_is_constrained_then_released(tok):
     """After a ```json line the processor masks with the segment's constraint until the closing fence, then
     lets free text through again; the body validates."""
-    from gateway.generation import SegmentFences
+    from gateway.segments import SegmentFences
     from gateway.structured.segment import segment_body
     from gateway.structured.validate import validate_json
 
@@ -168,7 +194,7 @@ def test_json_fence_is_constrained_then_released(tok):
 def test_sql_fence_applies_the_sql_grammar(tok):
     import torch
 
-    from gateway.generation import SegmentFences
+    from gateway.segments import SegmentFences
     from gateway.structured.sql_schema import DatabaseSchema, SQLPolicy
 
     db = (DatabaseSchema.from_mapping({"prices": ["ticker", "price"]}), SQLPolicy("sqlite"))
@@ -187,10 +213,12 @@ def test_processor_failure_ends_only_its_sequence(tok):
     into the engine loop: that sequence gets EOS only and the error is reported to its request."""
     import torch
 
-    from gateway.generation import SegmentFences, SegmentProcessor, segment_factory
+    from engine.segments import SegmentRules
+    from gateway.segments import SegmentFences, segment_factory
 
-    proc = SegmentProcessor(_detector(tok), segment_factory(tok, [2048, 2050], 64, SegmentFences([])), [2048, 2050],
-                            lambda n: [], lambda d: None)
+    rules = SegmentRules(tok.token_bytes, tok.token_id("<tool_call>"), tok.token_id("</tool_call>"), ALL_EXEC,
+                         constraint=segment_factory(tok, [2048, 2050], 64, SegmentFences([])), eos_ids=(2048, 2050))
+    proc = _Driven(SegmentTracker(rules))
     row = proc(tok.encode("Query:\n```sql\n"), torch.zeros(tok.vocab_size))
     assert proc.error is not None
     assert torch.nonzero(torch.isfinite(row)).flatten().tolist() == [2048, 2050]
@@ -218,3 +246,69 @@ def test_decisions_reach_the_audit_log_and_traces(gateway_server):
     events = [e for e in span["events"] if e["name"] == "moegate.mode_switch"]
     assert [(e["attributes"]["moegate.mode.to"], e["attributes"]["moegate.token_index"]) for e in events] == \
         [(d["mode"], d["token_index"]) for d in switches]
+
+
+def test_tool_call_in_free_text_equals_an_all_execution_run_from_its_prefix(tiny_checkpoint, tok):
+    """The engine switches at the token that opens a tool call (resync "recompute"): every token of the call
+    is computed in execution mode, bit for bit what an all-execution run from the same prefix computes (the
+    logits rows and the tokens), though exploration runs other weights (int4 experts) and defers experts.
+    With resync "keep" the call's logits come from exploration's KV and differ."""
+    from engine.experts import PlacementConfig
+    from engine.llm_engine import LLM
+    from engine.output import RequestOutput
+    from engine.sampling_params import LogitsRecorder, SamplingParams
+    from engine.segments import SegmentEnd, SegmentStart
+    from gateway.plan import Plan
+    from gateway.segments import SegmentFences, segment_factory, segment_rules
+
+    llm = LLM(tiny_checkpoint(), placement=PlacementConfig(fast_format="int4", exact_format="bf16",
+                                                           formatting_layers=1), defer=1, num_kv_blocks=64,
+              block_size=8, progress=False)
+    engine, eos = llm.engine, sorted(llm.engine.eos_token_ids)
+    fences, budget, k = SegmentFences([QUOTE]), 40, 3
+    plan = Plan(prompt_ids=[1], max_tokens=budget, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=[],
+                logit_bias={}, n=1, decision=None, features=set(), segment_modes=dict(ALL_EXEC), tools=[QUOTE],
+                parallel_tool_calls=False)
+    open_id, prompt = tok.token_id("<tool_call>"), tok.encode("quote AAPL please")
+
+    def open_at_k(ids, row):  # free text first, then the model "chooses" a tool call at token k
+        if len(ids) == k:
+            row[:] = float("-inf")
+            row[open_id] = 0.0
+        return row
+
+    def run(rid, ids, params, mode) -> list[RequestOutput]:
+        engine.add_request(rid, ids, params, mode=mode)
+        outs = []
+        while engine.has_work():
+            outs += [o for o in engine.step() if o.request_id == rid]
+        return outs
+
+    def switched(resync):
+        rec = LogitsRecorder()
+        params = SamplingParams(max_tokens=budget, logits_processors=[open_at_k, rec], resync=resync,
+                                segments=segment_rules(tok, eos, plan, fences))
+        outs = run(f"free-{resync}", prompt, params, "exploration")
+        return outs, rec
+
+    outs, rec = switched("recompute")
+    events = [e for o in outs for e in o.segment_events]
+    start, end = events[0], events[1]
+    assert isinstance(start, SegmentStart) and start.applied and start.switch.token_index == k
+    assert isinstance(end, SegmentEnd) and end.token_ids[0] == open_id
+    tokens = outs[-1].token_ids
+    call = tokens[k + 1:end.switch.token_index + 1]  # the call's tokens after <tool_call>, up to </tool_call>
+    assert outs[-1].text == "".join(o.new_text for o in outs)  # free text only: the call is in its event
+    assert tok.decode(call).count('"name": "get_quote"') == 1
+
+    constraint = segment_factory(tok, eos, budget, fences)("tool_call", k)  # as the engine built it at token k
+    ref_rec = LogitsRecorder()
+    ref = run("exec", prompt + tokens[:k + 1], SamplingParams(
+        max_tokens=len(call), logits_processors=[ref_rec, lambda ids, row: constraint([open_id, *ids], row)]),
+        "execution")
+    assert ref[-1].token_ids == call
+    rows = slice(k + 1, k + 1 + len(call))
+    assert b"".join(r.numpy().tobytes() for r in rec.rows[rows]) == ref_rec.bytes()
+
+    kept, kept_rec = switched("keep")
+    assert b"".join(r.numpy().tobytes() for r in kept_rec.rows[rows]) != ref_rec.bytes()

@@ -9,8 +9,10 @@ from types import SimpleNamespace
 import torch
 
 from gateway.classify import Decision
-from gateway.generation import RETRY_TEMPERATURE, Finished, Generator, TextDelta
+from gateway.events import Finished, TextDelta
+from gateway.generation import Generator
 from gateway.plan import Plan
+from gateway.retry import RETRY_TEMPERATURE
 from gateway.structured.build import json_schema_spec
 from gateway.structured.validate import validate_json
 
@@ -37,7 +39,8 @@ class ScriptedLLM:
             ids.append(int(torch.argmax(logits)))
             if ids[-1] in self.tokinfo.eos_ids:
                 break
-        yield SimpleNamespace(token_ids=ids, finished=True, finish_reason="stop", cache_hits={})
+        text = self.tokinfo.decode([t for t in ids if t not in self.tokinfo.eos_ids])  # the engine makes the text
+        yield SimpleNamespace(token_ids=ids, text=text, finished=True, finish_reason="stop", cache_hits={})
 
 
 def _plan(temperature: float) -> Plan:
@@ -57,7 +60,7 @@ def test_unique_items_violation_is_regenerated(tokinfo):
     text, fin = events[0], events[-1]
     assert isinstance(text, TextDelta) and text.text == '["a","b"]'
     assert isinstance(fin, Finished) and fin.retries == 1
-    assert [v["ok"] for v in fin.validations] == [False, True] and "non-unique" in fin.validations[0]["error"]
+    assert [v.ok for v in fin.validations] == [False, True] and "non-unique" in fin.validations[0].error
     assert fin.enforcement["keywords"]["uniqueItems"] == "validation"
     # the failed attempt was greedy, so the retry samples (seeded) instead of repeating it
     assert llm.params[0].temperature == 0.0 and llm.params[1].temperature == RETRY_TEMPERATURE

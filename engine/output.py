@@ -1,0 +1,120 @@
+"""What leaves the engine for a sequence: its text (detokenized, cut at stop strings, held back while it
+could still grow into one) around its structured segments, and the segment events, as RequestOutputs.
+
+The one place text is made: the gateway maps these outputs to OpenAI objects and never decodes tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.segments import SegmentEnd, SegmentStart, Switch
+from engine.sequence import Sequence
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all output tokens so far
+    text: str  # all output text released so far (outside segments)
+    new_token_ids: list[int]  # since the previous output of this request
+    new_text: str  # precedes this output's segment events
+    finished: bool
+    finish_reason: str | None  # stop | length | abort | error
+    error: str | None = None  # why the request failed (finish_reason "error")
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    cache_hits: dict[str, int] | None = None  # blocks served per tier (device, ram, disk, redis)
+    segment_events: list[SegmentStart | SegmentEnd] = field(default_factory=list)  # since the previous output
+    open_segment: str | None = None  # the kind of a segment still open when the sequence finished
+    segment_error: str | None = None  # a segment's constraint failed (the sequence then only ended)
+
+
+def stop_holdback(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that could still grow into a stop string."""
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), hold, -1):
+            if stop.startswith(text[-n:]):
+                hold = n
+                break
+    return hold
+
+
+def _cut_at_stop(seq: Sequence) -> bool:
+    """Cuts `seq.text` at the first stop string not yet released; True when one was found."""
+    for stop in seq.params.stop:
+        at = seq.text.find(stop, max(0, seq.emitted - len(stop)))
+        if at >= 0:
+            seq.text = seq.text[:at]
+            return True
+    return False
+
+
+def push_token(seq: Sequence, token: int, is_end: bool) -> tuple[bool, Switch | None]:
+    """The sequence sampled `token` (`is_end`: an EOS or stop token id): its text and segments advance.
+    Returns (a stop string ended the text, the segment switch the token caused)."""
+    tracker, index = seq.segments, len(seq.output_token_ids) - 1
+    was_open = tracker.open if tracker is not None else None
+    switch = tracker.push(token) if tracker is not None and not is_end else None
+    opened = tracker.open if switch is not None and was_open is None else None
+    in_segment = was_open is not None or (opened is not None and opened.start <= index)
+    if seq.detokenizer is None or is_end:
+        return False, switch
+    if not in_segment:
+        seq.text += seq.detokenizer.push(token)
+    if opened is not None:  # the free text before a segment is complete: no part of it is held back
+        seq.text += seq.detokenizer.flush()
+    if _cut_at_stop(seq):
+        if opened is not None:  # the answer ended before the segment: it never opened
+            tracker.detector.segments.pop()
+            tracker.constraint = None
+        return True, None
+    return False, switch
+
+
+def record_switch(seq: Sequence, switch: Switch, applied: bool, tokenizer) -> None:
+    """A SegmentStart (a segment opened) or SegmentEnd (it closed: its tokens and text) for the next output."""
+    tracker = seq.segments
+    if tracker.open is not None:
+        tracker.events.append(SegmentStart(switch, applied))
+        return
+    seg = tracker.detector.segments[-1]
+    ids = seq.output_token_ids[seg.start:seg.end]
+    tracker.events.append(SegmentEnd(switch, applied, ids, tokenizer.decode(ids) if tokenizer is not None else ""))
+
+
+def finish_text(seq: Sequence) -> None:
+    """The sequence ends: text still inside the detokenizer (an unfinished character) is released."""
+    if seq.detokenizer is not None and (seq.segments is None or seq.segments.open is None):
+        seq.text += seq.detokenizer.flush()
+
+
+def make_output(seq: Sequence) -> RequestOutput:
+    """The sequence's output since the previous one: text past what was released (minus what could still grow
+    into a stop string), new tokens, segment events."""
+    finished, tracker = seq.is_finished, seq.segments
+    whole = finished or (tracker is not None and tracker.open is not None)  # free text cannot grow now
+    release = len(seq.text) if whole else len(seq.text) - stop_holdback(seq.text, seq.params.stop)
+    new_text = seq.text[seq.emitted:release] if release > seq.emitted else ""
+    seq.emitted = max(seq.emitted, release)
+    prev, seq.num_reported = seq.num_reported, len(seq.output_token_ids)
+    events = []
+    if tracker is not None:
+        events, tracker.events = tracker.events, []
+    return RequestOutput(
+        request_id=seq.request_id,
+        prompt_token_ids=seq.prompt_token_ids,
+        token_ids=list(seq.output_token_ids),
+        text=seq.text[: seq.emitted],
+        new_token_ids=seq.output_token_ids[prev:],
+        new_text=new_text,
+        finished=finished,
+        finish_reason=seq.finish_reason,
+        num_cached_tokens=seq.num_cached_tokens,
+        cache_hits=dict(seq.cache_hits),
+        error=seq.error,
+        segment_events=events,
+        open_segment=tracker.open.kind if finished and tracker is not None and tracker.open is not None else None,
+        segment_error=tracker.error if tracker is not None else None,
+    )
