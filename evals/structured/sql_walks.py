@@ -40,6 +40,7 @@ class WalkReport:
     failures: Counter = field(default_factory=Counter)
     examples: list = field(default_factory=list)  # (sql, error) of finished walks the validator refused
     mask_us: list = field(default_factory=list)  # per step: grammar fill + guard filter
+    unfinished: list = field(default_factory=list)  # (text, error) of walks that did not end
 
     def summary(self) -> dict:
         us = sorted(self.mask_us) or [float("nan")]
@@ -83,6 +84,7 @@ def random_walks(tok: TokenizerInfo, schema: DatabaseSchema, dialect: str, walks
         report.walks += 1
         report.dead_ends += c.guard_fallbacks > 0
         if not (ids and ids[-1] in c.eos_ids and c.is_accepting()):
+            report.unfinished.append((tok.decode(ids), c.error))
             continue
         report.finished += 1
         sql = tok.decode(ids[:-1])

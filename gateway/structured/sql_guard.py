@@ -17,6 +17,7 @@ from .sql_scope import (
     _BANNED,
     _CLAUSE_END,
     _ID,
+    _QUOTE_CLOSE,
     SCHEMA_COMMENT,
     WORDS_COMMENT,
     SQLScope,
@@ -45,6 +46,8 @@ class _TokenTable:
     hot: np.ndarray  # [V] bool: its head holds . ) ; a quote, or completes a word of _RELEVANT inside it
     head: np.ndarray  # [V] int: index into heads of its text up to and including its last non-identifier byte
     heads: list[str]
+    canon: tuple[np.ndarray, np.ndarray]  # [V] int each: index into canons of its head as the scope
+    canons: list[str]  # tracker reads it from outside / inside a '...' string (_canonical): one simulation
     rest: np.ndarray  # [V] int: index into rests of its head after its leading identifier
     rests: list[str]
     leads: dict[str, np.ndarray]  # lower-case identifier bytes before the first non-identifier byte -> ids
@@ -67,16 +70,44 @@ class _TokenTable:
     has_digit: np.ndarray  # [V] bool: holds a digit
 
 
+def _canonical(head: str, in_string: bool) -> str:
+    """`head` as the scope tracker reads it (starting inside a '...' string or not): a string's
+    content as one "a" (only its closing quote counts), each whitespace run outside quotes as its last
+    byte (a run ends a word; a fence needs its newline right before the backtick); names in quotes as is."""
+    out, mode, gap = [], "'" if in_string else "", ""
+    for ch in head:
+        if mode == "'":
+            if ch == "'":
+                mode = ""
+                out.append(ch)
+            elif out[-1:] != ["a"]:
+                out.append("a")
+        elif mode:
+            out.append(ch)
+            mode = "" if ch == mode else mode
+        elif ch in " \t\r\n":
+            gap = ch
+        else:
+            out.append(gap + ch)
+            gap = ""
+            if ch == "'":
+                mode = "'"
+                out.append("")  # (the string's content follows)
+            elif ch in _QUOTE_CLOSE:
+                mode = _QUOTE_CLOSE[ch]
+    return "".join(out) + gap
+
+
 @functools.lru_cache(maxsize=8)
 def _token_table(tokenizer: TokenizerInfo) -> _TokenTable:
-    texts, index, rindex, leads, inners, quals, idents, tails = [], {}, {}, {}, {}, {}, {}, {}
+    texts, index, nindex, rindex, leads, inners, quals, idents, tails = [], {}, {}, {}, {}, {}, {}, {}, {}
     n = tokenizer.vocab_size
     delim, dots, hot, tailed, lead_empty, first_dot, digit_start, digit_tail = (
         np.zeros(n, dtype=bool) for _ in range(8))
     tail_at = np.zeros(n, dtype=np.uint8)
     safe, safe_comma = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
     qual = np.full(n, -1, dtype=np.int64)
-    head, rest = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    head, rest, canon_out, canon_in = (np.zeros(n, dtype=np.int64) for _ in range(4))
     for i, b in enumerate(tokenizer.token_bytes[:n]):
         t = (b or b"").decode("latin-1")
         texts.append(t)
@@ -101,6 +132,8 @@ def _token_table(tokenizer: TokenizerInfo) -> _TokenTable:
         hot[i] = bool(_HOT_CHARS & set(h)) or any(w in _RELEVANT for w in words)
         head[i] = index.setdefault(h, len(index))
         rest[i] = rindex.setdefault(h[cuts[0]:], len(rindex))
+        canon_out[i] = nindex.setdefault(_canonical(h, False), len(nindex))
+        canon_in[i] = nindex.setdefault(_canonical(h, True), len(nindex))
         leads.setdefault(t[: cuts[0]].lower(), []).append(i)
         if (m := _QUAL_HEAD.match(h)) and "." not in t[len(h):]:
             qual[i] = 1
@@ -108,7 +141,9 @@ def _token_table(tokenizer: TokenizerInfo) -> _TokenTable:
     def arrays(d: dict[str, list[int]]) -> dict[str, np.ndarray]:
         return {k: np.array(v, dtype=np.int64) for k, v in d.items()}
 
-    return _TokenTable(texts, [t.lower() for t in texts], delim, dots, hot, head, list(index), rest, list(rindex),
+    return _TokenTable(texts, [t.lower() for t in texts], delim, dots, hot, head, list(index), (canon_out, canon_in),
+                       list(nindex),
+                       rest, list(rindex),
                        arrays(leads),
                        arrays(inners), qual, arrays(quals), arrays(idents), arrays(tails), tailed, tail_at,
                        safe, safe_comma, lead_empty, first_dot, digit_start, digit_tail,
@@ -152,6 +187,17 @@ def _word_ids(tt: _TokenTable, pool: WordPool, word: str) -> np.ndarray:
         if len(a) > n and a.startswith(word) and (x := tt.leads.get(a[n:])) is not None:
             ids.append(x if a in pool.ends else x[tt.first_dot[x]])
     return np.concatenate(ids) if ids else _NONE
+
+
+@functools.lru_cache(maxsize=256)
+def _extending(tt: _TokenTable, words: frozenset[str], word: str) -> np.ndarray:
+    """[V] bool: identifier-only tokens after which `word` is still a prefix of one of `words`."""
+    ok = np.zeros(len(tt.texts), dtype=bool)
+    n = len(word)
+    for piece in {w[n:k] for w in words if w.startswith(word) for k in range(n + 1, len(w) + 1)}:
+        if (ids := tt.idents.get(piece)) is not None:
+            ok[ids] = True
+    return ok
 
 
 @functools.lru_cache(maxsize=64)
@@ -245,8 +291,7 @@ class SQLScopeGuard:
             keep &= tt.lead_empty
             drop[self._any_name_heads(named)] = True
         elif s.dot_q is not None:  # identifier-only tokens extend the column name: a prefix test
-            prefixes = {c[:k] for c in columns for k in range(len(c) + 1)}
-            drop[[t for t in np.flatnonzero(bits & ~tt.delim).tolist() if s.word + tt.lower[t] not in prefixes]] = True
+            drop[: len(bits)] |= bits & ~tt.delim & ~_extending(tt, frozenset(columns), s.word)
             if not s.mode:  # (inside quotes every other token is simulated)
                 ends = np.zeros(len(tt.texts), dtype=bool)  # tokens whose leading identifier ends a column
                 for c in columns:
@@ -260,8 +305,7 @@ class SQLScopeGuard:
             if s.pool is None:  # unchecked until its closing quote (SQLite's "...": a name or a string)
                 keep &= tt.quotes
             else:
-                prefixes = {w[:k] for w in s.pool.words for k in range(len(w) + 1)}
-                drop[[t for t in np.flatnonzero(bits & ~tt.delim).tolist() if s.word + tt.lower[t] not in prefixes]] = True
+                drop[: len(bits)] |= bits & ~tt.delim & ~_extending(tt, s.pool.words, s.word)
         else:
             if (pool := s.pool if s.word else s.word_pool()) is not None:
                 ok = _word_mask(tt, pool, s.word)
@@ -312,13 +356,15 @@ class SQLScopeGuard:
         fast = (tt.qual[cands] >= 0) & ~tt.tailed[cands]  # `q.` with nothing after the dot
         drop[self._qualifier_heads(cands, fast)] = True
         cands = cands[~fast]
-        heads = tt.head[cands]
+        string = s.mode == "'" and s.string == "'"
+        canon = tt.canon[1] if string else tt.canon[0] if not s.mode else tt.head
+        heads = canon[cands]
         order = np.argsort(heads, kind="stable")
         cands, heads = cands[order], heads[order]
         starts = np.flatnonzero(np.r_[True, heads[1:] != heads[:-1]])
         groups = zip(heads[starts].tolist(), np.split(cands, starts[1:]), strict=True) if cands.size else ()
         for h, members in groups:
-            self._simulate(tt.heads[h], members, drop)
+            self._simulate(tt.heads[h] if s.mode and not string else tt.canons[h], members, drop)
         out &= ~np.packbits(drop, bitorder="little").view(np.uint32)
 
     def _any_name_heads(self, ids: np.ndarray) -> list[int]:

@@ -72,10 +72,12 @@ class _Frame:
     items: int = 0  # items of its current SELECT list that ended
 
     def clone(self) -> _Frame:
-        return _Frame(self.scope, self.fresh, self.source, self.cte, self.phase, self.expect, dict(self.declared),
-                      {q: set(c) for q, c in self.pending.items()}, set(self.bare), self.source_name,
-                      set(self.aliases), self.clause, list(self.item), list(self.names), self.first,
-                      self.outputs, self.with_state, self.over, self.func, self.args, self.items)
+        new = object.__new__(_Frame)
+        d = new.__dict__
+        d.update(self.__dict__)
+        d["declared"], d["pending"] = dict(self.declared), {q: set(c) for q, c in self.pending.items()}
+        d["bare"], d["aliases"], d["item"], d["names"] = set(self.bare), set(self.aliases), list(self.item), list(self.names)
+        return new
 
 
 @dataclass(frozen=True)
