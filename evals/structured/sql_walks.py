@@ -47,6 +47,7 @@ class WalkReport:
         return {"dialect": self.dialect, "walks": self.walks, "finished": self.finished, "valid": self.valid,
                 "invalid": self.finished - self.valid, "dead_ends": self.dead_ends,
                 "failures": dict(self.failures), "examples": self.examples[:5],
+                "unfinished_examples": [(t[-160:], e) for t, e in self.unfinished[:5]],
                 "mask_us_p50": us[len(us) // 2], "mask_us_mean": float(np.mean(us)),
                 "mask_us_p99": us[min(len(us) - 1, int(0.99 * len(us)))]}
 
