@@ -210,6 +210,8 @@ class SQLScope:
             self._end_from(f)
         elif f.pending or f.bare:
             raise _Veto("names used without a FROM clause")
+        else:
+            f.phase = "after"  # (no FROM can follow: later names must be bound already)
         self._end_first(f)
 
     def _end_first(self, f: _Frame) -> None:
