@@ -25,8 +25,8 @@ from .vocab import TokenizerInfo
 # ("too many expressions constructed", a dead end at runtime); fuel still bounds each mask.
 PARSER_LIMITS = dict(initial_lexer_fuel=20_000_000, step_lexer_fuel=5_000_000, max_lexer_states=2_000_000)
 # SQL: any name after a qualifier (a CTE's or derived table's column) completes an operand at every byte
-# of every identifier token after `q.`: up to ~10x llguidance's default 50,000 Earley items per mask there
-_KIND_LIMITS = {ConstraintKind.SQL: dict(step_max_items=500_000)}
+# of every identifier token after `q.`: up to ~3x llguidance's default 50,000 Earley items per mask there
+_KIND_LIMITS = {ConstraintKind.SQL: dict(step_max_items=150_000)}
 
 
 class LLGuidanceMatcher(Matcher):
