@@ -553,8 +553,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sql-limit", type=int, default=0, help="Spider dev queries, evenly spread (0: all)")
     p.add_argument("--sql-dialects", default=",".join(SQL_DIALECTS))
     p.add_argument("--sql-walks", type=int, default=60, help="random walks through the SQL constraint per dialect")
-    p.add_argument("--decode-model", type=Path, default=DEMO_MODEL if DEMO_MODEL.exists() else None,
-                   help="model whose unconstrained decode step the SQL mask cost is compared with (this run)")
+    p.add_argument("--decode-model", type=lambda v: None if v == "none" else Path(v),
+                   default=DEMO_MODEL if DEMO_MODEL.exists() else None,
+                   help="model whose unconstrained decode step the SQL mask cost is compared with in this run "
+                        "(none: not measured)")
     p.add_argument("--timed-generations", type=int, default=50,
                    help="per split, the first N draw full Gaussian logits and time the apply; the rest draw "
                         "uniformly among the allowed ids (the same distribution, without the 152k-float draw)")
