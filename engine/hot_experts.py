@@ -83,6 +83,17 @@ class HotSetUpdater:
         self.routed = 0  # routed activations seen at interval boundaries
         self.routed_upper = 0  # of them, served by the upper shard
 
+    @classmethod
+    def build(cls, layers: dict[int, LayerExperts], placement, read: ExpertReader,
+              device: torch.device) -> HotSetUpdater | None:
+        """The engine's updater when `placement` asks for a dynamic hot set and the layers have a faster tier."""
+        if placement is None or not placement.dynamic_hot or not layers:
+            return None
+        if not all(len(le.fast) == 2 for le in layers.values()):  # hot experts on the GPU asked for, none here
+            log.info("dynamic hot set: no faster tier on %s (GPU hot experts need CUDA); the hot set is off", device)
+            return None
+        return cls(layers, read, placement.dynamic)
+
     # -- the engine thread ---------------------------------------------------------------------
     def between_steps(self) -> bool:
         """Applies finished swaps and, every `interval_steps`, proposes new ones. True when the hot set changed."""

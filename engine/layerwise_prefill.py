@@ -121,6 +121,15 @@ class LayerwisePrefill:
         self.bursts = 0  # layer computations done on the fast device
         self.copies = 0  # layers copied
 
+    @classmethod
+    def build(cls, layers: dict, min_tokens: int | None, device: torch.device,
+              dtype: torch.dtype) -> LayerwisePrefill | None:
+        """The engine's layer-wise prefill over its MoE layers (`layers`: index -> LayerExperts); None when off."""
+        if not min_tokens or not layers:
+            return None
+        log.info("layer-wise prefill: exploration forwards of >= %d tokens run routed experts on %s", min_tokens, device)
+        return cls([layers[i] for i in sorted(layers)], device, dtype, min_tokens)
+
     def applies(self, layer, num_tokens: int, exact: bool) -> bool:
         return not exact and num_tokens >= self.min_tokens and id(layer) in self.index
 

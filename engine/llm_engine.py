@@ -14,10 +14,12 @@ from tqdm.auto import tqdm
 
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
-from engine.errors import CheckpointError, RequestError
-from engine.gguf import find_gguf, model_dir_of
+from engine.errors import RequestError
+from engine.gguf import find_gguf
 from engine.gguf import identity as gguf_identity
+from engine.hot_experts import HotSetUpdater
 from engine.kv_cache import BlockManager, KVCacheSpec
+from engine.layerwise_prefill import LayerwisePrefill
 from engine.loader import load_model
 from engine.mode import Mode
 from engine.model_runner import ModelRunner
@@ -30,6 +32,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.segments import SegmentTracker
 from engine.sequence import SeqStatus, Sequence
+from engine.tokenizer import load_model_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ class LLMEngine:
         self.device = config.resolve_device()
         model_dir = Path(config.model)
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.tokenizer = _load_tokenizer(model_dir)
+        self.tokenizer = load_model_tokenizer(model_dir)
         cfg = self.model_config
         numerics = config.numerics
         if numerics.defer and numerics.defer > cfg.top_k // 2:
@@ -52,16 +55,7 @@ class LLMEngine:
         for le in self.layer_experts.values():
             le.num_threads = torch.get_num_threads()  # the kernel's own pool, whatever torch uses
         self.numa_plan = apply_numa(self.layer_experts)  # more than one node: bind shards
-        self.hot_set = None
-        placement = numerics.experts
-        if placement is not None and placement.dynamic_hot and self.layer_experts:
-            if all(len(le.fast) == 2 for le in self.layer_experts.values()):
-                from engine.hot_experts import HotSetUpdater
-
-                self.hot_set = HotSetUpdater(self.layer_experts, model.expert_reader, placement.dynamic)
-            else:  # hot experts on the GPU asked for, none here
-                log.info("dynamic hot set: no faster tier on %s (GPU hot experts need CUDA); the hot set is off",
-                         self.device)
+        self.hot_set = HotSetUpdater.build(self.layer_experts, numerics.experts, model.expert_reader, self.device)
         if numerics.exact_lm_head:
             model.exact_lm_head = model.lm_head.weight.detach().float().clone()
         if numerics.fast_lm_head:
@@ -96,15 +90,8 @@ class LLMEngine:
         )
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, spec.num_blocks * spec.block_size)
         self.runner = ModelRunner(model, spec, self.device, config.torch_dtype, defer=numerics.defer)
-        self.layerwise_tokens = self.numerics.layerwise_tokens if self.layer_experts else None
-        if self.layerwise_tokens:
-            from engine.layerwise_prefill import LayerwisePrefill
-
-            self.runner.experts.layerwise = LayerwisePrefill(
-                [self.layer_experts[i] for i in sorted(self.layer_experts)], self.device, config.torch_dtype,
-                self.layerwise_tokens)
-            log.info("layer-wise prefill: exploration forwards of >= %d tokens run routed experts on %s",
-                     self.layerwise_tokens, self.device)
+        self.runner.experts.layerwise = LayerwisePrefill.build(self.layer_experts, self.numerics.layerwise_tokens,
+                                                               self.device, config.torch_dtype)
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
         self._fingerprint = model_fingerprint(model_dir, config.dtype, self._numerics())
         self.prefix_cache = self._build_prefix_cache(spec) if config.prefix_cache else None
@@ -362,26 +349,6 @@ def _model_identity(model_dir: Path) -> str:
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
     return replace(params, max_tokens=max(1, max_tokens))
-
-
-def _load_tokenizer(model_path: Path):
-    """tokenizer.json of the model's directory, else the tokenizer a GGUF file carries, else None."""
-    model_dir = model_dir_of(model_path)
-    gguf_file = find_gguf(model_path)
-    if not (model_dir / "tokenizer.json").is_file() and gguf_file is not None:
-        from engine.gguf_tokenizer import load_tokenizer
-
-        try:
-            return load_tokenizer(gguf_file)
-        except CheckpointError as exc:
-            log.warning("%s: prompts must be token ids and no text is produced", exc)
-            return None
-    if not (model_dir / "tokenizer.json").is_file():
-        log.warning("%s has no tokenizer.json: prompts must be token ids and no text is produced", model_dir)
-        return None
-    from engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_dir(model_dir)
 
 
 class LLM:

@@ -88,3 +88,22 @@ def serve_in_thread(settings, log_level: str = "warning", timeout_s: float = 120
             raise RuntimeError("the gateway did not start")
         time.sleep(0.05)
     return server, thread, app, f"http://127.0.0.1:{settings.port}"
+
+
+def decode_rate(llm, prompts, tokens: int, mode: str) -> float:
+    """Decode tok/s: time(prefill + tokens+1) - time(prefill + 1), best of 2."""
+    from engine.sampling_params import SamplingParams
+
+    engine = llm.engine
+
+    def run(n: int) -> float:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=n, ignore_eos=True), mode=mode)
+        t = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        return time.perf_counter() - t
+
+    run(1)
+    best = min(run(tokens + 1) - run(1) for _ in range(2))
+    return len(prompts) * tokens / max(best, 1e-9)

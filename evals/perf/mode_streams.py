@@ -149,17 +149,17 @@ def single_stream_section(model: str, tokens: int) -> dict:
     """Decode tok/s of one stream per mode (and of serial execution, the baseline), bytes vs the triad."""
     import torch
 
+    from evals.perf.common import decode_rate
     from evals.perf.kernel_bench import stream_triad
-    from evals.perf.modes_bench import _decode_rate
 
     serial = policy_llm(model, batch_invariant_execution=False)
     prompts = _prompts(serial, 1)
-    out = {"serial_execution_tok_s": _decode_rate(serial, prompts, tokens, "execution")}
+    out = {"serial_execution_tok_s": decode_rate(serial, prompts, tokens, "execution")}
     serial.engine.runner.shutdown()
     del serial
     llm = policy_llm(model)
-    out["execution_tok_s"] = _decode_rate(llm, prompts, tokens, "execution")
-    out["exploration_tok_s"] = _decode_rate(llm, prompts, tokens, "exploration")
+    out["execution_tok_s"] = decode_rate(llm, prompts, tokens, "execution")
+    out["exploration_tok_s"] = decode_rate(llm, prompts, tokens, "exploration")
     model_ = llm.engine.runner.model
     if model_.batch_invariant(True):
         out["execution_bytes_per_token"] = execution_bytes_per_token(model_)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from evals.perf.common import machine_info
+from evals.perf.common import decode_rate, machine_info
 
 DEMO = Path(__file__).resolve().parents[2] / "engine" / "assets" / "demo-moe"
 
@@ -54,25 +54,6 @@ def _prompts(llm, n: int) -> list[list[int]]:
                  "Should we hedge EUR exposure before the ECB meeting?", "Explain the bid-ask spread on TSLA.",
                  "How does duration affect a bond portfolio?", "What is the VaR of a 60/40 portfolio?"]
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in questions[:n]]
-
-
-def _decode_rate(llm, prompts, tokens: int, mode: str) -> float:
-    """Decode tok/s: time(prefill + tokens+1) - time(prefill + 1), best of 2."""
-    from engine.sampling_params import SamplingParams
-
-    engine = llm.engine
-
-    def run(n: int) -> float:
-        for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=n, ignore_eos=True), mode=mode)
-        t = time.perf_counter()
-        while engine.has_work():
-            engine.step()
-        return time.perf_counter() - t
-
-    run(1)
-    best = min(run(tokens + 1) - run(1) for _ in range(2))
-    return len(prompts) * tokens / max(best, 1e-9)
 
 
 def _drift(model, prompts, defer, fmt, layers, reference) -> dict:
@@ -159,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
                "depths": {}}
     for d in tqdm(depths, desc="deferral depth"):
         llm = _llm(args.model, d, args.format, args.formatting_layers)
-        rate = _decode_rate(llm, prompts[:1], tokens, "exploration")
+        rate = decode_rate(llm, prompts[:1], tokens, "exploration")
         llm.engine.runner.shutdown()
         rows = base if d == 0 else _drift(args.model, prompts, d, args.format, args.formatting_layers, reference)["rows"]
         valid = torch.isfinite(base[0])  # padded vocabulary rows are -inf in both
@@ -171,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     d0 = results["depths"][0]["decode_tok_s"]
     for r in results["depths"].values():
         r["speedup_vs_strict"] = r["decode_tok_s"] / d0
-    results["execution_decode_tok_s"] = _decode_rate(strict, prompts[:1], tokens, "execution")
+    results["execution_decode_tok_s"] = decode_rate(strict, prompts[:1], tokens, "execution")
     results["execution_cost"] = d0 / results["execution_decode_tok_s"]
     strict.engine.runner.shutdown()
     timeline = _timeline(args.model, args.format, max(depths), prompts[0]) if max(depths) else []
