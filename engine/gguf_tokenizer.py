@@ -10,11 +10,15 @@ vocabulary needs the model's tokenizer.json beside the .gguf file, and the error
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from engine.errors import CheckpointError
 from engine.gguf_file import open_gguf
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
 _SPLIT = {
@@ -51,7 +55,6 @@ def tokenizer_json(meta: dict[str, Any]) -> str:
 
 def load_tokenizer(path: Path):
     """engine.tokenizer.Tokenizer from a GGUF file's metadata (chat template and EOS included)."""
-    from engine.tokenizer import Tokenizer
 
     meta = open_gguf(path).meta
     if "tokenizer.ggml.tokens" not in meta:
@@ -65,3 +68,21 @@ def load_tokenizer(path: Path):
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return Tokenizer(tokenizer_json(meta).encode("utf-8"), config,
                      {"eos_token_id": eos} if eos is not None else {}, meta.get("tokenizer.chat_template"))
+
+
+def load_model_tokenizer(model_path: Path):
+    """tokenizer.json of the model's directory, else the tokenizer a GGUF file carries, else None."""
+    from engine.gguf import find_gguf, model_dir_of
+
+    model_dir = model_dir_of(model_path)
+    gguf_file = find_gguf(model_path)
+    if not (model_dir / "tokenizer.json").is_file() and gguf_file is not None:
+        try:
+            return load_tokenizer(gguf_file)
+        except CheckpointError as exc:
+            log.warning("%s: prompts must be token ids and no text is produced", exc)
+            return None
+    if not (model_dir / "tokenizer.json").is_file():
+        log.warning("%s has no tokenizer.json: prompts must be token ids and no text is produced", model_dir)
+        return None
+    return Tokenizer.from_dir(model_dir)

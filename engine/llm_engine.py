@@ -17,6 +17,7 @@ from engine.engine_config import EngineConfig
 from engine.errors import RequestError
 from engine.gguf import find_gguf
 from engine.gguf import identity as gguf_identity
+from engine.gguf_tokenizer import load_model_tokenizer
 from engine.hot_experts import HotSetUpdater
 from engine.kv_cache import BlockManager, KVCacheSpec
 from engine.layerwise_prefill import LayerwisePrefill
@@ -32,7 +33,6 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.segments import SegmentTracker
 from engine.sequence import SeqStatus, Sequence
-from engine.tokenizer import load_model_tokenizer
 
 log = logging.getLogger(__name__)
 

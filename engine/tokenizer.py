@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,6 @@ from tokenizers import decoders
 from engine.chat_template import ChatTemplateError, render_chat_template
 from engine.detokenizer import ByteLevelStream, WindowedStream
 from engine.qwen_vocab import bytes_to_unicode
-
-log = logging.getLogger(__name__)
 
 # Named special tokens that transformers exposes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -236,24 +233,3 @@ class Tokenizer:
                     add_generation_prompt: bool = True, **extra: Any) -> list[int]:
         """Token ids of the rendered conversation (control tokens in the text become their ids)."""
         return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt, **extra))
-
-
-def load_model_tokenizer(model_path: Path):
-    """tokenizer.json of the model's directory, else the tokenizer a GGUF file carries, else None."""
-    from engine.errors import CheckpointError
-    from engine.gguf import find_gguf, model_dir_of
-
-    model_dir = model_dir_of(model_path)
-    gguf_file = find_gguf(model_path)
-    if not (model_dir / "tokenizer.json").is_file() and gguf_file is not None:
-        from engine.gguf_tokenizer import load_tokenizer
-
-        try:
-            return load_tokenizer(gguf_file)
-        except CheckpointError as exc:
-            log.warning("%s: prompts must be token ids and no text is produced", exc)
-            return None
-    if not (model_dir / "tokenizer.json").is_file():
-        log.warning("%s has no tokenizer.json: prompts must be token ids and no text is produced", model_dir)
-        return None
-    return Tokenizer.from_dir(model_dir)
