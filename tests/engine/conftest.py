@@ -89,3 +89,13 @@ def hf_checkpoint(tmp_path_factory):
 def write_checkpoint():
     """write_hf_checkpoint(path, arch, seed, **config overrides) for tests that need their own config."""
     return write_hf_checkpoint
+
+
+def run_requests(engine, requests) -> dict[str, list[int]]:
+    """Adds (id, prompt, params, mode) requests to `engine` and steps it until idle -> {id: output token ids}."""
+    for rid, prompt, params, mode in requests:
+        engine.add_request(rid, prompt, params, mode=mode)
+    done = {}
+    while engine.has_work():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return done

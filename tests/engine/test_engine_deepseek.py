@@ -25,6 +25,7 @@ from engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from engine.llm_engine import LLM, EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.sampling_params import LogitsRecorder, SamplingParams
+from tests.engine.conftest import run_requests
 
 STEPS = 12
 
@@ -174,12 +175,9 @@ def test_fast_dense_latent_projections_and_fused_decode_declines(hf_checkpoint):
     got = [o.token_ids for o in fast.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))]
     agree = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
     assert agree >= 0.75 * 6 * len(prompts)
-    engine = fast.engine  # execution requests run the model's own projections: transformers' tokens exactly
-    for i, p in enumerate(prompts):
-        engine.add_request(f"x{i}", p, SamplingParams(max_tokens=6, ignore_eos=True), mode="execution")
-    done = {}
-    while engine.has_work():
-        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    # execution requests run the model's own projections: transformers' tokens exactly
+    done = run_requests(fast.engine, [(f"x{i}", p, SamplingParams(max_tokens=6, ignore_eos=True), "execution")
+                                      for i, p in enumerate(prompts)])
     assert [done[f"x{i}"] for i in range(len(prompts))] == want
 
 

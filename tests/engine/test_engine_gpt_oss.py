@@ -24,6 +24,7 @@ from engine.llm_engine import LLM
 from engine.loader import load_model
 from engine.rope import RopeScaling, inv_freq
 from engine.sampling_params import SamplingParams
+from tests.engine.conftest import run_requests
 
 STEPS = 12
 
@@ -95,12 +96,8 @@ def test_fast_dense_attention_keeps_the_biases(hf_checkpoint):
     want = _hf_tokens(path, prompts, 6)
     got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))]
     assert sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True)) >= 0.75 * 18
-    engine = llm.engine
-    for i, p in enumerate(prompts):
-        engine.add_request(f"x{i}", p, SamplingParams(max_tokens=6, ignore_eos=True), mode="execution")
-    done = {}
-    while engine.has_work():
-        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    done = run_requests(llm.engine, [(f"x{i}", p, SamplingParams(max_tokens=6, ignore_eos=True), "execution")
+                                     for i, p in enumerate(prompts)])
     assert [done[f"x{i}"] for i in range(len(prompts))] == want
 
 

@@ -11,6 +11,7 @@ from engine.experts import DynamicHotConfig, PlacementConfig
 from engine.llm_engine import LLM
 from engine.sampling_params import SamplingParams
 from kernels import pack_experts
+from tests.engine.conftest import run_requests
 
 N_EXPERTS = 8
 
@@ -31,15 +32,7 @@ def _llm(ckpt, placement: PlacementConfig) -> LLM:
 
 
 def _run(llm: LLM, requests) -> dict[str, list[int]]:
-    engine = llm.engine
-    for rid, prompt, params, mode in requests:
-        engine.add_request(rid, prompt, params, mode=mode)
-    done = {}
-    while engine.has_work():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return done
+    return run_requests(llm.engine, requests)
 
 
 def _skew(engine, hot: dict[int, list[int]], amount: int = 1000) -> None:

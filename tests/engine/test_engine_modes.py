@@ -14,6 +14,7 @@ import torch
 from engine.experts import PlacementConfig
 from engine.llm_engine import LLM
 from engine.sampling_params import LogitsRecorder, SamplingParams
+from tests.engine.conftest import run_requests
 
 PLACEMENT = PlacementConfig(fast_format="int4", exact_format="bf16", formatting_layers=1)
 
@@ -35,16 +36,8 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-def _run(llm: LLM, requests: list[tuple[str, list[int], SamplingParams, str]]) -> dict[str, list[int]]:
-    engine = llm.engine
-    for rid, prompt, params, mode in requests:
-        engine.add_request(rid, prompt, params, mode=mode)
-    done = {}
-    while engine.has_work():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return done
+def _run(llm: LLM, requests) -> dict[str, list[int]]:
+    return run_requests(llm.engine, requests)
 
 
 def test_execution_bytes_identical_alone_and_under_load_over_20_runs(ckpt):
