@@ -43,6 +43,19 @@ def _prompts(llm, questions: list[str]) -> list[list[int]]:
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
 
 
+def step_counting_hits(engine) -> tuple[list, int, int]:
+    """One engine step -> (its outputs, routed activations, of them served by the faster tier as it stood)."""
+    before = {i: le.counts.clone() for i, le in engine.layer_experts.items()}
+    upper = {i: list(le.fast[0].packed.expert_ids) for i, le in engine.layer_experts.items()}
+    outputs = engine.step()
+    routed = served = 0
+    for i, le in engine.layer_experts.items():
+        delta = le.counts - before[i]
+        routed += int(delta.sum())
+        served += int(delta[upper[i]].sum())
+    return outputs, routed, served
+
+
 def _serve(llm, prompts: list[list[int]], tokens: int, waves: int) -> dict[str, float]:
     """Runs `waves` rounds of the prompts as concurrent exploration streams; hit rate from routed counts."""
     from engine.sampling_params import SamplingParams
@@ -55,13 +68,9 @@ def _serve(llm, prompts: list[list[int]], tokens: int, waves: int) -> dict[str, 
             engine.add_request(f"w{w}_{k}", p, SamplingParams(max_tokens=tokens, temperature=0.8, seed=w * 100 + k,
                                                               ignore_eos=True), mode="exploration")
         while engine.has_work():
-            before = {i: le.counts.clone() for i, le in engine.layer_experts.items()}
-            upper = {i: list(le.fast[0].packed.expert_ids) for i, le in engine.layer_experts.items()}
-            generated += sum(1 for o in engine.step() if o.new_token_ids)
-            for i, le in engine.layer_experts.items():
-                delta = le.counts - before[i]
-                routed += int(delta.sum())
-                served += int(delta[upper[i]].sum())
+            outputs, r, s = step_counting_hits(engine)
+            generated += sum(1 for o in outputs if o.new_token_ids)
+            routed, served = routed + r, served + s
     seconds = time.perf_counter() - t0
     return {"hit_rate": served / routed if routed else 0.0, "tok_per_s": generated / seconds,
             "swaps": engine.hot_set.stats()["swaps"] if engine.hot_set is not None else 0}

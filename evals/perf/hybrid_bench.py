@@ -94,6 +94,7 @@ def _prefill(args, layerwise: int | None) -> dict:
 def _hit_rate(args, dynamic: bool) -> float:
     from engine.experts import DynamicHotConfig, PlacementConfig
     from engine.sampling_params import SamplingParams
+    from evals.perf.hot_set_bench import step_counting_hits
 
     share = dict(hot_experts=args.hot) if args.device == "cuda" else dict(mixed_hot_fraction=0.25)
     placement = PlacementConfig(fast_format=args.format, exact_format="bf16", execution_format=args.format,
@@ -109,13 +110,8 @@ def _hit_rate(args, dynamic: bool) -> float:
             engine.add_request(f"h{wave}_{i}", torch.randint(10, min(2000, vocab - 10), (48,), generator=g).tolist(),
                                SamplingParams(max_tokens=args.tokens, temperature=0.8, seed=i, ignore_eos=True))
         while engine.has_work():
-            before = {i: le.counts.clone() for i, le in engine.layer_experts.items()}
-            upper = {i: list(le.fast[0].packed.expert_ids) for i, le in engine.layer_experts.items()}
-            engine.step()
-            for i, le in engine.layer_experts.items():
-                d = le.counts - before[i]
-                routed += int(d.sum())
-                served += int(d[upper[i]].sum())
+            _, r, s = step_counting_hits(engine)
+            routed, served = routed + r, served + s
     return served / routed if routed else 0.0
 
 
