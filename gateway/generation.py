@@ -100,7 +100,7 @@ class Generator:
             try:
                 value = plan.validate(out.text)
             except VALIDATION_ERRORS as e:
-                e.validations = (failed(plan.kind, e, attempt=i),)
+                e.validations = (failed(plan.kind, e, attempt=i, output=out.text),)
                 outcomes.append(e.validations[0])
                 raise
             outcomes.append(Validation(plan.kind, True, attempt=i))
@@ -164,7 +164,7 @@ class Generator:
             raise ProcessorError(f"constraint failed: {last.segment_error}")
         reason = last.finish_reason or "stop"
         if last.open_segment is not None:
-            validations.append(failed(last.open_segment, f"segment not closed ({reason})"))
+            validations.append(failed(last.open_segment, f"segment not closed ({reason})", output=last.text))
             err = StructuredValidationError(last.open_segment, f"the segment was not closed when generation "
                                             f"ended ({reason}); raise max_tokens")
             err.validations = tuple(validations)
