@@ -121,7 +121,7 @@ class Generator:
             reason = "stop"
         report = getattr(constraint.compiled, "enforcement", None)
         yield Finished(reason, len(out.token_ids), [self._decision(plan)], i, outcomes, out.cache_hits or {},
-                       report.to_dict() if report is not None else None)
+                       report.to_dict() if report is not None else None, out.num_cached_tokens)
 
     @staticmethod
     async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -170,7 +170,7 @@ class Generator:
             err.validations = tuple(validations)
             raise err
         yield Finished("tool_calls" if calls else reason, len(last.token_ids), decisions, attempt, validations,
-                       last.cache_hits or {})
+                       last.cache_hits or {}, cached_tokens=last.num_cached_tokens)
 
 
 async def collect(events: AsyncIterator[Event]) -> tuple[str, list[ToolCall], Finished]:

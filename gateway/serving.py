@@ -367,7 +367,7 @@ async def _stream(ctx: _Ctx, sent: Sent, span: Callable, done: Callable) -> Asyn
             yield sse(chunker.finish(sent.fin))
             sent.chunks += 1
             if job.include_usage:
-                yield sse(chunker.usage(len(job.plan.prompt_ids), sent.fin.completion_tokens))
+                yield sse(chunker.usage(len(job.plan.prompt_ids), sent.fin.completion_tokens, sent.fin.cached_tokens))
                 sent.chunks += 1
             with anyio.CancelScope(shield=True):
                 await ctx.finish([("".join(sent.text), sent.calls, sent.fin)], None)
