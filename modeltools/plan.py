@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.sizing import (
+from modeltools.sizing import (
     EMBED,
     LM_HEAD,
     OTHER,
@@ -29,7 +29,7 @@ from engine.sizing import (
 )
 
 GIB = 2**30
-DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "demo-moe"
+DEFAULT_MODEL_DIR = Path(__file__).parent.parent / "engine" / "assets" / "demo-moe"
 # Process overhead beside the weights (Python, torch, tokenizer, gateway; CUDA context + workspace).
 # Estimates, printed on their own line, never mixed into the weight figures.
 HOST_OVERHEAD_BYTES = int(1.5 * GIB)
