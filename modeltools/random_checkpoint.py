@@ -13,9 +13,9 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.archs import ARCHS as REGISTRY
-from engine.bpe_vocab import small_bpe_tokenizer_json
 from engine.errors import CheckpointError
-from engine.qwen_vocab import QWEN_CONFIG_VOCAB_SIZE, qwen_tokenizer_json
+from modeltools.bpe_vocab import small_bpe_tokenizer_json
+from modeltools.qwen_vocab import QWEN_CONFIG_VOCAB_SIZE, qwen_tokenizer_json
 
 ARCHS = tuple(REGISTRY)  # every family of engine/archs.py (aliases such as kimi_k2 share a family's checkpoints)
 VOCABS = ("bpe", "qwen")
@@ -28,7 +28,7 @@ class RandomCheckpointError(ValueError):
 
 def chatml_template() -> str:
     """The ChatML + tools template every random checkpoint ships (Qwen2.5/Qwen3 tool-call format)."""
-    return (resources.files("engine") / "chatml_tools.jinja").read_text(encoding="utf-8")
+    return (resources.files("modeltools") / "chatml_tools.jinja").read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True)

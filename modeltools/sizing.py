@@ -12,13 +12,19 @@ from typing import Any
 from engine.archs import SUPPORTED_ARCHS
 from engine.config import ModelConfig
 from engine.errors import CheckpointError, UnsupportedArchitectureError
-
-# Placement parts. Everything but ROUTED lives on the fast device (GPU when present).
-EMBED, LM_HEAD, ATTENTION, NORMS, ROUTER, SHARED, DENSE_MLP, ROUTED, OTHER = (
-    "embed", "lm_head", "attention", "norms", "router", "shared_experts", "dense_mlp", "routed_experts",
-    "other",
+from engine.parts import (
+    ATTENTION,
+    DENSE_MLP,
+    EMBED,
+    LM_HEAD,
+    NORMS,
+    OTHER,
+    PARTS,
+    ROUTED,
+    ROUTER,
+    SHARED,
+    classify,
 )
-PARTS = (EMBED, LM_HEAD, ATTENTION, NORMS, ROUTER, SHARED, DENSE_MLP, ROUTED)
 
 # safetensors dtype tag -> bytes per element
 _ST_DTYPE_BYTES = {
@@ -215,28 +221,6 @@ def expert_params(shape: ModelShape) -> int:
     """Parameters of one routed expert (gate, up, down and their biases if any)."""
     biases = 2 * shape.moe_intermediate_size + shape.hidden_size if shape.expert_bias else 0
     return 3 * shape.hidden_size * shape.moe_intermediate_size + biases
-
-
-def classify(name: str) -> str:
-    """Placement part of a checkpoint tensor name (Hugging Face hub naming of the four archs)."""
-    if "embed_tokens" in name:
-        return EMBED
-    if name.startswith("lm_head"):
-        return LM_HEAD
-    if "shared_expert" in name:
-        return SHARED
-    if ".experts." in name or name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-        return ROUTED
-    if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.gate.e_score_correction_bias",
-                      "mlp.router.weight", "mlp.router.bias")):
-        return ROUTER
-    if "norm" in name:
-        return NORMS
-    if ".self_attn." in name:
-        return ATTENTION
-    if ".mlp." in name:
-        return DENSE_MLP
-    return OTHER
 
 
 @dataclass(frozen=True)
