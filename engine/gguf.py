@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp): the model config from their metadata, tensors by Hugging Face name, dequantized on read.
 
-A GGUF model is a directory holding one `*.gguf` file (no config.json) or the file itself; its
-tokenizer is the `tokenizer.json` beside it (the GGUF's own vocabulary is not converted). Supported
+A GGUF model is a directory holding one `*.gguf` file or one split model (llama.cpp's
+`NAME-0000i-of-0000N.gguf` shards, engine/gguf_file.py), no config.json, or the file (any shard) itself;
+its tokenizer is the `tokenizer.json` beside it, else the vocabulary the GGUF carries (engine/gguf_tokenizer.py). Supported
 GGUF architectures: qwen3moe, qwen2moe and llama with experts (Mixtral). Tensors map from llama.cpp
 names (`blk.N.attn_q.weight`, `blk.N.ffn_gate_exps.weight` [E, I, H], ...) to the engine's; the expert
 tensors read one expert at a time, and every supported type (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K, ...)
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from engine.errors import CheckpointError, UnsupportedCheckpointError
-from engine.gguf_file import TensorInfo, open_gguf
+from engine.gguf_file import SHARD, TensorInfo, open_gguf, shard_name
 
 ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}
 DEQUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -40,17 +41,25 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 def find_gguf(path: str | Path) -> Path | None:
-    """The GGUF file `path` names (the file, or a directory with one *.gguf and no config.json), else None."""
+    """The GGUF file `path` names, else None: the file itself (a shard of a split file: its first shard), or in
+    a directory without config.json its one *.gguf file or the first shard of its one split model."""
     path = Path(path)
     if path.is_file():
-        return path if path.suffix == ".gguf" else None
+        if path.suffix != ".gguf":
+            return None
+        m = SHARD.match(path.name)
+        return path.with_name(shard_name(m["stem"], 1, int(m["count"]))) if m else path
     if (path / "config.json").is_file():
         return None
     files = sorted(path.glob("*.gguf"))
+    splits = {(m["stem"], m["count"]) for f in files if (m := SHARD.match(f.name))}
+    if len(splits) == 1 and all(SHARD.match(f.name) for f in files):
+        stem, count = splits.pop()
+        return path / shard_name(stem, 1, int(count))  # open_gguf names a missing shard
     if len(files) > 1:
         raise UnsupportedCheckpointError(
             f"{path} holds {len(files)} .gguf files ({', '.join(f.name for f in files[:3])}...): "
-            "give the one to serve (--model FILE.gguf); split GGUF files (-00001-of-N) are not supported")
+            "give the one to serve (--model FILE.gguf, or the first shard NAME-00001-of-N.gguf of a split model)")
     return files[0] if files else None
 
 
@@ -119,8 +128,8 @@ class GgufCheckpoint:
     def __init__(self, path: Path, arch: str, num_heads: int, num_kv_heads: int) -> None:
         import gguf
 
-        self.files, self.handles = [path], []
         self._file = open_gguf(path)
+        self.files, self.handles = self._file.paths, []
         self._permute = {"attn_q": num_heads, "attn_k": num_kv_heads} if arch == "mixtral" else {}
         self.where: dict[str, tuple[Any, Path]] = {}
         self._source: dict[str, tuple[TensorInfo, int | None, str]] = {}  # HF name -> (tensor, expert, gguf kind)

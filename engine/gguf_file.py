@@ -1,4 +1,9 @@
-"""A GGUF file's metadata and tensor index, parsed once, and its tensors as memory-mapped arrays.
+"""A GGUF model's metadata and tensor index, parsed once, and its tensors as memory-mapped arrays.
+
+A model is one file or llama.cpp's split layout (gguf-split, convert_hf_to_gguf --split-max-*):
+`NAME-00001-of-0000N.gguf` ... `NAME-0000N-of-0000N.gguf`, every shard stamped with `split.no`
+(0-based), `split.count` and `split.tensors.count`, the model's metadata in the first, its tensors
+spread over all of them. `open_gguf` takes the first shard (or a single file) and returns one view.
 
 The `gguf` package's GGUFReader parses every metadata array element by element into numpy views:
 about a minute for a Qwen vocabulary (151k tokens, 151k merges) on these machines, each time a file
@@ -9,6 +14,8 @@ tensor's bytes only when it is read; `gguf.quants` still does the dequantizing.
 from __future__ import annotations
 
 import functools
+import glob
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +28,7 @@ from engine.errors import CheckpointError
 _MAGIC = b"GGUF"
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+SHARD = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
 @dataclass(frozen=True)
@@ -151,12 +159,68 @@ class GgufFile:
         return data.reshape(*info.shape[:-1], info.shape[-1] // block * size)
 
 
+def shard_name(stem: str, no: int, count: int) -> str:
+    """llama.cpp's split file name (gguf-split's and GGUFWriter's `{stem}-{no:05d}-of-{count:05d}.gguf`, 1-based)."""
+    return f"{stem}-{no:05d}-of-{count:05d}.gguf"
+
+
+class GgufModel:
+    """One GGUF file or the shards of a split one, seen as one: `meta` (the first shard's), `tensors` (all)."""
+
+    def __init__(self, first: Path) -> None:
+        head = GgufFile(first)
+        self.path, self.meta = first, head.meta
+        count, no = int(head.meta.get("split.count", 1)), int(head.meta.get("split.no", 0))
+        if no != 0:
+            raise CheckpointError(f"{first.name} is shard {no + 1} of a split GGUF: give the first shard "
+                                  f"(...-00001-of-{count:05d}.gguf) or the directory")
+        self.shards = [head]
+        if count > 1:
+            m = SHARD.match(first.name)
+            if m is None or int(m["count"]) != count:
+                raise CheckpointError(f"{first.name} says split.count={count} but is not named like its shards "
+                                      f"(NAME-00001-of-{count:05d}.gguf)")
+            for i in range(1, count):
+                path = first.with_name(shard_name(m["stem"], i + 1, count))
+                if not path.is_file():
+                    raise CheckpointError(f"split GGUF {first.name}: shard {path.name} ({i + 1} of {count}) is missing")
+                shard = GgufFile(path)
+                found = (shard.meta.get("split.no"), shard.meta.get("split.count"))
+                if found != (i, count):
+                    raise CheckpointError(f"split GGUF {first.name}: {path.name} is split.no={found[0]} of "
+                                          f"split.count={found[1]}, expected split.no={i} of {count} (a shard of "
+                                          "another model or conversion?)")
+                self.shards.append(shard)
+        self.tensors: dict[str, TensorInfo] = {}
+        self._owner: dict[str, GgufFile] = {}
+        for shard in self.shards:
+            for name, info in shard.tensors.items():
+                if name in self.tensors:
+                    raise CheckpointError(f"GGUF tensor {name} is in both {self._owner[name].path.name} and "
+                                          f"{shard.path.name}")
+                self.tensors[name], self._owner[name] = info, shard
+        expected = head.meta.get("split.tensors.count", len(self.tensors))
+        if count > 1 and expected != len(self.tensors):
+            raise CheckpointError(f"split GGUF {first.name}: the shards hold {len(self.tensors)} tensors, "
+                                  f"split.tensors.count says {expected}")
+
+    @property
+    def paths(self) -> list[Path]:
+        return [shard.path for shard in self.shards]
+
+    def raw(self, name: str) -> np.ndarray:
+        return self._owner[name].raw(name)
+
+
 @functools.lru_cache(maxsize=4)
-def _open(path: str, size: int, mtime_ns: int) -> GgufFile:
-    return GgufFile(Path(path))
+def _open(path: str, stats: tuple) -> GgufModel:
+    return GgufModel(Path(path))
 
 
-def open_gguf(path: str | Path) -> GgufFile:
-    """The parsed file, shared while it is unchanged (the config, the loader and the tokenizer all read it)."""
-    st = Path(path).stat()
-    return _open(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+def open_gguf(path: str | Path) -> GgufModel:
+    """The parsed model (`path`: a single file or the first shard), shared while its files are unchanged
+    (the config, the loader and the tokenizer all read it)."""
+    path = Path(path).resolve()
+    m = SHARD.match(path.name)
+    files = [path] + (sorted(path.parent.glob(f"{glob.escape(m['stem'])}-*-of-{m['count']}.gguf")) if m else [])
+    return _open(str(path), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engine.gguf import _EXPERTS, _GLOBAL, _LAYER, ARCHS
+from engine.gguf_file import shard_name
 
 _HF_TO_GGUF = {**{v: k for k, v in _LAYER.items()}, "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 
@@ -70,17 +71,33 @@ def _add_tokenizer(w, hf_dir: Path, vocab_size: int) -> None:
         w.add_chat_template(template)
 
 
-def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32") -> Path:
-    """Converts the safetensors checkpoint in `hf_dir` to one GGUF file `out` with matrices in `qtype`."""
+def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32", shards: int = 1) -> Path:
+    """Converts the safetensors checkpoint in `hf_dir` to a GGUF file `out` with matrices in `qtype`; with
+    `shards` > 1 to llama.cpp's split layout (`OUT-00001-of-0000N.gguf` ..., tensors spread evenly, the
+    metadata in the first, `split.*` keys in each) and returns the first shard."""
     import gguf
-    from safetensors.torch import load_file
 
     hf_dir, out = Path(hf_dir), Path(out)
     hf = json.loads((hf_dir / "config.json").read_text())
     arch = {v: k for k, v in ARCHS.items()}[hf["model_type"]]
+    tensors = _gguf_tensors(hf_dir, hf, arch, gguf.GGMLQuantizationType[qtype])
+    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=-(-len(tensors) // shards) if shards > 1 else 0)
+    _add_metadata(w, hf, arch)
+    _add_tokenizer(w, hf_dir, hf["vocab_size"])
+    for gname, (data, kind) in tensors.items():
+        w.add_tensor(gname, data, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out if shards == 1 else out.with_name(shard_name(out.stem, 1, shards))
+
+
+def _add_metadata(w, hf: dict, arch: str) -> None:
+    import gguf
+
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
-    w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(hf["num_hidden_layers"])
     w.add_context_length(hf["max_position_embeddings"])
     w.add_embedding_length(hf["hidden_size"])
@@ -107,8 +124,13 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32") -> Path:
         eos = hf["eos_token_id"]
         w.add_eos_token_id(eos if isinstance(eos, int) else eos[0])
 
-    _add_tokenizer(w, hf_dir, hf["vocab_size"])
 
+def _gguf_tensors(hf_dir: Path, hf: dict, arch: str, target) -> dict[str, tuple[np.ndarray, object]]:
+    """GGUF name -> (data, type), sorted by name: experts stacked, matrices in `target` where their rows fit."""
+    import gguf
+    from safetensors.torch import load_file
+
+    heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     tensors: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for path in sorted(hf_dir.glob("*.safetensors")):
@@ -123,15 +145,11 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32") -> Path:
                 experts.setdefault(gname, {})[expert] = t
     for gname, per in experts.items():
         tensors[gname] = torch.stack([per[e] for e in range(len(per))]).numpy()  # [E, rows, cols]
-    target = gguf.GGMLQuantizationType[qtype]
     block = gguf.GGML_QUANT_SIZES[target][0]
+    out = {}
     for gname, array in sorted(tensors.items()):
         keep = array.ndim == 1 or ".ffn_gate_inp" in gname or array.shape[-1] % block
         kind = gguf.GGMLQuantizationType.F32 if keep else target
-        data = array.astype(np.float32) if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(array, kind)
-        w.add_tensor(gname, data, raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        f32 = kind == gguf.GGMLQuantizationType.F32
+        out[gname] = (array.astype(np.float32) if f32 else gguf.quants.quantize(array, kind), kind)
     return out
