@@ -38,6 +38,7 @@ class ArchSpec:
     # on-disk fused experts: "rows" (gate_up_proj [E, 2I, H] gate rows first, down_proj [E, H, I]) or
     # "gpt_oss" (gate_up_proj [E, H, 2I] with gate/up columns interleaved, down_proj [E, I, H], biases alike)
     fused_experts: str = "rows"
+    gguf_arch: str = ""  # llama.cpp's general.architecture for this family (engine/gguf_config.py), "" if unread
 
     def attention_class(self) -> type:
         module, _, name = self.attention.partition(":")
@@ -205,27 +206,30 @@ ARCHS: dict[str, ArchSpec] = {
         "qwen3_moe", _qwen3_moe, ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
         random_config=lambda kw: _qwen_random(
             kw, norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}),
+        gguf_arch="qwen3moe",
     ),
     "qwen2_moe": ArchSpec(
         "qwen2_moe", _qwen2_moe, ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
         random_config=lambda kw: _qwen_random(kw, shared_expert_intermediate_size=4 * kw["moe_intermediate_size"]),
+        gguf_arch="qwen2moe",
     ),
     "mixtral": ArchSpec("mixtral", _mixtral, ("MixtralConfig", "MixtralForCausalLM"),
-                        random_config=lambda kw: _expert_width_random(kw, "num_local_experts")),
-    "olmoe": ArchSpec("olmoe", _olmoe, ("OlmoeConfig", "OlmoeForCausalLM"), random_config=_olmoe_random),
+                        random_config=lambda kw: _expert_width_random(kw, "num_local_experts"), gguf_arch="llama"),
+    "olmoe": ArchSpec("olmoe", _olmoe, ("OlmoeConfig", "OlmoeForCausalLM"), random_config=_olmoe_random,
+                      gguf_arch="olmoe"),
     "deepseek_v3": ArchSpec(
         "deepseek_v3", lambda hf, need: _deepseek(hf, need, "sigmoid_grouped"),
         ("DeepseekV3Config", "DeepseekV3ForCausalLM"), attention="engine.models.mla:LatentAttention",
-        random_config=_deepseek_random, fp32_params=_GROUPED_SIGMOID_FP32,
+        random_config=_deepseek_random, fp32_params=_GROUPED_SIGMOID_FP32, gguf_arch="deepseek2",
     ),
     "deepseek_v2": ArchSpec(
         "deepseek_v2", lambda hf, need: _deepseek(hf, need, "softmax_grouped"),
         ("DeepseekV2Config", "DeepseekV2ForCausalLM"), attention="engine.models.mla:LatentAttention",
         random_config=lambda kw: {**_deepseek_random(kw), "topk_method": "group_limited_greedy"},
-        fp32_params=("mlp.gate.weight",),
+        fp32_params=("mlp.gate.weight",), gguf_arch="deepseek2",
     ),
     "glm4_moe": ArchSpec("glm4_moe", _glm4_moe, ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
-                         random_config=_glm4_moe_random, fp32_params=_GROUPED_SIGMOID_FP32),
+                         random_config=_glm4_moe_random, fp32_params=_GROUPED_SIGMOID_FP32, gguf_arch="glm4moe"),
     "gpt_oss": ArchSpec(
         "gpt_oss", _gpt_oss, ("GptOssConfig", "GptOssForCausalLM"), attention="engine.models.gpt_oss:SinkAttention",
         random_config=_gpt_oss_random, renames=((".mlp.router.", ".mlp.gate."),), fused_experts="gpt_oss",

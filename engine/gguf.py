@@ -2,14 +2,16 @@
 
 A GGUF model is a directory holding one `*.gguf` file or one split model (llama.cpp's
 `NAME-0000i-of-0000N.gguf` shards, engine/gguf_file.py), no config.json, or the file (any shard) itself;
-its tokenizer is the `tokenizer.json` beside it, else the vocabulary the GGUF carries (engine/gguf_tokenizer.py). Supported
-GGUF architectures: qwen3moe, qwen2moe and llama with experts (Mixtral). Tensors map from llama.cpp
-names (`blk.N.attn_q.weight`, `blk.N.ffn_gate_exps.weight` [E, I, H], ...) to the engine's; the expert
-tensors read one expert at a time, and every supported type (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K, ...)
-is dequantized with the `gguf` package as the tensor is read, so routed experts go through the expert
-stream into the project's packed formats like any checkpoint. llama.cpp stores q/k of llama-arch
-models permuted for its interleaved RoPE; they are permuted back here. qwen2moe/qwen3moe use NEOX RoPE
-and are stored unpermuted.
+its tokenizer is the `tokenizer.json` beside it, else the vocabulary the GGUF carries (engine/gguf_tokenizer.py).
+The architectures read are the registry entries with a `gguf_arch` (qwen3moe, qwen2moe, llama with experts,
+olmoe, glm4moe, deepseek2: engine/gguf_config.py). Tensors map from llama.cpp names (`blk.N.attn_q.weight`,
+`blk.N.ffn_gate_exps.weight` [E, I, H], ...) to the engine's; the expert tensors read one expert at a time,
+and every supported type (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K, ...) is dequantized with the `gguf`
+package as the tensor is read, so routed experts go through the expert stream into the project's packed
+formats like any checkpoint. llama.cpp stores q/k of llama-arch models permuted for its interleaved RoPE;
+they are permuted back here (the other families are stored unpermuted). DeepSeek's `kv_b_proj` is read
+whole (`attn_kv_b`) or rebuilt from the per-head halves newer files store (`attn_k_b` transposed,
+`attn_v_b`); multi-token-prediction blocks past the decoder layers (`nextn_predict_layers`) are unused.
 """
 
 from __future__ import annotations
@@ -21,21 +23,30 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.archs import ARCHS as REGISTRY
 from engine.errors import CheckpointError, UnsupportedCheckpointError
+from engine.gguf_config import hf_config, text_layers
 from engine.gguf_file import SHARD, TensorInfo, open_gguf, shard_name
 
-ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}
+__all__ = ["ARCHS", "GgufCheckpoint", "find_gguf", "hf_config", "model_dir_of"]
+
+ARCHS = {spec.model_type: spec.gguf_arch for spec in REGISTRY.values() if spec.gguf_arch}  # model_type -> GGUF
 DEQUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",  # glm4moe's name for the same norm
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
     "ffn_gate_inp": "mlp.gate", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+_SHARED_EXPERTS = ("deepseek_v3", "deepseek_v2", "glm4_moe")  # n_shared_experts as one ungated `shared_experts`
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -69,80 +80,46 @@ def model_dir_of(path: str | Path) -> Path:
     return path.parent if find_gguf(path) == path else path
 
 
-def hf_config(path: Path) -> dict[str, Any]:
-    """A Hugging Face style config dict from the GGUF metadata and tensor list (for ModelConfig.from_hf)."""
-    file = open_gguf(path)
-    meta, tensors = file.meta, file.tensors
-    arch = meta.get("general.architecture")
-    if arch not in ARCHS or (arch == "llama" and not meta.get("llama.expert_count")):
-        kind = f"{arch!r} without experts" if arch == "llama" else repr(arch)
-        raise UnsupportedCheckpointError(f"GGUF architecture {kind} is not supported (moegate reads {', '.join(ARCHS)} "
-                                         "with experts)")
-
-    def need(key: str) -> Any:
-        if f"{arch}.{key}" not in meta:
-            raise CheckpointError(f"{path.name} lacks GGUF metadata {arch}.{key}")
-        return meta[f"{arch}.{key}"]
-
-    layers, hidden, heads = need("block_count"), need("embedding_length"), need("attention.head_count")
-    moe = [f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(layers)]
-    hf: dict[str, Any] = {
-        "model_type": ARCHS[arch], "hidden_size": hidden, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
-        "head_dim": meta.get(f"{arch}.attention.key_length", hidden // heads),
-        "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
-        "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
-        "max_position_embeddings": need("context_length"),
-        "vocab_size": tensors["token_embd.weight"].shape[0] if "token_embd.weight" in tensors else need("vocab_size"),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "num_experts_per_tok": need("expert_used_count"),
-        "mlp_only_layers": [i for i, m in enumerate(moe) if not m],
-        "attention_bias": "blk.0.attn_q.bias" in tensors, "qkv_bias": "blk.0.attn_q.bias" in tensors,
-        "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", arch != "qwen2moe")),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-    }
-    experts, expert_ffn = need("expert_count"), meta.get(f"{arch}.expert_feed_forward_length")
-    if arch == "llama":
-        hf.update(num_local_experts=experts, intermediate_size=need("feed_forward_length"))
-    else:
-        hf.update(num_experts=experts, moe_intermediate_size=expert_ffn or need("feed_forward_length"),
-                  intermediate_size=meta.get(f"{arch}.feed_forward_length", expert_ffn),
-                  shared_expert_intermediate_size=meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
-    rope_type = meta.get(f"{arch}.rope.scaling.type", "none")
-    if rope_type not in ("none", "linear", "yarn"):
-        raise UnsupportedCheckpointError(f"GGUF rope scaling {rope_type!r} is not supported")
-    if rope_type != "none":
-        hf["rope_scaling"] = {"rope_type": rope_type, "factor": need("rope.scaling.factor"),
-                              "original_max_position_embeddings": meta.get(f"{arch}.rope.scaling.original_context_length")}
-    return hf
-
-
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Inverse of llama.cpp's q/k permutation for interleaved RoPE (convert_hf_to_gguf's LlamaModel.permute)."""
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 class GgufCheckpoint:
-    """A GGUF file seen as a checkpoint by Hugging Face name (the loader's `_Checkpoint` interface)."""
+    """A GGUF model seen as a checkpoint by Hugging Face name (the loader's `_Checkpoint` interface)."""
 
     def __init__(self, path: Path, arch: str, num_heads: int, num_kv_heads: int) -> None:
         import gguf
 
         self._file = open_gguf(path)
         self.files, self.handles = self._file.paths, []
+        self._arch, self._heads = arch, num_heads
         self._permute = {"attn_q": num_heads, "attn_k": num_kv_heads} if arch == "mixtral" else {}
+        garch = self._file.meta.get("general.architecture", "")
+        layers = text_layers(self._file.meta, garch) if f"{garch}.nextn_predict_layers" in self._file.meta else None
         self.where: dict[str, tuple[Any, Path]] = {}
         self._source: dict[str, tuple[TensorInfo, int | None, str]] = {}  # HF name -> (tensor, expert, gguf kind)
-        for t in self._file.tensors.values():
+        tensors = self._file.tensors
+        for t in tensors.values():
             qtype = gguf.GGMLQuantizationType(t.qtype).name
             if qtype not in DEQUANTIZABLE:
                 raise UnsupportedCheckpointError(f"GGUF tensor {t.name} is {qtype}: moegate dequantizes {', '.join(DEQUANTIZABLE)}")
+            m = _BLOCK.match(t.name)
+            if m and layers is not None and int(m.group(1)) >= layers:
+                continue  # a multi-token-prediction block: decoding never runs it
+            if m and m.group(2) in ("attn_k_b", "attn_v_b"):
+                if f"blk.{m.group(1)}.attn_kv_b.weight" in tensors:
+                    continue  # the halves llama.cpp also stores of a kv_b_proj read whole
+                other = t.name.replace(*(("attn_k_b", "attn_v_b") if m.group(2) == "attn_k_b" else ("attn_v_b", "attn_k_b")))
+                if other not in tensors:
+                    raise CheckpointError(f"GGUF tensor {t.name} has no {other} (kv_b_proj needs both halves)")
             for name, expert, kind in self._names(t.name, t.shape[0] if t.name.endswith("_exps.weight") else 0):
+                if kind == "attn_v_b":
+                    continue  # read with attn_k_b as kv_b_proj
                 self.where[name] = (self, path)
                 self._source[name] = (t, expert, kind)
 
-    @staticmethod
-    def _names(name: str, experts: int) -> list[tuple[str, int | None, str]]:
+    def _names(self, name: str, experts: int) -> list[tuple[str, int | None, str]]:
         stem, _, suffix = name.rpartition(".")
         if stem in _GLOBAL:
             return [(f"{_GLOBAL[stem]}.{suffix}", None, stem)]
@@ -150,28 +127,47 @@ class GgufCheckpoint:
         if not m:
             return [(name, None, "")]  # unknown: the loader reports it as unexpected
         layer, kind = m.group(1), m.group(2)
+        prefix = f"model.layers.{layer}."
         if kind in _EXPERTS:
-            return [(f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[kind]}.weight", e, kind) for e in range(experts)]
+            return [(f"{prefix}mlp.experts.{e}.{_EXPERTS[kind]}.weight", e, kind) for e in range(experts)]
+        if kind == "exp_probs_b":
+            return [(f"{prefix}mlp.gate.e_score_correction_bias", None, kind)]
+        if kind in ("attn_k_b", "attn_v_b"):
+            return [(f"{prefix}self_attn.kv_b_proj.weight", None, kind)]
         if kind in _LAYER:
-            return [(f"model.layers.{layer}.{_LAYER[kind]}.{suffix}", None, kind)]
+            hf = _LAYER[kind]
+            if self._arch in _SHARED_EXPERTS:
+                hf = hf.replace("shared_expert.", "shared_experts.")
+            return [(f"{prefix}{hf}.{suffix}", None, kind)]
         return [(name, None, kind)]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        t, expert, _ = self._source[name]
+        t, expert, kind = self._source[name]
+        if kind == "attn_k_b":  # k_b [H, kv_lora, nope] and v_b [H, v, kv_lora] -> kv_b_proj [H * (nope + v), kv_lora]
+            v_b = self._file.tensors[t.name.replace("attn_k_b", "attn_v_b")]
+            return (t.shape[0] * (t.shape[2] + v_b.shape[1]), t.shape[1])
         shape = t.shape[1:] if expert is not None else t.shape
         return (shape[0], 1) if name.endswith("shared_expert_gate.weight") and len(shape) == 1 else shape
 
-    def get(self, name: str, expert: int | None = None) -> torch.Tensor:
-        """The tensor dequantized to fp32 (`expert` is unused: GGUF experts are listed one name per expert)."""
+    def _read(self, t: TensorInfo, expert: int | None = None) -> torch.Tensor:
         import gguf
 
-        t, e, kind = self._source[name]
-        data = self._file.raw(t.name) if e is None else self._file.raw(t.name)[e]
+        data = self._file.raw(t.name) if expert is None else self._file.raw(t.name)[expert]
         try:
             values = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(t.qtype))
         except (NotImplementedError, ValueError) as exc:
             raise CheckpointError(f"cannot dequantize GGUF tensor {t.name}: {exc}") from exc
-        out = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(self.shape(name))  # a copy, not the mmap
+        return torch.from_numpy(np.array(values, dtype=np.float32))  # a copy, not the mmap
+
+    def get(self, name: str, expert: int | None = None) -> torch.Tensor:
+        """The tensor dequantized to fp32 (`expert` is unused: GGUF experts are listed one name per expert)."""
+        t, e, kind = self._source[name]
+        if kind == "attn_k_b":
+            k_b = self._read(t).reshape(t.shape)  # [H, kv_lora, nope]
+            v_b_info = self._file.tensors[t.name.replace("attn_k_b", "attn_v_b")]
+            v_b = self._read(v_b_info).reshape(v_b_info.shape)  # [H, v, kv_lora]
+            return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(self.shape(name)).contiguous()
+        out = self._read(t, e).reshape(self.shape(name))
         if kind in self._permute:
             out = _unpermute(out, self._permute[kind])
         return out

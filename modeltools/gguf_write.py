@@ -1,22 +1,25 @@
 """Write a Hugging Face MoE checkpoint as a GGUF file the way llama.cpp's convert_hf_to_gguf.py lays it out.
 
-For tests and tools: per-expert weights stacked into `blk.N.ffn_{gate,up,down}_exps.weight` [E, ...],
-llama-arch (Mixtral) q/k permuted for interleaved RoPE, 1-D tensors and the router kept in F32, the
-other matrices in the requested type (F32, F16, BF16, Q8_0, Q4_0, ...) where their rows fit its blocks.
+For tests and tools: tensor names from the gguf package's own map (`TensorNameMap` of the architecture),
+per-expert weights stacked into `blk.N.ffn_{gate,up,down}_exps.weight` [E, ...], llama-arch (Mixtral) q/k
+permuted for interleaved RoPE, DeepSeek's kv_b_proj split into `attn_k_b` / `attn_v_b`, 1-D tensors and the
+router kept in F32, the other matrices in the requested type (F32, F16, BF16, Q8_0, Q4_0, ...) where their rows
+fit its blocks; optionally split into shards as llama.cpp's gguf-split writes them.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from engine.gguf import _EXPERTS, _GLOBAL, _LAYER, ARCHS
+from engine.gguf import ARCHS
 from engine.gguf_file import shard_name
 
-_HF_TO_GGUF = {**{v: k for k, v in _LAYER.items()}, "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
 
 def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -24,21 +27,15 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _gguf_name(name: str) -> tuple[str, int | None, str | None]:
-    """HF name -> (GGUF name, expert index or None, expert part or None)."""
-    name = name.replace(".block_sparse_moe.", ".mlp.")
-    for part in ("w1", "w3", "w2"):
-        name = name.replace(f".{part}.weight", {"w1": ".gate_proj", "w3": ".up_proj", "w2": ".down_proj"}[part] + ".weight")
-    stem, _, suffix = name.rpartition(".")
-    for gguf_name, hf in _GLOBAL.items():
-        if stem == hf:
-            return f"{gguf_name}.{suffix}", None, None
-    _, _, layer, rest = stem.split(".", 3)
-    if rest.startswith("mlp.experts."):
-        _, _, expert, part = rest.split(".")
-        kind = {v: k for k, v in _EXPERTS.items()}[part]
-        return f"blk.{layer}.{kind}.{suffix}", int(expert), kind
-    return f"blk.{layer}.{_HF_TO_GGUF[rest]}.{suffix}", None, None
+def _gguf_name(tmap, name: str) -> tuple[str, int | None]:
+    """HF name -> (GGUF name by the gguf package's TensorNameMap of the architecture, expert index or None)."""
+    name = name.replace("e_score_correction_bias", "e_score_correction.bias")  # as convert_hf_to_gguf renames it
+    m = _EXPERT_INDEX.search(name)
+    key = _EXPERT_INDEX.sub(".experts.", name)
+    gname = tmap.get_name(key, try_suffixes=(".weight", ".bias"))
+    if gname is None:
+        raise ValueError(f"no GGUF name for {name}")
+    return gname, int(m.group(1)) if m else None
 
 
 def _add_tokenizer(w, hf_dir: Path, vocab_size: int) -> None:
@@ -79,7 +76,9 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32", shards: 
 
     hf_dir, out = Path(hf_dir), Path(out)
     hf = json.loads((hf_dir / "config.json").read_text())
-    arch = {v: k for k, v in ARCHS.items()}[hf["model_type"]]
+    if hf["model_type"] not in ARCHS:
+        raise ValueError(f"no GGUF writer for {hf['model_type']!r} (written: {', '.join(ARCHS)})")
+    arch = ARCHS[hf["model_type"]]
     tensors = _gguf_tensors(hf_dir, hf, arch, gguf.GGMLQuantizationType[qtype])
     w = gguf.GGUFWriter(str(out), arch, split_max_tensors=-(-len(tensors) // shards) if shards > 1 else 0)
     _add_metadata(w, hf, arch)
@@ -98,21 +97,30 @@ def _add_metadata(w, hf: dict, arch: str) -> None:
 
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
-    w.add_block_count(hf["num_hidden_layers"])
+    nextn = hf.get("num_nextn_predict_layers") or 0 if arch == "glm4moe" else 0
+    w.add_block_count(hf["num_hidden_layers"] + nextn)  # convert_hf_to_gguf counts glm4moe's MTP blocks
+    if nextn:
+        w.add_nextn_predict_layers(nextn)
     w.add_context_length(hf["max_position_embeddings"])
     w.add_embedding_length(hf["hidden_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
+    w.add_head_count_kv(1 if arch == "deepseek2" else kv_heads)  # MLA stored as MQA over the latent
     w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
     w.add_rope_freq_base(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    w.add_expert_count(hf.get("num_experts") or hf["num_local_experts"])
+    w.add_expert_count(hf.get("num_experts") or hf.get("n_routed_experts") or hf["num_local_experts"])
     w.add_expert_used_count(hf["num_experts_per_tok"])
     w.add_feed_forward_length(hf["intermediate_size"])
-    if hf.get("head_dim"):
+    if hf.get("head_dim") and arch != "deepseek2":
         w.add_key_length(hf["head_dim"])
         w.add_value_length(hf["head_dim"])
-    if arch != "llama":
+    if hf.get("moe_intermediate_size"):
         w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
+    if hf.get("norm_topk_prob") is not None and arch != "llama":
+        w.add_expert_weights_norm(bool(hf["norm_topk_prob"]))
+    if hf.get("clip_qkv"):
+        w.add_clamp_kqv(hf["clip_qkv"])
+    if arch in ("glm4moe", "deepseek2"):
+        _add_routed(w, hf, arch)
     if hf.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(hf["shared_expert_intermediate_size"])
     if rope.get("rope_type", rope.get("type", "default")) in ("yarn", "linear"):
@@ -125,21 +133,58 @@ def _add_metadata(w, hf: dict, arch: str) -> None:
         w.add_eos_token_id(eos if isinstance(eos, int) else eos[0])
 
 
+def _add_routed(w, hf: dict, arch: str) -> None:
+    """glm4moe's and deepseek2's keys: shared experts, dense first layers, grouped sigmoid/softmax routing, MLA."""
+    import gguf
+
+    w.add_expert_shared_count(hf.get("n_shared_experts") or 0)
+    w.add_leading_dense_block_count(hf.get("first_k_dense_replace") or 0)
+    w.add_expert_weights_scale(float(hf.get("routed_scaling_factor", 1.0)))
+    if (hf.get("n_group") or 1) > 1:
+        w.add_expert_group_count(hf["n_group"])
+        w.add_expert_group_used_count(hf.get("topk_group") or hf["n_group"])
+    sigmoid = arch == "glm4moe" or hf["model_type"] != "deepseek_v2"
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
+    if arch == "glm4moe":
+        rope = hf.get("rope_parameters") or {}
+        w.add_rope_dimension_count(int(hf["head_dim"] * rope.get("partial_rotary_factor", 1.0)))
+        return
+    if hf.get("q_lora_rank"):
+        w.add_q_lora_rank(hf["q_lora_rank"])
+    w.add_kv_lora_rank(hf["kv_lora_rank"])
+    w.add_key_length(hf["kv_lora_rank"] + hf["qk_rope_head_dim"])
+    w.add_value_length(hf["kv_lora_rank"])
+    w.add_key_length_mla(hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"])
+    w.add_value_length_mla(hf["v_head_dim"])
+    w.add_rope_dimension_count(hf["qk_rope_head_dim"])
+
+
+def _split_kv_b(hf: dict, kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj [H * (nope + v), kv_lora] -> (k_b [H, kv_lora, nope], v_b [H, v, kv_lora]) as convert_hf_to_gguf."""
+    heads, nope, v = hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["v_head_dim"]
+    k_b, v_b = kv_b.view(heads, nope + v, kv_b.shape[-1]).split([nope, v], dim=1)
+    return k_b.transpose(1, 2).contiguous(), v_b.contiguous()
+
+
 def _gguf_tensors(hf_dir: Path, hf: dict, arch: str, target) -> dict[str, tuple[np.ndarray, object]]:
     """GGUF name -> (data, type), sorted by name: experts stacked, matrices in `target` where their rows fit."""
     import gguf
     from safetensors.torch import load_file
 
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    tmap = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], hf["num_hidden_layers"])
     tensors: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for path in sorted(hf_dir.glob("*.safetensors")):
         for name, t in load_file(str(path)).items():
-            gname, expert, _ = _gguf_name(name)
+            gname, expert = _gguf_name(tmap, name)
             t = t.float()
             if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
                 t = _permute(t, heads if "attn_q" in gname else kv_heads)
-            if expert is None:
+            if gname.endswith("attn_kv_b.weight"):  # newer convert_hf_to_gguf stores the per-head halves only
+                k_b, v_b = _split_kv_b(hf, t)
+                tensors[gname.replace("kv_b", "k_b")], tensors[gname.replace("kv_b", "v_b")] = k_b.numpy(), v_b.numpy()
+            elif expert is None:
                 tensors[gname] = t.numpy()
             else:
                 experts.setdefault(gname, {})[expert] = t
@@ -148,7 +193,7 @@ def _gguf_tensors(hf_dir: Path, hf: dict, arch: str, target) -> dict[str, tuple[
     block = gguf.GGML_QUANT_SIZES[target][0]
     out = {}
     for gname, array in sorted(tensors.items()):
-        keep = array.ndim == 1 or ".ffn_gate_inp" in gname or array.shape[-1] % block
+        keep = array.ndim == 1 or ".ffn_gate_inp" in gname or ".exp_probs_b" in gname or array.shape[-1] % block
         kind = gguf.GGMLQuantizationType.F32 if keep else target
         f32 = kind == gguf.GGMLQuantizationType.F32
         out[gname] = (array.astype(np.float32) if f32 else gguf.quants.quantize(array, kind), kind)

@@ -4,7 +4,7 @@ on the checkpoint the GGUF was written from."""
 from __future__ import annotations
 
 import shutil
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import gguf
 import numpy as np
@@ -35,6 +35,13 @@ def _gguf_dir(src, dst, qtype):
     return dst
 
 
+def _f32_fields(ours, ref):
+    """`ours` with each float field that equals `ref`'s at float32 (GGUF stores eps, scales as f32) set to `ref`'s."""
+    same = {f.name: getattr(ref, f.name) for f in fields(ref) if isinstance(getattr(ref, f.name), float)
+            and np.float32(getattr(ours, f.name)) == np.float32(getattr(ref, f.name))}
+    return replace(ours, **same)
+
+
 def _hf_greedy(path, prompt):
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out = ref.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False, eos_token_id=None,
@@ -42,14 +49,13 @@ def _hf_greedy(path, prompt):
     return out.sequences[0, len(prompt):].tolist(), out.logits[0][0]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "deepseek_v2"])
 def test_f32_gguf_is_the_checkpoint(hf_checkpoint, tmp_path, arch, prompt):
     """F32: the same weights (mixtral's q/k un-permuted), the same config, the same greedy tokens."""
     src = hf_checkpoint(arch)
     path = _gguf_dir(src, tmp_path / "gguf", "F32")
     ours, ref_cfg = ModelConfig.from_dir(path), ModelConfig.from_dir(src)
-    assert np.float32(ours.rms_norm_eps) == np.float32(ref_cfg.rms_norm_eps)  # GGUF stores it as f32
-    assert replace(ours, rms_norm_eps=ref_cfg.rms_norm_eps) == ref_cfg
+    assert _f32_fields(ours, ref_cfg) == ref_cfg
     gguf_shape, ref_shape = ModelShape.from_dir(path), ModelShape.from_dir(src)  # what `moegate plan` sizes
     assert replace(gguf_shape, checkpoint_dtype=ref_shape.checkpoint_dtype) == ref_shape
     a, b = load_model(path, progress=False), load_model(src, progress=False)
