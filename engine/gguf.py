@@ -104,9 +104,9 @@ class GgufCheckpoint:
             qtype = gguf.GGMLQuantizationType(t.qtype).name
             if qtype not in DEQUANTIZABLE:
                 raise UnsupportedCheckpointError(f"GGUF tensor {t.name} is {qtype}: moegate dequantizes {', '.join(DEQUANTIZABLE)}")
-            m = _BLOCK.match(t.name)
-            if m and layers is not None and int(m.group(1)) >= layers:
+            if layers is not None and (b := re.match(r"blk\.(\d+)\.", t.name)) and int(b.group(1)) >= layers:
                 continue  # a multi-token-prediction block: decoding never runs it
+            m = _BLOCK.match(t.name)
             if m and m.group(2) in ("attn_k_b", "attn_v_b"):
                 if f"blk.{m.group(1)}.attn_kv_b.weight" in tensors:
                     continue  # the halves llama.cpp also stores of a kv_b_proj read whole

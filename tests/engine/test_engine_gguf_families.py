@@ -1,0 +1,106 @@
+"""GGUF families beyond Qwen/Mixtral (olmoe, glm4moe, deepseek2): quantized files against transformers running
+the same dequantized weights, llama.cpp's layout variants (whole kv_b, nextn blocks), and a clear error for
+an architecture moegate does not read."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.config import ModelConfig
+from engine.errors import CheckpointError, UnexpectedTensorError, UnsupportedCheckpointError
+from engine.gguf_file import open_gguf
+from engine.llm_engine import LLM
+from engine.loader import load_model
+from engine.sampling_params import SamplingParams
+from tests.engine.test_engine_gguf import _gguf_dir, _hf_greedy, _hf_state, _rewrite
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    return torch.randint(1, 511, (11,), generator=torch.Generator().manual_seed(11)).tolist()
+
+
+def _greedy(model, prompt):
+    llm = LLM(model, num_kv_blocks=32, block_size=8, progress=False)
+    return llm.generate([prompt], SamplingParams(max_tokens=STEPS, ignore_eos=True))[0].token_ids
+
+
+@pytest.mark.parametrize("arch, qtype", [("olmoe", "Q8_0"), ("glm4_moe", "Q8_0"), ("deepseek_v3", "Q8_0"),
+                                         ("deepseek_v2", "Q8_0"), ("glm4_moe", "F16"), ("deepseek_v3", "F16")])
+def test_quantized_gguf_family(hf_checkpoint, tmp_path, arch, qtype, prompt):
+    """Greedy tokens equal transformers running the GGUF's dequantized weights; Q8_0 within half a step of
+    the checkpoint per weight, next-token logits within 0.05 of it."""
+    src = hf_checkpoint(arch)
+    path = _gguf_dir(src, tmp_path / "gguf", qtype)
+    kinds = {n: gguf.GGMLQuantizationType(t.qtype).name for n, t in open_gguf(path / "model.gguf").tensors.items()}
+    assert kinds["token_embd.weight"] == kinds["blk.1.ffn_gate_exps.weight"] == qtype
+    a, b = load_model(path, progress=False), load_model(src, progress=False)
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        if qtype == "Q8_0":  # step d = block amax / 127, stored as fp16: error <= d / 2 + 127 * d * 2**-11
+            assert (p - q).abs().max() <= q.abs().max() / 127 * 0.57 + 1e-6, name
+        else:  # F16 matrices, F32 norms and routers
+            assert torch.equal(p, q if p.dim() == 1 or ".mlp.gate." in name else q.half().float()), name
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ref.load_state_dict(_hf_state(a, ref), strict=True)
+    out = ref.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False, eos_token_id=None,
+                       pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    assert _greedy(path, prompt) == out.sequences[0, len(prompt):].tolist()
+    _, ref_logits = _hf_greedy(src, prompt)
+    assert (out.logits[0][0] - ref_logits).abs().max() < 0.05
+
+
+def test_deepseek_kv_b_whole_or_halves(hf_checkpoint, tmp_path, prompt):
+    """Older files store attn_kv_b whole, some both it and the halves: the same weights either way; a half
+    without its other half is an error naming it."""
+    from safetensors.torch import load_file
+
+    src = hf_checkpoint("deepseek_v3")
+    split = _gguf_dir(src, tmp_path / "split", "F32") / "model.gguf"
+    hf = {k: v for f in sorted(src.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    kv_b = [(f"blk.{i}.attn_kv_b.weight", hf[f"model.layers.{i}.self_attn.kv_b_proj.weight"].float().numpy())
+            for i in range(3)]
+    halves = [f"blk.{i}.attn_{k}_b.weight" for i in range(3) for k in "kv"]
+    for name, drop in (("whole", halves), ("both", ())):
+        (tmp_path / name).mkdir()
+        _rewrite(split, tmp_path / name / "model.gguf", drop=drop, add=kv_b)
+    expected = _greedy(tmp_path / "split", prompt)
+    assert _greedy(tmp_path / "whole", prompt) == _greedy(tmp_path / "both", prompt) == expected
+    (tmp_path / "half").mkdir()
+    _rewrite(split, tmp_path / "half" / "model.gguf", drop=("blk.1.attn_v_b.weight",))
+    with pytest.raises(CheckpointError, match=r"blk\.1\.attn_k_b\.weight has no blk\.1\.attn_v_b\.weight"):
+        load_model(tmp_path / "half", progress=False)
+
+
+def test_glm_nextn_blocks_are_unused(hf_checkpoint, tmp_path):
+    """glm4moe counts its multi-token-prediction block in block_count (nextn_predict_layers): that block's
+    tensors load as unused; the same tensor in a decoder layer is unexpected."""
+    src = hf_checkpoint("glm4_moe")
+    good = _gguf_dir(src, tmp_path / "good", "F32") / "model.gguf"
+    meta = open_gguf(good).meta
+    assert meta["glm4moe.block_count"] == 4 and meta["glm4moe.nextn_predict_layers"] == 1
+    assert ModelConfig.from_dir(good).num_layers == 3
+    eh = np.zeros((64, 128), np.float32)
+    mtp = [("blk.3.nextn.eh_proj.weight", eh), ("blk.3.attn_norm.weight", eh[0])]
+    for name, block, add, error in (("mtp", 3, mtp, None), ("stray", 2, mtp[:1], UnexpectedTensorError)):
+        (tmp_path / name).mkdir()
+        _rewrite(good, tmp_path / name / "model.gguf", add=[(n.replace("blk.3", f"blk.{block}"), a) for n, a in add])
+        if error is None:
+            load_model(tmp_path / name, progress=False)
+        else:
+            with pytest.raises(error, match=rf"blk\.{block}\.nextn\.eh_proj"):
+                load_model(tmp_path / name, progress=False)
+
+
+@pytest.mark.parametrize("arch", ["gpt-oss", "qwen3next", "deepseek"])
+def test_unread_architecture_is_one_error(hf_checkpoint, tmp_path, arch):
+    good = _gguf_dir(hf_checkpoint("qwen3_moe"), tmp_path / "good", "F32") / "model.gguf"
+    (tmp_path / "other").mkdir()
+    _rewrite(good, tmp_path / "other" / "model.gguf", arch=arch)
+    with pytest.raises(UnsupportedCheckpointError, match=rf"GGUF architecture '{arch}' is not supported"):
+        ModelConfig.from_dir(tmp_path / "other")
