@@ -233,6 +233,7 @@ ARCHS: dict[str, ArchSpec] = {
     "gpt_oss": ArchSpec(
         "gpt_oss", _gpt_oss, ("GptOssConfig", "GptOssForCausalLM"), attention="engine.models.gpt_oss:SinkAttention",
         random_config=_gpt_oss_random, renames=((".mlp.router.", ".mlp.gate."),), fused_experts="gpt_oss",
+        gguf_arch="gpt-oss",
     ),
 }
 ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2 ships DeepSeek-V3's architecture under its own model_type

@@ -31,7 +31,8 @@ from engine.gguf_file import SHARD, TensorInfo, open_gguf, shard_name
 __all__ = ["ARCHS", "GgufCheckpoint", "find_gguf", "hf_config", "model_dir_of"]
 
 ARCHS = {spec.model_type: spec.gguf_arch for spec in REGISTRY.values() if spec.gguf_arch}  # model_type -> GGUF
-DEQUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+DEQUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                 "MXFP4")
 
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {
@@ -93,7 +94,7 @@ class GgufCheckpoint:
 
         self._file = open_gguf(path)
         self.files, self.handles = self._file.paths, []
-        self._arch, self._heads = arch, num_heads
+        self._arch = arch
         self._permute = {"attn_q": num_heads, "attn_k": num_kv_heads} if arch == "mixtral" else {}
         garch = self._file.meta.get("general.architecture", "")
         layers = text_layers(self._file.meta, garch) if f"{garch}.nextn_predict_layers" in self._file.meta else None
@@ -113,9 +114,13 @@ class GgufCheckpoint:
                 other = t.name.replace(*(("attn_k_b", "attn_v_b") if m.group(2) == "attn_k_b" else ("attn_v_b", "attn_k_b")))
                 if other not in tensors:
                     raise CheckpointError(f"GGUF tensor {t.name} has no {other} (kv_b_proj needs both halves)")
+            if m and arch == "gpt_oss" and m.group(2) in ("ffn_gate_exps", "ffn_up_exps"):
+                other = t.name.replace(*(("gate", "up") if "gate" in m.group(2) else ("up", "gate")))
+                if other not in tensors:
+                    raise CheckpointError(f"GGUF tensor {t.name} has no {other} (gate_up_proj needs both)")
             for name, expert, kind in self._names(t.name, t.shape[0] if t.name.endswith("_exps.weight") else 0):
-                if kind == "attn_v_b":
-                    continue  # read with attn_k_b as kv_b_proj
+                if kind == "attn_v_b" or (arch == "gpt_oss" and kind == "ffn_up_exps"):
+                    continue  # read with attn_k_b as kv_b_proj, with ffn_gate_exps as GPT-OSS's gate_up_proj
                 self.where[name] = (self, path)
                 self._source[name] = (t, expert, kind)
 
@@ -128,6 +133,11 @@ class GgufCheckpoint:
             return [(name, None, "")]  # unknown: the loader reports it as unexpected
         layer, kind = m.group(1), m.group(2)
         prefix = f"model.layers.{layer}."
+        if self._arch == "gpt_oss" and kind in _EXPERTS:  # its fused layout: the loader's `gpt_oss` experts
+            fused = "gate_up_proj" if kind != "ffn_down_exps" else "down_proj"
+            return [(f"{prefix}mlp.experts.{fused}{'_bias' if suffix == 'bias' else ''}", None, kind)]
+        if kind == "attn_sinks" and self._arch == "gpt_oss":
+            return [(f"{prefix}self_attn.sinks", None, kind)]
         if kind in _EXPERTS:
             return [(f"{prefix}mlp.experts.{e}.{_EXPERTS[kind]}.weight", e, kind) for e in range(experts)]
         if kind == "exp_probs_b":
@@ -146,6 +156,10 @@ class GgufCheckpoint:
         if kind == "attn_k_b":  # k_b [H, kv_lora, nope] and v_b [H, v, kv_lora] -> kv_b_proj [H * (nope + v), kv_lora]
             v_b = self._file.tensors[t.name.replace("attn_k_b", "attn_v_b")]
             return (t.shape[0] * (t.shape[2] + v_b.shape[1]), t.shape[1])
+        if self._arch == "gpt_oss" and kind in _EXPERTS:  # stored as HF stores them: [E, H, 2I], [E, I, H], biases
+            if t.name.endswith(".bias"):
+                return (t.shape[0], 2 * t.shape[1]) if kind == "ffn_gate_exps" else t.shape
+            return (t.shape[0], t.shape[2], 2 * t.shape[1] if kind == "ffn_gate_exps" else t.shape[1])
         shape = t.shape[1:] if expert is not None else t.shape
         return (shape[0], 1) if name.endswith("shared_expert_gate.weight") and len(shape) == 1 else shape
 
@@ -159,9 +173,23 @@ class GgufCheckpoint:
             raise CheckpointError(f"cannot dequantize GGUF tensor {t.name}: {exc}") from exc
         return torch.from_numpy(np.array(values, dtype=np.float32))  # a copy, not the mmap
 
+    def _gpt_oss_expert(self, t: TensorInfo, kind: str, e: int) -> torch.Tensor:
+        """Expert e of GPT-OSS's fused tensors from llama.cpp's split ones: gate/up interleaved in columns
+        (gate_up [H, 2I], its bias [2I]), down transposed ([I, H]), the down bias as it is."""
+        if kind == "ffn_down_exps":
+            return self._read(t, e) if t.name.endswith(".bias") else self._read(t, e).reshape(t.shape[1:]).t()
+        up = self._file.tensors[t.name.replace("ffn_gate_exps", "ffn_up_exps")]
+        gate, up = self._read(t, e).reshape(t.shape[1:]), self._read(up, e).reshape(up.shape[1:])  # [I, H] or [I]
+        return torch.stack([gate.t(), up.t()], dim=-1).reshape(*gate.shape[1:], -1)  # [H, 2I] or [2I]
+
     def get(self, name: str, expert: int | None = None) -> torch.Tensor:
-        """The tensor dequantized to fp32 (`expert` is unused: GGUF experts are listed one name per expert)."""
+        """The tensor dequantized to fp32 (`expert`: one expert of GPT-OSS's fused experts; the other families
+        list each expert under its own name)."""
         t, e, kind = self._source[name]
+        if self._arch == "gpt_oss" and kind in _EXPERTS:
+            experts = [expert] if expert is not None else range(t.shape[0])
+            out = torch.stack([self._gpt_oss_expert(t, kind, i).contiguous() for i in experts])
+            return out[0] if expert is not None else out
         if kind == "attn_k_b":
             k_b = self._read(t).reshape(t.shape)  # [H, kv_lora, nope]
             v_b_info = self._file.tensors[t.name.replace("attn_k_b", "attn_v_b")]

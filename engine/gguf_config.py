@@ -133,9 +133,34 @@ def _deepseek2(m: _Meta, tensors: dict) -> dict[str, Any]:
     return hf
 
 
+def _one(m: _Meta, key: str, default: float) -> float:
+    """A value llama.cpp may store per layer: one for all layers, else UnsupportedCheckpointError."""
+    value = m.get(key, default)
+    values = set(value) if isinstance(value, list) else {value}
+    if len(values) != 1:
+        raise UnsupportedCheckpointError(f"GGUF {m.arch}.{key} differs between layers ({sorted(values)}): not supported")
+    return float(values.pop())
+
+
+def _gpt_oss(m: _Meta, tensors: dict) -> dict[str, Any]:
+    """GPT-OSS: llama.cpp alternates sliding (even layers) and full attention and fixes the SwiGLU clamp at 7;
+    its YaRN is transformers' with beta 32/1 and no truncation."""
+    hf = _common(m, tensors)
+    layers = hf["num_hidden_layers"]
+    hf.update(model_type="gpt_oss", num_local_experts=m.need("expert_count"),
+              intermediate_size=m.get("expert_feed_forward_length") or m.need("feed_forward_length"),
+              sliding_window=m.need("attention.sliding_window"),
+              layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+              swiglu_limit=_one(m, "swiglu_clamp_exp", 7.0))
+    if "rope_scaling" in hf:
+        hf["rope_scaling"].update(beta_fast=32.0, beta_slow=1.0, truncate=False)
+    return hf
+
+
 FAMILIES: dict[str, Callable[[_Meta, dict], dict[str, Any]]] = {
     "qwen3moe": lambda m, t: _qwen(m, t, "qwen3_moe"), "qwen2moe": lambda m, t: _qwen(m, t, "qwen2_moe"),
     "llama": _llama, "olmoe": _olmoe, "glm4moe": _glm4moe, "deepseek2": _deepseek2,
+    "gpt-oss": _gpt_oss,
 }
 assert set(FAMILIES) == {s.gguf_arch for s in REGISTRY.values() if s.gguf_arch}, "one family per registry gguf_arch"
 

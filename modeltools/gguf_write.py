@@ -30,6 +30,8 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 def _gguf_name(tmap, name: str) -> tuple[str, int | None]:
     """HF name -> (GGUF name by the gguf package's TensorNameMap of the architecture, expert index or None)."""
     name = name.replace("e_score_correction_bias", "e_score_correction.bias")  # as convert_hf_to_gguf renames it
+    if name.endswith(".self_attn.sinks"):
+        name += ".weight"  # llama.cpp loads blk.N.attn_sinks.weight
     m = _EXPERT_INDEX.search(name)
     key = _EXPERT_INDEX.sub(".experts.", name)
     gname = tmap.get_name(key, try_suffixes=(".weight", ".bias"))
@@ -68,10 +70,12 @@ def _add_tokenizer(w, hf_dir: Path, vocab_size: int) -> None:
         w.add_chat_template(template)
 
 
-def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32", shards: int = 1) -> Path:
+def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32", shards: int = 1,
+               experts_qtype: str | None = None) -> Path:
     """Converts the safetensors checkpoint in `hf_dir` to a GGUF file `out` with matrices in `qtype`; with
     `shards` > 1 to llama.cpp's split layout (`OUT-00001-of-0000N.gguf` ..., tensors spread evenly, the
-    metadata in the first, `split.*` keys in each) and returns the first shard."""
+    metadata in the first, `split.*` keys in each) and returns the first shard. `experts_qtype`: the routed
+    experts' own type (GPT-OSS's are MXFP4 in llama.cpp's files)."""
     import gguf
 
     hf_dir, out = Path(hf_dir), Path(out)
@@ -79,7 +83,8 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32", shards: 
     if hf["model_type"] not in ARCHS:
         raise ValueError(f"no GGUF writer for {hf['model_type']!r} (written: {', '.join(ARCHS)})")
     arch = ARCHS[hf["model_type"]]
-    tensors = _gguf_tensors(hf_dir, hf, arch, gguf.GGMLQuantizationType[qtype])
+    tensors = _gguf_tensors(hf_dir, hf, arch, gguf.GGMLQuantizationType[qtype],
+                            gguf.GGMLQuantizationType[experts_qtype] if experts_qtype else None)
     w = gguf.GGUFWriter(str(out), arch, split_max_tensors=-(-len(tensors) // shards) if shards > 1 else 0)
     _add_metadata(w, hf, arch)
     _add_tokenizer(w, hf_dir, hf["vocab_size"])
@@ -113,8 +118,10 @@ def _add_metadata(w, hf: dict, arch: str) -> None:
     if hf.get("head_dim") and arch != "deepseek2":
         w.add_key_length(hf["head_dim"])
         w.add_value_length(hf["head_dim"])
-    if hf.get("moe_intermediate_size"):
-        w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
+    if hf.get("moe_intermediate_size") or arch == "gpt-oss":
+        w.add_expert_feed_forward_length(hf.get("moe_intermediate_size") or hf["intermediate_size"])
+    if arch == "gpt-oss":
+        w.add_sliding_window(hf["sliding_window"])
     if hf.get("norm_topk_prob") is not None and arch != "llama":
         w.add_expert_weights_norm(bool(hf["norm_topk_prob"]))
     if hf.get("clip_qkv"):
@@ -166,7 +173,19 @@ def _split_kv_b(hf: dict, kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return k_b.transpose(1, 2).contiguous(), v_b.contiguous()
 
 
-def _gguf_tensors(hf_dir: Path, hf: dict, arch: str, target) -> dict[str, tuple[np.ndarray, object]]:
+def _split_gpt_oss(blk: str, name: str, t: torch.Tensor) -> dict[str, np.ndarray]:
+    """GPT-OSS's fused experts (gate_up [E, H, 2I] gate/up interleaved in columns, down [E, I, H], biases) as
+    llama.cpp stores them: ffn_gate_exps / ffn_up_exps [E, I, H], ffn_down_exps [E, H, I], and their biases."""
+    if "down_proj" in name:
+        bias = t.dim() == 2
+        return {f"{blk}.ffn_down_exps.{'bias' if bias else 'weight'}": (t if bias else t.transpose(1, 2)).numpy()}
+    if t.dim() == 2:  # gate_up bias [E, 2I]
+        return {f"{blk}.ffn_gate_exps.bias": t[:, 0::2].numpy(), f"{blk}.ffn_up_exps.bias": t[:, 1::2].numpy()}
+    return {f"{blk}.ffn_gate_exps.weight": t[:, :, 0::2].transpose(1, 2).numpy(),
+            f"{blk}.ffn_up_exps.weight": t[:, :, 1::2].transpose(1, 2).numpy()}
+
+
+def _gguf_tensors(hf_dir: Path, hf: dict, arch: str, target, experts_target=None) -> dict[str, tuple[np.ndarray, object]]:
     """GGUF name -> (data, type), sorted by name: experts stacked, matrices in `target` where their rows fit."""
     import gguf
     from safetensors.torch import load_file
@@ -177,8 +196,11 @@ def _gguf_tensors(hf_dir: Path, hf: dict, arch: str, target) -> dict[str, tuple[
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for path in sorted(hf_dir.glob("*.safetensors")):
         for name, t in load_file(str(path)).items():
-            gname, expert = _gguf_name(tmap, name)
             t = t.float()
+            if arch == "gpt-oss" and ".mlp.experts." in name:
+                tensors.update(_split_gpt_oss(f"blk.{name.split('.')[2]}", name, t))
+                continue
+            gname, expert = _gguf_name(tmap, name)
             if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
                 t = _permute(t, heads if "attn_q" in gname else kv_heads)
             if gname.endswith("attn_kv_b.weight"):  # newer convert_hf_to_gguf stores the per-head halves only
@@ -190,11 +212,12 @@ def _gguf_tensors(hf_dir: Path, hf: dict, arch: str, target) -> dict[str, tuple[
                 experts.setdefault(gname, {})[expert] = t
     for gname, per in experts.items():
         tensors[gname] = torch.stack([per[e] for e in range(len(per))]).numpy()  # [E, rows, cols]
-    block = gguf.GGML_QUANT_SIZES[target][0]
     out = {}
     for gname, array in sorted(tensors.items()):
-        keep = array.ndim == 1 or ".ffn_gate_inp" in gname or ".exp_probs_b" in gname or array.shape[-1] % block
-        kind = gguf.GGMLQuantizationType.F32 if keep else target
+        want = experts_target if experts_target is not None and gname.endswith("_exps.weight") else target
+        keep = (array.ndim == 1 or gname.endswith(".bias") or ".ffn_gate_inp" in gname
+                or array.shape[-1] % gguf.GGML_QUANT_SIZES[want][0])
+        kind = gguf.GGMLQuantizationType.F32 if keep else want
         f32 = kind == gguf.GGMLQuantizationType.F32
         out[gname] = (array.astype(np.float32) if f32 else gguf.quants.quantize(array, kind), kind)
     return out

@@ -1,4 +1,4 @@
-"""GGUF families beyond Qwen/Mixtral (olmoe, glm4moe, deepseek2): quantized files against transformers running
+"""GGUF families beyond Qwen/Mixtral (olmoe, glm4moe, deepseek2, gpt-oss): quantized files against transformers running
 the same dequantized weights, llama.cpp's layout variants (whole kv_b, nextn blocks), and a clear error for
 an architecture moegate does not read."""
 
@@ -16,7 +16,8 @@ from engine.gguf_file import open_gguf
 from engine.llm_engine import LLM
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
-from tests.engine.test_engine_gguf import _gguf_dir, _hf_greedy, _hf_state, _rewrite
+from modeltools.gguf_write import write_gguf
+from tests.engine.test_engine_gguf import _f32_fields, _gguf_dir, _hf_greedy, _hf_state, _rewrite
 
 STEPS = 12
 
@@ -97,10 +98,63 @@ def test_glm_nextn_blocks_are_unused(hf_checkpoint, tmp_path):
                 load_model(tmp_path / name, progress=False)
 
 
-@pytest.mark.parametrize("arch", ["gpt-oss", "qwen3next", "deepseek"])
+@pytest.mark.parametrize("arch", ["llama4", "qwen3next", "deepseek"])
 def test_unread_architecture_is_one_error(hf_checkpoint, tmp_path, arch):
     good = _gguf_dir(hf_checkpoint("qwen3_moe"), tmp_path / "good", "F32") / "model.gguf"
     (tmp_path / "other").mkdir()
     _rewrite(good, tmp_path / "other" / "model.gguf", arch=arch)
     with pytest.raises(UnsupportedCheckpointError, match=rf"GGUF architecture '{arch}' is not supported"):
         ModelConfig.from_dir(tmp_path / "other")
+
+
+def test_gpt_oss_gguf(hf_checkpoint, tmp_path, prompt):
+    """GPT-OSS as llama.cpp stores it (gate/up experts split, biases, sinks, the clamp fixed at 7): F32 loads
+    the checkpoint's weights and gives transformers' greedy tokens; MXFP4 experts (llama.cpp's type for them)
+    give the tokens of the engine on those weights dequantized, close to the F32 file's logits."""
+    src = hf_checkpoint("gpt_oss", swiglu_limit=7.0, intermediate_size=32)  # rows of 32: MXFP4 blocks
+    f32 = _gguf_dir(src, tmp_path / "f32", "F32")
+    ours, ref_cfg = ModelConfig.from_dir(f32), ModelConfig.from_dir(src)
+    assert _f32_fields(ours, ref_cfg) == ref_cfg
+    a, b = load_model(f32, progress=False), load_model(src, progress=False)
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+    expected, ref_logits = _hf_greedy(src, prompt)
+    assert _greedy(f32, prompt) == expected[:STEPS]
+
+    mx = tmp_path / "mx"
+    mx.mkdir()
+    write_gguf(src, mx / "model.gguf", "F32", experts_qtype="MXFP4")
+    kinds = {n: gguf.GGMLQuantizationType(t.qtype).name for n, t in open_gguf(mx / "model.gguf").tensors.items()}
+    assert kinds["blk.0.ffn_up_exps.weight"] == kinds["blk.0.ffn_down_exps.weight"] == "MXFP4"
+    assert kinds["blk.0.ffn_up_exps.bias"] == kinds["blk.0.attn_q.weight"] == "F32"
+    c = load_model(mx, progress=False)
+    for (name, p), (_, q) in zip(c.named_parameters(), b.named_parameters(), strict=True):
+        if ".experts." in name and not name.endswith("_bias"):  # e2m1 values, one power-of-two scale per 32
+            assert 0 < (p - q).abs().max() <= q.abs().max() / 2, name
+        else:
+            assert torch.equal(p, q), name
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ref.load_state_dict(_gpt_oss_hf_state(c, ref), strict=True)
+    out = ref.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False, eos_token_id=None,
+                       pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    assert _greedy(mx, prompt) == out.sequences[0, len(prompt):].tolist()
+    assert (out.logits[0][0] - ref_logits).abs().max() < 0.5  # 4-bit experts: near the F32 file's logits
+
+
+def _gpt_oss_hf_state(ours, ref) -> dict[str, torch.Tensor]:
+    """transformers' GPT-OSS state dict from the engine's parameters (router named gate, experts gate rows first)."""
+    mine = {n.replace(".mlp.gate.", ".mlp.router."): p.detach() for n, p in ours.named_parameters()}
+    state = {}
+    for name, value in ref.state_dict().items():
+        p = mine.get(name, value)
+        if name.endswith("experts.gate_up_proj"):  # [E, 2I, H] -> [E, H, 2I], gate/up interleaved
+            i = p.shape[1] // 2
+            p = torch.stack([p[:, :i].transpose(1, 2), p[:, i:].transpose(1, 2)], dim=-1).flatten(2)
+        elif name.endswith("experts.gate_up_proj_bias"):
+            i = p.shape[1] // 2
+            p = torch.stack([p[:, :i], p[:, i:]], dim=-1).flatten(1)
+        elif name.endswith("experts.down_proj"):  # [E, H, I] -> [E, I, H]
+            p = p.transpose(1, 2)
+        assert p.shape == value.shape, name
+        state[name] = p.contiguous()
+    return state
