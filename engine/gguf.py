@@ -4,14 +4,16 @@ A GGUF model is a directory holding one `*.gguf` file or one split model (llama.
 `NAME-0000i-of-0000N.gguf` shards, engine/gguf_file.py), no config.json, or the file (any shard) itself;
 its tokenizer is the `tokenizer.json` beside it, else the vocabulary the GGUF carries (engine/gguf_tokenizer.py).
 The architectures read are the registry entries with a `gguf_arch` (qwen3moe, qwen2moe, llama with experts,
-olmoe, glm4moe, deepseek2: engine/gguf_config.py). Tensors map from llama.cpp names (`blk.N.attn_q.weight`,
+olmoe, glm4moe, deepseek2, gpt-oss: engine/gguf_config.py). Tensors map from llama.cpp names (`blk.N.attn_q.weight`,
 `blk.N.ffn_gate_exps.weight` [E, I, H], ...) to the engine's; the expert tensors read one expert at a time,
-and every supported type (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K, ...) is dequantized with the `gguf`
+and every supported type (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K, MXFP4, ...) is dequantized with the `gguf`
 package as the tensor is read, so routed experts go through the expert stream into the project's packed
 formats like any checkpoint. llama.cpp stores q/k of llama-arch models permuted for its interleaved RoPE;
 they are permuted back here (the other families are stored unpermuted). DeepSeek's `kv_b_proj` is read
 whole (`attn_kv_b`) or rebuilt from the per-head halves newer files store (`attn_k_b` transposed,
 `attn_v_b`); multi-token-prediction blocks past the decoder layers (`nextn_predict_layers`) are unused.
+GPT-OSS's experts, which llama.cpp splits into gate / up / down with biases, are read back as its fused
+layout (`gate_up_proj` [E, H, 2I] gate/up interleaved) one expert at a time.
 """
 
 from __future__ import annotations

@@ -61,6 +61,8 @@ def _common(m: _Meta, tensors: dict) -> dict[str, Any]:
     if rope_type != "none":
         hf["rope_scaling"] = {"rope_type": rope_type, "factor": m.need("rope.scaling.factor"),
                               "original_max_position_embeddings": m.get("rope.scaling.original_context_length")}
+        hf["rope_scaling"].update({k: m.get(f"rope.scaling.yarn_{k}") for k in ("beta_fast", "beta_slow")
+                                   if m.get(f"rope.scaling.yarn_{k}") is not None})
     return hf
 
 
@@ -128,7 +130,7 @@ def _deepseek2(m: _Meta, tensors: dict) -> dict[str, Any]:
               topk_method="noaux_tc" if v3 else "group_limited_greedy" if hf["n_group"] > 1 else "greedy")
     if "rope_scaling" in hf and hf["rope_scaling"]["rope_type"] == "yarn":
         # llama.cpp keeps DeepSeek's YaRN mscale as yarn_log_multiplier = 0.1 * mscale_all_dim (mscale equal)
-        mscale = float(m.get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        mscale = round(float(m.get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1, 6)  # stored as f32
         hf["rope_scaling"].update(mscale=mscale, mscale_all_dim=mscale)
     return hf
 

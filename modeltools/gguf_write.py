@@ -135,6 +135,11 @@ def _add_metadata(w, hf: dict, arch: str) -> None:
         w.add_rope_scaling_factor(rope["factor"])
         if rope.get("original_max_position_embeddings"):
             w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if arch == "deepseek2" and rope.get("mscale_all_dim"):
+            w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])  # llama.cpp assumes mscale equal
+        for key in ("beta_fast", "beta_slow"):
+            if rope.get(key) is not None and arch != "gpt-oss":  # llama.cpp fixes GPT-OSS's
+                getattr(w, f"add_rope_scaling_yarn_{key}")(float(rope[key]))
     if hf.get("eos_token_id") is not None:
         eos = hf["eos_token_id"]
         w.add_eos_token_id(eos if isinstance(eos, int) else eos[0])

@@ -75,6 +75,17 @@ def test_yarn_gguf(write_checkpoint, tmp_path):
     assert ours.rope_scaling == ref.rope_scaling and ours.max_position_embeddings == ref.max_position_embeddings
 
 
+def test_deepseek_yarn_gguf(write_checkpoint, tmp_path):
+    """DeepSeek-V3's YaRN (mscale = mscale_all_dim, kept by llama.cpp as yarn_log_multiplier; its betas)."""
+    rope = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "rope_theta": 10_000.0,
+            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 16.0, "beta_slow": 2.0}
+    write_checkpoint(tmp_path / "src", "deepseek_v3", seed=1, rope_parameters=rope, max_position_embeddings=512)
+    path = _gguf_dir(tmp_path / "src", tmp_path / "gguf", "F32")
+    ours, ref = ModelConfig.from_dir(path), ModelConfig.from_dir(tmp_path / "src")
+    assert ours.rope_scaling == ref.rope_scaling and ours.rope_scaling.mscale_all_dim == 0.707
+    assert _f32_fields(ours, ref) == ref
+
+
 def test_q8_0_gguf_is_close(hf_checkpoint, tmp_path, prompt):
     src = hf_checkpoint("qwen3_moe")
     path = _gguf_dir(src, tmp_path / "gguf", "Q8_0")

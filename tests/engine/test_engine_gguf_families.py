@@ -4,6 +4,8 @@ an architecture moegate does not read."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gguf
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from engine.llm_engine import LLM
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from modeltools.gguf_write import write_gguf
+from modeltools.sizing import ModelShape
 from tests.engine.test_engine_gguf import _f32_fields, _gguf_dir, _hf_greedy, _hf_state, _rewrite
 
 STEPS = 12
@@ -115,6 +118,8 @@ def test_gpt_oss_gguf(hf_checkpoint, tmp_path, prompt):
     f32 = _gguf_dir(src, tmp_path / "f32", "F32")
     ours, ref_cfg = ModelConfig.from_dir(f32), ModelConfig.from_dir(src)
     assert _f32_fields(ours, ref_cfg) == ref_cfg
+    gguf_shape, ref_shape = ModelShape.from_dir(f32), ModelShape.from_dir(src)  # what `moegate plan` sizes
+    assert replace(gguf_shape, checkpoint_dtype=ref_shape.checkpoint_dtype) == ref_shape
     a, b = load_model(f32, progress=False), load_model(src, progress=False)
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert torch.equal(p, q), name
