@@ -222,5 +222,8 @@ def open_gguf(path: str | Path) -> GgufModel:
     (the config, the loader and the tokenizer all read it)."""
     path = Path(path).resolve()
     m = SHARD.match(path.name)
+    if not path.is_file():
+        what = f"shard {path.name} (1 of {int(m['count'])})" if m else path.name
+        raise CheckpointError(f"GGUF {what} is missing in {path.parent}")
     files = [path] + (sorted(path.parent.glob(f"{glob.escape(m['stem'])}-*-of-{m['count']}.gguf")) if m else [])
     return _open(str(path), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))

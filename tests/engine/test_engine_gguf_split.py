@@ -77,6 +77,10 @@ def test_broken_split_gguf(hf_checkpoint, tmp_path):
     missing = broken("missing", lambda d: (d / "m-00002-of-00003.gguf").unlink())
     with pytest.raises(CheckpointError, match=r"shard m-00002-of-00003\.gguf \(2 of 3\) is missing"):
         ModelConfig.from_dir(missing)
+    first = broken("first", lambda d: (d / "m-00001-of-00003.gguf").unlink())
+    for given in (first, first / "m-00003-of-00003.gguf"):
+        with pytest.raises(CheckpointError, match=r"shard m-00001-of-00003\.gguf \(1 of 3\) is missing"):
+            ModelConfig.from_dir(given)
     # a shard of another conversion under the expected name: its split.no / split.count disagree
     foreign = broken("foreign", lambda d: shutil.copy(other / "m-00002-of-00002.gguf", d / "m-00003-of-00003.gguf"))
     with pytest.raises(CheckpointError, match=r"m-00003-of-00003\.gguf is split\.no=1 of split\.count=2"):
