@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.archs import SUPPORTED_ARCHS
-from engine.config import ModelConfig
+from engine.config import ModelConfig, read_hf_config
 from engine.errors import CheckpointError, UnsupportedArchitectureError
 from engine.parts import (
     ATTENTION,
@@ -84,18 +84,11 @@ class ModelShape:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelShape:
-        from engine.gguf import find_gguf, hf_config
-
-        if (gguf_file := find_gguf(model_dir)) is not None:  # a GGUF file: its metadata as a config
-            return cls.from_hf(hf_config(gguf_file))
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise SizingError(f"{path} not found: `moegate plan --model DIR` needs a checkpoint directory "
-                              "with a config.json")
+        """From config.json or a GGUF file's metadata, read as the engine reads them (engine.config)."""
         try:
-            return cls.from_hf(json.loads(path.read_text()))
-        except json.JSONDecodeError as exc:
-            raise SizingError(f"{path} is not valid JSON: {exc}") from exc
+            return cls.from_hf(read_hf_config(model_dir))
+        except CheckpointError as exc:
+            raise SizingError(str(exc)) from exc
 
     def kv_bytes_per_token(self, bits: int) -> int:
         """KV cache bytes of one token over every layer: K and V per KV head, or MLA's latent."""
