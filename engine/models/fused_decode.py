@@ -25,7 +25,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from kernels.decode_layer import DecodeLayerParams, decode_layer_library, run_decode_layer
+from kernels.bindings import DecodeLayerParams, decode_layer_library, run_decode_layer
 from kernels.formats import FORMAT_CODE
 
 log = logging.getLogger(__name__)
