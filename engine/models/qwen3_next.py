@@ -1,0 +1,170 @@
+"""Qwen3-Next: gated full attention and gated DeltaNet linear attention (`layer_types`), as transformers computes them.
+
+Full-attention layers are grouped-query attention over the paged KV cache whose q_proj also yields a sigmoid
+output gate per head. Linear-attention layers keep no KV: each sequence carries a causal-conv state (the last
+conv_kernel - 1 inputs) and a delta-rule state [NV, DK, DV] in the engine's recurrent-state pool
+(engine/recurrent_state.py), in the slot the scheduler gave it (`ForwardBatch.state_slots`); a chunk starting at
+token 0 starts from zeros. Prefill chunks run the chunked delta rule, single-token decodes the recurrent one
+(the torch references transformers falls back to). Shapes: T tokens, q tokens of one sequence, C conv channels,
+NK/NV key/value heads of DK/DV dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.models.attention import Attention
+
+
+class GatedAttention(Attention):
+    """GQA whose q_proj gives [q; gate] per head (zero-centred per-head q/k norms, partial rotary)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
+        super().__init__(cfg, layer_idx)
+        self.q_proj = nn.Linear(cfg.hidden_size, 2 * cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
+
+    def set_fast_dense(self, fmt: str) -> None:
+        raise ValueError("fast_dense packs plain q/k/v projections; Qwen3-Next's gated attention runs its own "
+                         "weights: use fast_dense=None")
+
+    def set_exact_dense(self) -> None:
+        raise ValueError("the fused execution path does not run Qwen3-Next's gated attention")
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """x [T, H]; cache (k_cache, v_cache) written in place -> [T, H]."""
+        cfg = self.cfg
+        T, nh, d = x.shape[0], cfg.num_heads, cfg.head_dim
+        q, gate = self.q_proj(x).view(T, nh, 2 * d).chunk(2, dim=-1)  # [T, NH, D] each
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(T, cfg.num_kv_heads, d))
+        v = self.v_proj(x).view(T, cfg.num_kv_heads, d)
+        out = self._attend_paged(*self._rotate(q, k, batch), v, batch, cache)  # [T, NH, D]
+        return self.o_proj((out * torch.sigmoid(gate)).reshape(T, nh * d))
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of x times SiLU(gate), the norm over the last dim (one value head)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * x32.to(dtype)) * F.silu(gate.float())).to(dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's prefill chunk. q/k [NV, q, DK] (l2-normed, q scaled), v [NV, q, DV], g/beta [NV, q], all fp32;
+    state [NV, DK, DV] -> (out [NV, q, DV], the state after the last token). The delta rule over blocks of
+    `chunk` tokens (a triangular solve inside each, a scan across them), as transformers' torch fallback."""
+    n = q.shape[1]
+    pad = (chunk - n % chunk) % chunk
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    h = q.shape[0]
+    v_beta, k_beta = v * beta[..., None], k * beta[..., None]
+    q, k, k_beta, v_beta = (t.reshape(h, -1, chunk, t.shape[-1]) for t in (q, k, k_beta, v_beta))  # [NV, N, c, *]
+    cum = g.reshape(h, -1, chunk).cumsum(-1)  # [NV, N, c] log decay from each block's start
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [NV, N, c, c]
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    intra = (q @ k.transpose(-1, -2)) * decay
+    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    q = q * cum.exp()[..., None]
+    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    block_decay = cum[..., -1].exp()[..., None, None]  # [NV, N, 1, 1]
+    out = torch.zeros_like(new_v)
+    for i in range(q.shape[1]):
+        v_i = new_v[:, i] - k_cum[:, i] @ state
+        out[:, i] = q[:, i] @ state + intra[:, i] @ v_i
+        state = state * block_decay[:, i] + k[:, i].transpose(-1, -2) @ v_i
+    return out.reshape(h, -1, out.shape[-1])[:, :n], state
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token by token: the same arguments and result as `chunk_gated_delta_rule` (decode: q = 1)."""
+    out = torch.empty_like(v)
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[:, None, None]
+        delta = (v[:, t] - (state * k[:, t, :, None]).sum(-2)) * beta[:, t, None]  # [NV, DV]
+        state = state + k[:, t, :, None] * delta[:, None, :]
+        out[:, t] = (state * q[:, t, :, None]).sum(-2)
+    return out, state
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next's linear attention, HF names (`linear_attn.in_proj_qkvz`, `conv1d`, `A_log`, ...)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
+        super().__init__()
+        la = cfg.linear_attention
+        self.dims = la
+        self.nk, self.nv, self.dk, self.dv = la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim
+        self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.nk * self.dk + 2 * self.nv * self.dv, bias=False)
+        self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.nv, bias=False)
+        self.conv1d = nn.Conv1d(la.conv_dim, la.conv_dim, la.conv_kernel, bias=False, groups=la.conv_dim,
+                                padding=la.conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.nv * self.dv, cfg.hidden_size, bias=False)
+
+    def set_fast_dense(self, fmt: str) -> None:
+        raise ValueError("fast_dense packs attention projections; Qwen3-Next's linear attention runs its own "
+                         "weights: use fast_dense=None")
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, H] -> conv input [T, C] (q, k, v flattened), z [T, NV, DV], b and a [T, NV]."""
+        T, r = x.shape[0], self.nv // self.nk
+        qkvz = self.in_proj_qkvz(x).view(T, self.nk, 2 * self.dk + 2 * r * self.dv)
+        q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)  # per key head group
+        b, a = self.in_proj_ba(x).view(T, self.nk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)  # [T, C]
+        return mixed, z.reshape(T, self.nv, self.dv), b.reshape(T, self.nv), a.reshape(T, self.nv)
+
+    def _conv(self, x: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [q, C], conv_state [C, K-1] (the inputs before x) -> (SiLU(conv) [q, C], the state after x)."""
+        w = self.conv1d.weight  # [C, 1, K]
+        full = torch.cat((conv_state.to(w.dtype), x.t().to(w.dtype)), dim=-1)  # [C, K-1+q]
+        out = F.conv1d(full[None], w, groups=w.shape[0])[0]  # [C, q]
+        return F.silu(out).t().to(x.dtype), full[:, full.shape[1] - conv_state.shape[1]:]
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """x [T, H]; cache (conv_states [S, C, K-1], delta_states [S, NV, DK, DV]) updated in place at each
+        sequence's slot -> [T, H]."""
+        conv_states, delta_states = cache
+        mixed, z, b, a = self._project(x)
+        beta = b.sigmoid().float()  # [T, NV]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, NV] log decay
+        out = torch.empty(x.shape[0], self.nv, self.dv, dtype=x.dtype, device=x.device)  # [T, NV, DV]
+        kd, r = self.nk * self.dk, self.nv // self.nk
+        for start, q_len, ctx, slot in zip(batch.query_starts, batch.query_lens, batch.context_lens,
+                                           batch.state_slots, strict=True):
+            rows = slice(start, start + q_len)
+            fresh = ctx == q_len  # the chunk starts at token 0: no state carried in
+            conv0 = torch.zeros_like(conv_states[slot]) if fresh else conv_states[slot]
+            conv_out, conv_states[slot] = self._conv(mixed[rows], conv0)  # [q, C]
+            q, k, v = conv_out.float().split([kd, kd, self.nv * self.dv], dim=-1)
+            q = l2norm(q.view(q_len, self.nk, self.dk)).repeat_interleave(r, dim=1).transpose(0, 1)  # [NV, q, DK]
+            k = l2norm(k.view(q_len, self.nk, self.dk)).repeat_interleave(r, dim=1).transpose(0, 1)
+            v = v.view(q_len, self.nv, self.dv).transpose(0, 1)  # [NV, q, DV]
+            state = torch.zeros_like(delta_states[slot]) if fresh else delta_states[slot].float()
+            rule = recurrent_gated_delta_rule if q_len == 1 else chunk_gated_delta_rule
+            o, state = rule(q * self.dk**-0.5, k, v, g[rows].t(), beta[rows].t(), state)
+            delta_states[slot] = state
+            out[rows] = o.transpose(0, 1).to(x.dtype)
+        o = self.norm(out.view(-1, self.dv), z.reshape(-1, self.dv))  # [T*NV, DV]
+        return self.out_proj(o.view(x.shape[0], self.nv * self.dv))
