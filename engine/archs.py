@@ -73,6 +73,11 @@ class LinearAttentionDims:
         """Channels of the causal conv: q and k of every key head, v of every value head."""
         return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
 
+    @property
+    def state_elements(self) -> int:
+        """One sequence's recurrent state in one layer: the conv's last K-1 inputs and the delta-rule state."""
+        return self.conv_dim * (self.conv_kernel - 1) + self.num_value_heads * self.key_head_dim * self.value_head_dim
+
 
 def _sparse_layers(hf: dict[str, Any], layers: int, num_experts: int) -> tuple[bool, ...]:
     """Qwen-style MoE layer selection: mlp_only_layers and decoder_sparse_step."""

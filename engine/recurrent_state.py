@@ -23,15 +23,6 @@ from engine.config import ModelConfig
 from engine.sequence import Sequence
 
 
-def state_bytes_per_sequence(cfg: ModelConfig) -> int:
-    """fp32 bytes of one sequence's recurrent state over every linear-attention layer."""
-    la = cfg.linear_attention
-    if la is None:
-        return 0
-    per_layer = la.conv_dim * (la.conv_kernel - 1) + la.num_value_heads * la.key_head_dim * la.value_head_dim
-    return 4 * per_layer * len(cfg.linear_layers)
-
-
 def layer_caches(cfg: ModelConfig, kv_caches: list[tuple[torch.Tensor, ...]],
                  states: RecurrentStates | None) -> list[tuple[torch.Tensor, ...]]:
     """What each layer's forward reads and writes, in layer order: its KV (`kv_caches`, one per `cfg.kv_layers`)
