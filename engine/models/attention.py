@@ -65,7 +65,7 @@ class Attention(nn.Module):
     def _project_qkv(self, x: torch.Tensor, fast: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not fast:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        nq, nkv = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
+        nq, nkv = self.q_proj.out_features, self.cfg.num_kv_heads * self.cfg.head_dim  # q rows (and gates)
         qkv = self.fast_qkv(x).to(x.dtype)  # [T, NQ + 2 NKV]
         if self.fast_qkv_bias is not None:
             qkv = qkv + self.fast_qkv_bias
@@ -94,10 +94,14 @@ class Attention(nn.Module):
         if cfg.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         out = self._attend_paged(*self._rotate(q, k, batch), v, batch, cache)  # [T, NH, D]
+        return self._project_out(out.reshape(T, -1), fast)
+
+    def _project_out(self, out: torch.Tensor, fast: bool) -> torch.Tensor:
+        """o_proj of out [T, NH*D] (its quantized copy in `fast` exploration batches) -> [T, H]."""
         if fast:
-            o = self.fast_o(out.reshape(T, -1)).to(x.dtype)
+            o = self.fast_o(out).to(out.dtype)
             return o if self.fast_o_bias is None else o + self.fast_o_bias
-        return self.o_proj(out.reshape(T, -1))
+        return self.o_proj(out)
 
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE on q [T, NH, D] and k [T, KV, D] (on the first rotary_dim dims of each head where partial)."""

@@ -27,23 +27,16 @@ class GatedAttention(Attention):
         super().__init__(cfg, layer_idx)
         self.q_proj = nn.Linear(cfg.hidden_size, 2 * cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
 
-    def set_fast_dense(self, fmt: str) -> None:
-        raise ValueError("fast_dense packs plain q/k/v projections; Qwen3-Next's gated attention runs its own "
-                         "weights: use fast_dense=None")
-
-    def set_exact_dense(self) -> None:
-        raise ValueError("the fused execution path does not run Qwen3-Next's gated attention")
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """x [T, H]; cache (k_cache, v_cache) written in place -> [T, H]."""
         cfg = self.cfg
         T, nh, d = x.shape[0], cfg.num_heads, cfg.head_dim
-        q, gate = self.q_proj(x).view(T, nh, 2 * d).chunk(2, dim=-1)  # [T, NH, D] each
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(T, cfg.num_kv_heads, d))
-        v = self.v_proj(x).view(T, cfg.num_kv_heads, d)
-        out = self._attend_paged(*self._rotate(q, k, batch), v, batch, cache)  # [T, NH, D]
-        return self.o_proj((out * torch.sigmoid(gate)).reshape(T, nh * d))
+        fast = self.fast_qkv is not None and not batch.exact and x.device.type == "cpu"
+        qg, k, v = self._project_qkv(x, fast)  # [T, NH*2D], [T, KV*D] x2
+        q, gate = qg.view(T, nh, 2 * d).chunk(2, dim=-1)  # [T, NH, D] each
+        q, k = self.q_norm(q), self.k_norm(k.view(T, cfg.num_kv_heads, d))
+        out = self._attend_paged(*self._rotate(q, k, batch), v.view(T, cfg.num_kv_heads, d), batch, cache)
+        return self._project_out((out * torch.sigmoid(gate)).reshape(T, nh * d), fast)
 
 
 class GatedRMSNorm(nn.Module):
@@ -121,17 +114,26 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.nv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.nv * self.dv, cfg.hidden_size, bias=False)
+        # exploration on the CPU: quantized copies of [in_proj_qkvz; in_proj_ba] and out_proj (named as attention's,
+        # so the placement table counts them)
+        self.fast_qkv = self.fast_o = None
 
     def set_fast_dense(self, fmt: str) -> None:
-        raise ValueError("fast_dense packs attention projections; Qwen3-Next's linear attention runs its own "
-                         "weights: use fast_dense=None")
+        from kernels.linear import PackedLinear
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self.fast_qkv = PackedLinear.pack(torch.cat([self.in_proj_qkvz.weight, self.in_proj_ba.weight]).detach(), fmt)
+        self.fast_o = PackedLinear.pack(self.out_proj.weight.detach(), fmt)
+
+    def _project(self, x: torch.Tensor, fast: bool) -> tuple[torch.Tensor, ...]:
         """x [T, H] -> conv input [T, C] (q, k, v flattened), z [T, NV, DV], b and a [T, NV]."""
         T, r = x.shape[0], self.nv // self.nk
-        qkvz = self.in_proj_qkvz(x).view(T, self.nk, 2 * self.dk + 2 * r * self.dv)
+        if fast:
+            qkvz, ba = self.fast_qkv(x).to(x.dtype).split([self.in_proj_qkvz.out_features, 2 * self.nv], dim=-1)
+        else:
+            qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
+        qkvz = qkvz.view(T, self.nk, 2 * self.dk + 2 * r * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)  # per key head group
-        b, a = self.in_proj_ba(x).view(T, self.nk, 2 * r).split([r, r], dim=-1)
+        b, a = ba.reshape(T, self.nk, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)  # [T, C]
         return mixed, z.reshape(T, self.nv, self.dv), b.reshape(T, self.nv), a.reshape(T, self.nv)
 
@@ -146,7 +148,8 @@ class GatedDeltaNet(nn.Module):
         """x [T, H]; cache (conv_states [S, C, K-1], delta_states [S, NV, DK, DV]) updated in place at each
         sequence's slot -> [T, H]."""
         conv_states, delta_states = cache
-        mixed, z, b, a = self._project(x)
+        fast = self.fast_qkv is not None and not batch.exact and x.device.type == "cpu"
+        mixed, z, b, a = self._project(x, fast)
         beta = b.sigmoid().float()  # [T, NV]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, NV] log decay
         out = torch.empty(x.shape[0], self.nv, self.dv, dtype=x.dtype, device=x.device)  # [T, NV, DV]
@@ -166,5 +169,5 @@ class GatedDeltaNet(nn.Module):
             o, state = rule(q * self.dk**-0.5, k, v, g[rows].t(), beta[rows].t(), state)
             delta_states[slot] = state
             out[rows] = o.transpose(0, 1).to(x.dtype)
-        o = self.norm(out.view(-1, self.dv), z.reshape(-1, self.dv))  # [T*NV, DV]
-        return self.out_proj(o.view(x.shape[0], self.nv * self.dv))
+        o = self.norm(out.view(-1, self.dv), z.reshape(-1, self.dv)).view(x.shape[0], self.nv * self.dv)
+        return self.fast_o(o).to(x.dtype) if fast else self.out_proj(o)

@@ -141,6 +141,19 @@ def test_prefix_cache_hit_restores_the_state_and_equals_a_miss(hf_checkpoint, re
     assert run_requests(engine, [])["turn"] == reference(path, follow)
 
 
+def test_execution_mode_reuses_whole_chunks_with_their_state(hf_checkpoint, reference):
+    """Execution requests run alone in aligned chunks and reuse only whole chunks: their state is saved at each."""
+    path = hf_checkpoint("qwen3_next")
+    prompt = _prompts(1, 9, (43, 44))[0]
+    engine = LLM(path, max_num_batched_tokens=16, **ARGS).engine
+    cold = run_requests(engine, [("cold", prompt, _params(), Mode.EXECUTION)])["cold"]
+    assert cold == reference(path, prompt)
+    engine.add_request("hit", prompt, _params(), mode=Mode.EXECUTION)
+    engine.step()
+    assert engine._seqs["hit"].num_cached_tokens == 32
+    assert run_requests(engine, [])["hit"] == cold
+
+
 def test_prefix_hit_without_a_state_snapshot_is_refused(hf_checkpoint, reference):
     path = hf_checkpoint("qwen3_next")
     prompt = _prompts(1, 7, (43, 44))[0]
@@ -175,3 +188,21 @@ def test_quantized_experts_within_drift_bounds(hf_checkpoint, fmt, kl_bound, top
                                     reduction="none").sum(-1)
     assert 0 < kl.mean().item() <= kl_bound  # > 0: the quantized experts really ran
     assert (rows.argmax(-1) == base.argmax(-1)).float().mean().item() >= top1_bound
+
+
+def test_fast_dense_packs_both_mixers_within_drift_bounds(hf_checkpoint):
+    """Exploration's int8 projections (`fast_dense`): gated attention's [q|gate; k; v] and o, DeltaNet's
+    [qkvz; ba] and out_proj, within the int8 expert bounds of the fp32 model."""
+    path = hf_checkpoint("qwen3_next")
+    prompts = _prompts(4, 32, (17, 40))
+    exact = LLM(path, **ARGS)
+    reference = [o.token_ids for o in exact.generate(prompts, _params())]
+    base = _teacher_forced_rows(exact, prompts, reference)
+    fast = LLM(path, fast_dense="int8", **ARGS)
+    assert all(layer.mixer.fast_qkv is not None and layer.mixer.fast_o is not None
+               for layer in fast.engine.runner.model.model.layers)
+    rows = _teacher_forced_rows(fast, prompts, reference)
+    kl = torch.nn.functional.kl_div(rows.log_softmax(-1), base.log_softmax(-1), log_target=True,
+                                    reduction="none").sum(-1)
+    assert 0 < kl.mean().item() <= 0.01
+    assert (rows.argmax(-1) == base.argmax(-1)).float().mean().item() >= 0.9
