@@ -88,13 +88,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = 6
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token by token: the same arguments and result as `chunk_gated_delta_rule` (decode: q = 1)."""
+    """Token by token: the arguments and result of `chunk_gated_delta_rule`, with any leading batch dims
+    (decode: [B, NV, 1, D] for B sequences at once)."""
     out = torch.empty_like(v)
-    for t in range(q.shape[1]):
-        state = state * g[:, t].exp()[:, None, None]
-        delta = (v[:, t] - (state * k[:, t, :, None]).sum(-2)) * beta[:, t, None]  # [NV, DV]
-        state = state + k[:, t, :, None] * delta[:, None, :]
-        out[:, t] = (state * q[:, t, :, None]).sum(-2)
+    for t in range(q.shape[-2]):
+        state = state * g[..., t].exp()[..., None, None]
+        delta = (v[..., t, :] - (state * k[..., t, :, None]).sum(-2)) * beta[..., t, None]  # [..., NV, DV]
+        state = state + k[..., t, :, None] * delta[..., None, :]
+        out[..., t, :] = (state * q[..., t, :, None]).sum(-2)
     return out, state
 
 
@@ -138,36 +139,53 @@ class GatedDeltaNet(nn.Module):
         return mixed, z.reshape(T, self.nv, self.dv), b.reshape(T, self.nv), a.reshape(T, self.nv)
 
     def _conv(self, x: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [q, C], conv_state [C, K-1] (the inputs before x) -> (SiLU(conv) [q, C], the state after x)."""
+        """x [B, q, C], conv_state [B, C, K-1] (the inputs before x) -> (SiLU(conv) [B, q, C], the state after x)."""
         w = self.conv1d.weight  # [C, 1, K]
-        full = torch.cat((conv_state.to(w.dtype), x.t().to(w.dtype)), dim=-1)  # [C, K-1+q]
-        out = F.conv1d(full[None], w, groups=w.shape[0])[0]  # [C, q]
-        return F.silu(out).t().to(x.dtype), full[:, full.shape[1] - conv_state.shape[1]:]
+        full = torch.cat((conv_state.to(w.dtype), x.transpose(1, 2).to(w.dtype)), dim=-1)  # [B, C, K-1+q]
+        out = F.conv1d(full, w, groups=w.shape[0])  # [B, C, q]
+        return F.silu(out).transpose(1, 2).to(x.dtype), full[..., full.shape[-1] - conv_state.shape[-1]:]
+
+    def _mix(self, mixed, g, beta, conv0, state0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """B sequences of q tokens each (decodes together, or one prefill chunk): mixed [B, q, C], g / beta
+        [B, NV, q], states conv0 [B, C, K-1] and state0 [B, NV, DK, DV] -> (out [B, q, NV, DV] fp32, both states
+        after the last token)."""
+        B, n, _ = mixed.shape
+        kd, r = self.nk * self.dk, self.nv // self.nk
+        conv_out, conv1 = self._conv(mixed, conv0)
+        q, k, v = conv_out.float().split([kd, kd, self.nv * self.dv], dim=-1)
+        q = l2norm(q.view(B, n, self.nk, self.dk)).repeat_interleave(r, dim=2).transpose(1, 2)  # [B, NV, q, DK]
+        k = l2norm(k.view(B, n, self.nk, self.dk)).repeat_interleave(r, dim=2).transpose(1, 2)
+        v = v.view(B, n, self.nv, self.dv).transpose(1, 2)  # [B, NV, q, DV]
+        q = q * self.dk**-0.5
+        if n == 1:
+            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, state0)
+        else:
+            o, state = chunk_gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], state0[0])
+            o, state = o[None], state[None]
+        return o.transpose(1, 2), conv1, state
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """x [T, H]; cache (conv_states [S, C, K-1], delta_states [S, NV, DK, DV]) updated in place at each
-        sequence's slot -> [T, H]."""
+        sequence's slot -> [T, H]. Decodes run together, each prefill chunk alone."""
         conv_states, delta_states = cache
         fast = self.fast_qkv is not None and not batch.exact and x.device.type == "cpu"
         mixed, z, b, a = self._project(x, fast)
         beta = b.sigmoid().float()  # [T, NV]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, NV] log decay
         out = torch.empty(x.shape[0], self.nv, self.dv, dtype=x.dtype, device=x.device)  # [T, NV, DV]
-        kd, r = self.nk * self.dk, self.nv // self.nk
-        for start, q_len, ctx, slot in zip(batch.query_starts, batch.query_lens, batch.context_lens,
-                                           batch.state_slots, strict=True):
-            rows = slice(start, start + q_len)
-            fresh = ctx == q_len  # the chunk starts at token 0: no state carried in
-            conv0 = torch.zeros_like(conv_states[slot]) if fresh else conv_states[slot]
-            conv_out, conv_states[slot] = self._conv(mixed[rows], conv0)  # [q, C]
-            q, k, v = conv_out.float().split([kd, kd, self.nv * self.dv], dim=-1)
-            q = l2norm(q.view(q_len, self.nk, self.dk)).repeat_interleave(r, dim=1).transpose(0, 1)  # [NV, q, DK]
-            k = l2norm(k.view(q_len, self.nk, self.dk)).repeat_interleave(r, dim=1).transpose(0, 1)
-            v = v.view(q_len, self.nv, self.dv).transpose(0, 1)  # [NV, q, DV]
-            state = torch.zeros_like(delta_states[slot]) if fresh else delta_states[slot].float()
-            rule = recurrent_gated_delta_rule if q_len == 1 else chunk_gated_delta_rule
-            o, state = rule(q * self.dk**-0.5, k, v, g[rows].t(), beta[rows].t(), state)
-            delta_states[slot] = state
-            out[rows] = o.transpose(0, 1).to(x.dtype)
+        seqs = list(zip(batch.query_starts, batch.query_lens, batch.context_lens, batch.state_slots, strict=True))
+        decodes = [s for s in seqs if s[1] == 1 and s[2] > 1]
+        groups = ([decodes] if decodes else []) + [[s] for s in seqs if not (s[1] == 1 and s[2] > 1)]
+        for group in groups:
+            n = group[0][1]
+            rows = torch.cat([torch.arange(start, start + n) for start, *_ in group]).to(x.device)
+            slots = torch.tensor([slot for *_, slot in group], device=x.device)
+            fresh = group[0][2] == n  # a chunk from token 0 (prefill groups hold one sequence): no state carried in
+            conv0, state0 = (torch.zeros_like(t[slots]) if fresh else t[slots] for t in (conv_states, delta_states))
+            o, conv1, state = self._mix(mixed[rows].view(len(group), n, -1), g[rows].view(len(group), n, -1).transpose(1, 2),
+                                        beta[rows].view(len(group), n, -1).transpose(1, 2), conv0, state0.float())
+            conv_states.index_copy_(0, slots, conv1.to(conv_states.dtype))
+            delta_states.index_copy_(0, slots, state.to(delta_states.dtype))
+            out[rows] = o.reshape(-1, self.nv, self.dv).to(x.dtype)
         o = self.norm(out.view(-1, self.dv), z.reshape(-1, self.dv)).view(x.shape[0], self.nv * self.dv)
         return self.fast_o(o).to(x.dtype) if fast else self.out_proj(o)
