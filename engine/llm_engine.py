@@ -90,11 +90,8 @@ class LLMEngine:
             else KVCacheSpec.from_budget(cfg, config.kv_cache_gib, config.block_size, config.torch_dtype)
         )
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, spec.num_blocks * spec.block_size)
-        states = None
-        if cfg.linear_attention is not None:  # Qwen3-Next: a recurrent state per running sequence
-            snapshots = config.state_snapshots if config.state_snapshots is not None else (
-                config.max_num_seqs if config.prefix_cache else 0)
-            states = RecurrentStates(cfg, config.max_num_seqs, snapshots, spec.block_size, self.device)
+        states = RecurrentStates.build(cfg, config.max_num_seqs, config.state_snapshots, config.prefix_cache,
+                                       spec.block_size, self.device)  # linear-attention layers (Qwen3-Next)
         self.runner = ModelRunner(model, spec, self.device, config.torch_dtype, defer=numerics.defer, states=states)
         self.runner.experts.layerwise = LayerwisePrefill.build(self.layer_experts, self.numerics.layerwise_tokens,
                                                                self.device, config.torch_dtype)

@@ -48,12 +48,25 @@ class RecurrentStates:
         self._spare = list(range(n - 1, max_seqs - 1, -1))  # snapshot slots not in use
         self._snapshots: OrderedDict[str, int] = OrderedDict()  # block chain hash -> slot, LRU first
 
+    @classmethod
+    def build(cls, cfg: ModelConfig, max_seqs: int, snapshots: int | None, prefix_cache: bool, block_size: int,
+              device: torch.device | str) -> RecurrentStates | None:
+        """The pools of a model with linear-attention layers (None without them); `snapshots` None: one per
+        running sequence with the prefix cache on, none without it."""
+        if cfg.linear_attention is None:
+            return None
+        snapshots = snapshots if snapshots is not None else max_seqs if prefix_cache else 0
+        return cls(cfg, max_seqs, snapshots, block_size, device)
+
     @property
     def num_snapshots(self) -> int:
         return len(self._snapshots)
 
-    def has_snapshot(self, key: str) -> bool:
-        return key in self._snapshots
+    def longest_hit(self, hashes: list[str], blocks: int, step: int) -> int:
+        """The most of the first `blocks` blocks (a multiple of `step`) at whose end a state snapshot is kept."""
+        while blocks and hashes[blocks - 1] not in self._snapshots:
+            blocks -= step
+        return blocks
 
     def admit(self, seq: Sequence) -> None:
         """Gives an admitted sequence a slot, holding the snapshot at `num_computed` when a prefix hit left it there."""

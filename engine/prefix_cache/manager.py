@@ -127,12 +127,10 @@ class PrefixCacheManager:
             hits[source] = hits.get(source, 0) + 1
         keep = len(table) - len(table) % per_chunk if per_chunk else len(table)
         if self.states is not None:  # only up to a boundary whose recurrent state was saved
-            while keep and not self.states.has_snapshot(seq.block_hashes[keep - 1]):
-                keep -= max(per_chunk, 1)
+            keep = self.states.longest_hit(seq.block_hashes, keep, max(per_chunk, 1))
         if keep < len(table):
-            extra = table[keep:]
+            self.blocks.free(table[keep:])
             del table[keep:]
-            self.blocks.free(extra)
         seq.num_computed = len(table) * bs
         seq.num_cache_checked = len(table)
         seq.num_cached_tokens = seq.num_computed
@@ -173,8 +171,8 @@ class PrefixCacheManager:
                 for tier in self.through:
                     self.writers[tier.name].submit(tier, seq.block_hashes[i], kv)
         seq.num_cache_checked = max(seq.num_cache_checked, end)
-        if self.states is not None and end > first and (start + num_tokens) % bs == 0:
-            self.states.save(seq, seq.block_hashes[end - 1])  # the state at this registered block's end
+        if self.states is not None and (start + num_tokens) % bs == 0:  # the chunk ended block end - 1, registered
+            self.states.save(seq, seq.block_hashes[end - 1])
 
     # -- demotion ------------------------------------------------------------------------------
     def _demote_device(self, block: int, key: str) -> None:
