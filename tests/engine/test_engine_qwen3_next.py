@@ -70,6 +70,47 @@ def test_config_modules_and_caches_follow_layer_types(hf_checkpoint):
     assert KVCacheSpec.bytes_per_block(cfg, 8, torch.float32) == 2 * 1 * 2 * 24 * 4 * 8
 
 
+@pytest.mark.parametrize("n", [1, 5, 64, 150])
+def test_chunked_delta_rule_equals_the_recurrent_one(n):
+    """The chunked form (prefill, blocks of 64 with padding) against the token-by-token recurrence, from a state."""
+    from engine.models.qwen3_next import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+
+    g = torch.Generator().manual_seed(n)
+    q, k = (l2norm(torch.randn(3, n, 12, generator=g, dtype=torch.float64)) for _ in range(2))
+    v = torch.randn(3, n, 10, generator=g, dtype=torch.float64)
+    decay, beta = -torch.rand(3, n, generator=g, dtype=torch.float64), torch.rand(3, n, generator=g, dtype=torch.float64)
+    state = torch.randn(3, 12, 10, generator=g, dtype=torch.float64)
+    want, want_state = recurrent_gated_delta_rule(q, k, v, decay, beta, state)
+    got, got_state = chunk_gated_delta_rule(q, k, v, decay, beta, state)
+    assert torch.allclose(got, want, atol=1e-10) and torch.allclose(got_state, want_state, atol=1e-10)
+
+
+def test_state_slots_and_snapshot_lru(hf_checkpoint):
+    from engine.recurrent_state import RecurrentStates
+    from engine.sequence import Sequence
+
+    cfg = ModelConfig.from_dir(hf_checkpoint("qwen3_next"))
+    states = RecurrentStates(cfg, max_seqs=2, snapshots=1, block_size=4, device="cpu")
+    a, b = (Sequence(i, [1] * 9, _params()) for i in "ab")
+    states.admit(a)
+    states.admit(b)
+    with pytest.raises(RuntimeError, match="max_num_seqs"):
+        states.admit(Sequence("c", [1], _params()))
+    conv, delta = states.layers[0]
+    delta[a.state_slot].fill_(1.0)
+    states.save(a, "h0")
+    delta[b.state_slot].fill_(2.0)
+    states.save(b, "h1")  # one snapshot slot: a's is evicted
+    assert states.longest_hit(["h0", "h1"], 2, 1) == 2 and states.longest_hit(["h0", "x"], 2, 1) == 0
+    slot_a = a.state_slot
+    states.release(a)
+    assert a.state_slot is None
+    fresh = Sequence("d", [1] * 9, _params(), num_computed=8, block_hashes=["h0", "h1"])
+    states.admit(fresh)  # a prefix hit of 2 blocks restores the snapshot at their end, in the slot a gave back
+    assert fresh.state_slot == slot_a
+    assert torch.equal(delta[fresh.state_slot], torch.full_like(delta[0], 2.0))
+
+
 def test_concurrent_prompts_of_different_lengths_match_transformers(hf_checkpoint, reference):
     """One forward holds prefills and decodes of several sequences, each with its own state slot."""
     path = hf_checkpoint("qwen3_next")
