@@ -111,6 +111,26 @@ def test_state_slots_and_snapshot_lru(hf_checkpoint):
     assert torch.equal(delta[fresh.state_slot], torch.full_like(delta[0], 2.0))
 
 
+def test_mtp_tensors_are_known_unused_and_others_are_errors(hf_checkpoint, tmp_path):
+    """The released checkpoints carry a multi-token-prediction module (`mtp.*`) that decoding never runs."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.errors import UnexpectedTensorError
+
+    src = hf_checkpoint("qwen3_next")
+    shutil.copytree(src, tmp_path / "ok")
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({**tensors, "mtp.fc.weight": torch.zeros(64, 128)}, str(tmp_path / "ok" / "model.safetensors"))
+    load_model(tmp_path / "ok", progress=False)
+    shutil.copytree(src, tmp_path / "bad")
+    save_file({**tensors, "model.layers.0.linear_attn.extra.weight": torch.zeros(2)},
+              str(tmp_path / "bad" / "model.safetensors"))
+    with pytest.raises(UnexpectedTensorError, match="linear_attn.extra"):
+        load_model(tmp_path / "bad", progress=False)
+
+
 def test_concurrent_prompts_of_different_lengths_match_transformers(hf_checkpoint, reference):
     """One forward holds prefills and decodes of several sequences, each with its own state slot."""
     path = hf_checkpoint("qwen3_next")
