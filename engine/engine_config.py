@@ -46,6 +46,9 @@ class EngineConfig:
     disk_cache_gib: float = 8.0
     redis_url: str | None = None
     redis_cache_ttl_s: int = 24 * 3600
+    # linear-attention models (Qwen3-Next): recurrent-state snapshots kept for prefix-cache hits (engine/
+    # recurrent_state.py); None: max_num_seqs with the prefix cache on; 0: such models get no prefix hits
+    state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         if self.defer < 0:
@@ -54,7 +57,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if min(self.ram_cache_gib, self.disk_cache_gib) < 0:
+        if min(self.ram_cache_gib, self.disk_cache_gib, self.state_snapshots or 0) < 0:
             raise ValueError("ram_cache_gib and disk_cache_gib must be >= 0")
         legacy = {"placement": "experts", "exact_lm_head": "exact_lm_head", "fast_lm_head": "fast_lm_head",
                   "fast_dense": "fast_dense", "defer": "defer", "fused_decode": "fused",

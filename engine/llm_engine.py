@@ -26,6 +26,7 @@ from engine.output import RequestOutput, finish_text, make_output, push_token, r
 from engine.placement_plan import PlacementPlan, apply_numa
 from engine.prefix_cache import BlockHasher, PrefixCacheConfig, PrefixCacheManager, model_fingerprint
 from engine.prefix_cache.entry import EntryCodec
+from engine.recurrent_state import RecurrentStates
 from engine.sampler import SamplingError, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -63,7 +64,7 @@ class LLMEngine:
         if numerics.fast_dense and self.device.type == "cpu":
             for layer in tqdm(model.model.layers, desc=f"pack attention {numerics.fast_dense}", leave=False,
                               disable=not config.progress):
-                layer.self_attn.set_fast_dense(numerics.fast_dense)
+                layer.mixer.set_fast_dense(numerics.fast_dense)
             if numerics.fused and config.dtype == "float32":
                 from engine.models.fused_decode import build_fused_layers
 
@@ -87,7 +88,9 @@ class LLMEngine:
             else KVCacheSpec.from_budget(cfg, config.kv_cache_gib, config.block_size, config.torch_dtype)
         )
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, spec.num_blocks * spec.block_size)
-        self.runner = ModelRunner(model, spec, self.device, config.torch_dtype, defer=numerics.defer)
+        states = RecurrentStates.build(cfg, config.max_num_seqs, config.state_snapshots, config.prefix_cache,
+                                       spec.block_size, self.device)  # linear-attention layers (Qwen3-Next)
+        self.runner = ModelRunner(model, spec, self.device, config.torch_dtype, defer=numerics.defer, states=states)
         self.runner.experts.layerwise = LayerwisePrefill.build(self.layer_experts, self.numerics.layerwise_tokens,
                                                                self.device, config.torch_dtype)
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
@@ -95,7 +98,8 @@ class LLMEngine:
         self.prefix_cache = self._build_prefix_cache(spec) if config.prefix_cache else None
         self._closed_cache_stats: dict[str, dict[str, int]] = {}
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks, self.prefix_cache
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks, self.prefix_cache,
+            states,
         )
         self.eos_token_ids = set(cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.vocab_limit = (
@@ -117,7 +121,7 @@ class LLMEngine:
     def _build_prefix_cache(self, spec: KVCacheSpec) -> PrefixCacheManager:
         c, m = self.config, self.model_config
         tensors, heads, width = m.kv_cache_layout
-        shape = (m.num_layers, tensors, spec.block_size, heads, width)
+        shape = (len(m.kv_layers), tensors, spec.block_size, heads, width)
         return PrefixCacheManager(
             PrefixCacheConfig(
                 ram_bytes=int(c.ram_cache_gib * 2**30), disk_dir=c.disk_cache_dir,
@@ -125,7 +129,7 @@ class LLMEngine:
                 exact_chunk=c.max_num_batched_tokens,
             ),
             self.blocks, self.runner, BlockHasher(self._fingerprint, spec.block_size),
-            EntryCodec(self._fingerprint, shape, c.torch_dtype),
+            EntryCodec(self._fingerprint, shape, c.torch_dtype), states=self.runner.states,
         )
 
     @property

@@ -16,6 +16,7 @@ from engine.expert_pipeline import ExpertPipeline
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import BlockManager, KVCacheSpec, allocate_kv_cache
 from engine.models.causal_lm import MoeForCausalLM
+from engine.recurrent_state import RecurrentStates, layer_caches
 from engine.scheduler import ScheduledChunk
 
 # Forwards of at most this many tokens run the dense path on one torch thread: their matmuls are
@@ -27,13 +28,15 @@ SMALL_FORWARD_TOKENS = 16
 class ModelRunner:
     def __init__(
         self, model: MoeForCausalLM, spec: KVCacheSpec, device: torch.device, kv_dtype: torch.dtype,
-        defer: int = 0,
+        defer: int = 0, states: RecurrentStates | None = None,
     ):
         self.model = model
         self.device = device
         self.spec = spec
         self.defer = defer
-        self.kv_caches = allocate_kv_cache(model.config, spec, kv_dtype, device)
+        self.kv_caches = allocate_kv_cache(model.config, spec, kv_dtype, device)  # KV layers only
+        self.states = states
+        self.layer_caches = layer_caches(model.config, self.kv_caches, states)  # per layer: KV or recurrent state
         self.experts = ExpertPipeline(device, worker=defer > 0)  # deferral needs the expert thread
         self.strict_experts = ExpertPipeline(device)  # execution: everything now, on this thread
         self.expert_worker = self.experts.executor
@@ -69,6 +72,7 @@ class ModelRunner:
             exact=exact,
             defer=0 if exact else self.defer,
             expert_pipeline=self.strict_experts if exact else self.experts,
+            state_slots=[c.seq.state_slot for c in chunks] if self.states is not None else [],
         )
         return batch.to(self.device) if self.device.type != "cpu" else batch
 
@@ -113,7 +117,7 @@ class ModelRunner:
             if torch.get_num_threads() != want:
                 torch.set_num_threads(want)
         try:
-            hidden = self.model(batch, self.kv_caches)  # [T, H]
+            hidden = self.model(batch, self.layer_caches)  # [T, H]
         except BaseException:
             self.experts.abort()  # no deferred work of this forward may land in the next one
             raise

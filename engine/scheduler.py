@@ -1,4 +1,9 @@
-"""Continuous batching: chunked prefill and decode mixed under a token budget, recompute preemption."""
+"""Continuous batching: chunked prefill and decode mixed under a token budget, recompute preemption.
+
+Linear-attention models (Qwen3-Next) carry a recurrent state per sequence (engine/recurrent_state.py): a slot
+is taken on admission and given back on finish, abort and preemption (the sequence is then recomputed), and
+with prefix-cache snapshots a prompt's prefill stops once at its last full block so its state is saved there.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from typing import Protocol
 
 from engine.kv_cache import BlockManager
 from engine.mode import Mode
+from engine.recurrent_state import RecurrentStates
 from engine.sequence import SeqStatus, Sequence
 
 
@@ -43,10 +49,12 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, prefix: PrefixMatcher | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, prefix: PrefixMatcher | None = None,
+                 states: RecurrentStates | None = None) -> None:
         self.config = config
         self.blocks = blocks
         self.prefix = prefix
+        self.states = states
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in arrival order
 
@@ -67,6 +75,13 @@ class Scheduler:
         if seq.mode == Mode.EXECUTION:
             align = self.config.max_num_batched_tokens
             return min(remaining, align - seq.num_computed % align)
+        if self.states is not None and self.prefix is not None and seq.cache_root is not None:
+            # the state at the prompt's last full block (the longest hit a request with this prompt can take)
+            # is only saved if a forward ends there
+            bs = self.blocks.block_size
+            boundary = (len(seq.prompt_token_ids) - 1) // bs * bs
+            if seq.num_computed < boundary:
+                remaining = boundary - seq.num_computed
         return min(remaining, budget)
 
     def schedule(self) -> list[ScheduledChunk]:
@@ -103,6 +118,8 @@ class Scheduler:
                     self.prefix.detach(seq)
                 break
             self.waiting.popleft()
+            if self.states is not None:
+                self.states.admit(seq)  # a slot, holding the prefix hit's snapshot if there is one
             self.blocks.grow(seq.block_table, seq.num_computed + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -121,6 +138,8 @@ class Scheduler:
         self.blocks.free(seq.block_table)  # its registered blocks stay cached: readmission finds them
         seq.num_computed = seq.num_cache_checked = 0
         seq.num_preemptions += 1
+        if self.states is not None:
+            self.states.release(seq)  # recomputed on readmission (from a prefix-cache snapshot where one is kept)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -130,5 +149,7 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         self.blocks.free(seq.block_table)
+        if self.states is not None:
+            self.states.release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

@@ -54,6 +54,7 @@ class Sequence:
     num_cache_checked: int = 0
     num_cached_tokens: int = 0
     cache_hits: dict[str, int] = field(default_factory=dict)
+    state_slot: int | None = None  # linear-attention models: the recurrent-state slot while running
 
     def __post_init__(self) -> None:
         self.mode = Mode.parse(self.mode)
