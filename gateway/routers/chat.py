@@ -135,7 +135,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     tok = state.llm.tokenizer
     try:
-        prompt_text = tok.apply_chat_template(_prompt_messages(body), tools=tools or None)
+        # the checkpoint's own template; one without any gets its family's (the tool format's)
+        fallback = state.generator.tool_format.chat_template() if tok.chat_template is None else None
+        prompt_text = tok.apply_chat_template(_prompt_messages(body), tools=tools or None, chat_template=fallback)
     except ChatTemplateError as e:
         raise bad_request(f"cannot render the conversation: {e}", "messages") from None
     prompt_ids = tok.encode(prompt_text)
@@ -144,7 +146,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     max_tokens = budget(state, rp, len(prompt_ids), requested, param)
     try:
         plan = chat_plan(body, prompt_ids, rp, state.generator.tok, state.llm.engine.model_config.vocab_size,
-                         max_tokens)
+                         max_tokens, state.generator.tool_format)
         fences = SegmentFences(plan.tools)
         if body.moegate is not None and body.moegate.sql is not None:
             fences.sql = sql_target(body.moegate.sql, rp)
