@@ -51,7 +51,7 @@ class ToolFormat(ABC):
     tools is constrained as a whole); `segment_holds_all` says a segment holds every call of the turn."""
 
     name: str
-    template: str  # the family's chat template, a path inside the engine package
+    template: str | None  # the family's chat template, a path inside the engine package (None: ship none)
     tokens: tuple[str, ...]  # special tokens the format needs as single tokens
     eos: tuple[str, ...]  # tokens that end the family's assistant turn
     segment_open: str | None
@@ -59,7 +59,9 @@ class ToolFormat(ABC):
     json_starts: tuple[str, ...]  # tokens right before a JSON part (the finite-number guard restarts there)
     segment_holds_all: bool = False
 
-    def chat_template(self) -> str:
+    def chat_template(self) -> str | None:
+        if self.template is None:
+            return None
         return resources.files("engine").joinpath(*self.template.split("/")).read_text(encoding="utf-8")
 
     def missing_tokens(self, tok: TokenizerInfo) -> list[str]:

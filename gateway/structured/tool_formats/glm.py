@@ -4,7 +4,7 @@
 
 A string argument's value is its raw text; any other value is JSON. The grammar writes the declared
 properties in schema order (required ones always, optional ones when chosen); a string property is free
-text unless it has an `enum` / `const` (its other keywords are checked by validation).
+text under its `enum` / `const` / `minLength` / `maxLength` (`pattern` and `format` are left to validation).
 """
 
 from __future__ import annotations
@@ -26,7 +26,12 @@ _PAIR = re.compile(re.escape(KEY) + "(.*?)" + re.escape(KEY_END) + r"\s*" + re.e
 
 
 def _is_string(schema: object) -> bool:
-    return isinstance(schema, dict) and schema.get("type") == "string"
+    """A string-valued property (written raw): type string, or an untyped enum / const of strings."""
+    if not isinstance(schema, dict):
+        return False
+    options = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
+    untyped_strings = "type" not in schema and bool(options) and all(isinstance(o, str) for o in options)
+    return schema.get("type") == "string" or untyped_strings
 
 
 def _value_rule(schema: dict) -> str:
@@ -34,6 +39,9 @@ def _value_rule(schema: dict) -> str:
         options = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
         if options and all(isinstance(o, str) for o in options):
             return "(" + " | ".join(lark_str(o) for o in options) + ")"
+        low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+        if low or high is not None:  # counted in characters, as JSON Schema counts them
+            return f"/(?s:.{{{low},{'' if high is None else int(high)}}})/"
         return "TEXT?"
     return json_rule(schema)
 
