@@ -207,7 +207,7 @@ def shortest_completion(
         n_close = sum(1 for m in out if (tokenizer.token_bytes[m[0]] or b"")[:1] in (b'"', b"}", b"]", b")", b"'"))
         # special tokens that end free text here (a tool format's </arg_value>, <|end|>): closers too
         ends = [[t] for t in specials[row_allows(mask, specials)].tolist() if t not in tokenizer.eos_ids] \
-            if cands.size and specials.size else []
+            if specials.size else []
         return ([forced] if forced else []) + ends + out[:n_close] + macros + out[n_close:]
 
     def expand(state, path: list[int], key: bytes):

@@ -4,37 +4,16 @@ in the wire format of the model's family (gateway/structured/tool_formats/; Qwen
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .base import ConstraintKind, ConstraintSpec
 from .errors import ConstraintCompileError
 from .tool_formats import DEFAULT, ToolFormat
-from .tool_formats.base import TEXT
+from .tool_formats.base import TEXT, ToolSpec
 from .tool_formats.qwen import CLOSE as TOOL_CALL_CLOSE
 from .tool_formats.qwen import OPEN as TOOL_CALL_OPEN
 from .vocab import TokenizerInfo
 
 __all__ = ["TOOL_CALL_OPEN", "TOOL_CALL_CLOSE", "ToolSpec", "tool_call_grammar", "tool_call_spec",
            "parse_tool_calls", "text_before_tool_calls"]
-
-
-@dataclass(frozen=True)
-class ToolSpec:
-    name: str
-    parameters: dict
-
-    @classmethod
-    def from_openai(cls, tool: dict) -> ToolSpec:
-        """Accepts {"type": "function", "function": {...}} or a bare {"name", "parameters"}."""
-        fn = tool.get("function", tool) if tool.get("type", "function") == "function" else None
-        if not fn or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ConstraintCompileError("tool_calls", f"tool definition without a function name: {tool!r:.200}")
-        params = fn.get("parameters")
-        if params is None:
-            params = {"type": "object", "properties": {}}
-        if not isinstance(params, dict):
-            raise ConstraintCompileError("tool_calls", f"parameters of {fn['name']!r} must be a JSON Schema object")
-        return cls(fn["name"], params)
 
 
 def _choice(tool_choice: str | dict | None) -> tuple[str, str | None]:

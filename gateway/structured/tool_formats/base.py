@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING
 
-from ..errors import ToolCallParseError
+from ..errors import ConstraintCompileError, ToolCallParseError
 from ..json_enforce import with_guidance_options
 
 if TYPE_CHECKING:
-    from ..tools import ToolSpec
     from ..vocab import TokenizerInfo
 
 TEXT = "TEXT: /(?s:.+)/"
@@ -42,6 +41,25 @@ def loads_args(name: str, raw: str) -> dict:
     if not isinstance(args, dict):
         raise ToolCallParseError(f"arguments of {name!r} must be a JSON object, got {raw[:200]!r}")
     return args
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    parameters: dict
+
+    @classmethod
+    def from_openai(cls, tool: dict) -> ToolSpec:
+        """Accepts {"type": "function", "function": {...}} or a bare {"name", "parameters"}."""
+        fn = tool.get("function", tool) if tool.get("type", "function") == "function" else None
+        if not fn or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ConstraintCompileError("tool_calls", f"tool definition without a function name: {tool!r:.200}")
+        params = fn.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise ConstraintCompileError("tool_calls", f"parameters of {fn['name']!r} must be a JSON Schema object")
+        return cls(fn["name"], params)
 
 
 @dataclass(frozen=True)
