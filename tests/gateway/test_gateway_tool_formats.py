@@ -1,5 +1,6 @@
-"""Tool calls through the gateway in each family's format: a random DeepSeek-V3, GPT-OSS and GLM-4.5
-checkpoint whose tokenizer holds the family's special tokens, served, asked with the `openai` client."""
+"""Tool calls through the gateway in each family's format: a random DeepSeek-V3 (V3.1 calls), DeepSeek-V2
+(V3's fenced calls), GPT-OSS and GLM-4.5 checkpoint whose tokenizer holds the family's special tokens, served,
+asked with the `openai` client."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from gateway.structured.tool_formats import get_format
 from tests.gateway.conftest import POLICY, Server, free_port, serve_in_thread
 from tests.gateway.tool_format_checkpoint import family_checkpoint
 
-FAMILIES = {"deepseek_v3": "deepseek_v31", "gpt_oss": "harmony", "glm4_moe": "glm45"}
+FAMILIES = {"deepseek_v3": "deepseek_v31", "deepseek_v2": "deepseek_v3", "gpt_oss": "harmony", "glm4_moe": "glm45"}
 TOOLS = [
     {"type": "function", "function": {"name": "get_quote", "description": "Latest price of a ticker", "parameters": {
         "type": "object", "properties": {"symbol": {"type": "string", "enum": ["AAPL", "MSFT", "NVDA"]}},
@@ -101,3 +102,20 @@ def test_auto_calls_open_on_the_family_token(family_server):
     assert [d["segment"] for d in decisions[1:3]] == ["tool_call", "tool_call"], decisions
     assert r.choices[0].finish_reason == "tool_calls"
     _check_calls(r.choices[0].message)
+
+
+def test_streamed_tool_call(family_server):
+    _, server = family_server
+    stream = server.client().chat.completions.create(model="moegate-demo", messages=MESSAGES, tools=TOOLS,
+                                                     tool_choice="required", max_tokens=96, temperature=0,
+                                                     stream=True)
+    names, args, finish = {}, {}, None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        for d in choice.delta.tool_calls or []:
+            names[d.index] = names.get(d.index, "") + (d.function.name or "")
+            args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
+        finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and names
+    for i, name in names.items():
+        jsonschema.validate(json.loads(args[i]), SCHEMAS[name])

@@ -76,6 +76,7 @@ QWEN = (
     "<|im_start|>user\n<tool_response>\n187.25\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 EXPECTED = {"deepseek_v31": DEEPSEEK, "harmony": HARMONY, "glm45": GLM, "qwen": QWEN}
+OUTS_B, OUTS_E = "<\uff5ctool\u2581outputs\u2581begin\uff5c>", "<\uff5ctool\u2581outputs\u2581end\uff5c>"
 
 
 def _expected(name: str) -> set[str]:
@@ -91,11 +92,26 @@ def test_family_template_renders_the_known_conversation(name):
     assert prompt in _expected(name)
 
 
+def test_deepseek_v3_parallel_calls_results_and_reply():
+    """DeepSeek-V3's fenced calls one a line, results wrapped in tool-outputs, the reply right after them."""
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "get_quote", "arguments": {"symbol": s}}}
+             for i, s in enumerate(("AAPL", "MSFT"))]
+    conv = [{"role": "user", "content": "Both?"}, {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "content": "187"}, {"role": "tool", "content": "402"},
+            {"role": "assistant", "content": "187 and 402."}, {"role": "user", "content": "Thanks"}]
+    fenced = "function" + SEP + 'get_quote\n```json\n{{"symbol": "{}"}}\n```'
+    expected = (f"{BOS}{U}Both?{A}{CALLS_B}{CALL_B}{fenced.format('AAPL')}{CALL_E}\n{CALL_B}{fenced.format('MSFT')}"
+                f"{CALL_E}{CALLS_E}{EOS}{OUTS_B}{OUT_B}187{OUT_E}\n{OUT_B}402{OUT_E}{OUTS_E}187 and 402.{EOS}"
+                f"{U}Thanks{A}")
+    assert render_chat_template(get_format("deepseek_v3").chat_template(), conv,
+                                special_tokens={"bos_token": BOS}) == expected
+
+
 def test_string_arguments_render_as_given():
     """OpenAI sends arguments as a JSON string: DeepSeek and harmony write it verbatim, GLM needs the object."""
     conv = [*CONVERSATION[:2], {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
             "function": {"name": "get_quote", "arguments": '{"symbol":"MSFT"}'}}]}]
-    for name in ("deepseek_v31", "harmony"):
+    for name in ("deepseek_v31", "deepseek_v3", "harmony"):
         prompt = render_chat_template(get_format(name).chat_template(), conv, tools=TOOLS, add_generation_prompt=False)
         assert '{"symbol":"MSFT"}' in prompt
 
