@@ -119,3 +119,12 @@ def test_streamed_tool_call(family_server):
     assert finish == "tool_calls" and names
     for i, name in names.items():
         jsonschema.validate(json.loads(args[i]), SCHEMAS[name])
+
+
+def test_tool_format_setting_names_a_known_format(tiny_checkpoint, tmp_path):
+    from gateway.settings import Settings
+    from gateway.structured.tool_formats import ToolFormatError
+
+    with pytest.raises(ToolFormatError, match="known: "):
+        Settings(model=str(tiny_checkpoint()), state_dir=tmp_path, tool_format="mistral")
+    assert Settings(model=str(tiny_checkpoint()), state_dir=tmp_path, tool_format="glm45").tool_format == "glm45"
