@@ -60,4 +60,4 @@ class QwenFormat(ToolFormat):
         return f'{OPEN}\n{{"name": "{name}", "arguments": {{}}}}\n{CLOSE}'
 
 
-QWEN = QwenFormat("qwen", "chatml_tools.jinja", (OPEN, CLOSE), ("<|im_end|>",), OPEN, CLOSE, (OPEN,))
+QWEN = QwenFormat("qwen", "chat_templates/chatml_tools.jinja", (OPEN, CLOSE), ("<|im_end|>",), OPEN, CLOSE, (OPEN,))
