@@ -137,3 +137,22 @@ def test_family_tokens_are_single_tokens_of_the_checkpoint(arch, name, tiny_chec
     assert tok.decode(ids) == prompt
     assert [tok.id_to_token(i) for i in tok.eos_token_ids[:len(fmt.eos)]] == list(fmt.eos)
     assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == arch
+
+
+def test_deepseek_templates_get_arguments_as_json_text():
+    """DeepSeek's own templates concatenate a past call's arguments as a string: the gateway hands them the
+    JSON text, the others an object; a template that fails on the other type is a ChatTemplateError (a 400)."""
+    from gateway.routers.chat import _prompt_messages
+    from gateway.schemas import ChatCompletionRequest
+
+    body = ChatCompletionRequest(model="m", messages=[
+        {"role": "user", "content": "AAPL?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_quote", "arguments": '{"symbol": "AAPL"}'}}]}])
+    v3_style = ("{% for m in messages %}{% for t in m.tool_calls or [] %}{{ t['type'] + '<sep>' + t['function']['name']"
+                " + '\\n```json\\n' + t['function']['arguments'] + '\\n```' }}{% endfor %}{% endfor %}")
+    messages = _prompt_messages(body, get_format("deepseek_v3"))
+    assert render_chat_template(v3_style, messages) == 'function<sep>get_quote\n```json\n{"symbol": "AAPL"}\n```'
+    assert _prompt_messages(body, get_format("glm45"))[1]["tool_calls"][0]["function"]["arguments"] == {"symbol": "AAPL"}
+    with pytest.raises(ChatTemplateError, match="chat template failed"):
+        render_chat_template(v3_style, _prompt_messages(body, get_format("harmony")))

@@ -76,6 +76,7 @@ class ToolFormat(ABC):
     segment_close: str | None
     json_starts: tuple[str, ...]  # tokens right before a JSON part (the finite-number guard restarts there)
     segment_holds_all: bool = False
+    arguments_as_text: bool = False  # the family's template writes a past call's arguments as given (JSON text)
 
     def chat_template(self) -> str | None:
         if self.template is None:

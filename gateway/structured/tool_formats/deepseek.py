@@ -76,6 +76,8 @@ class DeepSeekFormat(ToolFormat):
 
 
 DEEPSEEK_V31 = DeepSeekFormat("deepseek_v31", "chat_templates/deepseek_v31.jinja", TOKENS, (EOS,),
-                              CALLS_BEGIN, CALLS_END, (SEP,), segment_holds_all=True)
+                              CALLS_BEGIN, CALLS_END, (SEP,), segment_holds_all=True,
+                              arguments_as_text=True)
 DEEPSEEK_V3 = DeepSeekFormat("deepseek_v3", "chat_templates/deepseek_v3.jinja", TOKENS, (EOS,),
-                             CALLS_BEGIN, CALLS_END, (SEP,), segment_holds_all=True, fenced=True)
+                             CALLS_BEGIN, CALLS_END, (SEP,), segment_holds_all=True,
+                             arguments_as_text=True, fenced=True)
