@@ -28,7 +28,7 @@ class RandomCheckpointError(ValueError):
 
 def chatml_template() -> str:
     """The ChatML + tools template every random checkpoint ships (Qwen2.5/Qwen3 tool-call format)."""
-    return (resources.files("modeltools") / "chatml_tools.jinja").read_text(encoding="utf-8")
+    return (resources.files("engine.chat_templates") / "chatml_tools.jinja").read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True)

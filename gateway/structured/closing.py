@@ -175,6 +175,7 @@ def shortest_completion(
     n_words = (vocab + 31) // 32
     singles, lengths, by_byte = _byte_tokens(tokenizer)
     singles = singles[singles < vocab]
+    specials = np.array([i for i, b in enumerate(tokenizer.token_bytes[:vocab]) if b is None], dtype=np.int64)
     preferred = set(_CLOSERS) | set(_REPRESENTATIVE) | {h[0] for h in hints}
     macros = [[by_byte[b] for b in h] for h in hints if all(b in by_byte for b in h)]
     buf = np.zeros(n_words, dtype=np.uint32)
@@ -204,7 +205,10 @@ def shortest_completion(
             cands = allowed[np.argsort(lengths[allowed], kind="stable")][:MAX_CANDIDATES]
         out = [[t] for t in cands.tolist() if t not in tokenizer.eos_ids]
         n_close = sum(1 for m in out if (tokenizer.token_bytes[m[0]] or b"")[:1] in (b'"', b"}", b"]", b")", b"'"))
-        return ([forced] if forced else []) + out[:n_close] + macros + out[n_close:]
+        # special tokens that end free text here (a tool format's </arg_value>, <|end|>): closers too
+        ends = [[t] for t in specials[row_allows(mask, specials)].tolist() if t not in tokenizer.eos_ids] \
+            if specials.size else []
+        return ([forced] if forced else []) + ends + out[:n_close] + macros + out[n_close:]
 
     def expand(state, path: list[int], key: bytes):
         """Yields children to descend into, in order, or one complete path (a list) when found."""

@@ -13,7 +13,6 @@ from .bitmask import apply_bitmask_, bitmask_words, ids_to_row
 from .closing import completion_hints, shortest_completion
 from .json_numbers import FiniteNumberGuard
 from .sql_guard import SQLScopeGuard
-from .tools import TOOL_CALL_OPEN
 from .vocab import TokenizerInfo
 
 # Tokens that close an open construct, by preference tier (bytes allowed, required first byte);
@@ -89,8 +88,9 @@ class Constraint:
         self.guard_fallbacks = 0  # dead ends: the guard vetoed every token (the sequence ends with an error)
         self.guard = (SQLScopeGuard.from_grammar(compiled.spec.source, tok) if compiled.spec.kind is ConstraintKind.SQL
                       else FiniteNumberGuard(tok) if compiled.spec.kind is ConstraintKind.JSON_SCHEMA
-                      else FiniteNumberGuard(tok, tuple(tok.added_ids[t] for t in (TOOL_CALL_OPEN,) if t in tok.added_ids))
-                      if compiled.spec.kind is ConstraintKind.TOOL_CALLS else None)
+                      else FiniteNumberGuard(tok, compiled.spec.json_starts)
+                      if compiled.spec.kind is ConstraintKind.TOOL_CALLS and compiled.spec.json_starts is not None
+                      else None)
         self.plan: list[int] | None = None  # the forced completion path, once committed
         self._next_plan_check = 0  # consumed count at which the completion path is measured again
         self._token_bytes = tok.token_bytes
