@@ -35,11 +35,13 @@ class ScheduledChunk:
     start: int  # first token position computed this step
     num_tokens: int
     samples: bool  # the chunk reaches the sequence's last token, so a next token is sampled
+    num_logits: int = 0  # trailing rows with logits: 1 + the sequence's drafts when it samples
 
     @classmethod
     def of(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
         start = seq.num_computed
-        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
+        samples = start + num_tokens == seq.num_tokens
+        return cls(seq, start, num_tokens, samples, 1 + len(seq.draft_token_ids) if samples else 0)
 
 
 class Scheduler:
@@ -66,8 +68,13 @@ class Scheduler:
         remaining = seq.num_tokens - seq.num_computed
         if seq.mode == Mode.EXECUTION:
             align = self.config.max_num_batched_tokens
-            return min(remaining, align - seq.num_computed % align)
-        return min(remaining, budget)
+            n = min(remaining, align - seq.num_computed % align)
+        else:
+            n = min(remaining, budget)
+        if seq.draft_token_ids and n < remaining:  # drafts are verified in one chunk with their last token
+            seq.draft_token_ids = []
+            return self._chunk_len(seq, budget)
+        return n
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.config.max_num_batched_tokens
@@ -79,6 +86,10 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
+            if seq.draft_token_ids and not self.blocks.can_allocate(
+                    self.blocks.blocks_needed(seq.block_table, seq.num_computed + n)):
+                seq.draft_token_ids = []  # drafts never preempt anyone
+                n = self._chunk_len(seq, budget)
             while not self.blocks.can_allocate(self.blocks.blocks_needed(seq.block_table, seq.num_computed + n)):
                 victim = self.running[-1]  # the latest arrival gives way
                 self._preempt(victim)
@@ -120,6 +131,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)  # its registered blocks stay cached: readmission finds them
         seq.num_computed = seq.num_cache_checked = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

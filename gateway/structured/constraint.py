@@ -213,6 +213,24 @@ class Constraint:
                 self._next_plan_check = self.consumed + max(1, (remaining - len(path) - 1 - self.closing_margin) // 4)
         return self.plan[0] if self.plan else None
 
+    def forced_token(self, token_ids: Sequence[int]) -> int | None:
+        """The one id the mask allows after `token_ids` (jump-forward: sampling could pick nothing else), or None.
+        Through the mask batcher, the mask is kept for the step that samples from it."""
+        if self.mask_batcher is not None:
+            self.mask_batcher.wait()  # a prefetch may be reading this constraint
+        self.advance(token_ids)
+        if self.mask_batcher is not None:
+            row = self.mask_batcher.peek(self)  # [W]
+        else:
+            row = torch.empty(1, self.tok_words, dtype=torch.int32)
+            self.fill_bitmask(row, 0)
+            row = row[0]
+        words = row.numpy().view(np.uint32)
+        set_words = np.flatnonzero(words)
+        if len(set_words) != 1 or words[set_words[0]] & (words[set_words[0]] - np.uint32(1)):
+            return None
+        return 32 * int(set_words[0]) + int(words[set_words[0]]).bit_length() - 1
+
     def __call__(self, token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """Logits-processor form: advance by the new ids, then mask logits [V] in place."""
         self.advance(token_ids)
