@@ -169,15 +169,16 @@ class MultiTokenDecoder:
         """The sequence's one mask processor when it can report forced tokens and the tokens' KV may be computed
         in one chunk without changing a byte; else None."""
         procs = seq.params.logits_processors
-        if not (self.chunk_invariant and seq.mode == Mode.EXECUTION and len(procs) == 1 and seq.segments is None):
+        if not (self.chunk_invariant and seq.mode == Mode.EXECUTION and len(procs) == 1 and seq.segments is None
+                and not seq.params.mode_triggers):  # a token computes its KV in the mode it switches to
             return None
         return procs[0] if callable(getattr(procs[0], "forced_token", None)) else None
 
     @staticmethod
     def _speculates(seq: Sequence) -> bool:
-        """Only unconstrained sequences draft, and in execution mode only greedy ones (a seeded execution
-        sequence must draw the same random numbers whatever the engine's settings)."""
-        if seq.params.logits_processors or seq.segments is not None:
+        """Only unconstrained sequences that cannot switch modes draft, and in execution mode only greedy ones (a
+        seeded execution sequence must draw the same random numbers whatever the engine's settings)."""
+        if seq.params.logits_processors or seq.segments is not None or seq.params.mode_triggers:
             return False
         return seq.mode != Mode.EXECUTION or seq.params.temperature < MIN_TEMPERATURE
 
