@@ -169,7 +169,7 @@ class MultiTokenDecoder:
         """The sequence's one mask processor when it can report forced tokens and the tokens' KV may be computed
         in one chunk without changing a byte; else None."""
         procs = seq.params.logits_processors
-        if not (self.chunk_invariant and seq.mode == Mode.EXECUTION and len(procs) == 1 and seq.segments is None
+        if not (self.chunk_invariant and seq.mode == Mode.EXECUTION and len(procs) == 1
                 and not seq.params.mode_triggers):  # a token computes its KV in the mode it switches to
             return None
         return procs[0] if callable(getattr(procs[0], "forced_token", None)) else None

@@ -173,3 +173,23 @@ def test_config_is_checked():
         MultiTokenConfig(speculative_tokens=2, ngram_max=0)
     with pytest.raises(ValueError, match=">= 0"):
         _llm(jump_forward_tokens=-1)
+
+
+def test_detector_knows_the_token_that_would_close_a_segment():
+    """Jump-forward stops before a closing token: its KV is computed in the mode it switches back to."""
+    from engine.mode import Mode
+    from engine.segments import SegmentDetector
+
+    pieces = [b"", b"<tool_call>", b"</tool_call>", b"```json\n", b"{}", b"\n```", b"\n", b"```"]
+    det = SegmentDetector(pieces, 1, 2, {"tool_call": Mode.EXECUTION, "json_fence": Mode.EXECUTION})
+    assert not det.closes(2)  # nothing open
+    det.push(1)
+    assert det.closes(2) and not det.closes(5)
+    det.push(2)
+    det.push(6)
+    det.push(3)  # a json fence opens
+    assert det.open is not None and det.open.kind == "json_fence"
+    det.push(4)
+    assert det.closes(5) and not det.closes(4) and not det.closes(2)
+    det.push(6)
+    assert det.closes(7)  # "\n" then "```" closes too

@@ -63,3 +63,15 @@ def test_jump_forward_answers_the_same_bytes(servers, sampling):
     json.loads(plain[0]["content"])
     assert [c["function"] for c in forced[1]["tool_calls"]] == [c["function"] for c in plain[1]["tool_calls"]]
     assert _forced(servers[32]) > 0 and _forced(servers[0]) == 0
+
+
+def test_jump_forward_inside_a_tool_call_segment(servers):
+    """tool_choice auto: the call opens inside free text (exploration), its arguments run in execution under the
+    segment's constraint, where the forced tokens jump forward; the response is the same bytes."""
+    before = _forced(servers[32])
+    plain = _chat(servers[0], tools=TOOLS, tool_choice="auto", temperature=0)
+    forced = _chat(servers[32], tools=TOOLS, tool_choice="auto", temperature=0)
+    assert plain["tool_calls"], plain  # the demo model calls the tool here
+    assert forced["content"] == plain["content"]
+    assert [c["function"] for c in forced["tool_calls"]] == [c["function"] for c in plain["tool_calls"]]
+    assert _forced(servers[32]) > before
