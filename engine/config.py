@@ -138,18 +138,10 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """From config.json, or from the metadata of a GGUF file (`model_dir` may name the .gguf)."""
-        gguf_file = find_gguf(model_dir)
-        if gguf_file is not None:
-            return cls.from_hf(gguf_hf_config(gguf_file))
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise CheckpointError(f"{path} not found: a checkpoint directory needs a config.json")
-        try:
-            hf = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
-        eos = _eos_ids(hf, Path(model_dir) / "generation_config.json")
-        return cls.from_hf(hf, eos_token_ids=eos)
+        hf = read_hf_config(model_dir)
+        if find_gguf(model_dir) is not None:
+            return cls.from_hf(hf)
+        return cls.from_hf(hf, eos_token_ids=_eos_ids(hf, Path(model_dir) / "generation_config.json"))
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
@@ -192,6 +184,22 @@ class ModelConfig:
             quantization=quantization_from_hf(hf),
         )
         return cls(**{**common, **spec.fields(hf, need)})
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    """The checkpoint's config.json, or a GGUF file's metadata as one (`model_dir` may name the .gguf): what
+    `ModelConfig.from_hf` reads."""
+    gguf_file = find_gguf(model_dir)
+    if gguf_file is not None:
+        return gguf_hf_config(gguf_file)
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: the model needs a checkpoint directory with a config.json "
+                              "(or a .gguf file)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

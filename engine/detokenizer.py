@@ -55,3 +55,16 @@ class WindowedStream:
         new_text = self._decode(self._ids[self._prefix_offset:])
         self._prefix_offset = self._read_offset = len(self._ids)
         return new_text[len(prefix_text):]
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level map: every byte to a printable unicode character."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from kernels import PackedExperts, fused_moe, save_stats
+from kernels import PackedExperts, formats_for, fused_moe, save_stats
 from kernels.placement import plan_frequency, plan_uniform
 
 log = logging.getLogger(__name__)
 
-EXPERT_FORMATS = ("fp32", "bf16", "int8", "int4")
+EXPERT_FORMATS = formats_for("experts")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ and are stored unpermuted.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from pathlib import Path
 from typing import Any
@@ -59,14 +58,6 @@ def model_dir_of(path: str | Path) -> Path:
     """The directory of a model given as a directory or as a .gguf file (tokenizer files live there)."""
     path = Path(path)
     return path.parent if find_gguf(path) == path else path
-
-
-def identity(path: Path) -> bytes:
-    """Digest of a GGUF file's head (metadata, tensor index, the first tensors) and its size."""
-    h = hashlib.sha256(str(path.stat().st_size).encode())
-    with open(path, "rb") as fh:
-        h.update(fh.read(1 << 24))
-    return h.digest()
 
 
 def hf_config(path: Path) -> dict[str, Any]:

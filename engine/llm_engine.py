@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import uuid
 from collections.abc import Sequence as Seq
@@ -15,10 +14,9 @@ from tqdm.auto import tqdm
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.errors import RequestError
-from engine.gguf import find_gguf
-from engine.gguf import identity as gguf_identity
 from engine.gguf_tokenizer import load_model_tokenizer
 from engine.hot_experts import HotSetUpdater
+from engine.identity import checkpoint_identity
 from engine.kv_cache import BlockManager, KVCacheSpec
 from engine.layerwise_prefill import LayerwisePrefill
 from engine.loader import load_model
@@ -83,7 +81,7 @@ class LLMEngine:
         self.fused_decode = model.fused_layers is not None  # small exploration batches: one call per layer
         self.numerics = numerics.resolved(self.device.type, self.fused_decode,  # what runs, per mode
                                           bool(model.batch_invariant(True)))
-        self._identity = _model_identity(model_dir)
+        self._identity = checkpoint_identity(model_dir)[:16]
         spec = (
             KVCacheSpec(config.num_kv_blocks, config.block_size)
             if config.num_kv_blocks
@@ -341,21 +339,6 @@ class LLMEngine:
         elif reason is None and token in p.mode_triggers:
             self._switch(seq, p.mode_triggers[token], p.resync)
         return reason
-
-
-def _model_identity(model_dir: Path) -> str:
-    """Hash of config.json and the safetensors headers (or of a GGUF file's head): the same weights give the
-    same identity."""
-    gguf_file = find_gguf(model_dir)
-    if gguf_file is not None:
-        return hashlib.sha256(gguf_identity(gguf_file)).hexdigest()[:16]
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            h.update(fh.read(min(n, 1 << 24)))
-        h.update(str(f.stat().st_size).encode())
-    return h.hexdigest()[:16]
 
 
 class LLM:

@@ -15,7 +15,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.experts import LayerPlan, PlacementConfig, plan_layers
-from engine.sizing import PARTS, ROUTED, classify
+from engine.parts import PARTS, ROUTED, classify
 from kernels import load_stats
 from kernels.numa import NumaPlan, NumaTopology, assign_to_nodes, bind_expert_slots, detect_topology
 

@@ -12,8 +12,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
 
 from engine.chat_template import ChatTemplateError, render_chat_template
-from engine.detokenizer import ByteLevelStream, WindowedStream
-from engine.qwen_vocab import bytes_to_unicode
+from engine.detokenizer import ByteLevelStream, WindowedStream, bytes_to_unicode
 
 # Named special tokens that transformers exposes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

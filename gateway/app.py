@@ -14,8 +14,8 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from engine.gguf import find_gguf, model_dir_of
-from engine.gguf import identity as gguf_identity
+from engine.gguf import model_dir_of
+from engine.identity import checkpoint_identity
 from engine.mode import Mode
 from gateway.deps import AppState
 from gateway.errors import APIError, install_handlers
@@ -79,11 +79,7 @@ def numerics_fingerprint(llm, settings: Settings, mode: Mode = Mode.EXECUTION) -
         return value if value.startswith("fp_") else "fp_" + value.removeprefix("sha256:")[:16]
     engine = llm.engine
     h = hashlib.sha256()
-    model = Path(settings.model)
-    gguf_file = find_gguf(model)
-    h.update(gguf_identity(gguf_file) if gguf_file else (model / "config.json").read_bytes())
-    for f in sorted(model.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    h.update(checkpoint_identity(settings.model).encode())
     h.update(str(getattr(engine.tokenizer, "fingerprint", "")).encode())
     h.update(f"{settings.dtype}:{engine.device}".encode())
     return "fp_" + h.hexdigest()[:16]

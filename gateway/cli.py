@@ -9,8 +9,8 @@ import sys
 # Each module exposes `register(subparsers)` that adds its subcommand(s) and sets `func`.
 _SUBCOMMAND_MODULES = [
     "engine.cli",
-    "engine.model_cli",
-    "engine.plan",
+    "modeltools.model_cli",
+    "modeltools.plan",
     "kernels.cli",
     "policies.cli",
     "gateway.audit_cli",

@@ -28,6 +28,7 @@ class Finished:
     validations: list[Validation] = field(default_factory=list)
     cache_hits: dict[str, int] = field(default_factory=dict)  # prefix-cache blocks served per tier
     enforcement: dict | None = None  # JSON Schema: how each keyword was enforced (json_enforce.Enforcement)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 Event = TextDelta | ToolCall | Finished

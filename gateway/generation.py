@@ -100,7 +100,7 @@ class Generator:
             try:
                 value = plan.validate(out.text)
             except VALIDATION_ERRORS as e:
-                e.validations = (failed(plan.kind, e, attempt=i),)
+                e.validations = (failed(plan.kind, e, attempt=i, output=out.text),)
                 outcomes.append(e.validations[0])
                 raise
             outcomes.append(Validation(plan.kind, True, attempt=i))
@@ -121,7 +121,7 @@ class Generator:
             reason = "stop"
         report = getattr(constraint.compiled, "enforcement", None)
         yield Finished(reason, len(out.token_ids), [self._decision(plan)], i, outcomes, out.cache_hits or {},
-                       report.to_dict() if report is not None else None)
+                       report.to_dict() if report is not None else None, out.num_cached_tokens)
 
     @staticmethod
     async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -164,13 +164,13 @@ class Generator:
             raise ProcessorError(f"constraint failed: {last.segment_error}")
         reason = last.finish_reason or "stop"
         if last.open_segment is not None:
-            validations.append(failed(last.open_segment, f"segment not closed ({reason})"))
+            validations.append(failed(last.open_segment, f"segment not closed ({reason})", output=last.text))
             err = StructuredValidationError(last.open_segment, f"the segment was not closed when generation "
                                             f"ended ({reason}); raise max_tokens")
             err.validations = tuple(validations)
             raise err
         yield Finished("tool_calls" if calls else reason, len(last.token_ids), decisions, attempt, validations,
-                       last.cache_hits or {})
+                       last.cache_hits or {}, cached_tokens=last.num_cached_tokens)
 
 
 async def collect(events: AsyncIterator[Event]) -> tuple[str, list[ToolCall], Finished]:

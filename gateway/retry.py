@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from gateway.structured.errors import SQLPolicyViolation, StructuredOutputError, StructuredValidationError
@@ -21,6 +21,7 @@ class Validation:
     ok: bool
     attempt: int | None = None  # whole-output constraints: which attempt
     error: str | None = None
+    output: str | None = field(default=None, repr=False)  # a failed attempt's text: audited, never returned
 
     def to_dict(self) -> dict:
         d: dict = {"kind": self.kind, "ok": self.ok}
@@ -31,8 +32,8 @@ class Validation:
         return d
 
 
-def failed(kind: str, error: BaseException | str, attempt: int | None = None) -> Validation:
-    return Validation(kind, False, attempt, str(error)[:300])
+def failed(kind: str, error: BaseException | str, attempt: int | None = None, output: str | None = None) -> Validation:
+    return Validation(kind, False, attempt, str(error)[:300], output)
 
 
 @dataclass(frozen=True)

@@ -192,7 +192,7 @@ async def _serve(state: AppState, request: Request, tenant: Tenant, rp: Resolved
                 err = _error_of(e)
                 rt.error(err.code or type(e).__name__, err.message)
                 ctx.record_failed_validations(e)
-                await ctx.audit_failure(err)
+                await ctx.audit_failure(err, e)
                 raise err from None
     finally:
         await done()
@@ -252,8 +252,18 @@ class _Ctx:
             self.state.metrics.validations.labels(v.kind, "pass" if v.ok else "fail").inc()
         self.state.metrics.retries.inc(retries)
 
-    async def audit_failure(self, err: APIError) -> None:
-        await self._audit({"status": err.status, "error": err.code, "message": err.message[:300]}, "")
+    async def audit_failure(self, err: APIError, e: BaseException, sent: Sent | None = None) -> None:
+        """A request that failed: the error, each validation, and every output the client did not get as an
+        answer (the text a stream had sent, each rejected attempt's text), so nothing generated is lost."""
+        checks = e.validations if isinstance(e, StructuredOutputError) else ()
+        outputs = [{"content": "".join(sent.text), "tool_calls": [
+            {"name": c.name, "arguments": c.arguments} for c in sent.calls], "sent": True}] if sent and sent.chunks else []
+        outputs += [{"content": v.output, "attempt": v.attempt, "kind": v.kind, "rejected": v.error}
+                    for v in checks if v.output is not None]
+        meta = {"status": err.status, "error": err.code, "message": err.message[:300]}
+        if checks:
+            meta["validations"] = [v.to_dict() for v in checks]
+        await self._audit(meta, json.dumps(outputs, ensure_ascii=False) if outputs else "")
 
     async def audit_cut(self, sent: Sent) -> None:
         """A stream the client closed before its end: what was sent, marked as cut."""
@@ -357,7 +367,7 @@ async def _stream(ctx: _Ctx, sent: Sent, span: Callable, done: Callable) -> Asyn
             yield sse(chunker.finish(sent.fin))
             sent.chunks += 1
             if job.include_usage:
-                yield sse(chunker.usage(len(job.plan.prompt_ids), sent.fin.completion_tokens))
+                yield sse(chunker.usage(len(job.plan.prompt_ids), sent.fin.completion_tokens, sent.fin.cached_tokens))
                 sent.chunks += 1
             with anyio.CancelScope(shield=True):
                 await ctx.finish([("".join(sent.text), sent.calls, sent.fin)], None)
@@ -367,7 +377,7 @@ async def _stream(ctx: _Ctx, sent: Sent, span: Callable, done: Callable) -> Asyn
             rt.error(err.code or type(e).__name__, err.message)
             ctx.record_failed_validations(e)
             with anyio.CancelScope(shield=True):
-                await ctx.audit_failure(err)
+                await ctx.audit_failure(err, e, sent)
             yield sse(err.body())
         finally:
             await _end_stream(ctx, sent, done)

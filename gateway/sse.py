@@ -13,9 +13,10 @@ from fastapi.responses import StreamingResponse
 from gateway.events import Finished, ToolCall
 
 
-def usage_of(prompt: int, completion: int) -> dict:
-    """The OpenAI `usage` object."""
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage_of(prompt: int, completion: int, cached: int = 0) -> dict:
+    """The OpenAI `usage` object; `cached`: prompt tokens the prefix cache served."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class Chunker:
@@ -28,8 +29,8 @@ class Chunker:
         self.base = {"id": rid, "object": self.object, "created": created, "model": model,
                      "system_fingerprint": fingerprint}
 
-    def usage(self, prompt: int, completion: int) -> dict:
-        return {**self.base, "choices": [], "usage": usage_of(prompt, completion)}
+    def usage(self, prompt: int, completion: int, cached: int = 0) -> dict:
+        return {**self.base, "choices": [], "usage": usage_of(prompt, completion, cached)}
 
 
 def sse(obj: dict | str) -> bytes:

@@ -5,8 +5,11 @@ from kernels.formats import (
     DEFAULT_GROUP_SIZE,
     FORMATS,
     LAYOUT_VERSION,
+    REGISTRY,
     FormatError,
     PackedExperts,
+    WeightFormat,
+    formats_for,
     pack_experts,
 )
 from kernels.fused_moe import (
@@ -52,6 +55,9 @@ __all__ = [
     "DEFAULT_GROUP_SIZE",
     "FORMATS",
     "LAYOUT_VERSION",
+    "REGISTRY",
+    "WeightFormat",
+    "formats_for",
     "ExpertIdError",
     "FormatError",
     "PackedExperts",

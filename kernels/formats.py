@@ -33,9 +33,44 @@ from tqdm.auto import tqdm
 from kernels.hugepages import to_hugepages
 
 LAYOUT_VERSION = 2
-FORMATS = ("fp32", "bf16", "int8", "int4", "int4_asym", "bf16_a16")
+PARTS = ("experts", "linear", "lm_head")  # what a format may store: routed experts, dense projections, lm_head
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """One packed weight format: `bits` per weight, `group_size` inputs per fp16 scale by default (0: no
+    scales), its `family` (formats with the same packed weights), and the parts the engine offers it for
+    (the kernel itself packs every format as experts or as a dense projection)."""
+
+    bits: int
+    group_size: int = 0
+    family: str = ""
+    parts: tuple[str, ...] = PARTS
+
+    @property
+    def quantized(self) -> bool:
+        return self.group_size > 0
+
+
+# The one registry of weight formats. Order is the kernel's format code (kernels/csrc): append only.
+REGISTRY: dict[str, WeightFormat] = {
+    "fp32": WeightFormat(32, parts=("experts", "linear")),
+    "bf16": WeightFormat(16, family="bf16"),
+    "int8": WeightFormat(8, 64),
+    "int4": WeightFormat(4, 32),
+    "int4_asym": WeightFormat(4, 32, parts=("linear",)),
+    "bf16_a16": WeightFormat(16, family="bf16", parts=("linear",)),  # bf16 weights, bf16-rounded activations
+}
+FORMATS = tuple(REGISTRY)  # every format the kernel packs
 FORMAT_CODE = {name: code for code, name in enumerate(FORMATS)}
-DEFAULT_GROUP_SIZE = {"fp32": 0, "bf16": 0, "int8": 64, "int4": 32, "int4_asym": 32, "bf16_a16": 0}
+DEFAULT_GROUP_SIZE = {name: f.group_size for name, f in REGISTRY.items()}
+
+
+def formats_for(part: str) -> tuple[str, ...]:
+    """The formats that may store `part` ("experts", "linear" or "lm_head"), in registry order."""
+    if part not in PARTS:
+        raise FormatError(f"unknown weight part {part!r}; choose one of {', '.join(PARTS)}")
+    return tuple(name for name, f in REGISTRY.items() if part in f.parts)
 _TENSOR_NAMES = ("gate_up", "gate_up_scales", "gate_up_mins", "down", "down_scales", "down_mins")
 _BIAS_NAMES = ("gate_up_bias", "down_bias")
 ACTIVATIONS = ("silu", "swiglu_clamped")
@@ -78,7 +113,7 @@ class Activation:
 SILU = Activation()
 
 
-BF16_FORMATS = ("bf16", "bf16_a16")  # the same packed weights; bf16_a16 also rounds activations to bf16
+BF16_FORMATS = tuple(n for n, f in REGISTRY.items() if f.family == "bf16")  # the same packed weights
 
 
 def round_activations(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -87,7 +122,7 @@ def round_activations(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def is_quantized(fmt: str) -> bool:
-    return fmt in ("int8", "int4", "int4_asym")
+    return REGISTRY[fmt].quantized
 
 
 def check_format(fmt: str, group_size: int) -> int:
@@ -96,7 +131,7 @@ def check_format(fmt: str, group_size: int) -> int:
         raise FormatError(f"unknown expert weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if not is_quantized(fmt):
         return 0
-    step = 8 if fmt.startswith("int4") else 2
+    step = 8 if REGISTRY[fmt].bits == 4 else 2
     if group_size <= 0 or group_size % step or group_size > 4096:
         raise FormatError(f"group_size must be a multiple of {step} in {step}..4096 for {fmt}, got {group_size}")
     return group_size

@@ -24,13 +24,14 @@ from kernels.formats import (
     _pack_proj,
     _untile,
     check_format,
+    formats_for,
     is_quantized,
     round_activations,
 )
 from kernels.hugepages import to_hugepages
 from kernels.w4a8 import w4a8_tiles
 
-LINEAR_FORMATS = ("fp32", "bf16", "int8", "int4", "int4_asym", "bf16_a16")
+LINEAR_FORMATS = formats_for("linear")
 
 
 def exact_format(weight: torch.Tensor) -> str:

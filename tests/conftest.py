@@ -19,7 +19,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
     `overrides` replace TINY_SIZES entries or add arch options (norm_topk_prob, mlp_only_layers, ...).
     The same arguments return the same directory; treat it as read-only.
     """
-    from engine.random_checkpoint import write_random_checkpoint
+    from modeltools.random_checkpoint import write_random_checkpoint
 
     cache: dict[tuple, Path] = {}
 

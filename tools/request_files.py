@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine", "kernels", "gateway", "policies", "evals")
+PACKAGES = ("engine", "kernels", "gateway", "policies", "modeltools", "evals")
 
 QUOTE = {"type": "function", "function": {"name": "get_quote", "parameters": {
     "type": "object", "properties": {"symbol": {"type": "string"}}, "required": ["symbol"]}}}

@@ -3,7 +3,7 @@
     python tools/structure_report.py [ROOT] [--json]
 
 Import cycles are the strongly connected components of the graph of imports between the project's
-modules (`engine`, `kernels`, `gateway`, `policies`, `evals`), counted twice: every import (function-level
+modules (`engine`, `kernels`, `gateway`, `policies`, `modeltools`, `evals`), counted twice: every import (function-level
 and `TYPE_CHECKING` ones too, since they still tie two files together) and module-level imports only
 (what Python executes at import time). Tests and this folder are not scanned.
 """
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-PACKAGES = ("engine", "kernels", "gateway", "policies", "evals")
+PACKAGES = ("engine", "kernels", "gateway", "policies", "modeltools", "evals")
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 80
 
 

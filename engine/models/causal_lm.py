@@ -11,6 +11,7 @@ from engine.expert_pipeline import Deferred
 from engine.forward_batch import ForwardBatch
 from engine.models.layers import GatedMLP, RMSNorm
 from engine.models.moe import SparseMoeBlock
+from kernels.formats import formats_for
 
 
 class DecoderLayer(nn.Module):
@@ -124,7 +125,7 @@ class QuantizedLMHead:
     (kernels.linear.PackedLinear: int8 per row and group of 64 with fp32 activations, int4 W4A8 groups of
     32); elsewhere bf16 runs as a matmul and int8 as a weight-only matmul with one scale per row."""
 
-    FORMATS = ("bf16", "int8", "int4")
+    FORMATS = formats_for("lm_head")
 
     def __init__(self, weight: torch.Tensor, fmt: str) -> None:
         if fmt not in self.FORMATS:

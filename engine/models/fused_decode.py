@@ -19,33 +19,18 @@ norms, shared experts, dense MLP layers, experts on other devices, non-fp32 dens
 
 from __future__ import annotations
 
-import ctypes
 import logging
 
 import torch
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
+from kernels.decode_layer import DecodeLayerParams, decode_layer_library, run_decode_layer
 from kernels.formats import FORMAT_CODE
 
 log = logging.getLogger(__name__)
 
 SMALL_BATCH_TOKENS = 16  # above this many tokens the torch path (batched GEMMs) is faster
-_P = ctypes.c_void_p
-
-
-class DecodeLayerParams(ctypes.Structure):
-    """Mirror of struct DecodeLayerParams in kernels/csrc/decode_layer.h."""
-
-    _fields_ = [(n, ctypes.c_int64) for n in ("H", "NH", "KV", "D", "E", "topk", "I", "norm_topk", "qk_norm",
-                                              "window")] + [
-        ("eps", ctypes.c_double), ("scale", ctypes.c_double),
-        ("ln1", _P), ("ln2", _P), ("qn", _P), ("kn", _P),
-        ("dense_fmt", ctypes.c_int64), ("dense_gs", ctypes.c_int64),
-        ("qkv_w", _P), ("qkv_s", _P), ("qkv_m", _P), ("o_w", _P), ("o_s", _P), ("o_m", _P),
-        ("router", _P), ("exp_fmt", ctypes.c_int64), ("exp_gs", ctypes.c_int64),
-        ("gu_w", _P), ("gu_s", _P), ("gu_m", _P), ("dn_w", _P), ("dn_s", _P), ("dn_m", _P),
-    ]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -78,7 +63,7 @@ def unsupported_reason(cfg: ModelConfig, layer, exact: bool = False) -> str | No
 
 
 class FusedDecodeLayer:
-    def __init__(self, cfg: ModelConfig, layer, lib: ctypes.CDLL, exact: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, layer, lib, exact: bool = False) -> None:
         attn, moe = layer.self_attn, layer.mlp
         experts = (moe.experts.packed.exact if exact else moe.experts.packed.fast)[0].packed
         proj_qkv, proj_o = (attn.exact_qkv, attn.exact_o) if exact else (attn.fast_qkv, attn.fast_o)
@@ -111,14 +96,9 @@ class FusedDecodeLayer:
 
     def __call__(self, x: torch.Tensor, ctx: FusedContext, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """x [T, H] fp32 contiguous, updated in place; writes the tokens' K/V."""
-        t = x.shape[0]
-        ids = torch.empty(t, self.top_k, dtype=torch.int64)
-        rc = self.lib.moegate_decode_layer(
-            ctypes.byref(self.params), x.data_ptr(), t, ctx.cos.data_ptr(), ctx.sin.data_ptr(),
-            k_cache.data_ptr(), v_cache.data_ptr(), ctx.slot_mapping.data_ptr(), ctx.slots.data_ptr(),
-            ctx.start.data_ptr(), ctx.length.data_ptr(), ids.data_ptr(), ctypes.c_int(self.num_threads))
-        if rc != 0:
-            raise RuntimeError(f"moegate_decode_layer failed with code {rc}")
+        ids = torch.empty(x.shape[0], self.top_k, dtype=torch.int64)
+        run_decode_layer(self.lib, self.params, x, ctx.cos, ctx.sin, k_cache, v_cache, ctx.slot_mapping, ctx.slots,
+                         ctx.start, ctx.length, ids, self.num_threads)
         self.packed.record(ids)
 
 
@@ -142,14 +122,9 @@ class FusedContext:
 def build_fused_layers(cfg: ModelConfig, layers, exact: bool = False) -> list[FusedDecodeLayer] | None:
     """Fused layers for the whole stack in one profile, or None (with the reason logged) if any layer
     cannot run fused. The execution profile packs lossless copies of the attention projections first."""
-    from kernels.fused_moe import kernel_library
-
-    lib = kernel_library()
+    lib = decode_layer_library()
     if lib is None:
         return None
-    lib.moegate_decode_layer.restype = ctypes.c_int
-    lib.moegate_decode_layer.argtypes = [ctypes.POINTER(DecodeLayerParams), _P, ctypes.c_int64, _P, _P, _P, _P, _P,
-                                         _P, _P, _P, _P, ctypes.c_int]
     for i, layer in enumerate(layers):
         reason = unsupported_reason(cfg, layer, exact)
         if reason is not None:

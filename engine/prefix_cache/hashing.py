@@ -8,7 +8,7 @@ import os
 import struct
 from pathlib import Path
 
-from engine.gguf import find_gguf, identity
+from engine.identity import checkpoint_identity
 
 _VERSION = b"moegate-kv-v1"
 
@@ -19,33 +19,11 @@ def default_disk_cache_dir() -> Path:
     return Path(root) / "kv" if root else Path.home() / ".cache" / "moegate" / "kv"
 
 
-def _safetensors_header(path: Path) -> bytes:
-    with path.open("rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return head
-        (n,) = struct.unpack("<Q", head)
-        return head + f.read(min(n, 100 * 2**20))
-
-
 def model_fingerprint(model_dir: str | Path, dtype: str, numerics: str) -> str:
-    """sha256 over the checkpoint's identity (config.json, safetensors headers; a GGUF file's head), the dtype and numerics settings.
-
-    The headers name every tensor with its shape, dtype and byte offsets, so another checkpoint of the same
-    architecture differs unless its file layout is identical; `numerics` carries the engine settings that
-    change KV bits (KV dtype, block size, precision profile, deferral).
-    """
-    model_dir = Path(model_dir)
+    """sha256 over the checkpoint's identity (engine/identity.py), the dtype and the numerics settings that change
+    KV bits (KV dtype, block size, precision profile, deferral)."""
     h = hashlib.sha256(_VERSION)
-    gguf_file = find_gguf(model_dir)
-    if gguf_file is not None:
-        h.update(identity(gguf_file))
-        model_dir = gguf_file.parent
-    config = model_dir / "config.json"
-    h.update(config.read_bytes() if config.is_file() else b"")
-    for path in sorted(model_dir.glob("*.safetensors")):
-        h.update(path.name.encode())
-        h.update(hashlib.sha256(_safetensors_header(path)).digest())
+    h.update(checkpoint_identity(model_dir).encode())
     h.update(json.dumps({"dtype": dtype, "numerics": numerics}, sort_keys=True).encode())
     return h.hexdigest()
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, pre_tokenizers, trainers
 
-from engine.bpe_vocab import byte_level_bpe
-from engine.qwen_vocab import QWEN_PRETOKENIZE_REGEX
 from evals.demo.chat_format import CHAT_TEMPLATE, SPECIAL_TOKENS
 from evals.demo.corpus import conversations
+from modeltools.bpe_vocab import byte_level_bpe
+from modeltools.qwen_vocab import QWEN_PRETOKENIZE_REGEX
 
 # Qwen2's split, except that an all-capitals word (a ticker, `ACC`, `SELECT`) never takes the space or quote before
 # it: ` MSFT` in prose and `MSFT` after a JSON quote are then the same token, so copying a ticker from the user's

@@ -180,7 +180,7 @@ def _best(fn, n: int = 3) -> float:
 
 def ensure_reference_model(path: Path) -> Path:
     if not (path / "config.json").is_file():
-        from engine.random_checkpoint import write_random_checkpoint
+        from modeltools.random_checkpoint import write_random_checkpoint
 
         write_random_checkpoint(path, "qwen3_moe", hidden_size=1024, num_layers=8, num_experts=64, top_k=8,
                                 moe_intermediate_size=512, num_heads=16, num_kv_heads=4, vocab="qwen",

@@ -143,7 +143,7 @@ def main() -> int:
     if model is None and (demo / "config.json").is_file():
         model = str(demo)
     if model is None:
-        from engine.random_checkpoint import write_random_checkpoint
+        from modeltools.random_checkpoint import write_random_checkpoint
 
         model = str(write_random_checkpoint(Path(tempfile.mkdtemp()) / "tiny", "qwen3_moe", hidden_size=64,
                                             num_layers=2, num_experts=8, top_k=2, moe_intermediate_size=32,

@@ -286,9 +286,13 @@ def formats_at(rev: str) -> tuple[str, ...]:
     root = Path(__file__).resolve().parents[2]
     src = subprocess.run(["git", "show", f"{rev}:kernels/formats.py"], cwd=root, check=True, capture_output=True,
                          text=True).stdout
-    for node in ast.parse(src).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "FORMATS" for t in node.targets):
-            return tuple(ast.literal_eval(node.value))
+    for node in ast.parse(src).body:  # REGISTRY's keys (a literal FORMATS tuple before the registry)
+        targets = {getattr(t, "id", "") for t in getattr(node, "targets", [getattr(node, "target", None)])}
+        value = getattr(node, "value", None)
+        if "REGISTRY" in targets and isinstance(value, ast.Dict):
+            return tuple(ast.literal_eval(k) for k in value.keys)
+        if "FORMATS" in targets and isinstance(value, ast.Tuple):
+            return tuple(ast.literal_eval(value))
     return ()
 
 

@@ -122,7 +122,7 @@ def _measure(model: Path, mode: str, placement: str, dtype: str) -> dict:
 
 
 def _plan_peak(model: Path, placement: str, dtype: str) -> int:
-    from engine.plan import PlanOptions, build_plan
+    from modeltools.plan import PlanOptions, build_plan
 
     p = PLACEMENTS[placement]
     dense = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
     if model is None:
         model = DEFAULT_CKPT
         if not (model / "config.json").is_file():
-            from engine.model_cli import PRESETS
-            from engine.random_checkpoint import write_random_checkpoint
+            from modeltools.model_cli import PRESETS
+            from modeltools.random_checkpoint import write_random_checkpoint
 
             write_random_checkpoint(model, "qwen3_moe", **{**PRESETS["bench"], "num_layers": args.layers}, progress=True)
             made = True

@@ -22,9 +22,9 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.random_checkpoint import write_random_checkpoint
 from engine.sampling_params import SamplingParams
 from evals.perf.common import cpu_busy_fraction
+from modeltools.random_checkpoint import write_random_checkpoint
 
 MODEL = dict(hidden_size=512, num_layers=4, num_experts=16, top_k=4, moe_intermediate_size=256,
              num_heads=8, num_kv_heads=2, vocab="bpe", dtype="float32", seed=0)

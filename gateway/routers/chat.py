@@ -95,7 +95,7 @@ def shape(rid: str, created: int, results: list[tuple[str, list[ToolCall], Finis
                         "validations": [v.to_dict() for v in f.validations],
                         "retries": f.retries, **_enforcement(f)} for _, _, f in results]}
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": usage_of(prompt_tokens, completion),
+            "usage": usage_of(prompt_tokens, completion, max(f.cached_tokens for _, _, f in results)),
             "system_fingerprint": fingerprint, "moegate": ext}
 
 

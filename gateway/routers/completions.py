@@ -23,7 +23,7 @@ def shape(rid: str, created: int, results: list[tuple[str, list[ToolCall], Finis
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": i, "text": text, "finish_reason": fin.reason, "logprobs": None}
                         for i, (text, _, fin) in enumerate(results)],
-            "usage": usage_of(prompt_tokens, completion),
+            "usage": usage_of(prompt_tokens, completion, max(f.cached_tokens for _, _, f in results)),
             "system_fingerprint": fingerprint,
             "moegate": {"choices": [{"decisions": [d.to_dict() for d in f.decisions]} for _, _, f in results]}}
 

@@ -1,18 +1,19 @@
 """Token bitmasks: allocate [B, ceil(V/32)] int32, fill them in parallel, apply them to logits.
 
 Bit j of word w allows token id 32*w + j. On CPU fp32 logits the mask is applied by the compiled
-kernel library (`moegate_apply_bitmask`: one test per 32-id word); elsewhere, or without a compiler,
+kernel (kernels/logits_mask.py, `moegate_apply_bitmask`: one test per 32-id word); elsewhere, or without a compiler,
 by a byte lookup (256 x 8 table of 0/-inf) added to the logits: ~80 us for one 152k row on a 2-core
 EPYC, against ~0.5 ms for masked_fill with an unpacked bool mask.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import numpy as np
 import torch
+
+from kernels.logits_mask import apply_bitmask_kernel
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -64,14 +65,6 @@ def _byte_table(dtype: torch.dtype, device: str) -> torch.Tensor:
     return table.to(dtype=dtype, device=device)
 
 
-@functools.cache
-def _compiled():
-    """The compiled kernel library (None: MOEGATE_DISABLE_CPP set, or no compiler)."""
-    from kernels.fused_moe import kernel_library
-
-    return kernel_library()
-
-
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Set disallowed logits to -inf in place. logits [B, V] (any float dtype/device), bitmask [B, W]."""
     if logits.dim() == 1:
@@ -80,11 +73,7 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     batch, vocab = logits.shape
     if bitmask.shape[0] != batch or bitmask.shape[1] * 32 < vocab:
         raise ValueError(f"bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}")
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1
-            and bitmask.device.type == "cpu" and bitmask.dtype == torch.int32 and bitmask.stride(-1) == 1
-            and (lib := _compiled()) is not None):
-        lib.moegate_apply_bitmask(ctypes.c_void_p(logits.data_ptr()), ctypes.c_void_p(bitmask.data_ptr()),
-                                  batch, vocab, logits.stride(0), bitmask.stride(0))
+    if apply_bitmask_kernel(logits, bitmask):  # CPU fp32 rows: the compiled kernel
         return logits
     return _apply_by_table(logits, bitmask)
 

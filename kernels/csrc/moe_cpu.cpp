@@ -605,6 +605,7 @@ int linear_dispatch(int64_t fmt, const Mat& A, const float* x, float* out, int64
 }  // namespace
 
 #include "decode_layer.h"
+#include "logits_mask.h"
 
 extern "C" {
 
@@ -668,32 +669,6 @@ int moegate_is_vnni() {
 }
 
 // STREAM triad a = b + s * c over n floats; returns seconds of the best of `reps` runs.
-// Token bitmask (bit j of word w allows id 32*w + j) applied to fp32 logits rows in place: a
-// disallowed id becomes -inf. Whole words are the common case (all allowed inside a free string,
-// none allowed in most of the vocabulary at a structural position), so they cost one test each.
-int moegate_apply_bitmask(float* logits, const uint32_t* mask, int64_t rows, int64_t vocab,
-                          int64_t logits_stride, int64_t mask_stride) {
-  const float ninf = -std::numeric_limits<float>::infinity();
-  const int64_t words = (vocab + 31) / 32;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = logits + r * logits_stride;
-    const uint32_t* m = mask + r * mask_stride;
-    for (int64_t w = 0; w < words; ++w) {
-      const uint32_t bits = m[w];
-      if (bits == 0xFFFFFFFFu) continue;
-      const int64_t base = w * 32;
-      const int n = static_cast<int>(std::min<int64_t>(32, vocab - base));
-      float* out = row + base;
-      if (bits == 0) {
-        std::fill_n(out, n, ninf);
-      } else {
-        for (int j = 0; j < n; ++j) out[j] = ((bits >> j) & 1u) ? out[j] : ninf;  // branch-free
-      }
-    }
-  }
-  return 0;
-}
-
 double moegate_stream_triad(float* a, const float* b, const float* c, int64_t n, int reps, int nthreads) {
   double best = 1e30;
   for (int r = 0; r < reps; ++r) {

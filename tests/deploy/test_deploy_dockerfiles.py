@@ -159,7 +159,7 @@ def _context_files(name: str) -> list[str]:
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_copy_sources_exist_in_the_build_context(name):
     context = set(_context_files(name))
-    assert "pyproject.toml" in context and "engine/plan.py" in context
+    assert "pyproject.toml" in context and "modeltools/plan.py" in context
     assert not any(f.startswith(("tests/", "deploy/", ".git/")) for f in context)
     for i in parse((DEPLOY / name).read_text()):
         if i.op == "COPY" and not i.args.startswith("--from"):

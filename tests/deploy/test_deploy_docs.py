@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.plan import GIB, PlanOptions, build_plan
+from modeltools.plan import GIB, PlanOptions, build_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "deploy.md"

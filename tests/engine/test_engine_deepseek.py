@@ -45,7 +45,7 @@ def _hf_tokens(path, prompt: list[int], steps: int = STEPS) -> list[int]:
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2", "glm4_moe"])
 def test_init_random_checkpoint_matches_transformers(tiny_checkpoint, arch):
-    """`moegate model init-random --arch deepseek_v3` (engine.random_checkpoint) writes what both engines run alike."""
+    """`moegate model init-random --arch deepseek_v3` (modeltools.random_checkpoint) writes what both engines run alike."""
     path = tiny_checkpoint(arch)
     cfg = ModelConfig.from_dir(path)
     assert cfg.moe_layers == (False, True) and cfg.n_group == 2

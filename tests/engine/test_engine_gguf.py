@@ -15,11 +15,11 @@ from transformers import AutoModelForCausalLM
 from engine.config import ModelConfig
 from engine.errors import MissingTensorError, UnexpectedTensorError, UnsupportedCheckpointError
 from engine.gguf import GgufCheckpoint, find_gguf
-from engine.gguf_write import write_gguf
 from engine.llm_engine import LLM
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
-from engine.sizing import ModelShape
+from modeltools.gguf_write import write_gguf
+from modeltools.sizing import ModelShape
 
 STEPS = 16
 
@@ -102,7 +102,7 @@ def _hf_state(ours, ref) -> dict[str, torch.Tensor]:
 
 def test_tokenizer_json_beside_the_gguf(tmp_path):
     """A GGUF without a tokenizer takes the tokenizer.json beside it; without one, prompts are token ids."""
-    from engine.random_checkpoint import write_random_checkpoint
+    from modeltools.random_checkpoint import write_random_checkpoint
 
     src = write_random_checkpoint(tmp_path / "src", hidden_size=64, num_layers=2, num_experts=4, top_k=2,
                                   moe_intermediate_size=32, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -182,8 +182,8 @@ def test_k_quant_experts_read_one_at_a_time(tmp_path, qtype, block_bytes, scale_
 def test_tokenizer_from_gguf_metadata(tmp_path, vocab):
     """No tokenizer.json beside the file: the vocabulary, merges, special tokens and chat template the GGUF
     carries rebuild the same tokenizer."""
-    from engine.random_checkpoint import write_random_checkpoint
     from engine.tokenizer import Tokenizer
+    from modeltools.random_checkpoint import write_random_checkpoint
 
     src = write_random_checkpoint(tmp_path / "src", hidden_size=32, num_layers=1, num_experts=4, top_k=2,
                                   moe_intermediate_size=32, num_heads=2, num_kv_heads=1, head_dim=16, vocab=vocab)

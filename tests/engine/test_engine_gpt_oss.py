@@ -139,7 +139,7 @@ def test_prefix_cache_hit_with_sliding_layers_equals_a_cold_run(hf_checkpoint):
 
 
 def test_init_random_checkpoint_matches_transformers(tiny_checkpoint):
-    """`moegate model init-random --arch gpt_oss` (engine.random_checkpoint) writes what both engines run alike."""
+    """`moegate model init-random --arch gpt_oss` (modeltools.random_checkpoint) writes what both engines run alike."""
     path = tiny_checkpoint("gpt_oss")
     cfg = ModelConfig.from_dir(path)
     assert cfg.sliding_window == 8 and cfg.rope_scaling.factor == 32.0

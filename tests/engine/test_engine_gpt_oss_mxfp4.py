@@ -93,7 +93,7 @@ def test_bad_mxfp4_tensors_are_typed_errors(mxfp4_pair, tmp_path):
 
 
 def test_plan_reads_mxfp4_headers_as_the_weights_they_hold(mxfp4_pair):
-    from engine.plan import PlanOptions, build_plan
+    from modeltools.plan import PlanOptions, build_plan
 
     mx, plain, _, _ = mxfp4_pair
     plans = [build_plan(d, PlanOptions(experts_precision="int4", kv_tokens=100), bandwidth_gbps=20.0)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import plan as plan_mod
-from engine.plan import GIB, PRECISIONS, PlanOptions, build_plan, measure_bandwidth
-from engine.sizing import EMBED, ROUTED, ModelShape, SizingError, census, params_by_part
+from modeltools import plan as plan_mod
+from modeltools.plan import GIB, PRECISIONS, PlanOptions, build_plan, measure_bandwidth
+from modeltools.sizing import EMBED, ROUTED, ModelShape, SizingError, census, params_by_part
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""engine.qwen_vocab: the real Qwen vocabulary converted from qwen.tiktoken matches tiktoken and Qwen's ids."""
+"""modeltools.qwen_vocab: the real Qwen vocabulary converted from qwen.tiktoken matches tiktoken and Qwen's ids."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import unicodedata
 
 import pytest
 
-from engine import qwen_vocab
-from engine.random_checkpoint import write_tokenizer_files
 from engine.tokenizer import Tokenizer
+from modeltools import qwen_vocab
+from modeltools.random_checkpoint import write_tokenizer_files
 
 TEXTS = [
     "Hello world! It's a test, isn't it?",

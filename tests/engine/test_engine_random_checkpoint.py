@@ -1,4 +1,4 @@
-"""engine.random_checkpoint + `moegate model init-random`: random MoE checkpoints that transformers loads."""
+"""modeltools.random_checkpoint + `moegate model init-random`: random MoE checkpoints that transformers loads."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine import model_cli
-from engine.random_checkpoint import ARCHS, RandomCheckpointError, write_random_checkpoint
 from engine.tokenizer import Tokenizer
+from modeltools import model_cli
+from modeltools.random_checkpoint import ARCHS, RandomCheckpointError, write_random_checkpoint
 
 # Per arch: (config key holding the expert count, a per-expert tensor, a router tensor, extra tensors).
 EXPECTED_NAMES = {

@@ -116,9 +116,9 @@ def test_pack_error_propagates(hf_checkpoint, monkeypatch):
 def test_streamed_load_peak_is_the_packed_model_plus_the_planned_working_set(tmp_path):
     """Peak anonymous memory of a load, sampled from outside: streamed stays within `moegate plan`'s
     prediction; materialising the experts first (the old way) does not, so the check can fail."""
-    from engine.plan import PlanOptions, build_plan
-    from engine.random_checkpoint import write_random_checkpoint
     from evals.perf.load_bench import _measure
+    from modeltools.plan import PlanOptions, build_plan
+    from modeltools.random_checkpoint import write_random_checkpoint
 
     path = write_random_checkpoint(tmp_path / "ckpt", "qwen3_moe", hidden_size=256, num_layers=4, num_experts=64,
                                    top_k=4, moe_intermediate_size=512, num_heads=4, num_kv_heads=2,

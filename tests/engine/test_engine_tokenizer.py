@@ -254,7 +254,7 @@ def test_named_templates_pick_tool_use_like_transformers(tmp_path, bpe_dir):
 
 
 def test_small_bpe_is_deterministic():
-    from engine.bpe_vocab import BPE_ADDED_TOKENS, small_bpe_tokenizer_json
+    from modeltools.bpe_vocab import BPE_ADDED_TOKENS, small_bpe_tokenizer_json
 
     first = small_bpe_tokenizer_json(512)
     small_bpe_tokenizer_json.cache_clear()

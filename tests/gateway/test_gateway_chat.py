@@ -90,3 +90,22 @@ def test_metrics_exposed(gateway_server):
     assert 'moegate_requests_total{route="/v1/chat/completions",status="200"}' in text
     assert "moegate_tokens_total" in text and "moegate_requests_by_mode_total" in text
     assert "moegate_engine_sequences" in text and "moegate_prefix_cache{" in text
+
+
+def test_prefix_cache_hit_reports_cached_tokens_and_changes_no_byte(gateway_server):
+    """A repeated execution request is served from the prefix cache (usage.prompt_tokens_details.cached_tokens,
+    as OpenAI reports it) and gives the same bytes as the miss before it, streamed or not."""
+    client = gateway_server.client()
+    words = " ".join(f"row{i} AAPL {100 + i}.5 buy" for i in range(60))  # a prompt of several cache blocks
+    kw = dict(model="moegate-demo", messages=[{"role": "user", "content": f"ledger: {words}. Summarise as JSON."}],
+              max_tokens=40, temperature=0.7, seed=11, response_format={"type": "json_schema", "json_schema": {
+                  "name": "s", "schema": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                          "required": ["n"]}}})
+    miss = client.chat.completions.create(**kw)
+    hit = client.chat.completions.create(**kw)
+    assert miss.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < hit.usage.prompt_tokens_details.cached_tokens < hit.usage.prompt_tokens
+    assert hit.choices[0].message.content == miss.choices[0].message.content
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == hit.usage.prompt_tokens_details.cached_tokens
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == miss.choices[0].message.content

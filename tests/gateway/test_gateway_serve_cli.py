@@ -37,7 +37,7 @@ def test_serve_process_answers(tiny_checkpoint, tmp_path):
 
 def test_serve_a_gguf_file(tiny_checkpoint, tmp_path):
     """`moegate serve --model FILE.gguf`: config, tokenizer and chat template from the GGUF alone."""
-    from engine.gguf_write import write_gguf
+    from modeltools.gguf_write import write_gguf
 
     src, model_dir = tiny_checkpoint(), tmp_path / "gguf"
     model_dir.mkdir()

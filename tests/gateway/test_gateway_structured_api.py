@@ -148,6 +148,11 @@ def test_sql_extension_failure_is_typed(gateway_server):
     assert 'moegate_validations_total{kind="sql",result="fail"}' in metrics
     retries = re.search(r"^moegate_strict_retries_total (\S+)$", metrics, re.M)
     assert retries and float(retries.group(1)) >= 1  # the bounded strict retry ran before the error
+    # the audit log keeps what was generated: each rejected attempt's text and why it was rejected
+    rec = next(r for r in reversed(gateway_server.audit_records()) if r["data"].get("error") == e.value.code)
+    attempts = json.loads(rec["data"]["output"])
+    assert [a["attempt"] for a in attempts] == [0, 1] and all(a["content"] and a["rejected"] for a in attempts)
+    assert [v["ok"] for v in rec["data"]["validations"]] == [False, False]
 
 
 def test_agent_loop_appends_the_response_message(gateway_server):

@@ -88,3 +88,28 @@ def test_errors_are_actionable() -> None:
     sd["down"] = sd["down"][:, :-1]
     with pytest.raises(FormatError, match="down"):
         PackedExperts.from_state_dict(sd)
+
+
+def test_registry_bits_match_packed_bytes_and_parts_drive_every_list() -> None:
+    """REGISTRY's bits and group sizes are what pack_experts stores; the engine's lists derive from it."""
+    from engine.experts import EXPERT_FORMATS, PlacementConfig
+    from engine.models.causal_lm import QuantizedLMHead
+    from kernels.formats import REGISTRY, formats_for
+    from kernels.linear import LINEAR_FORMATS, PackedLinear
+
+    e, h, i = 2, 64, 64
+    w_gu, w_dn = random_experts(e, h, i)
+    for name, spec in REGISTRY.items():
+        packed = pack_experts(w_gu, w_dn, name, None, progress=False)
+        weights = packed.tensors["gate_up"].numel() * packed.tensors["gate_up"].element_size()
+        assert weights * 8 == e * 2 * i * h * spec.bits, name  # h, i multiples of 8 and of every group
+        assert packed.group_size == spec.group_size, name
+    assert EXPERT_FORMATS == formats_for("experts") == ("fp32", "bf16", "int8", "int4")
+    assert LINEAR_FORMATS == FORMATS and QuantizedLMHead.FORMATS == ("bf16", "int8", "int4")
+    with pytest.raises(ValueError, match="int4_asym"):
+        PlacementConfig(fast_format="int4_asym")
+    with pytest.raises(ValueError, match="fp32"):
+        QuantizedLMHead(torch.zeros(8, 8), "fp32")
+    assert PackedLinear.pack(torch.randn(8, 64), "bf16_a16").fmt == "bf16_a16"
+    with pytest.raises(FormatError, match="unknown weight part"):
+        formats_for("router")

@@ -40,7 +40,8 @@ class ScriptedLLM:
             if ids[-1] in self.tokinfo.eos_ids:
                 break
         text = self.tokinfo.decode([t for t in ids if t not in self.tokinfo.eos_ids])  # the engine makes the text
-        yield SimpleNamespace(token_ids=ids, text=text, finished=True, finish_reason="stop", cache_hits={})
+        yield SimpleNamespace(token_ids=ids, text=text, finished=True, finish_reason="stop", cache_hits={},
+                              num_cached_tokens=0)
 
 
 def _plan(temperature: float) -> Plan:

@@ -10,15 +10,21 @@ from pathlib import Path
 from typing import Any
 
 from engine.archs import SUPPORTED_ARCHS
-from engine.config import ModelConfig
+from engine.config import ModelConfig, read_hf_config
 from engine.errors import CheckpointError, UnsupportedArchitectureError
-
-# Placement parts. Everything but ROUTED lives on the fast device (GPU when present).
-EMBED, LM_HEAD, ATTENTION, NORMS, ROUTER, SHARED, DENSE_MLP, ROUTED, OTHER = (
-    "embed", "lm_head", "attention", "norms", "router", "shared_experts", "dense_mlp", "routed_experts",
-    "other",
+from engine.parts import (
+    ATTENTION,
+    DENSE_MLP,
+    EMBED,
+    LM_HEAD,
+    NORMS,
+    OTHER,
+    PARTS,
+    ROUTED,
+    ROUTER,
+    SHARED,
+    classify,
 )
-PARTS = (EMBED, LM_HEAD, ATTENTION, NORMS, ROUTER, SHARED, DENSE_MLP, ROUTED)
 
 # safetensors dtype tag -> bytes per element
 _ST_DTYPE_BYTES = {
@@ -78,18 +84,11 @@ class ModelShape:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelShape:
-        from engine.gguf import find_gguf, hf_config
-
-        if (gguf_file := find_gguf(model_dir)) is not None:  # a GGUF file: its metadata as a config
-            return cls.from_hf(hf_config(gguf_file))
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise SizingError(f"{path} not found: `moegate plan --model DIR` needs a checkpoint directory "
-                              "with a config.json")
+        """From config.json or a GGUF file's metadata, read as the engine reads them (engine.config)."""
         try:
-            return cls.from_hf(json.loads(path.read_text()))
-        except json.JSONDecodeError as exc:
-            raise SizingError(f"{path} is not valid JSON: {exc}") from exc
+            return cls.from_hf(read_hf_config(model_dir))
+        except CheckpointError as exc:
+            raise SizingError(str(exc)) from exc
 
     def kv_bytes_per_token(self, bits: int) -> int:
         """KV cache bytes of one token over every layer: K and V per KV head, or MLA's latent."""
@@ -215,28 +214,6 @@ def expert_params(shape: ModelShape) -> int:
     """Parameters of one routed expert (gate, up, down and their biases if any)."""
     biases = 2 * shape.moe_intermediate_size + shape.hidden_size if shape.expert_bias else 0
     return 3 * shape.hidden_size * shape.moe_intermediate_size + biases
-
-
-def classify(name: str) -> str:
-    """Placement part of a checkpoint tensor name (Hugging Face hub naming of the four archs)."""
-    if "embed_tokens" in name:
-        return EMBED
-    if name.startswith("lm_head"):
-        return LM_HEAD
-    if "shared_expert" in name:
-        return SHARED
-    if ".experts." in name or name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-        return ROUTED
-    if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.gate.e_score_correction_bias",
-                      "mlp.router.weight", "mlp.router.bias")):
-        return ROUTER
-    if "norm" in name:
-        return NORMS
-    if ".self_attn." in name:
-        return ATTENTION
-    if ".mlp." in name:
-        return DENSE_MLP
-    return OTHER
 
 
 @dataclass(frozen=True)

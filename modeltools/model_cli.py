@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from engine.random_checkpoint import ARCHS, DTYPES, VOCABS, write_random_checkpoint
+from modeltools.random_checkpoint import ARCHS, DTYPES, VOCABS, write_random_checkpoint
 
 # Each preset gives every size option; command-line flags override single values.
 PRESETS: dict[str, dict[str, object]] = {

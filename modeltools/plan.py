@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.sizing import (
+from kernels.formats import REGISTRY, formats_for
+from modeltools.sizing import (
     EMBED,
     LM_HEAD,
     OTHER,
@@ -29,7 +30,7 @@ from engine.sizing import (
 )
 
 GIB = 2**30
-DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "demo-moe"
+DEFAULT_MODEL_DIR = Path(__file__).parent.parent / "engine" / "assets" / "demo-moe"
 # Process overhead beside the weights (Python, torch, tokenizer, gateway; CUDA context + workspace).
 # Estimates, printed on their own line, never mixed into the weight figures.
 HOST_OVERHEAD_BYTES = int(1.5 * GIB)
@@ -54,16 +55,11 @@ class Precision:
         return weight + rows * math.ceil(cols / self.group_size) * self.scale_bytes
 
 
-# As kernels/formats.py packs routed experts: one fp16 scale per output row and group of
-# DEFAULT_GROUP_SIZE inputs (int8: 64, int4: 32); tests/engine/test_engine_plan.py checks against it.
-PRECISIONS = {
-    "fp32": Precision("fp32", 32),
-    "bf16": Precision("bf16", 16),
-    "fp16": Precision("fp16", 16),
-    "int8": Precision("int8", 8, group_size=64, scale_bytes=2),
-    "int4": Precision("int4", 4, group_size=32, scale_bytes=2),
-}
-EXPERT_PRECISIONS = ("int4", "int8", "bf16", "fp32")
+# As kernels/formats.py packs routed experts (its REGISTRY): one fp16 scale per output row and group of
+# `group_size` inputs; tests/engine/test_engine_plan.py checks against the packed bytes. fp16 is a dense dtype only.
+PRECISIONS = {name: Precision(name, REGISTRY[name].bits, REGISTRY[name].group_size, scale_bytes=2)
+              for name in formats_for("experts")} | {"fp16": Precision("fp16", 16)}
+EXPERT_PRECISIONS = tuple(sorted(formats_for("experts"), key=lambda name: REGISTRY[name].bits))  # int4 .. fp32
 DENSE_PRECISIONS = ("bf16", "fp16", "fp32")
 
 

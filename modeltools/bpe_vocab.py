@@ -9,7 +9,7 @@ from functools import lru_cache
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from tokenizers import normalizers as tk_normalizers
 
-from engine.qwen_vocab import QWEN_PRETOKENIZE_REGEX
+from modeltools.qwen_vocab import QWEN_PRETOKENIZE_REGEX
 
 # (content, special): the same strings and flags as Qwen's, in this order after the BPE vocabulary.
 BPE_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (

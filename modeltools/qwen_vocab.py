@@ -11,6 +11,8 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
+from engine.detokenizer import bytes_to_unicode
+
 # Qwen2 pre-tokenizer: the same regex as tiktoken's Qwen encoding.
 QWEN_PRETOKENIZE_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -54,19 +56,6 @@ _CONVERTER_VERSION = "1"
 
 class VocabularyError(RuntimeError):
     """A vocabulary source is missing or inconsistent."""
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level map: every byte to a printable unicode character."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
 def qwen_tiktoken_path() -> Path:

@@ -1,0 +1,48 @@
+"""The one identity of a checkpoint: a digest of what names its weights, equal on every machine holding a copy.
+
+The numerics fingerprint (`system_fingerprint`), the prefix-cache roots and the gateway's fallback fingerprint
+all read `checkpoint_identity`. The pack cache keys its entries on `kernels.file_identity` instead (path, size,
+mtime of each file): a local cache of derived bytes that must not outlive an edit of the file in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from pathlib import Path
+
+from engine.gguf import find_gguf
+
+_VERSION = b"moegate-checkpoint-v1"
+_GGUF_HEAD = 1 << 24  # metadata, tensor index and the first tensors of a GGUF file
+_HEADER_MAX = 100 * 2**20  # a safetensors header past this is corrupt; read no more
+_DATA_HEAD = 1 << 16  # the first tensor bytes: two checkpoints of one layout differ there
+
+
+def checkpoint_identity(model: str | Path) -> str:
+    """sha256 (hex) over config.json and, per safetensors file, its name, size, header (every tensor's name, shape,
+    dtype and byte offsets) and first data bytes; for a GGUF file (or a directory with one), its size and head."""
+    model = Path(model)
+    h = hashlib.sha256(_VERSION)
+    gguf_file = find_gguf(model)
+    if gguf_file is not None:
+        h.update(str(gguf_file.stat().st_size).encode())
+        with gguf_file.open("rb") as f:
+            h.update(hashlib.sha256(f.read(_GGUF_HEAD)).digest())
+        model = gguf_file.parent
+    config = model / "config.json"
+    h.update(hashlib.sha256(config.read_bytes() if config.is_file() else b"").digest())
+    for path in sorted(model.glob("*.safetensors")):
+        h.update(path.name.encode() + struct.pack("<Q", path.stat().st_size))
+        h.update(hashlib.sha256(_safetensors_head(path)).digest())
+    return h.hexdigest()
+
+
+def _safetensors_head(path: Path) -> bytes:
+    """The header length, the JSON header and the first data bytes of a .safetensors file."""
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return head
+        (n,) = struct.unpack("<Q", head)
+        return head + f.read(min(n, _HEADER_MAX)) + f.read(_DATA_HEAD)
