@@ -59,8 +59,7 @@ class ModelRunner:
             slot_parts.append(slots[c.start :])
             ctx_slots.append(slots)
             row += c.num_tokens
-            if c.samples:
-                rows.append(row - 1)
+            rows.extend(range(row - c.num_logits, row))
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.cat(positions),
@@ -77,7 +76,7 @@ class ModelRunner:
         return batch.to(self.device) if self.device.type != "cpu" else batch
 
     def run(self, chunks: list[ScheduledChunk], blocks: BlockManager) -> torch.Tensor:
-        """All scheduled chunks -> fp32 logits [S, V] for the chunks that sample, in chunk order."""
+        """All scheduled chunks -> fp32 logits [S, V]: `num_logits` rows per chunk that samples, in chunk order."""
         explore = [c for c in chunks if c.seq.mode != "execution"]
         execute = [c for c in chunks if c.seq.mode == "execution"]
         groups = [(explore, False)] if explore else []
@@ -88,10 +87,11 @@ class ModelRunner:
         logits: dict[int, torch.Tensor] = {}
         for group, exact in groups:
             out = self.forward(self.build_batch(group, blocks, exact))
-            for c, row in zip([c for c in group if c.samples], out, strict=True):
-                logits[id(c)] = row
+            sampling = [c for c in group if c.samples]
+            for c, rows in zip(sampling, out.split([c.num_logits for c in sampling]), strict=True):
+                logits[id(c)] = rows
         sampled = [logits[id(c)] for c in chunks if c.samples]
-        return torch.stack(sampled) if sampled else torch.empty(0, self.model.config.vocab_size)
+        return torch.cat(sampled) if sampled else torch.empty(0, self.model.config.vocab_size)
 
     @torch.inference_mode()
     def read_block(self, block: int) -> torch.Tensor:

@@ -41,11 +41,13 @@ class ScheduledChunk:
     start: int  # first token position computed this step
     num_tokens: int
     samples: bool  # the chunk reaches the sequence's last token, so a next token is sampled
+    num_logits: int = 0  # trailing rows with logits: 1 + the sequence's drafts when it samples
 
     @classmethod
     def of(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
         start = seq.num_computed
-        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
+        samples = start + num_tokens == seq.num_tokens
+        return cls(seq, start, num_tokens, samples, 1 + len(seq.draft_token_ids) if samples else 0)
 
 
 class Scheduler:
@@ -74,15 +76,21 @@ class Scheduler:
         remaining = seq.num_tokens - seq.num_computed
         if seq.mode == Mode.EXECUTION:
             align = self.config.max_num_batched_tokens
-            return min(remaining, align - seq.num_computed % align)
-        if self.states is not None and self.prefix is not None and seq.cache_root is not None:
-            # the state at the prompt's last full block (the longest hit a request with this prompt can take)
-            # is only saved if a forward ends there
-            bs = self.blocks.block_size
-            boundary = (len(seq.prompt_token_ids) - 1) // bs * bs
-            if seq.num_computed < boundary:
-                remaining = boundary - seq.num_computed
-        return min(remaining, budget)
+            n = min(remaining, align - seq.num_computed % align)
+        else:
+            todo = remaining
+            if self.states is not None and self.prefix is not None and seq.cache_root is not None:
+                # the state at the prompt's last full block (the longest hit a request with this prompt can
+                # take) is only saved if a forward ends there
+                bs = self.blocks.block_size
+                boundary = (len(seq.prompt_token_ids) - 1) // bs * bs
+                if seq.num_computed < boundary:
+                    todo = boundary - seq.num_computed
+            n = min(todo, budget)
+        if seq.draft_token_ids and n < remaining:  # drafts are verified in one chunk with their last token
+            seq.draft_token_ids = []
+            return self._chunk_len(seq, budget)
+        return n
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.config.max_num_batched_tokens
@@ -94,6 +102,10 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
+            if seq.draft_token_ids and not self.blocks.can_allocate(
+                    self.blocks.blocks_needed(seq.block_table, seq.num_computed + n)):
+                seq.draft_token_ids = []  # drafts never preempt anyone
+                n = self._chunk_len(seq, budget)
             while not self.blocks.can_allocate(self.blocks.blocks_needed(seq.block_table, seq.num_computed + n)):
                 victim = self.running[-1]  # the latest arrival gives way
                 self._preempt(victim)
@@ -137,6 +149,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)  # its registered blocks stay cached: readmission finds them
         seq.num_computed = seq.num_cache_checked = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         if self.states is not None:
             self.states.release(seq)  # recomputed on readmission (from a prefix-cache snapshot where one is kept)

@@ -231,7 +231,7 @@ def _start(settings: Settings, metrics: Metrics):
                                     kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
                                     numerics=numerics_from_policy(policy, defer),
                                     disk_cache_dir=str(_kv_dir(settings)),
-                                    redis_url=settings.redis_url,
+                                    redis_url=settings.redis_url, **policy.decoding.model_dump(),
                                     progress=sys.stderr.isatty()))  # load bars on a terminal, not in logs
     if engine.tokenizer is None:
         raise ValueError(f"{model_dir_of(settings.model)} has no tokenizer.json; the gateway needs one "

@@ -97,6 +97,21 @@ class StoreSettings(_Strict):
     idempotency_wait_s: Annotated[float, Field(ge=0)] = 30.0
 
 
+class DecodingSettings(_Strict):
+    """Multi-token decoding (the engine's jump-forward and prompt-lookup speculation); fixed at start."""
+
+    jump_forward_tokens: Annotated[int, Field(ge=0, le=256, description=(
+        "constrained execution output: tokens the grammar forces (the only token its mask allows) appended per "
+        "step without a forward each, their KV computed in one chunk; the bytes equal token-by-token decoding. "
+        "0: off"))] = 32
+    speculative_tokens: Annotated[int, Field(ge=0, le=16, description=(
+        "unconstrained output: tokens drafted per step by matching the last tokens earlier in prompt and output, "
+        "verified in one forward (greedy keeps the agreeing prefix; sampling keeps the output distribution). "
+        "Pays only on repetitive output (echoed tables, quoted text); 0: off"))] = 0
+    speculative_ngram: Annotated[int, Field(ge=1, le=8, description=(
+        "longest tail (tokens) matched to find drafts; shorter ones down to 1 are tried next"))] = 3
+
+
 class ModelEntry(_Strict):
     name: Name
     source: str | None = Field(None, description="checkpoint directory (a relative path is read from the policy "
@@ -135,6 +150,7 @@ class Policy(_Strict):
     limits: Limits = Field(default_factory=Limits)
     audit: AuditSettings = Field(default_factory=AuditSettings)
     stores: StoreSettings = Field(default_factory=StoreSettings)
+    decoding: DecodingSettings = Field(default_factory=DecodingSettings)
 
     @model_validator(mode="after")
     def _references(self) -> Policy:

@@ -267,3 +267,15 @@ def test_fast_dense_packs_both_mixers_within_drift_bounds(hf_checkpoint):
                                     reduction="none").sum(-1)
     assert 0 < kl.mean().item() <= 0.01
     assert (rows.argmax(-1) == base.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_speculation_is_off_where_drafts_cannot_be_rolled_back(hf_checkpoint, reference, caplog):
+    """Rejected drafts would stay in the recurrent state: a Qwen3-Next engine asked to speculate says so and
+    decodes one token a step, equal to transformers on a repetitive prompt (where drafts would be proposed)."""
+    path = hf_checkpoint("qwen3_next")
+    prompt = [7, 8, 9, 10] * 6
+    with caplog.at_level("WARNING", logger="engine.multi_token"):
+        llm = LLM(path, speculative_tokens=4, **ARGS)
+    assert "speculative decoding is off" in caplog.text
+    assert llm.generate([prompt], _params())[0].token_ids == reference(path, prompt)
+    assert llm.engine.decoder.stats.drafted_tokens == 0
