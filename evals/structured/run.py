@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from evals.perf.common import machine_info
 from gateway.structured.base import ConstraintSpec
 from gateway.structured.bitmask import apply_bitmask_, bitmask_words, row_allows, row_ids
 from gateway.structured.build import json_schema_spec
@@ -32,6 +33,7 @@ from gateway.structured.validate import validate_json, validate_tool_calls
 from gateway.structured.vocab import TokenizerInfo
 
 from .driver import LogitsFn, random_logits
+from .engine_overhead import DEMO_MODEL
 from .qwen_vocab import QWEN_EOS_IDS, QWEN_MODEL_VOCAB, qwen_tokenizer_json
 from .sql_walks import random_walks
 
@@ -271,14 +273,27 @@ def eval_regex(tok: TokenizerInfo, args) -> dict:
     return out
 
 
-def scope_vetoes(compiled, ids: list[int]) -> str | None:
+def scope_vetoes(compiled, ids: list[int], stats: dict | None = None) -> str | None:
     """Feed a gold query through the full SQL Constraint (grammar mask, then the alias-scope guard's
-    filter): the first gold token the guard rules out (as text), or None when every one is allowed."""
+    filter): the first gold token the guard rules out (as text), or None when every one is allowed.
+    With `stats`, each step's grammar fill and guard filter seconds go to its "fill_s" / "guard_s"."""
     c = Constraint(compiled)
     bitmask = torch.empty(1, bitmask_words(c.vocab_size), dtype=torch.int32)
+    guard = c.guard
     for t in ids:
         fallbacks = c.guard_fallbacks
+        c.guard = None if stats is not None else guard  # (timed: the grammar, then the guard on its row)
+        t0 = time.perf_counter()
         c.fill_bitmask(bitmask, 0)
+        if stats is not None:
+            t1 = time.perf_counter()
+            c.guard = guard
+            row = bitmask[0].numpy().view(np.uint32)
+            guard.filter(row)
+            stats["fill_s"].append(t1 - t0)
+            stats["guard_s"].append(time.perf_counter() - t1)
+            if not row.any():
+                c.guard_fallbacks += 1
         if c.guard_fallbacks > fallbacks or not row_allows(bitmask[0], np.array([t]))[0]:
             return compiled.tokenizer.decode([t])
         c.consume(t)
@@ -289,12 +304,13 @@ SQL_DIALECTS = ("sqlite", "postgres")
 WALK_SCHEMA = {"prices": ["ticker", "ts", "price"], "trades": ["id", "ticker", "qty", "Market Value"]}
 
 
-def _sql_three(compiled, tok: TokenizerInfo, sql: str, schema: DatabaseSchema, dialect: str) -> dict:
+def _sql_three(compiled, tok: TokenizerInfo, sql: str, schema: DatabaseSchema, dialect: str,
+               stats: dict | None = None) -> dict:
     """Grammar alone, grammar + scope guard (what decoding admits), validator: each accepts `sql`?"""
     ids = tok.encode(sql)
     m = compiled.new_matcher()
     grammar = all(m.consume(t) for t in ids) and m.is_accepting()
-    guard = grammar and scope_vetoes(compiled, ids) is None
+    guard = grammar and scope_vetoes(compiled, ids, stats) is None
     try:
         check_sql(sql, schema, SQLPolicy(dialect=dialect, max_limit=None))
         validator, rule = True, None
@@ -320,6 +336,27 @@ def _gold(dialect: str, sql: str, schema: DatabaseSchema) -> str | None:
         return None
 
 
+def decode_step_ms(model: Path, requests: int = 6, max_tokens: int = 48) -> dict:
+    """Unconstrained decode steps of `model` in the engine (execution mode, the one SQL runs in), on
+    this machine in this run: p50 and mean milliseconds."""
+    from engine.llm_engine import LLM
+    from engine.sampling_params import SamplingParams
+
+    from .engine_overhead import _decode_steps
+
+    llm = LLM(str(model), prefix_cache=False, progress=False)
+    prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Which ticker had the highest price yesterday? Reply with one SQL query."}]))
+    _decode_steps(llm.engine, "warm", prompt, SamplingParams(max_tokens=4), "execution")
+    steps: list[float] = []
+    for i in range(requests):
+        steps += _decode_steps(llm.engine, f"step-{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                               "execution")
+    llm.engine.runner.shutdown()
+    return {"model": str(model), "steps": len(steps), "step_ms_p50": 1e3 * statistics.median(steps),
+            "step_ms_mean": 1e3 * statistics.fmean(steps)}
+
+
 def eval_sql(tok: TokenizerInfo, args) -> dict:
     """Gold queries (Spider dev) through grammar, guard, validator, per dialect; the adversarial set;
     random walks (every finished one must validate); compile and mask cost."""
@@ -328,13 +365,17 @@ def eval_sql(tok: TokenizerInfo, args) -> dict:
     tables = {t["db_id"]: t for t in json.load(open(DATA / "sql" / "spider_tables.json"))}
     dev = _sample(json.load(open(DATA / "sql" / "spider_dev.json")), args.sql_limit)
     adversarial = json.loads((Path(__file__).parent / "data" / "sql_adversarial.json").read_text())
-    out: dict = {"queries": len(dev), "dialects": {}}
+    out: dict = {"queries": len(dev), "dialects": {}, "machine": machine_info()}
+    if args.decode_model is not None:  # the decode step the guard's cost is compared with, in this run
+        out["decode_step"] = decode_step_ms(args.decode_model)
+        print("decode step", out["decode_step"])
     for dialect in args.sql_dialects.split(","):
         compiled, compile_s = {}, []
         counts: Counter = Counter()
         rules: Counter = Counter()
         rejected: dict[str, list] = {"grammar": [], "guard": [], "validator": []}
         untranspiled = 0
+        steps: dict[str, list[float]] = {"fill_s": [], "guard_s": []}
         for q in tqdm(dev, desc=f"spider {dialect}"):
             db = q["db_id"]
             schema = DatabaseSchema.from_spider(tables[db])
@@ -346,7 +387,7 @@ def eval_sql(tok: TokenizerInfo, args) -> dict:
             if sql is None:
                 untranspiled += 1
                 continue
-            r = _sql_three(compiled[db], tok, sql, schema, dialect)
+            r = _sql_three(compiled[db], tok, sql, schema, dialect, steps)
             counts.update(k for k in ("grammar", "guard", "validator", "all") if r[k])
             if r["rule"]:
                 rules[r["rule"]] += 1
@@ -368,13 +409,22 @@ def eval_sql(tok: TokenizerInfo, args) -> dict:
             "compile_ms_p99": 1e3 * pct(compile_s, 0.99), "compile_ms_max": 1e3 * max(compile_s),
             "adversarial_accepted": len(adv_accepted), "adversarial_total": len(adversarial["must_reject"]),
             "adversarial_accepted_examples": adv_accepted, "must_accept_refused": adv_refused,
-            "random_walks": walks,
+            "random_walks": walks, "gold_steps": len(steps["guard_s"]),
+            **{f"{k[:-2]}_ms_{q}": 1e3 * v for k, xs in steps.items()
+               for q, v in (("p50", pct(xs, 0.5)), ("mean", float(np.mean(xs)) if xs else float("nan")),
+                            ("p99", pct(xs, 0.99)))},
             "rejected_examples": {k: v[:8] for k, v in rejected.items()},
         }
         print("sql", dialect, {k: v for k, v in out["dialects"][dialect].items()
                                if k not in ("rejected_examples", "random_walks")})
         if walks:
             print("sql walks", dialect, {k: v for k, v in walks.items() if k != "examples"})
+        if "decode_step" in out:
+            step = out["decode_step"]["step_ms_p50"]
+            row = out["dialects"][dialect]
+            row["mask_pct_of_step"] = {q: 100 * (row[f"fill_ms_{q}"] + row[f"guard_ms_{q}"]) / step
+                                       for q in ("p50", "mean", "p99")}
+            row["guard_pct_of_step"] = {q: 100 * row[f"guard_ms_{q}"] / step for q in ("p50", "mean", "p99")}
     return out
 
 
@@ -504,6 +554,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sql-limit", type=int, default=0, help="Spider dev queries, evenly spread (0: all)")
     p.add_argument("--sql-dialects", default=",".join(SQL_DIALECTS))
     p.add_argument("--sql-walks", type=int, default=60, help="random walks through the SQL constraint per dialect")
+    p.add_argument("--decode-model", type=lambda v: None if v == "none" else Path(v),
+                   default=DEMO_MODEL if DEMO_MODEL.exists() else None,
+                   help="model whose unconstrained decode step the SQL mask cost is compared with in this run "
+                        "(none: not measured)")
     p.add_argument("--timed-generations", type=int, default=50,
                    help="per split, the first N draw full Gaussian logits and time the apply; the rest draw "
                         "uniformly among the allowed ids (the same distribution, without the 152k-float draw)")

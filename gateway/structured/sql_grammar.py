@@ -86,7 +86,7 @@ join_kind: INNER | CROSS | LEFT (_S OUTER)? | RIGHT (_S OUTER)? | FULL (_S OUTER
 where_clause: WHERE _S expr
 group_by: GROUP _S BY _S group_item (_O? "," _O? group_item)*
 group_item: expr | OUTPUT_NAME
-having: HAVING _S expr
+having: HAVING _S (expr | OUTPUT_NAME _O? COMP _O? sum_expr)
 order_by: ORDER _S BY _S order_item (_O? "," _O? order_item)*
 order_item: (expr | OUTPUT_NAME) (_S (ASC | DESC))? (_S NULLS _S (FIRST | LAST))?
 
@@ -114,7 +114,7 @@ window_spec: partition (_S order_by)? (_S frame)? | order_by (_S frame)? | frame
 partition: PARTITION _S BY _S expr (_O? "," _O? expr)*
 frame: (ROWS | RANGE) _S (BETWEEN _S bound _S AND _S bound | bound)
 bound: UNBOUNDED _S (PRECEDING | FOLLOWING) | CURRENT _S ROW | INT _S (PRECEDING | FOLLOWING)
-column_ref: column | qualifier "." column
+column_ref: column | qualifier "." (column | NEW_NAME)
 column: COLUMN
 qualifier: table | NEW_NAME
 literal: NUMBER | STRING | NULL | TRUE | FALSE

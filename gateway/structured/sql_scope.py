@@ -69,12 +69,15 @@ class _Frame:
     over: bool = False  # the parenthesis of a window (OVER (...))
     func: str = ""  # the parenthesis of this function's arguments
     args: int = 0  # arguments begun so far
+    items: int = 0  # items of its current SELECT list that ended
 
     def clone(self) -> _Frame:
-        return _Frame(self.scope, self.fresh, self.source, self.cte, self.phase, self.expect, dict(self.declared),
-                      {q: set(c) for q, c in self.pending.items()}, set(self.bare), self.source_name,
-                      set(self.aliases), self.clause, list(self.item), list(self.names), self.first,
-                      self.outputs, self.with_state, self.over, self.func, self.args)
+        new = object.__new__(_Frame)
+        d = new.__dict__
+        d.update(self.__dict__)
+        d["declared"], d["pending"] = dict(self.declared), {q: set(c) for q, c in self.pending.items()}
+        d["bare"], d["aliases"], d["item"], d["names"] = set(self.bare), set(self.aliases), list(self.item), list(self.names)
+        return new
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,8 @@ class SQLScope:
             self._end_from(f)
         elif f.pending or f.bare:
             raise _Veto("names used without a FROM clause")
+        else:
+            f.phase = "after"  # (no FROM can follow: later names must be bound already)
         self._end_first(f)
 
     def _end_first(self, f: _Frame) -> None:
@@ -256,6 +261,7 @@ class SQLScope:
     # -- SELECT items (output columns of CTEs and derived tables) ----------------------------
     def _finish_item(self, f: _Frame) -> None:
         parts, f.item = f.item, []
+        f.items += bool(parts)
         while parts and parts[0] == ("k", "distinct") or parts[:1] == [("k", "all")]:
             parts = parts[1:]
         name, alias = None, False
@@ -315,7 +321,7 @@ class SQLScope:
         if kw == "select":
             if f.phase != "start":
                 self._end_scope(f)
-            f.phase, f.declared, f.pending, f.bare, f.expect = "select", {}, {}, set(), "source"
+            f.phase, f.declared, f.pending, f.bare, f.expect, f.items = "select", {}, {}, set(), "source", 0
             f.with_state = ""
         elif kw == "from" and f.phase == "select":
             f.phase, f.expect = "from", "source"
@@ -388,17 +394,20 @@ class SQLScope:
         if src is None and host is None:
             raise _Veto(f"qualifier {q} is not bound")
         cols = self.columns_for(q, quoted)
-        if not (col in cols if final else any(c.startswith(col) for c in cols)):
+        if cols is not None and not (col in cols if final else any(c.startswith(col) for c in cols)):
             raise _Veto(f"{col} is not a column of {q}")
         if src is None and final:
             host.pending.setdefault(q, set()).add(col)
 
-    def columns_for(self, q: str, quoted: bool = False) -> frozenset[str]:
-        """Columns that may follow `q.` now: of its source; of a table or CTE of that name, or of any
-        known one, when FROM has yet to declare it. Unquoted: only those written bare."""
+    def columns_for(self, q: str, quoted: bool = False) -> frozenset[str] | None:
+        """Columns that may follow `q.` now: of its source; of a table or CTE of that name when FROM
+        has yet to declare it; None (any name: a derived table declared later may have it) for another
+        name FROM has yet to declare (quoted: any known column). Unquoted: only those written bare."""
         src = self._lookup(q)
         if src is None:
             src = q if self._is_source(q) else None
+        if src is None and not quoted:
+            return None
         cols = self._cols(src) if src is not None else self._all_columns()
         return cols if quoted else _bare(cols, self._keywords())
 
@@ -450,6 +459,20 @@ class SQLScope:
         self._item(self._scope(), "w", q)
         self._item(self._scope(), "p", ".")
         self.dot_q = q
+
+    def ordinal_ok(self, digits: str) -> bool:
+        """Whether a number written here may begin with `digits`: a number that starts an ORDER BY or
+        GROUP BY item is read as an output column's position (1 to the SELECT list's length)."""
+        f = self._scope()
+        at = self.word_at if self.word else self.at
+        if not (self.in_by_list() and at in ("by", ",")):
+            return True
+        return any(str(k).startswith(digits) for k in range(1, f.items + 1))
+
+    def in_by_list(self) -> bool:
+        """In the ORDER BY or GROUP BY list of the current scope (not in a parenthesis)."""
+        f = self._scope()
+        return f.clause in ("order", "group") and self.stack[-1] is f and not self.mode
 
     def only_banned(self, word: str) -> bool:
         """`word` can only grow into a banned clause keyword (not into another keyword: OVER, OR, ...)."""
@@ -508,6 +531,8 @@ class SQLScope:
                 self.banned = () if ch.isdigit() or self.dot_q is not None else self._bans()
                 self.word_at = self.at
             self.word += ch.lower()
+            if self.word[:1].isdigit() and not self.ordinal_ok(self.word):
+                raise _Veto(f"ORDER BY / GROUP BY {self.word}: no such output column")
             if self.dot_q is not None and ch != ".":
                 self._column(self.dot_q, self.word, final=False)
             elif self.pool is not None and not self.pool.admits(self.word):
