@@ -25,6 +25,7 @@ from .sql_scope import (
     WordPool,
     _Veto,
 )
+from .sql_closing import closing_texts
 from .vocab import TokenizerInfo
 
 _QUAL_HEAD = re.compile(r"^[ \t\r\n]*([A-Za-z0-9_]*)\.$")
@@ -232,6 +233,7 @@ class SQLScopeGuard:
                  words: SQLWords | None = None) -> None:
         self.scope = SQLScope(tables, fenced, words)
         self.table = _token_table(tokenizer)
+        self.tokenizer = tokenizer
 
     @classmethod
     def from_grammar(cls, grammar: str, tokenizer: TokenizerInfo) -> SQLScopeGuard | None:
@@ -264,6 +266,18 @@ class SQLScopeGuard:
             return True
         except _Veto:
             return False
+
+    def closing_moves(self, tokens: list[int] = ()) -> tuple[tuple[int, ...], ...]:
+        """Token sequences that, after `tokens` (following the text so far), bind the names the
+        innermost scope left unbound (sql_closing.closing_texts), for the completion search to try first."""
+        state = self.scope
+        if tokens or (state.word and not state.mode):
+            state = state.clone()
+            try:  # (the texts start with a byte that ends the word being written)
+                state.feed("".join(self._text(t) for t in tokens) + (" " if state.word and not state.mode else ""))
+            except _Veto:
+                return ()
+        return tuple(tuple(self.tokenizer.encode(t)) for t in closing_texts(state))
 
     def allows_end(self) -> bool:
         return self.allows([], final=True)

@@ -576,9 +576,10 @@ class SQLScope:
                 frame.cte, f.with_state = f.source_name, "after"
             self.stack.append(frame)
         elif ch == ")" and len(self.stack) > 1:
-            closed = self.stack.pop()
-            if closed.scope:
+            closed = self.stack[-1]
+            if closed.scope:  # (on top: its last SELECT item ends here)
                 self._end_scope(closed)
+            self.stack.pop()
             f = self._scope()
             self._item(f, "p", ")")
             if closed.cte is not None:
