@@ -81,11 +81,28 @@ def _declarations(scope: SQLScope, f: _Frame) -> list[str] | None:
 
 
 def closing_texts(scope: SQLScope) -> list[str]:
-    """Texts that bind the unbound names of the innermost scope where its FROM is the next thing the
-    grammar may take (` FROM a, b` after a SELECT list, `, a` inside a FROM clause): none while a
-    parenthesis inside it is open or it binds everything (the search closes those first)."""
-    f = scope.stack[-1]
-    if not f.scope or not (f.pending or f.bare) or f.phase not in ("select", "from") or scope.mode:
+    """Texts that close the open parentheses and scopes from the innermost out, each scope with the
+    FROM clause (` FROM a, b` after a SELECT list, `, a` inside a FROM clause) that binds what it left
+    unbound: the longest first (the whole statement where the grammar stands after a complete operand),
+    then each shorter prefix of it. Empty inside a string or quoted name and where a scope has not
+    begun its SELECT (the search takes those steps first)."""
+    if scope.mode:
         return []
-    items = _declarations(scope, f)
-    return [(" FROM " if f.phase == "select" else ", ") + ", ".join(items)] if items else []
+    texts, suffix = [], ""
+    for i in range(len(scope.stack) - 1, -1, -1):
+        f = scope.stack[i]
+        if (f.scope and f.phase == "start") or f.fresh:
+            break
+        if f.scope and (f.pending or f.bare) and f.phase in ("select", "from"):
+            items = _declarations(scope, f)
+            if items is None:
+                break
+            if items:
+                suffix += (" FROM " if f.phase == "select" else ", ") + ", ".join(items)
+        if i:
+            suffix += ") SELECT 0" if f.cte is not None else ")"
+        if suffix:
+            texts.append(suffix)
+        if f.cte is not None:
+            break
+    return texts[::-1]

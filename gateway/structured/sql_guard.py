@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .sql_closing import closing_texts
 from .sql_scope import (
     _BANNED,
     _CLAUSE_END,
@@ -25,7 +26,6 @@ from .sql_scope import (
     WordPool,
     _Veto,
 )
-from .sql_closing import closing_texts
 from .vocab import TokenizerInfo
 
 _QUAL_HEAD = re.compile(r"^[ \t\r\n]*([A-Za-z0-9_]*)\.$")

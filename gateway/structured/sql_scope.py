@@ -38,6 +38,8 @@ _BARE = re.compile(r"[a-z_][a-z0-9_]*\Z")  # a name the grammar takes unquoted (
 _AFTER_SOURCE = frozenset(("join", "inner", "left", "right", "full", "cross", "on", "using", "where", "group",
                            "having", "order", "limit", "union", "intersect", "except"))
 _WINDOW_WORDS = frozenset(("partition", "order", "rows", "range"))  # after "(" only in OVER (...)
+_AFTER_ALIAS = frozenset(("from",))
+_AFTER_SOURCE_ALIAS = _JOIN_WORDS | {"join", "on", "using"}
 _BANNED = ("where", "group", "having", "order", "limit", "union", "intersect", "except", "offset")
 
 
@@ -475,9 +477,26 @@ class SQLScope:
         return f.clause in ("order", "group") and self.stack[-1] is f and not self.mode
 
     def only_banned(self, word: str) -> bool:
-        """`word` can only grow into a banned clause keyword (not into another keyword: OVER, OR, ...)."""
+        """`word` can only grow into a banned clause keyword (not into another keyword that may follow
+        here: OVER, OR, ...)."""
+        follow = self._follow()
         return any(k.startswith(word) for k in self.banned) and not any(
-            k.startswith(word) for k in self._keywords() if k not in _BANNED)
+            k.startswith(word) for k in (self._keywords() if follow is None else follow) if k not in _BANNED)
+
+    def _follow(self) -> frozenset[str] | None:
+        """The keywords a word starting here may be, where the position narrows them (None: any):
+        after a SELECT item's alias only FROM (or a clause keyword); after a FROM source's alias only
+        a join word, ON or USING."""
+        f = self._scope()
+        if self.stack[-1] is not f:
+            return None
+        parts = f.item
+        if f.phase == "select" and len(parts) >= 2 and parts[-1][0] == "w" and (
+                parts[-2] == ("k", "as") or parts[-2][0] in "wv" or parts[-2] == ("p", ")")):
+            return _AFTER_ALIAS
+        if f.phase == "from" and f.expect == "aliased":
+            return _AFTER_SOURCE_ALIAS
+        return None
 
     def _bans(self) -> tuple[str, ...]:
         """Clause keywords a word starting here may not become: after a complete operand (or source)
@@ -553,7 +572,13 @@ class SQLScope:
         f = self._scope()
         if self.stack[-1].fresh and ch != "(":
             self.stack[-1].fresh = False
-        if ch == ".":
+        if self.dot_q is not None and ch == "*":  # q.*: q must be bound like a qualified column
+            q, self.dot_q = self.dot_q, None
+            if self._lookup(q) is None:
+                host = next(g for g in reversed(self.stack) if g.scope and g.phase in ("start", "select"))
+                host.pending.setdefault(q, set())
+            self._item(f, "p", ch)
+        elif ch == ".":
             if last is not None:
                 self._qualifier(last)
         elif ch == "'" or (self.words is not None and ch in self.words.strings and ch not in self.words.quotes):
