@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from evals.structured.run import scope_vetoes
+from evals.structured.sql_eval import scope_vetoes
 from gateway.structured.bitmask import bitmask_words
 from gateway.structured.cache import ConstraintCache
 from gateway.structured.constraint import Constraint
