@@ -176,6 +176,7 @@ def eval_sql(tok: TokenizerInfo, args) -> dict:
         if "decode_step" in out:
             step = out["decode_step"]["step_ms_p50"]
             row = out["dialects"][dialect]
+            row["decode_step_ms_p50"] = step
             row["mask_pct_of_step"] = {q: 100 * (row[f"fill_ms_{q}"] + row[f"guard_ms_{q}"]) / step
                                        for q in ("p50", "mean", "p99")}
             row["guard_pct_of_step"] = {q: 100 * row[f"guard_ms_{q}"] / step for q in ("p50", "mean", "p99")}

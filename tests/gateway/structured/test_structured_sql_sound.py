@@ -70,6 +70,7 @@ def test_random_walks_always_parse_and_validate(tokinfo, dialect):
     "SELECT CAST(SUM(IIF(T1.qty > 1, 1, 0)) AS REAL) * 100 / COUNT(T1.id) FROM trades AS T1 "
     "INNER JOIN accounts AS T2 ON T1.account_id = T2.id WHERE STRFTIME('%Y', T1.ts) = '2012'",
     "SELECT symbol, qty FROM trades ORDER BY 2 DESC, 1",
+    "SELECT qty - -1, -qty, qty-1 FROM trades",
 ])
 def test_sqlite_real_world_forms_admitted(tokinfo, sql):
     assert _admitted(tokinfo, sql, SQLPolicy(dialect="sqlite", max_limit=None)), sql
@@ -96,6 +97,9 @@ def test_postgres_forms_admitted(tokinfo, sql):
     "SELECT r.qty FROM (SELECT symbol FROM trades) AS r",
     "SELECT symbol, qty FROM trades ORDER BY 3",  # an output position past the SELECT list
     "SELECT symbol FROM trades GROUP BY 0",
+    "SELECT qty--1 FROM trades",  # `--` starts a comment: the rest of the line would vanish
+    "SELECT - -qty FROM trades",
+    "SELECT t.*",  # a qualifier nothing declares
 ])
 def test_unsound_forms_refused(tokinfo, sql):
     assert not _admitted(tokinfo, sql, SQLPolicy(dialect="sqlite", max_limit=None)), sql
@@ -137,3 +141,27 @@ def test_adversarial_must_accept_admitted(tokinfo, dialect):
         assert all(m.consume(t) for t in ids) and m.is_accepting(), sql
         assert SQLScopeGuard.from_grammar(compiled.spec.source, tokinfo).allows(ids, final=True), sql
         check_sql(sql, schema, policy)
+
+
+@pytest.mark.parametrize("prefix", [
+    "SELECT t1.max_qty",  # a derived table's column before the derived table
+    "SELECT tickerSELECTSELECTx.T tickerSELECT FROM trades tickerSELECTx inneR join trades tickerSELECTSELECT",
+    "SELECT t1.max_qty FROM (SELECT q.ab",  # two scopes with qualifiers still to declare
+    "SELECT zz.a, symbol + 1, t9.*",
+    "WITH r AS (SELECT zz.a, 1 + (2",
+])
+def test_admitted_prefixes_close_within_a_small_budget(tokinfo, prefix):
+    """Liveness: where grammar and guard admit a prefix, the completion search finds a closing path that
+    declares what it left unbound (the guard's own closing texts), and the closed query validates."""
+    from gateway.structured.build import build_constraint
+
+    c = build_constraint(sql_spec(DB, SQLPolicy(dialect="sqlite")), tokinfo, max_tokens=256, cache=ConstraintCache())
+    ids = tokinfo.encode(prefix)
+    assert c.guard.allows(ids, final=False), prefix
+    for t in ids:
+        assert c.consume(t), prefix
+    from gateway.structured.closing import shortest_completion
+
+    path = shortest_completion(c.matcher.llg, tokinfo, 80, allow=c.guard.allows, first=c.guard.closing_moves)
+    assert path is not None, prefix
+    check_sql(tokinfo.decode(ids + path), DB, SQLPolicy(dialect="sqlite"))
