@@ -203,8 +203,9 @@ class Constraint:
             return None
         remaining = self.max_tokens - self.consumed  # this step included; EOS needs one of them
         if not self.plan and self.consumed >= self._next_plan_check:
+            first = self.guard.closing_moves if isinstance(self.guard, SQLScopeGuard) else None
             path = shortest_completion(llg, self.compiled.tokenizer, remaining - 1, _hints(self.compiled.spec),
-                                       allow=self.guard.allows if self.guard is not None else None)
+                                       allow=self.guard.allows if self.guard is not None else None, first=first)
             if path is None:  # nothing found that fits: back off (outside the closing window)
                 self._next_plan_check = self.consumed + (4 if self._closing() else max(4, remaining // 2))
             elif len(path) + 1 + self.closing_margin >= remaining or self._closing():
