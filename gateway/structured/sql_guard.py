@@ -68,6 +68,7 @@ class _TokenTable:
     quote_start: np.ndarray  # [V] bool: starts with an identifier quote (" ` [)
     quotes: np.ndarray  # [V] bool: holds an identifier quote (" ` [ ])
     arg_marks: np.ndarray  # [V] bool: holds "," or ")"
+    call_marks: np.ndarray  # [V] bool: holds "(" and after it "," or ")"
     has_digit: np.ndarray  # [V] bool: holds a digit
 
 
@@ -151,6 +152,8 @@ def _token_table(tokenizer: TokenizerInfo) -> _TokenTable:
                        np.array([t[:1] in _QUOTE_OPEN for t in texts], dtype=bool),
                        np.array([any(q in t for q in '"`[]') for t in texts], dtype=bool),
                        np.array(["," in t or ")" in t for t in texts], dtype=bool),
+                       np.array(["(" in t and ("," in t[t.index("("):] or ")" in t[t.index("("):]) for t in texts],
+                                dtype=bool),
                        np.array([any(c.isdigit() for c in t) for t in texts], dtype=bool))
 
 
@@ -351,6 +354,8 @@ class SQLScopeGuard:
                 drop[self._safe_tails(np.flatnonzero(checks), sim)] = True
             if any(f.func for f in s.stack):  # argument counts: "," and ")" may veto
                 sim |= tt.arg_marks
+            elif s.words is not None and (s.word or s.at) in s.words.arity:  # a call opened and closed by one token
+                sim |= tt.call_marks
             if not s.mode and unsettled:
                 # a word that may not become a clause keyword yet (SQLScope._bans)
                 if bans := (s.banned if s.word else s._bans()):

@@ -100,6 +100,7 @@ def test_postgres_forms_admitted(tokinfo, sql):
     "SELECT qty--1 FROM trades",  # `--` starts a comment: the rest of the line would vanish
     "SELECT - -qty FROM trades",
     "SELECT t.*",  # a qualifier nothing declares
+    "SELECT 1 AS t ORDER BY t, rpad\t ()",  # too few arguments, `(` and `)` in one token
 ])
 def test_unsound_forms_refused(tokinfo, sql):
     assert not _admitted(tokinfo, sql, SQLPolicy(dialect="sqlite", max_limit=None)), sql
