@@ -39,10 +39,45 @@ class ArchSpec:
     # "gpt_oss" (gate_up_proj [E, H, 2I] with gate/up columns interleaved, down_proj [E, I, H], biases alike)
     fused_experts: str = "rows"
     gguf_arch: str = ""  # llama.cpp's general.architecture for this family (engine/gguf_config.py), "" if unread
+    linear_attention: str = ""  # module:class of a "linear_attention" layer's `linear_attn` (Qwen3-Next), if any
 
     def attention_class(self) -> type:
-        module, _, name = self.attention.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return _import(self.attention)
+
+    def linear_attention_class(self) -> type:
+        return _import(self.linear_attention)
+
+
+def _import(path: str) -> type:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class LinearAttentionDims:
+    """Qwen3-Next's gated DeltaNet layers: key/value heads and widths, and the causal conv's kernel."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        if min(self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim,
+               self.conv_kernel) < 1 or self.num_value_heads % self.num_key_heads:
+            raise CheckpointError(f"linear attention dims must be positive with linear_num_value_heads a multiple "
+                                  f"of linear_num_key_heads: {self}")
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q and k of every key head, v of every value head."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+    @property
+    def state_elements(self) -> int:
+        """One sequence's recurrent state in one layer: the conv's last K-1 inputs and the delta-rule state."""
+        return self.conv_dim * (self.conv_kernel - 1) + self.num_value_heads * self.key_head_dim * self.value_head_dim
 
 
 def _sparse_layers(hf: dict[str, Any], layers: int, num_experts: int) -> tuple[bool, ...]:
@@ -161,6 +196,36 @@ def _gpt_oss(hf: dict[str, Any], need: Need) -> dict[str, Any]:
                 swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
 
 
+def _qwen3_next(hf: dict[str, Any], need: Need) -> dict[str, Any]:
+    """Qwen3-Next: gated DeltaNet linear-attention layers beside gated full attention (per-head zero-centred q/k
+    norms, partial rotary), softmax top-k experts with a sigmoid-gated shared expert."""
+    out = _qwen2_moe(hf, need)
+    layers = need("num_hidden_layers")
+    interval = hf.get("full_attention_interval") or 4
+    layer_types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    out.update(
+        attention_bias=bool(hf.get("attention_bias", False)), qk_norm="per_head", layer_types=tuple(layer_types),
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
+        attention_output_gate=True, zero_centred_norm=True,
+        linear_attention=LinearAttentionDims(
+            need("linear_num_key_heads"), need("linear_num_value_heads"), need("linear_key_head_dim"),
+            need("linear_value_head_dim"), need("linear_conv_kernel_dim")))
+    return out
+
+
+def _qwen3_next_random(kw: dict[str, Any]) -> dict[str, Any]:
+    """Three linear-attention layers per full-attention one, as the released model; odd DeltaNet widths."""
+    head_dim = kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"]
+    if head_dim % 8:
+        raise CheckpointError(f"qwen3_next rotates a quarter of each head: head_dim {head_dim} must be a multiple of 8")
+    return _qwen_random(kw, full_attention_interval=min(4, kw["num_hidden_layers"]), shared_expert_intermediate_size=2 * kw["moe_intermediate_size"], norm_topk_prob=True,
+                        linear_num_key_heads=max(1, kw["num_key_value_heads"]), linear_key_head_dim=head_dim,
+                        linear_num_value_heads=2 * max(1, kw["num_key_value_heads"]), linear_value_head_dim=head_dim,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+
+
 def _gpt_oss_random(kw: dict[str, Any]) -> dict[str, Any]:
     """A sliding window of 8 tokens (shorter than test prompts), YaRN as the released checkpoints."""
     kw = _expert_width_random(kw, "num_local_experts")
@@ -234,6 +299,11 @@ ARCHS: dict[str, ArchSpec] = {
         "gpt_oss", _gpt_oss, ("GptOssConfig", "GptOssForCausalLM"), attention="engine.models.gpt_oss:SinkAttention",
         random_config=_gpt_oss_random, renames=((".mlp.router.", ".mlp.gate."),), fused_experts="gpt_oss",
         gguf_arch="gpt-oss",
+    ),
+    "qwen3_next": ArchSpec(
+        "qwen3_next", _qwen3_next, ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+        attention="engine.models.qwen3_next:GatedAttention", random_config=_qwen3_next_random,
+        linear_attention="engine.models.qwen3_next:GatedDeltaNet",
     ),
 }
 ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2 ships DeepSeek-V3's architecture under its own model_type

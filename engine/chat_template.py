@@ -177,5 +177,5 @@ def render_chat_template(
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
-    except jinja2.exceptions.TemplateError as e:
+    except (jinja2.exceptions.TemplateError, TypeError) as e:  # TypeError: e.g. '+' on a value of another type
         raise ChatTemplateError(f"chat template failed: {e}") from e

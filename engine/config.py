@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.archs import arch_spec
+from engine.archs import LinearAttentionDims, arch_spec
 from engine.errors import CheckpointError
 from engine.fp8 import BlockFp8
 from engine.gguf import find_gguf
@@ -75,6 +75,12 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     expert_bias: bool = False
+    # Qwen3-Next: "linear_attention" layers in layer_types run gated DeltaNet (engine/models/qwen3_next.py) with a
+    # recurrent state per sequence (engine/recurrent_state.py) instead of KV; the full-attention layers gate
+    # their output (q_proj yields a sigmoid gate beside q); RMSNorm weights are offsets from 1
+    linear_attention: LinearAttentionDims | None = None
+    attention_output_gate: bool = False
+    zero_centred_norm: bool = False
 
     def __post_init__(self) -> None:
         arch_spec(self.arch)  # UnsupportedArchitectureError for an unknown family
@@ -102,10 +108,12 @@ class ModelConfig:
                                   "n_routed_experts / n_group must be at least 2")
         if self.top_k > self.topk_group * self.num_experts // self.n_group:
             raise CheckpointError(f"num_experts_per_tok={self.top_k} exceeds the experts of topk_group groups")
-        if self.layer_types and (len(self.layer_types) != self.num_layers or
-                                 set(self.layer_types) - {"sliding_attention", "full_attention"}):
-            raise CheckpointError(f"layer_types must give 'sliding_attention' or 'full_attention' for each of "
+        kinds = {"sliding_attention", "full_attention"} | ({"linear_attention"} if self.linear_attention else set())
+        if self.layer_types and (len(self.layer_types) != self.num_layers or set(self.layer_types) - kinds):
+            raise CheckpointError(f"layer_types must give one of {sorted(kinds)} for each of "
                                   f"the {self.num_layers} layers, got {list(self.layer_types)}")
+        if not self.kv_layers:
+            raise CheckpointError("layer_types has no attention layer: a model needs at least one full-attention layer")
         if self.expert_act not in EXPERT_ACTS or (self.expert_act == "swiglu_clamped" and not self.swiglu_limit > 0):
             raise CheckpointError(f"expert activation {self.expert_act!r} (limit {self.swiglu_limit}) is not "
                                   f"supported: one of {', '.join(EXPERT_ACTS)} with a positive swiglu_limit")
@@ -115,6 +123,19 @@ class ModelConfig:
         if self.layer_types and self.layer_types[layer] == "full_attention":
             return None
         return self.sliding_window
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether a layer runs linear attention (a recurrent state per sequence, no KV cache)."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers with a KV cache (every layer but linear-attention ones), in order."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_linear(i))
 
     @property
     def num_moe_layers(self) -> int:
@@ -138,18 +159,10 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """From config.json, or from the metadata of a GGUF file (`model_dir` may name the .gguf)."""
-        gguf_file = find_gguf(model_dir)
-        if gguf_file is not None:
-            return cls.from_hf(gguf_hf_config(gguf_file))
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise CheckpointError(f"{path} not found: a checkpoint directory needs a config.json")
-        try:
-            hf = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
-        eos = _eos_ids(hf, Path(model_dir) / "generation_config.json")
-        return cls.from_hf(hf, eos_token_ids=eos)
+        hf = read_hf_config(model_dir)
+        if find_gguf(model_dir) is not None:
+            return cls.from_hf(hf)
+        return cls.from_hf(hf, eos_token_ids=_eos_ids(hf, Path(model_dir) / "generation_config.json"))
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
@@ -192,6 +205,22 @@ class ModelConfig:
             quantization=quantization_from_hf(hf),
         )
         return cls(**{**common, **spec.fields(hf, need)})
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    """The checkpoint's config.json, or a GGUF file's metadata as one (`model_dir` may name the .gguf): what
+    `ModelConfig.from_hf` reads."""
+    gguf_file = find_gguf(model_dir)
+    if gguf_file is not None:
+        return gguf_hf_config(gguf_file)
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: the model needs a checkpoint directory with a config.json "
+                              "(or a .gguf file)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

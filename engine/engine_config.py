@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.experts import PlacementConfig
+from engine.multi_token import MultiTokenConfig
 from engine.numerics import NumericsProfile
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,6 +38,13 @@ class EngineConfig:
     # The eight fields above in one object (engine/numerics.py): pass either `numerics` or those fields.
     numerics: NumericsProfile | None = None
     progress: bool = True
+    # Multi-token decoding (engine/multi_token.py). jump_forward_tokens: forced tokens of a constrained
+    # execution sequence appended per step without a forward each (0: off; bytes unchanged).
+    # speculative_tokens: prompt-lookup drafts verified per step for unconstrained sequences (0: off),
+    # matched on the last speculative_ngram (down to 1) tokens.
+    jump_forward_tokens: int = 32
+    speculative_tokens: int = 0
+    speculative_ngram: int = 3
     # Prefix cache. The device tier (the KV pool) is on unless prefix_cache=False; RAM, disk and redis
     # hold demoted blocks. The library writes no disk cache unless told where (`moegate serve` passes
     # engine.prefix_cache.default_disk_cache_dir()).
@@ -46,6 +54,9 @@ class EngineConfig:
     disk_cache_gib: float = 8.0
     redis_url: str | None = None
     redis_cache_ttl_s: int = 24 * 3600
+    # linear-attention models (Qwen3-Next): recurrent-state snapshots kept for prefix-cache hits (engine/
+    # recurrent_state.py); None: max_num_seqs with the prefix cache on; 0: such models get no prefix hits
+    state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         if self.defer < 0:
@@ -54,7 +65,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if min(self.ram_cache_gib, self.disk_cache_gib) < 0:
+        self.multi_token  # noqa: B018 - validates the multi-token fields
+        if min(self.ram_cache_gib, self.disk_cache_gib, self.state_snapshots or 0) < 0:
             raise ValueError("ram_cache_gib and disk_cache_gib must be >= 0")
         legacy = {"placement": "experts", "exact_lm_head": "exact_lm_head", "fast_lm_head": "fast_lm_head",
                   "fast_dense": "fast_dense", "defer": "defer", "fused_decode": "fused",
@@ -68,6 +80,10 @@ class EngineConfig:
                 raise ValueError(f"{ours}={getattr(self, ours)!r} contradicts numerics.{theirs}={value!r}; "
                                  "pass one of them")
             object.__setattr__(self, ours, value)
+
+    @property
+    def multi_token(self) -> MultiTokenConfig:
+        return MultiTokenConfig(self.jump_forward_tokens, self.speculative_tokens, self.speculative_ngram)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -28,6 +28,7 @@ class ForwardBatch:
     exact: bool = False  # execution mode: the exact precision profile, no deferral
     defer: int = 0  # exploration: experts per token deferred to the next MoE layer
     expert_pipeline: ExpertPipeline | None = None  # host experts; its thread runs deferred experts during the next attention
+    state_slots: list[int] = field(default_factory=list)  # [B] recurrent-state slot per sequence (linear attention)
     rope: dict = field(default_factory=dict, repr=False)  # (head_dim, theta, dtype) -> (cos, sin), once per forward
 
     @property
@@ -69,4 +70,5 @@ class ForwardBatch:
             context_lens=[start + n],
             context_slots=[slots],
             logits_rows=torch.arange(n),
+            state_slots=[0],
         )

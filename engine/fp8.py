@@ -5,17 +5,13 @@ A quantized linear weight `X.weight` [O, I] is float8_e4m3fn beside `X.weight_sc
 fmt: e4m3, weight_block_size: [bo, bi], activation_scheme: dynamic}; the real weight is the fp8 value
 times its block's scale. Reading goes through `BlockFp8Checkpoint`, so routed experts reach the
 expert stream (and its packed formats) and dense weights reach their dtype already dequantized, one
-tensor at a time. `quantize_checkpoint` writes such a checkpoint from an unquantized one (tests, tools).
+tensor at a time. `modeltools/fp8_write.py` writes such a checkpoint from an unquantized one.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import re
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -107,36 +103,3 @@ class BlockFp8Checkpoint:
 def _dtype(ckpt: Any, name: str) -> str:
     handle, _ = ckpt.where[name]
     return handle.get_slice(name).get_dtype()
-
-
-# what DeepSeek-V3 stores in fp8: every projection weight (attention, experts, shared experts, dense MLPs)
-_QUANTIZED = re.compile(r"_proj\.weight$|\.w[123]\.weight$")
-
-
-def quantize_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128)) -> Path:
-    """Copies an unquantized safetensors checkpoint to `dst` with its projection weights in block FP8."""
-    from safetensors.torch import load_file, save_file
-
-    src, dst = Path(src), Path(dst)
-    fmt = BlockFp8(block)
-    dst.mkdir(parents=True, exist_ok=True)
-    for path in src.iterdir():
-        if path.suffix != ".safetensors" and path.is_file():
-            shutil.copy2(path, dst / path.name)
-    weight_map = {}
-    for path in sorted(src.glob("*.safetensors")):
-        out = {}
-        for name, t in load_file(str(path)).items():
-            if _QUANTIZED.search(name) and t.ndim == 2:
-                out[name], out[name + SCALE_SUFFIX] = fmt.quantize(t)
-            else:
-                out[name] = t
-        save_file(out, str(dst / path.name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(out, path.name))
-    if (src / "model.safetensors.index.json").is_file():
-        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block)}
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst

@@ -23,7 +23,7 @@ class KVCacheSpec:
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         tensors, heads, width = cfg.kv_cache_layout
-        per_token = tensors * cfg.num_layers * heads * width * torch.finfo(dtype).bits // 8
+        per_token = tensors * len(cfg.kv_layers) * heads * width * torch.finfo(dtype).bits // 8
         return per_token * block_size
 
     @classmethod
@@ -35,12 +35,12 @@ class KVCacheSpec:
 def allocate_kv_cache(
     cfg: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device | str
 ) -> list[tuple[torch.Tensor, ...]]:
-    """The cache tensors of each layer, each [num_blocks * block_size, heads, width] (`cfg.kv_cache_layout`):
-    (K, V) per KV head, or MLA's single compressed latent."""
+    """The cache tensors of each layer with KV (`cfg.kv_layers`: not linear-attention ones), each
+    [num_blocks * block_size, heads, width] (`cfg.kv_cache_layout`): (K, V) per KV head, or MLA's one latent."""
     tensors, heads, width = cfg.kv_cache_layout
     shape = (spec.num_blocks * spec.block_size, heads, width)
     return [tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(tensors))
-            for _ in range(cfg.num_layers)]
+            for _ in cfg.kv_layers]
 
 
 class OutOfBlocks(Exception):

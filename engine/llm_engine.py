@@ -22,13 +22,15 @@ from engine.layerwise_prefill import LayerwisePrefill
 from engine.loader import load_model
 from engine.mode import Mode
 from engine.model_runner import ModelRunner
+from engine.multi_token import MultiTokenDecoder
 from engine.output import RequestOutput, finish_text, make_output, push_token, record_switch
 from engine.placement_plan import PlacementPlan, apply_numa
 from engine.prefix_cache import BlockHasher, PrefixCacheConfig, PrefixCacheManager, model_fingerprint
 from engine.prefix_cache.entry import EntryCodec
-from engine.sampler import SamplingError, sample
+from engine.recurrent_state import RecurrentStates
+from engine.sampler import SamplingError
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.segments import SegmentTracker
 from engine.sequence import SeqStatus, Sequence
 
@@ -63,7 +65,7 @@ class LLMEngine:
         if numerics.fast_dense and self.device.type == "cpu":
             for layer in tqdm(model.model.layers, desc=f"pack attention {numerics.fast_dense}", leave=False,
                               disable=not config.progress):
-                layer.self_attn.set_fast_dense(numerics.fast_dense)
+                layer.mixer.set_fast_dense(numerics.fast_dense)
             if numerics.fused and config.dtype == "float32":
                 from engine.models.fused_decode import build_fused_layers
 
@@ -87,7 +89,9 @@ class LLMEngine:
             else KVCacheSpec.from_budget(cfg, config.kv_cache_gib, config.block_size, config.torch_dtype)
         )
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, spec.num_blocks * spec.block_size)
-        self.runner = ModelRunner(model, spec, self.device, config.torch_dtype, defer=numerics.defer)
+        states = RecurrentStates.build(cfg, config.max_num_seqs, config.state_snapshots, config.prefix_cache,
+                                       spec.block_size, self.device)  # linear-attention layers (Qwen3-Next)
+        self.runner = ModelRunner(model, spec, self.device, config.torch_dtype, defer=numerics.defer, states=states)
         self.runner.experts.layerwise = LayerwisePrefill.build(self.layer_experts, self.numerics.layerwise_tokens,
                                                                self.device, config.torch_dtype)
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
@@ -95,13 +99,16 @@ class LLMEngine:
         self.prefix_cache = self._build_prefix_cache(spec) if config.prefix_cache else None
         self._closed_cache_stats: dict[str, dict[str, int]] = {}
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks, self.prefix_cache
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks, self.prefix_cache,
+            states,
         )
         self.eos_token_ids = set(cfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.vocab_limit = (
             self.tokenizer.vocab_size if self.tokenizer is not None and config.mask_unused_vocab else None
         )
         self._seqs: dict[str, Sequence] = {}
+        self.decoder = MultiTokenDecoder(config.multi_token, bool(model.batch_invariant(True)),
+                                         rollback=states is None)
         log.info(
             "engine ready: %s (%s) on %s, dtype %s, %d KV blocks x %d tokens, max_model_len %d; %s; "
             "exploration defers %d expert(s)/token",
@@ -117,7 +124,7 @@ class LLMEngine:
     def _build_prefix_cache(self, spec: KVCacheSpec) -> PrefixCacheManager:
         c, m = self.config, self.model_config
         tensors, heads, width = m.kv_cache_layout
-        shape = (m.num_layers, tensors, spec.block_size, heads, width)
+        shape = (len(m.kv_layers), tensors, spec.block_size, heads, width)
         return PrefixCacheManager(
             PrefixCacheConfig(
                 ram_bytes=int(c.ram_cache_gib * 2**30), disk_dir=c.disk_cache_dir,
@@ -125,7 +132,7 @@ class LLMEngine:
                 exact_chunk=c.max_num_batched_tokens,
             ),
             self.blocks, self.runner, BlockHasher(self._fingerprint, spec.block_size),
-            EntryCodec(self._fingerprint, shape, c.torch_dtype),
+            EntryCodec(self._fingerprint, shape, c.torch_dtype), states=self.runner.states,
         )
 
     @property
@@ -160,12 +167,8 @@ class LLMEngine:
                                          self.hot_set.digest() if self.hot_set is not None else None)
 
     def set_deferral(self, defer: int) -> None:
-        """Changes exploration's expert deferral from the next step on (the execution profile never defers).
-
-        Exploration sequences that have computed nothing yet are re-rooted under the new setting's chain;
-        those part-way keep their KV but stop registering prefix-cache blocks, whose KV would mix the two
-        settings. `numerics_fingerprint("exploration")` names the new setting.
-        """
+        """Changes exploration's expert deferral from the next step on (the execution profile never defers);
+        `numerics_fingerprint("exploration")` names the new setting (see `_exploration_numerics_changed`)."""
         if not 0 <= defer <= self.model_config.top_k // 2:
             raise ValueError(f"defer={defer} must be in [0, top_k/2 = {self.model_config.top_k // 2}]")
         if defer == self.numerics.defer:
@@ -242,7 +245,7 @@ class LLMEngine:
         if bad:
             raise RequestError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
         if total > self.max_model_len:
-            params = _with_max_tokens(params, self.max_model_len - len(prompt_token_ids))
+            params = replace(params, max_tokens=max(1, self.max_model_len - len(prompt_token_ids)))
         try:
             mode = Mode.parse(mode)
         except ValueError as e:
@@ -288,26 +291,39 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        logits = self.runner.run(chunks, self.blocks)  # [S, V]
+        logits = self.runner.run(chunks, self.blocks)  # [S, V]: 1 + drafts rows per sampling chunk
         for c in chunks:
             c.seq.num_computed = c.start + c.num_tokens
-            if self.prefix_cache is not None:
-                self.prefix_cache.register(c.seq, c.start, c.num_tokens, alone=len(chunks) == 1 or c.seq.mode == Mode.EXECUTION)
-        sampling = [c.seq for c in chunks if c.samples]
-        tokens = sample(logits, sampling, self.vocab_limit) if sampling else []
+        sampling = [c for c in chunks if c.samples]
+        picks = self.decoder.choose(logits, [c.seq for c in sampling], self.vocab_limit)  # drafts verified
+        alone = len(chunks) == 1
+        for c in chunks:
+            if not c.samples:
+                self._register(c, alone)
         outputs = []
-        for seq, token in zip(sampling, tokens, strict=True):
-            if isinstance(token, SamplingError):
-                self._fail(seq, str(token))
+        for c, pick in zip(sampling, picks, strict=True):
+            seq, reason = c.seq, None
+            if isinstance(pick, SamplingError):
+                self._fail(seq, str(pick))
                 outputs.append(make_output(seq))
                 continue
-            seq.output_token_ids.append(token)
-            reason = self._advance(seq, token)
+            for token in pick:
+                seq.output_token_ids.append(token)
+                if (reason := self._advance(seq, token)) is not None:
+                    break
+            self._register(c, alone)  # accepted drafts are in the output now: the blocks hash them
+            reason = reason or self.decoder.extend(seq, self._advance)  # forced tokens or next drafts
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)
             outputs.append(make_output(seq))
         return outputs
+
+    def _register(self, c: ScheduledChunk, alone: bool) -> None:
+        """Names the prefix-cache blocks the chunk completed (up to what the sequence kept of it)."""
+        if self.prefix_cache is not None:
+            n = min(c.seq.num_computed, c.seq.num_tokens) - c.start
+            self.prefix_cache.register(c.seq, c.start, n, alone=alone or c.seq.mode == Mode.EXECUTION)
 
     def _advance(self, seq: Sequence, token: int) -> str | None:
         """Text, stop conditions and mode switches after `seq` sampled `token`; the finish reason, if any.
@@ -328,10 +344,6 @@ class LLMEngine:
         elif reason is None and token in p.mode_triggers:
             self._switch(seq, p.mode_triggers[token], p.resync)
         return reason
-
-
-def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    return replace(params, max_tokens=max(1, max_tokens))
 
 
 class LLM:

@@ -16,6 +16,7 @@ from engine.expert_pipeline import ExpertPipeline
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import BlockManager, KVCacheSpec, allocate_kv_cache
 from engine.models.causal_lm import MoeForCausalLM
+from engine.recurrent_state import RecurrentStates, layer_caches
 from engine.scheduler import ScheduledChunk
 
 # Forwards of at most this many tokens run the dense path on one torch thread: their matmuls are
@@ -27,13 +28,15 @@ SMALL_FORWARD_TOKENS = 16
 class ModelRunner:
     def __init__(
         self, model: MoeForCausalLM, spec: KVCacheSpec, device: torch.device, kv_dtype: torch.dtype,
-        defer: int = 0,
+        defer: int = 0, states: RecurrentStates | None = None,
     ):
         self.model = model
         self.device = device
         self.spec = spec
         self.defer = defer
-        self.kv_caches = allocate_kv_cache(model.config, spec, kv_dtype, device)
+        self.kv_caches = allocate_kv_cache(model.config, spec, kv_dtype, device)  # KV layers only
+        self.states = states
+        self.layer_caches = layer_caches(model.config, self.kv_caches, states)  # per layer: KV or recurrent state
         self.experts = ExpertPipeline(device, worker=defer > 0)  # deferral needs the expert thread
         self.strict_experts = ExpertPipeline(device)  # execution: everything now, on this thread
         self.expert_worker = self.experts.executor
@@ -56,8 +59,7 @@ class ModelRunner:
             slot_parts.append(slots[c.start :])
             ctx_slots.append(slots)
             row += c.num_tokens
-            if c.samples:
-                rows.append(row - 1)
+            rows.extend(range(row - c.num_logits, row))
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.cat(positions),
@@ -69,11 +71,12 @@ class ModelRunner:
             exact=exact,
             defer=0 if exact else self.defer,
             expert_pipeline=self.strict_experts if exact else self.experts,
+            state_slots=[c.seq.state_slot for c in chunks] if self.states is not None else [],
         )
         return batch.to(self.device) if self.device.type != "cpu" else batch
 
     def run(self, chunks: list[ScheduledChunk], blocks: BlockManager) -> torch.Tensor:
-        """All scheduled chunks -> fp32 logits [S, V] for the chunks that sample, in chunk order."""
+        """All scheduled chunks -> fp32 logits [S, V]: `num_logits` rows per chunk that samples, in chunk order."""
         explore = [c for c in chunks if c.seq.mode != "execution"]
         execute = [c for c in chunks if c.seq.mode == "execution"]
         groups = [(explore, False)] if explore else []
@@ -84,10 +87,11 @@ class ModelRunner:
         logits: dict[int, torch.Tensor] = {}
         for group, exact in groups:
             out = self.forward(self.build_batch(group, blocks, exact))
-            for c, row in zip([c for c in group if c.samples], out, strict=True):
-                logits[id(c)] = row
+            sampling = [c for c in group if c.samples]
+            for c, rows in zip(sampling, out.split([c.num_logits for c in sampling]), strict=True):
+                logits[id(c)] = rows
         sampled = [logits[id(c)] for c in chunks if c.samples]
-        return torch.stack(sampled) if sampled else torch.empty(0, self.model.config.vocab_size)
+        return torch.cat(sampled) if sampled else torch.empty(0, self.model.config.vocab_size)
 
     @torch.inference_mode()
     def read_block(self, block: int) -> torch.Tensor:
@@ -113,7 +117,7 @@ class ModelRunner:
             if torch.get_num_threads() != want:
                 torch.set_num_threads(want)
         try:
-            hidden = self.model(batch, self.kv_caches)  # [T, H]
+            hidden = self.model(batch, self.layer_caches)  # [T, H]
         except BaseException:
             self.experts.abort()  # no deferred work of this forward may land in the next one
             raise

@@ -25,7 +25,7 @@ def classify(name: str) -> str:
         return ROUTER
     if "norm" in name:
         return NORMS
-    if ".self_attn." in name:
+    if ".self_attn." in name or ".linear_attn." in name:
         return ATTENTION
     if ".mlp." in name:
         return DENSE_MLP

@@ -101,7 +101,7 @@ class PlacementPlan:
         # per-mode copies beside the model's own weights: exploration's quantized attention and lm_head,
         # execution's fp32 lm_head and the fused execution path's packed attention and lm_head
         for layer in model.model.layers:
-            attn = layer.self_attn
+            attn = layer.mixer
             for packed, role in ((getattr(attn, "fast_qkv", None), "exploration"), (getattr(attn, "fast_o", None),
                                  "exploration"), (getattr(attn, "exact_qkv", None), "execution"),
                                  (getattr(attn, "exact_o", None), "execution")):

@@ -1,4 +1,9 @@
-"""Continuous batching: chunked prefill and decode mixed under a token budget, recompute preemption."""
+"""Continuous batching: chunked prefill and decode mixed under a token budget, recompute preemption.
+
+Linear-attention models (Qwen3-Next) carry a recurrent state per sequence (engine/recurrent_state.py): a slot
+is taken on admission and given back on finish, abort and preemption (the sequence is then recomputed), and
+with prefix-cache snapshots a prompt's prefill stops once at its last full block so its state is saved there.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from typing import Protocol
 
 from engine.kv_cache import BlockManager
 from engine.mode import Mode
+from engine.recurrent_state import RecurrentStates
 from engine.sequence import SeqStatus, Sequence
 
 
@@ -35,18 +41,22 @@ class ScheduledChunk:
     start: int  # first token position computed this step
     num_tokens: int
     samples: bool  # the chunk reaches the sequence's last token, so a next token is sampled
+    num_logits: int = 0  # trailing rows with logits: 1 + the sequence's drafts when it samples
 
     @classmethod
     def of(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
         start = seq.num_computed
-        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
+        samples = start + num_tokens == seq.num_tokens
+        return cls(seq, start, num_tokens, samples, 1 + len(seq.draft_token_ids) if samples else 0)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, prefix: PrefixMatcher | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, prefix: PrefixMatcher | None = None,
+                 states: RecurrentStates | None = None) -> None:
         self.config = config
         self.blocks = blocks
         self.prefix = prefix
+        self.states = states
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in arrival order
 
@@ -66,8 +76,21 @@ class Scheduler:
         remaining = seq.num_tokens - seq.num_computed
         if seq.mode == Mode.EXECUTION:
             align = self.config.max_num_batched_tokens
-            return min(remaining, align - seq.num_computed % align)
-        return min(remaining, budget)
+            n = min(remaining, align - seq.num_computed % align)
+        else:
+            todo = remaining
+            if self.states is not None and self.prefix is not None and seq.cache_root is not None:
+                # the state at the prompt's last full block (the longest hit a request with this prompt can
+                # take) is only saved if a forward ends there
+                bs = self.blocks.block_size
+                boundary = (len(seq.prompt_token_ids) - 1) // bs * bs
+                if seq.num_computed < boundary:
+                    todo = boundary - seq.num_computed
+            n = min(todo, budget)
+        if seq.draft_token_ids and n < remaining:  # drafts are verified in one chunk with their last token
+            seq.draft_token_ids = []
+            return self._chunk_len(seq, budget)
+        return n
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.config.max_num_batched_tokens
@@ -79,6 +102,10 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
+            if seq.draft_token_ids and not self.blocks.can_allocate(
+                    self.blocks.blocks_needed(seq.block_table, seq.num_computed + n)):
+                seq.draft_token_ids = []  # drafts never preempt anyone
+                n = self._chunk_len(seq, budget)
             while not self.blocks.can_allocate(self.blocks.blocks_needed(seq.block_table, seq.num_computed + n)):
                 victim = self.running[-1]  # the latest arrival gives way
                 self._preempt(victim)
@@ -103,6 +130,8 @@ class Scheduler:
                     self.prefix.detach(seq)
                 break
             self.waiting.popleft()
+            if self.states is not None:
+                self.states.admit(seq)  # a slot, holding the prefix hit's snapshot if there is one
             self.blocks.grow(seq.block_table, seq.num_computed + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -120,7 +149,10 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)  # its registered blocks stay cached: readmission finds them
         seq.num_computed = seq.num_cache_checked = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
+        if self.states is not None:
+            self.states.release(seq)  # recomputed on readmission (from a prefix-cache snapshot where one is kept)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -130,5 +162,7 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         self.blocks.free(seq.block_table)
+        if self.states is not None:
+            self.states.release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

@@ -103,6 +103,14 @@ class SegmentDetector:
                     return self._open(kind, index + 1, index, f"fence_open:{lang}")
         return None
 
+    def closes(self, token: int) -> bool:
+        """Whether `token` would close the open segment (without pushing it)."""
+        seg = self.open
+        if seg is None or seg.kind == "tool_call":
+            return seg is not None and token == self.tool_close_id
+        piece = self.token_bytes[token] if 0 <= token < len(self.token_bytes) else None
+        return (self._body + (piece or b"")).endswith(FENCE_CLOSE)
+
     def _open(self, kind: str, start: int, index: int, reason: str) -> Switch:
         self.segments.append(Segment(kind, start))
         return Switch(Mode.EXECUTION, reason, index, kind)
@@ -178,6 +186,19 @@ class SegmentTracker:
         elif switch.segment == "tool_call":
             self.tool_calls += 1
         return switch
+
+    def forced_token(self, ids: Sequence[int]) -> int | None:
+        """The one token the open segment's constraint allows next (engine/multi_token.py), or None: also for a
+        token that would close the segment, whose KV is computed in the mode it switches to."""
+        forced = getattr(self.constraint, "forced_token", None)
+        if self.error is not None or forced is None:
+            return None
+        try:
+            token = forced(ids[self.detector.open.start:])
+        except Exception as e:  # noqa: BLE001 - reported to this request only
+            self.error = self.error or f"{type(e).__name__}: {e}"
+            return None
+        return None if token is None or self.detector.closes(token) else token
 
     def __call__(self, ids: Sequence[int], row: torch.Tensor) -> torch.Tensor:  # row [V]
         try:

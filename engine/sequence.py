@@ -44,6 +44,9 @@ class Sequence:
     detokenizer: object | None = None
     num_reported: int = 0  # output tokens already handed to the caller
     segments: SegmentTracker | None = None  # structured segments in the output (params.segments)
+    # Speculative drafts after the output: computed with it in the next step, then verified
+    # (engine/multi_token.py); part of `token_ids`, never of the output until accepted.
+    draft_token_ids: list[int] = field(default_factory=list)
     # Prefix cache: root of the block hash chain (None: not cached), exact reuse (execution mode), the
     # chain's hashes so far, how many leading blocks are registered or came from the cache, and what the
     # latest admission found in the cache (tokens, blocks per tier).
@@ -54,6 +57,7 @@ class Sequence:
     num_cache_checked: int = 0
     num_cached_tokens: int = 0
     cache_hits: dict[str, int] = field(default_factory=dict)
+    state_slot: int | None = None  # linear-attention models: the recurrent-state slot while running
 
     def __post_init__(self) -> None:
         self.mode = Mode.parse(self.mode)
@@ -64,11 +68,11 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.draft_token_ids)
 
     @property
     def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return self.prompt_token_ids + self.output_token_ids + self.draft_token_ids
 
     @property
     def is_finished(self) -> bool:

@@ -31,6 +31,8 @@ def unused_reason(name: str, cfg: ModelConfig, extra_layers: int = 0) -> str | N
             return reason
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return "a copy of the tied input embeddings"
+    if name.startswith("mtp.") and cfg.arch == "qwen3_next":
+        return "Qwen3-Next's multi-token-prediction module (mtp.*), unused by decoding"
     m = _LAYER.match(name)
     if m and extra_layers and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + extra_layers:
         return "a multi-token-prediction layer (num_nextn_predict_layers), unused by decoding"

@@ -288,7 +288,7 @@ def constraint_suite(out_dir: Path, quick: bool) -> dict:
     if not (suite.DATA / "jsonschemabench").is_dir():
         return {"skipped": f"no benchmark data under {suite.DATA}"}
     limits = ["--schemas-per-split", "10", "--gen-per-split", "5", "--sql-limit", "20", "--sql-walks", "2",
-              "--bfcl-limit", "5"] if quick \
+              "--bfcl-limit", "5", "--decode-model", "none"] if quick \
         else ["--schemas-per-split", "150", "--gen-per-split", "40", "--sql-limit", "300", "--sql-walks", "30",
               "--bfcl-limit", "60"]
     suite.main(["--out", str(out_dir), "--parts", "json,sql,bfcl", "--timed-generations", "5", *limits])

@@ -205,6 +205,7 @@ def _start(settings: Settings, metrics: Metrics):
     from gateway.generation import Generator
     from gateway.policy_reload import PolicyReloads, deferral_for
     from gateway.stores import make_store
+    from gateway.structured.tool_formats import select_format
     from gateway.structured.vocab import TokenizerInfo
     from gateway.telemetry import setup_tracing
     from policies.watch import PolicyHolder
@@ -230,7 +231,7 @@ def _start(settings: Settings, metrics: Metrics):
                                     kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
                                     numerics=numerics_from_policy(policy, defer),
                                     disk_cache_dir=str(_kv_dir(settings)),
-                                    redis_url=settings.redis_url,
+                                    redis_url=settings.redis_url, **policy.decoding.model_dump(),
                                     progress=sys.stderr.isatty()))  # load bars on a terminal, not in logs
     if engine.tokenizer is None:
         raise ValueError(f"{model_dir_of(settings.model)} has no tokenizer.json; the gateway needs one "
@@ -241,6 +242,9 @@ def _start(settings: Settings, metrics: Metrics):
     else:  # the tokenizer a GGUF file carries
         tok = TokenizerInfo.from_json(engine.tokenizer.to_json(), sorted(engine.eos_token_ids), str(settings.model))
     _ = tok.llg, tok.token_bytes  # build the constraint vocabulary once, before the first request
+    tool_format, why = select_format(engine.model_config.arch, tok, engine.tokenizer.chat_template,
+                                     settings.tool_format)
+    log.info("tool calls in the %s format (%s)", tool_format.name, why)
     llm = AsyncLLM(engine)
     store = make_store(settings.redis_url or "", policy.stores.on_unavailable, timeout_s=policy.stores.timeout_s,
                        circuit_failures=policy.stores.circuit_failures,
@@ -252,7 +256,7 @@ def _start(settings: Settings, metrics: Metrics):
                      key=key)
     if key is None:
         log.warning("audit chain unkeyed (sha256): set %s to make it HMAC-SHA256", KEY_ENV)
-    state = AppState(settings=settings, llm=llm, generator=Generator(llm, tok, settings.strict_retries),
+    state = AppState(settings=settings, llm=llm, generator=Generator(llm, tok, settings.strict_retries, tool_format),
                      policies=policies, open_access=open_access, store=store, telemetry=tel, audit=audit,
                      metrics=metrics, fingerprints={m: numerics_fingerprint(llm, settings, m) for m in Mode}, created=int(time.time()))
     if isinstance(policies, PolicyHolder):  # reloads are checked against, and applied to, this process

@@ -26,7 +26,8 @@ from gateway.segments import ProcessorError, SegmentFences, check_policy_tools, 
 from gateway.structured.batch import default_masker
 from gateway.structured.build import build_constraint
 from gateway.structured.errors import StructuredValidationError
-from gateway.structured.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, text_before_tool_calls
+from gateway.structured.tool_formats import DEFAULT, ToolFormat
+from gateway.structured.tools import text_before_tool_calls
 from gateway.structured.vocab import TokenizerInfo
 
 __all__ = ["Generator", "Event", "Finished", "TextDelta", "ToolCall", "SegmentFences", "ProcessorError",
@@ -53,12 +54,13 @@ def bias_processor(bias: dict[int, float]) -> Callable:
 class Generator:
     """Owns the per-model pieces (tokenizer views, EOS ids, retry policy) and runs choices on an AsyncLLM."""
 
-    def __init__(self, llm: AsyncLLM, tok: TokenizerInfo, strict_retries: int = 1):
+    def __init__(self, llm: AsyncLLM, tok: TokenizerInfo, strict_retries: int = 1, tool_format: ToolFormat = DEFAULT):
         self.llm, self.tok, self.retry = llm, tok, RetryPolicy(strict_retries)
         self.tokenizer = llm.tokenizer
         self.eos_ids = sorted(llm.engine.eos_token_ids)
-        self.tool_open = tok.added_ids.get(TOOL_CALL_OPEN)
-        self.tool_close = tok.added_ids.get(TOOL_CALL_CLOSE)
+        self.tool_format = tool_format  # the family's tool-call format: its segment tokens open and close calls
+        self.tool_open, self.tool_close = (tok.added_ids.get(t) if t else None
+                                           for t in (tool_format.segment_open, tool_format.segment_close))
 
     @property
     def strict_retries(self) -> int:
@@ -110,7 +112,7 @@ class Generator:
         reason = out.finish_reason or "stop"
         if plan.kind == "tool_calls":
             check_policy_tools(plan, value)
-            before = text_before_tool_calls(out.text)
+            before = text_before_tool_calls(out.text, plan.tool_format)
             if before:
                 yield TextDelta(before)
             for call in value:
@@ -131,11 +133,9 @@ class Generator:
                 last = out
         return last
 
-    def _min_call_tokens(self, tools: list[dict]) -> int:
+    def _min_call_tokens(self, tools: list[dict], fmt: ToolFormat) -> int:
         """A budget under which a tool call cannot complete: twice the shortest call with empty arguments."""
-        shortest = min(len(self.tokenizer.encode(f'{TOOL_CALL_OPEN}\n{{"name": "{t["function"]["name"]}", '
-                                                 f'"arguments": {{}}}}\n{TOOL_CALL_CLOSE}')) for t in tools)
-        return 2 * shortest
+        return 2 * min(len(self.tokenizer.encode(fmt.example_call(t["function"]["name"]))) for t in tools)
 
     # -- free text with segments --------------------------------------------------------------
     async def run_free(self, plan: Plan, rid: str, index: int = 0, attempt: int = 0,
@@ -145,7 +145,7 @@ class Generator:
         fences = fences or SegmentFences(plan.tools)
         tools_on = bool(fences.tools) and plan.tool_choice != "none"
         rules = segment_rules(self.tok, self.eos_ids, plan, fences,
-                              self._min_call_tokens(fences.tools) if tools_on else 0)
+                              self._min_call_tokens(fences.tools, plan.tool_format) if tools_on else 0)
         params = self._params(plan, [], index, attempt, segments=rules)
         decisions, validations, calls = [self._decision(plan)], [], 0
         last: RequestOutput | None = None

@@ -33,6 +33,8 @@ class Metrics:
                                   ["tier", "counter"], registry=r)
         self.hot_set = Gauge("moegate_hot_set", "Dynamic hot set (engine): version, swaps, pending, hit_rate",
                              ["counter"], registry=r)
+        self.multi_token = Gauge("moegate_multi_token_tokens", "Multi-token decoding (engine): forced (jump-forward), "
+                                 "sampled, drafted and accepted tokens since start", ["counter"], registry=r)
 
     def render(self, llm=None) -> bytes:
         """The exposition text; engine gauges are read from `llm` at scrape time."""
@@ -46,4 +48,7 @@ class Metrics:
             hot = getattr(getattr(llm, "engine", None), "hot_set", None)
             for name, value in (hot.stats() if hot is not None else {}).items():
                 self.hot_set.labels(name).set(value)
+            decoder = getattr(getattr(llm, "engine", None), "decoder", None)
+            for name, value in (decoder.stats.as_dict() if decoder is not None else {}).items():
+                self.multi_token.labels(name).set(value)
         return generate_latest(self.registry)

@@ -17,6 +17,7 @@ from gateway.structured.build import json_schema_spec
 from gateway.structured.errors import StructuredOutputError
 from gateway.structured.sql_grammar import sql_spec
 from gateway.structured.sql_schema import DIALECTS, DatabaseSchema, SQLPolicy
+from gateway.structured.tool_formats import DEFAULT, ToolFormat
 from gateway.structured.tools import tool_call_spec
 from gateway.structured.validate import validate_json, validate_sql, validate_tool_calls
 from gateway.structured.vocab import TokenizerInfo
@@ -47,6 +48,7 @@ class Plan:
     tools: list[dict] = field(default_factory=list)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    tool_format: ToolFormat = DEFAULT  # the model family's tool-call wire format
     policy: ResolvedPolicy | None = None
 
     @property
@@ -120,7 +122,7 @@ def _dialect(name: str) -> str:
 
 
 def chat_plan(body: ChatCompletionRequest, prompt_ids: list[int], rp: ResolvedPolicy, tok: TokenizerInfo,
-              vocab_size: int, max_tokens: int) -> Plan:
+              vocab_size: int, max_tokens: int, tool_format: ToolFormat = DEFAULT) -> Plan:
     if body.logprobs or body.top_logprobs:
         raise bad_request("logprobs are not supported", "logprobs", "unsupported_parameter")
     if body.max_tokens is not None and body.max_completion_tokens is not None:
@@ -144,10 +146,13 @@ def chat_plan(body: ChatCompletionRequest, prompt_ids: list[int], rp: ResolvedPo
     features = request_features(response_format=fmt_type, tools=bool(tools),
                                 tool_choice=choice if not isinstance(choice, dict) else "named")
     decision = classify(features, rp.execution_when)
+    if tools and choice != "none" and tool_format.segment_open is None and decision.mode != Mode.EXECUTION:
+        # no single token opens this format's calls inside free text: the turn is constrained as a whole
+        decision = Decision(Mode.EXECUTION, f"tool_format:{tool_format.name}")
     plan = Plan(prompt_ids=prompt_ids, max_tokens=max_tokens, decision=decision, features=features,
                 segment_modes=dict(rp.segments), tools=tools, tool_choice=choice,
                 parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls,
-                policy=rp, **_common(body, vocab_size, rp.temperature[decision.mode]))
+                tool_format=tool_format, policy=rp, **_common(body, vocab_size, rp.temperature[decision.mode]))
     if plan.execution and plan.stop:
         raise bad_request("stop cannot be combined with a structured output (it would cut it)", "stop")
     try:
@@ -164,8 +169,9 @@ def chat_plan(body: ChatCompletionRequest, prompt_ids: list[int], rp: ResolvedPo
             plan.validate = lambda text: validate_sql(text, db, sql_policy)
         elif plan.execution and tools and choice != "none":
             plan.kind = "tool_calls"
-            plan.spec = tool_call_spec(tools, tok, choice or "auto", plan.parallel_tool_calls)
-            plan.validate = lambda text: validate_tool_calls(text, tools, choice or "auto", plan.parallel_tool_calls)
+            plan.spec = tool_call_spec(tools, tok, choice or "auto", plan.parallel_tool_calls, tool_format)
+            plan.validate = lambda text: validate_tool_calls(text, tools, choice or "auto", plan.parallel_tool_calls,
+                                                             tool_format)
     except StructuredOutputError as e:
         raise APIError(e.http_status, str(e), param="response_format" if fmt_type else "tools", code=e.code) from None
     if plan.execution and plan.spec is None:  # the policy forces execution on an unstructured request

@@ -78,6 +78,9 @@ class PolicyReloads:
                 issues.append(_issue(f"modes.{mode}.precision", f"the {mode} precision profile changed ({changed}); "
                                      "expert and projection weights are packed once at start, so a precision "
                                      "change needs a restart"))
+        if new.decoding != current.decoding:
+            issues.append(_issue("decoding", f"decoding changed ({current.decoding} -> {new.decoding}); the engine's "
+                                             "multi-token decoding is set at start, so it needs a restart"))
         if new.stores.timeout_s != current.stores.timeout_s and hasattr(self.state.store, "breaker"):
             issues.append(_issue("stores.timeout_s", f"stores.timeout_s changed ({current.stores.timeout_s} -> "
                                                      f"{new.stores.timeout_s}); the redis connections are set up "

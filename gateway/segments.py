@@ -17,7 +17,8 @@ from gateway.structured.constraint import Constraint
 from gateway.structured.errors import StructuredOutputError, StructuredValidationError
 from gateway.structured.segment import segment_body, segment_spec
 from gateway.structured.sql_schema import DatabaseSchema, SQLPolicy
-from gateway.structured.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, tool_call_spec
+from gateway.structured.tool_formats import DEFAULT, ToolFormat
+from gateway.structured.tools import tool_call_spec
 from gateway.structured.validate import validate_json, validate_sql, validate_tool_calls
 from gateway.structured.vocab import TokenizerInfo
 from policies.resolve import PolicyDenied
@@ -38,13 +39,19 @@ class SegmentFences:
     sql: tuple[DatabaseSchema, SQLPolicy] | None = None
 
 
-def segment_factory(tok: TokenizerInfo, eos_ids: Sequence[int], max_tokens: int,
-                    fences: SegmentFences) -> Callable[[str, int], Constraint]:
-    """`make(kind, start)`: the constraint of a segment opened at generated-token index `start`."""
+def _segment_parallel(plan: Plan) -> bool:
+    """Whether one tool-call segment may hold several calls (formats whose block holds the turn's calls)."""
+    return plan.tool_format.segment_holds_all and plan.parallel_tool_calls
+
+
+def segment_factory(tok: TokenizerInfo, eos_ids: Sequence[int], max_tokens: int, fences: SegmentFences,
+                    fmt: ToolFormat = DEFAULT, parallel: bool = False) -> Callable[[str, int], Constraint]:
+    """`make(kind, start)`: the constraint of a segment opened at generated-token index `start` (`parallel`:
+    a tool-call segment may hold several calls)."""
     def make(kind: str, start: int) -> Constraint:
         remaining = max(1, max_tokens - start)
-        if kind == "tool_call":  # one call per segment, starting with the <tool_call> token itself
-            spec = tool_call_spec(fences.tools, tok, "required", parallel_tool_calls=False)
+        if kind == "tool_call":  # the call(s) of one segment, starting with its opening token itself
+            spec = tool_call_spec(fences.tools, tok, "required", parallel, fmt)
         elif kind == "json_fence":
             spec = segment_spec("json")
         else:
@@ -62,18 +69,21 @@ def segment_rules(tok: TokenizerInfo, eos_ids: Sequence[int], plan: Plan, fences
     banned in free text."""
     modes = {**plan.segment_modes, "tool_call": Mode.EXECUTION}  # a tool call is always acted upon
     langs = {"json"} | ({"sql"} if fences.sql is not None else set())
-    tool_open, tool_close = tok.added_ids.get(TOOL_CALL_OPEN), tok.added_ids.get(TOOL_CALL_CLOSE)
+    fmt = plan.tool_format
+    tool_open, tool_close = (tok.added_ids.get(t) if t else None for t in (fmt.segment_open, fmt.segment_close))
     tools_on = bool(fences.tools) and plan.tool_choice != "none"
+    one_segment = fmt.segment_holds_all or not plan.parallel_tool_calls
 
     def banned(n_generated: int, calls: int) -> list[int]:
         out = [tool_close] if tool_close is not None else []
-        if tool_open is not None and (not tools_on or (not plan.parallel_tool_calls and calls)
+        if tool_open is not None and (not tools_on or (one_segment and calls)
                                       or plan.max_tokens - n_generated < min_call):
             out.append(tool_open)
         return out
 
     return SegmentRules(tok.token_bytes, tool_open, tool_close, modes, frozenset(langs),
-                        constraint=segment_factory(tok, eos_ids, plan.max_tokens, fences), banned=banned,
+                        constraint=segment_factory(tok, eos_ids, plan.max_tokens, fences, fmt, _segment_parallel(plan)),
+                        banned=banned,
                         eos_ids=tuple(eos_ids))
 
 
@@ -91,7 +101,7 @@ def finish_segment(plan: Plan, fences: SegmentFences, end: SegmentEnd,
     kind, text = end.switch.segment, end.text
     try:
         if kind == "tool_call":
-            calls = validate_tool_calls(text, fences.tools, "required", parallel_tool_calls=False)
+            calls = validate_tool_calls(text, fences.tools, "required", _segment_parallel(plan), plan.tool_format)
             check_policy_tools(plan, calls)
             validations.append(Validation(kind, True))
             return [ToolCall(c["name"], c["arguments"]) for c in calls]

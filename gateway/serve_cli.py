@@ -24,6 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
     p.add_argument("--max-queue", type=int, default=None, help="requests in flight before 429 (default 64)")
     p.add_argument("--state-dir", default=None, help="audit log and trace file directory")
+    p.add_argument("--tool-format", default=None, help="tool-call format: qwen, deepseek_v31, deepseek_v3, "
+                   "harmony, glm45 (default: the checkpoint's family, else qwen; docs/gateway.md)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
 
@@ -38,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = from_env(model=args.model, model_name=args.model_name, policy_path=args.config, host=args.host,
-                            port=args.port, device=args.device, max_queue=args.max_queue, state_dir=args.state_dir)
+                            port=args.port, device=args.device, max_queue=args.max_queue, state_dir=args.state_dir,
+                            tool_format=args.tool_format)
     except (ModelNotFound, PolicyError, ValueError) as e:
         print(f"moegate serve: {e}", file=sys.stderr)
         return 2

@@ -40,6 +40,7 @@ class Settings:
     max_request_bytes: int = 2_000_000
     request_timeout_s: float = 300.0
     strict_retries: int = 1  # regenerations (greedy, constrained) after a failed validation
+    tool_format: str | None = None  # tool-call format (gateway/structured/tool_formats); None: the checkpoint's family
     state_dir: Path = field(default_factory=default_state_dir)  # audit log and trace file
     redis_url: str | None = None
     otlp_endpoint: str | None = None
@@ -52,6 +53,10 @@ class Settings:
             raise ValueError("max_queue, max_request_bytes and request_timeout_s must be positive")
         if self.strict_retries < 0:
             raise ValueError(f"strict_retries must be >= 0, got {self.strict_retries}")
+        if self.tool_format is not None:
+            from gateway.structured.tool_formats import get_format
+
+            get_format(self.tool_format)  # ToolFormatError (a ValueError) naming the known formats
         object.__setattr__(self, "state_dir", Path(self.state_dir))
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")

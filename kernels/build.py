@@ -28,8 +28,23 @@ VARIANT_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "generic": [],
 }
+_P = ctypes.c_void_p
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+class DecodeLayerParams(ctypes.Structure):
+    """Mirror of struct DecodeLayerParams in kernels/csrc/decode_layer.h."""
+
+    _fields_ = [(n, ctypes.c_int64) for n in ("H", "NH", "KV", "D", "E", "topk", "I", "norm_topk", "qk_norm",
+                                              "window")] + [
+        ("eps", ctypes.c_double), ("scale", ctypes.c_double),
+        ("ln1", _P), ("ln2", _P), ("qn", _P), ("kn", _P),
+        ("dense_fmt", ctypes.c_int64), ("dense_gs", ctypes.c_int64),
+        ("qkv_w", _P), ("qkv_s", _P), ("qkv_m", _P), ("o_w", _P), ("o_s", _P), ("o_m", _P),
+        ("router", _P), ("exp_fmt", ctypes.c_int64), ("exp_gs", ctypes.c_int64),
+        ("gu_w", _P), ("gu_s", _P), ("gu_m", _P), ("dn_w", _P), ("dn_s", _P), ("dn_m", _P),
+    ]
 
 
 class KernelBuildError(RuntimeError):
@@ -153,6 +168,8 @@ def load(variant: str) -> ctypes.CDLL | None:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
+    """Every C entry point's ctypes signature: the one place they are declared (kernels/bindings.py calls
+    them for code outside kernels/)."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.moegate_fused_moe.restype = ctypes.c_int
     lib.moegate_fused_moe.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i64, i64,
@@ -172,3 +189,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.moegate_apply_bitmask.argtypes = [p, p, i64, i64, i64, i64]
     lib.moegate_stream_triad.restype = ctypes.c_double
     lib.moegate_stream_triad.argtypes = [p, p, p, i64, ctypes.c_int, ctypes.c_int]
+    if hasattr(lib, "moegate_decode_layer"):  # absent from an earlier revision's kernel (benchmarks)
+        lib.moegate_decode_layer.restype = ctypes.c_int
+        lib.moegate_decode_layer.argtypes = [ctypes.POINTER(DecodeLayerParams), p, i64, p, p, p, p, p, p, p, p, p,
+                                             ctypes.c_int]

@@ -60,6 +60,9 @@ class Precision:
 PRECISIONS = {name: Precision(name, REGISTRY[name].bits, REGISTRY[name].group_size, scale_bytes=2)
               for name in formats_for("experts")} | {"fp16": Precision("fp16", 16)}
 EXPERT_PRECISIONS = tuple(sorted(formats_for("experts"), key=lambda name: REGISTRY[name].bits))  # int4 .. fp32
+# Linear-attention models (Qwen3-Next): recurrent-state slots the engine allocates by default, one per running
+# sequence (max_num_seqs 32) and as many prefix-cache snapshots (engine/recurrent_state.py); counted with the KV.
+STATE_SLOTS = 64
 DENSE_PRECISIONS = ("bf16", "fp16", "fp32")
 
 
@@ -124,6 +127,7 @@ class Plan:
     experts_by_mode: dict[str, int] = field(default_factory=dict)  # exploration / execution / resident (both)
     load_peak_bytes: int = 0  # host anonymous memory while loading: resident host weights + working set
     load_working_bytes: int = 0  # of which the bounded working set (tensors in flight), not process overhead
+    state_bytes: int = 0  # linear-attention models: recurrent-state slots (STATE_SLOTS), where the KV cache is
 
 
 def measure_bandwidth(total_mb: int = 256, repeats: int = 4) -> float:
@@ -217,12 +221,13 @@ def build_plan(model_dir: str | Path, opts: PlanOptions, bandwidth_gbps: float) 
     hot_bytes = hot * n_moe * per_expert * dense_prec.bits // 8
     kv_per_token = shape.kv_bytes_per_token(dense_prec.bits)
     kv_bytes = kv_per_token * opts.kv_tokens
+    state_bytes = shape.state_bytes_per_sequence * STATE_SLOTS
     profiles = _expert_profiles(shape, opts)
     resident = profiles["resident"]
     if opts.device == "cuda":
-        fast, host = dense_bytes + hot_bytes + kv_bytes, resident
+        fast, host = dense_bytes + hot_bytes + kv_bytes + state_bytes, resident
     else:
-        fast, host = 0, dense_bytes + resident + kv_bytes
+        fast, host = 0, dense_bytes + resident + kv_bytes + state_bytes
     working = _load_working_set(shape, opts, resident)
     load_peak = resident + (dense_bytes if opts.device == "cpu" else 0) + working
 
@@ -232,7 +237,7 @@ def build_plan(model_dir: str | Path, opts: PlanOptions, bandwidth_gbps: float) 
     dense_streamed = dense_bytes - nbytes[EMBED] - nbytes[LM_HEAD] + lm_head
     dense_streamed += shape.hidden_size * dense_prec.bits // 8
     active_experts = shape.top_k * n_moe * one_expert
-    streamed = dense_streamed + active_experts + kv_per_token * opts.context_tokens
+    streamed = dense_streamed + active_experts + kv_per_token * opts.context_tokens + shape.state_bytes_per_sequence
     check, disk = _checkpoint_check(shape, model_dir)
     cache_bytes = int(opts.cache_gb * GIB)
     return Plan(
@@ -245,6 +250,7 @@ def build_plan(model_dir: str | Path, opts: PlanOptions, bandwidth_gbps: float) 
         decode_ceiling_tok_s=bandwidth_gbps * 1e9 / streamed,
         experts_ceiling_tok_s=bandwidth_gbps * 1e9 / active_experts,
         checkpoint_check=check, experts_by_mode=profiles, load_peak_bytes=load_peak, load_working_bytes=working,
+        state_bytes=state_bytes,
     )
 
 
@@ -267,6 +273,9 @@ def format_plan(plan: Plan) -> str:
             lines.append(f"{part:<16}{plan.params[part]:>16,}{_gib(plan.bytes[part]):>14}")
     kv = f"KV cache ({o.kv_tokens:,} tokens x {plan.kv_bytes_per_token:,} B)"
     lines += ["", f"{kv:<44}{_gib(plan.kv_bytes)}"]
+    if plan.state_bytes:
+        state = f"recurrent state ({STATE_SLOTS} slots x {plan.state_bytes // STATE_SLOTS:,} B)"
+        lines.append(f"{state:<44}{_gib(plan.state_bytes)}   (linear-attention layers: running + prefix snapshots)")
     if o.device == "cuda":
         lines += [
             f"{'GPU: dense part + KV + hot experts':<44}{_gib(plan.fast_device_bytes)}"

@@ -28,7 +28,7 @@ class RandomCheckpointError(ValueError):
 
 def chatml_template() -> str:
     """The ChatML + tools template every random checkpoint ships (Qwen2.5/Qwen3 tool-call format)."""
-    return (resources.files("modeltools") / "chatml_tools.jinja").read_text(encoding="utf-8")
+    return (resources.files("engine.chat_templates") / "chatml_tools.jinja").read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,24 @@ def estimate_params(vocab_rows: int, hidden_size: int, num_layers: int, num_expe
     return 2 * vocab_rows * hidden_size + num_layers * (attn + experts + num_experts * hidden_size)
 
 
+def _random_model(model_cls: Any, config: Any, seed: int) -> torch.nn.Module:
+    """transformers' own initialisation under `seed`, then norms and biases perturbed away from 1 / 0 and
+    DeepSeek-V3's score-correction bias made to steer, so that a loader mixing them up is caught."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.ndim == 1 or name.endswith("_bias"):  # norms (ones), biases (zeros; GPT-OSS's expert
+                    base = 1.0 if name.endswith("norm.weight") else 0.0  # biases are [E, N]): distinguishable
+                    p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):  # a saved buffer (DeepSeek-V3): make it steer
+                    b.copy_(0.05 * torch.randn(b.shape, generator=gen))
+    return model
+
+
 def write_random_checkpoint(
     out_dir: str | Path,
     arch: str = "qwen3_moe",
@@ -178,18 +196,7 @@ def write_random_checkpoint(
     )
 
     steps.set_postfix_str("init")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(config)
-        gen = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.ndim == 1 or name.endswith("_bias"):  # norms (ones), biases (zeros; GPT-OSS's expert
-                    base = 1.0 if name.endswith("norm.weight") else 0.0  # biases are [E, N]): distinguishable
-                    p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
-            for name, b in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):  # a saved buffer (DeepSeek-V3): make it steer
-                    b.copy_(0.05 * torch.randn(b.shape, generator=gen))
+    model = _random_model(model_cls, config, seed)
     steps.update()
     model = model.to(DTYPES[dtype])
     model.generation_config = GenerationConfig(

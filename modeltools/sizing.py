@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.archs import SUPPORTED_ARCHS
-from engine.config import ModelConfig
+from engine.archs import SUPPORTED_ARCHS, LinearAttentionDims
+from engine.config import ModelConfig, read_hf_config
 from engine.errors import CheckpointError, UnsupportedArchitectureError
 from engine.parts import (
     ATTENTION,
@@ -65,6 +65,10 @@ class ModelShape:
     attention_sinks: bool = False  # GPT-OSS: one sink logit per head and layer
     expert_bias: bool = False  # GPT-OSS: biases on every expert's gate_up and down
     qk_norm: str = "none"  # ModelConfig.qk_norm
+    # Qwen3-Next: gated DeltaNet layers (no KV; a recurrent state per sequence) and q_proj's output gate
+    linear_attention: LinearAttentionDims | None = None
+    num_linear_layers: int = 0
+    attention_output_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -84,23 +88,24 @@ class ModelShape:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelShape:
-        from engine.gguf import find_gguf, hf_config
-
-        if (gguf_file := find_gguf(model_dir)) is not None:  # a GGUF file: its metadata as a config
-            return cls.from_hf(hf_config(gguf_file))
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise SizingError(f"{path} not found: `moegate plan --model DIR` needs a checkpoint directory "
-                              "with a config.json")
+        """From config.json or a GGUF file's metadata, read as the engine reads them (engine.config)."""
         try:
-            return cls.from_hf(json.loads(path.read_text()))
-        except json.JSONDecodeError as exc:
-            raise SizingError(f"{path} is not valid JSON: {exc}") from exc
+            return cls.from_hf(read_hf_config(model_dir))
+        except CheckpointError as exc:
+            raise SizingError(str(exc)) from exc
 
     def kv_bytes_per_token(self, bits: int) -> int:
         """KV cache bytes of one token over every layer: K and V per KV head, or MLA's latent."""
         tensors, heads, width = self.kv_cache_layout
-        return tensors * self.num_layers * heads * width * bits // 8
+        return tensors * (self.num_layers - self.num_linear_layers) * heads * width * bits // 8
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """fp32 recurrent state of one sequence over the linear-attention layers (0 without them)."""
+        la = self.linear_attention
+        if la is None:
+            return 0
+        return 4 * la.state_elements * self.num_linear_layers
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelShape:
@@ -126,7 +131,8 @@ class ModelShape:
             kv_cache_layout=cfg.kv_cache_layout, mla=mla,
             router_bias=cfg.router in ("sigmoid_grouped", "topk_softmax"), shared_expert_gate=cfg.shared_expert_gate,
             o_proj_bias=cfg.o_proj_bias, attention_sinks=cfg.attention_sinks, expert_bias=cfg.expert_bias,
-            qk_norm=cfg.qk_norm,
+            qk_norm=cfg.qk_norm, linear_attention=cfg.linear_attention, num_linear_layers=len(cfg.linear_layers),
+            attention_output_gate=cfg.attention_output_gate,
         )
 
 
@@ -148,15 +154,16 @@ def weights(shape: ModelShape) -> list[Weight]:
     h, hd, heads, kv = shape.hidden_size, shape.head_dim, shape.num_heads, shape.num_kv_heads
     n_moe = shape.num_moe_layers
     n_dense = shape.num_layers - n_moe
-    layers = shape.num_layers
-    out = [Weight(EMBED, (shape.vocab_size, h), 1), Weight(NORMS, (h,), 2 * layers + 1)]
+    out = [Weight(EMBED, (shape.vocab_size, h), 1), Weight(NORMS, (h,), 2 * shape.num_layers + 1)]
+    layers = shape.num_layers - shape.num_linear_layers  # attention layers
+    out += _linear_attention_weights(shape)
     if not shape.tie_word_embeddings:
         out.append(Weight(LM_HEAD, (shape.vocab_size, h), 1))
     if shape.mla is not None:
         out += _latent_attention_weights(shape)
     else:
         out += [
-            Weight(ATTENTION, (heads * hd, h), layers),  # q_proj
+            Weight(ATTENTION, ((2 if shape.attention_output_gate else 1) * heads * hd, h), layers),  # q_proj
             Weight(ATTENTION, (kv * hd, h), 2 * layers),  # k_proj, v_proj
             Weight(ATTENTION, (h, heads * hd), layers),  # o_proj
         ]
@@ -190,6 +197,18 @@ def weights(shape: ModelShape) -> list[Weight]:
         di = shape.dense_intermediate_size
         out += [Weight(DENSE_MLP, (di, h), 2 * n_dense), Weight(DENSE_MLP, (h, di), n_dense)]
     return out
+
+
+def _linear_attention_weights(shape: ModelShape) -> list[Weight]:
+    """Qwen3-Next's gated DeltaNet layers: in_proj_qkvz, in_proj_ba, conv1d, dt_bias and A_log, norm, out_proj."""
+    la, n, h = shape.linear_attention, shape.num_linear_layers, shape.hidden_size
+    if la is None or not n:
+        return []
+    value = la.num_value_heads * la.value_head_dim
+    return [Weight(ATTENTION, (2 * la.num_key_heads * la.key_head_dim + 2 * value, h), n),
+            Weight(ATTENTION, (2 * la.num_value_heads, h), n), Weight(ATTENTION, (la.conv_dim, 1, la.conv_kernel), n),
+            Weight(ATTENTION, (la.num_value_heads,), 2 * n), Weight(NORMS, (la.value_head_dim,), n),
+            Weight(ATTENTION, (h, value), n)]
 
 
 def _latent_attention_weights(shape: ModelShape) -> list[Weight]:

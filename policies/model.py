@@ -4,24 +4,27 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
-    field_validator,
     model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
-from sqlglot.dialects.dialect import Dialects
 
 from engine.mode import Mode
-from policies.resolve import ResolvedPolicy, resolve
+from policies.resolve import PolicyDenied, ResolvedPolicy
+from policies.sections import SQL_DIALECTS as SQL_DIALECTS
+from policies.sections import AuditSettings as AuditSettings
+from policies.sections import HotExperts as HotExperts
+from policies.sections import Limits as Limits
+from policies.sections import PrecisionProfile as PrecisionProfile
+from policies.sections import RedactionRule as RedactionRule
+from policies.sections import SqlRules as SqlRules
+from policies.sections import StrictModel as _Strict
 
 # engine.mode.Mode in policy files: the schema and its errors list the plain words; values become Mode members.
 PolicyMode = Annotated[Literal[tuple(m.value for m in Mode)], AfterValidator(Mode)]
@@ -29,7 +32,6 @@ ExecutionTrigger = Literal["json_schema", "json_object", "tools_required", "tool
 SegmentKind = Literal["json_fence", "sql_fence", "tool_call"]
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]*$", max_length=200)]
 KEY_HASH_PATTERN = r"^sha256:[0-9a-f]{64}$"
-SQL_DIALECTS = sorted(d.value for d in Dialects if d.value)
 
 
 def hash_api_key(api_key: str) -> str:
@@ -37,33 +39,9 @@ def hash_api_key(api_key: str) -> str:
     return "sha256:" + hashlib.sha256(api_key.encode("utf-8")).hexdigest()
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 class ApiKey(_Strict):
     hash: Annotated[str, Field(pattern=KEY_HASH_PATTERN, description="`sha256:<hex>` of the key")]
     name: str = ""
-
-
-class Limits(_Strict):
-    """Per-tenant limits. `None` means unlimited; fields left out of an override inherit."""
-
-    requests_per_min: Annotated[int, Field(gt=0)] | None = None
-    request_burst: Annotated[int, Field(gt=0)] | None = None
-    tokens_per_min: Annotated[int, Field(gt=0)] | None = None
-    token_burst: Annotated[int, Field(gt=0)] | None = None
-    concurrency: Annotated[int, Field(gt=0)] | None = None
-    max_tokens: Annotated[int, Field(gt=0)] | None = None
-    tokens_per_day: Annotated[int, Field(gt=0)] | None = None
-
-    def overlay(self, override: Limits | None) -> Limits:
-        """Fields explicitly set in `override` (even to null) replace ours."""
-        if override is None:
-            return self
-        values = self.model_dump()
-        values.update({k: getattr(override, k) for k in override.model_fields_set})
-        return Limits(**values)
 
 
 class ModeSettings(_Strict):
@@ -107,92 +85,6 @@ class Modes(ModeRules):
         return self
 
 
-class HotExperts(_Strict):
-    """Routed experts served from a faster tier, chosen by routing counts: on the GPU (`gpu_per_layer`,
-    bf16; ignored without CUDA) or kept at `formatting_dtype` in host memory (`exact_share`, mixed
-    precision). Exploration profiles only: execution's numerics must not depend on the traffic."""
-
-    gpu_per_layer: Annotated[int, Field(ge=0, description="experts per MoE layer resident on the GPU")] = 0
-    exact_share: Annotated[float, Field(ge=0, le=1, description=(
-        "share of each layer's experts kept at formatting_dtype in host memory (mixed precision)"))] = 0.0
-    strategy: Annotated[Literal["uniform", "frequency", "dynamic"], Field(description=(
-        "uniform: experts 0..n-1; frequency: the most routed in stats_file; dynamic: starts from stats_file "
-        "(or uniform) and follows the traffic, swaps applied between engine steps"))] = "dynamic"
-    stats_file: Annotated[str | None, Field(description="routing counts (JSON) written by the engine")] = None
-    interval_steps: Annotated[int, Field(ge=1, description="engine steps between two looks at the counts")] = 64
-    decay: Annotated[float, Field(gt=0, le=1, description="weight kept by older counts at each look")] = 0.95
-    threshold: Annotated[float, Field(ge=0, lt=1, description=(
-        "a swap must move more than this share of its layer's activations to the faster tier"))] = 0.02
-    max_swaps: Annotated[int, Field(ge=1, description="swaps applied per look, at most")] = 2
-
-    @model_validator(mode="after")
-    def _consistent(self) -> HotExperts:
-        if not self.gpu_per_layer and not self.exact_share:
-            raise PydanticCustomError("hot_experts", "hot_experts needs gpu_per_layer > 0 or exact_share > 0", {})
-        if self.strategy == "dynamic" and self.gpu_per_layer and self.exact_share:
-            raise PydanticCustomError("hot_experts", "a dynamic hot set is gpu_per_layer or exact_share, not both",
-                                      {})
-        if self.strategy == "frequency" and not self.stats_file:
-            raise PydanticCustomError("hot_experts", "strategy frequency needs stats_file", {})
-        return self
-
-
-class PrecisionProfile(_Strict):
-    routed_experts: Literal["int4", "int8", "bf16"] = "int4"
-    formatting_layers: Annotated[int, Field(ge=0, description="last N layers kept at formatting_dtype")] = 0
-    formatting_dtype: Literal["int8", "bf16", "fp32"] = "bf16"
-    lm_head: Literal["int4", "int8", "bf16", "fp32"] = "bf16"
-    attention: Annotated[Literal["model", "int8", "int4", "bf16"], Field(
-        description="attention q/k/v/o projections on CPU; 'model' keeps the checkpoint's weights")] = "model"
-    hot_experts: HotExperts | None = None
-
-
-class SqlRules(_Strict):
-    dialect: str = Field(description=f"sqlglot dialect, one of: {', '.join(SQL_DIALECTS)}")
-    read_only: bool = True
-    allowed_tables: list[str] = Field(default_factory=list, description="lower-cased; `schema.table` allowed")
-    row_limit: Annotated[int, Field(gt=0)] | None = 1000
-
-    @field_validator("dialect")
-    @classmethod
-    def _known_dialect(cls, v: str) -> str:
-        if v not in SQL_DIALECTS:
-            raise PydanticCustomError("sql_dialect", "unknown SQL dialect '{d}'; known: {known}",
-                                      {"d": v, "known": ", ".join(SQL_DIALECTS)})
-        return v
-
-    @field_validator("allowed_tables")
-    @classmethod
-    def _lower_tables(cls, v: list[str]) -> list[str]:
-        return [t.lower() for t in v]
-
-
-class RedactionRule(_Strict):
-    pattern: str
-    replacement: str = "[REDACTED]"
-
-    @field_validator("pattern")
-    @classmethod
-    def _compiles(cls, v: str) -> str:
-        try:
-            re.compile(v)
-        except re.error as exc:
-            raise PydanticCustomError("regex", "invalid regular expression: {err}", {"err": str(exc)}) from None
-        return v
-
-
-class AuditSettings(_Strict):
-    level: Literal["off", "metadata", "full"] = "metadata"
-    redact: list[RedactionRule] = Field(default_factory=list)
-    fsync: Literal["always", "interval", "never"] = "interval"
-    fsync_interval_s: Annotated[float, Field(gt=0)] = 1.0
-
-    def redact_text(self, text: str) -> str:
-        for rule in self.redact:
-            text = re.sub(rule.pattern, rule.replacement, text)
-        return text
-
-
 class StoreSettings(_Strict):
     on_unavailable: Literal["fail_open", "fail_closed"] = "fail_closed"
     timeout_s: Annotated[float, Field(gt=0, le=30, description="socket timeout of each redis call (opening a connection: at least 2 s)")] = 0.5
@@ -203,6 +95,21 @@ class StoreSettings(_Strict):
         "seconds the circuit stays open before one call probes redis"))] = 5.0
     idempotency_ttl_s: Annotated[int, Field(gt=0)] = 86400
     idempotency_wait_s: Annotated[float, Field(ge=0)] = 30.0
+
+
+class DecodingSettings(_Strict):
+    """Multi-token decoding (the engine's jump-forward and prompt-lookup speculation); fixed at start."""
+
+    jump_forward_tokens: Annotated[int, Field(ge=0, le=256, description=(
+        "constrained execution output: tokens the grammar forces (the only token its mask allows) appended per "
+        "step without a forward each, their KV computed in one chunk; the bytes equal token-by-token decoding. "
+        "0: off"))] = 32
+    speculative_tokens: Annotated[int, Field(ge=0, le=16, description=(
+        "unconstrained output: tokens drafted per step by matching the last tokens earlier in prompt and output, "
+        "verified in one forward (greedy keeps the agreeing prefix; sampling keeps the output distribution). "
+        "Pays only on repetitive output (echoed tables, quoted text); 0: off"))] = 0
+    speculative_ngram: Annotated[int, Field(ge=1, le=8, description=(
+        "longest tail (tokens) matched to find drafts; shorter ones down to 1 are tried next"))] = 3
 
 
 class ModelEntry(_Strict):
@@ -243,6 +150,7 @@ class Policy(_Strict):
     limits: Limits = Field(default_factory=Limits)
     audit: AuditSettings = Field(default_factory=AuditSettings)
     stores: StoreSettings = Field(default_factory=StoreSettings)
+    decoding: DecodingSettings = Field(default_factory=DecodingSettings)
 
     @model_validator(mode="after")
     def _references(self) -> Policy:
@@ -321,7 +229,45 @@ class Policy(_Strict):
 
     def resolve(self, tenant: Tenant | str, route: str, model: str) -> ResolvedPolicy:
         """Everything the gateway needs for one request; raises PolicyDenied when not allowed."""
-        return resolve(self, tenant, route, model)
+        if isinstance(tenant, str):
+            found = self.tenant(tenant)
+            if found is None:
+                raise PolicyDenied("tenant", f"unknown tenant {tenant!r}")
+            tenant = found
+        route_rule = next((r for r in self.routes if r.path == route), None)
+        if route_rule is None or ("*" not in tenant.routes and route not in tenant.routes):
+            raise PolicyDenied("route", f"route {route!r} is not enabled for tenant {tenant.id!r}")
+        known = {m.name for m in self.models}
+        route_ok = route_rule.models is None or model in route_rule.models
+        tenant_ok = "*" in tenant.models or model in tenant.models
+        if model not in known or not route_ok or not tenant_ok:
+            allowed = sorted(m for m in known if (route_rule.models is None or m in route_rule.models)
+                             and ("*" in tenant.models or m in tenant.models))
+            raise PolicyDenied("model", f"model {model!r} is not available to tenant {tenant.id!r} on {route}; "
+                                        f"available: {allowed}")
+        rules = route_rule.modes or self.modes
+        modes = self.modes
+        return ResolvedPolicy(
+            policy_id=self.id,
+            policy_digest=self.digest,
+            tenant_id=tenant.id,
+            route=route,
+            model=model,
+            execution_when=frozenset(rules.execution_when),
+            segments=dict(rules.segments),
+            allowed_tools=frozenset(tenant.allowed_tools),
+            sql={d: self.databases[d] for d in tenant.databases},
+            precision={m: getattr(modes, m).precision for m in Mode},
+            precision_profiles={m: self.precision_profiles[getattr(modes, m).precision] for m in Mode},
+            deferral_depth={Mode.EXPLORATION: modes.exploration.deferral_depth, Mode.EXECUTION: 0},
+            temperature={m: getattr(modes, m).default_temperature(m) for m in Mode},
+            limits=self.limits.overlay(route_rule.limits).overlay(tenant.limits),
+            audit=self.audit,
+            audit_level=tenant.audit_level or self.audit.level,
+            on_unavailable=self.stores.on_unavailable,
+            idempotency_ttl_s=self.stores.idempotency_ttl_s,
+            idempotency_wait_s=self.stores.idempotency_wait_s,
+        )
 
     @classmethod
     def json_schema(cls) -> dict[str, Any]:

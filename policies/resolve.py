@@ -1,15 +1,13 @@
-"""Policy resolution: tenant + route + model -> the ResolvedPolicy one request runs under."""
+"""What one request runs under: `ResolvedPolicy` (made by `Policy.resolve`: tenant + route + model), `PolicyDenied`."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from engine.mode import Mode
-
-if TYPE_CHECKING:
-    from policies.model import AuditSettings, Limits, Policy, PrecisionProfile, SqlRules, Tenant
+from policies.sections import AuditSettings, Limits, PrecisionProfile, SqlRules
 
 
 class PolicyDenied(Exception):
@@ -68,45 +66,3 @@ class ResolvedPolicy:
 
     def redact(self, text: str) -> str:
         return self.audit.redact_text(text)
-
-
-def resolve(policy: Policy, tenant: Tenant | str, route: str, model: str) -> ResolvedPolicy:
-    if isinstance(tenant, str):
-        found = policy.tenant(tenant)
-        if found is None:
-            raise PolicyDenied("tenant", f"unknown tenant {tenant!r}")
-        tenant = found
-    route_rule = next((r for r in policy.routes if r.path == route), None)
-    if route_rule is None or ("*" not in tenant.routes and route not in tenant.routes):
-        raise PolicyDenied("route", f"route {route!r} is not enabled for tenant {tenant.id!r}")
-    known = {m.name for m in policy.models}
-    route_ok = route_rule.models is None or model in route_rule.models
-    tenant_ok = "*" in tenant.models or model in tenant.models
-    if model not in known or not route_ok or not tenant_ok:
-        allowed = sorted(m for m in known if (route_rule.models is None or m in route_rule.models)
-                         and ("*" in tenant.models or m in tenant.models))
-        raise PolicyDenied("model", f"model {model!r} is not available to tenant {tenant.id!r} on {route}; "
-                                    f"available: {allowed}")
-    rules = route_rule.modes or policy.modes
-    modes = policy.modes
-    return ResolvedPolicy(
-        policy_id=policy.id,
-        policy_digest=policy.digest,
-        tenant_id=tenant.id,
-        route=route,
-        model=model,
-        execution_when=frozenset(rules.execution_when),
-        segments=dict(rules.segments),
-        allowed_tools=frozenset(tenant.allowed_tools),
-        sql={d: policy.databases[d] for d in tenant.databases},
-        precision={m: getattr(modes, m).precision for m in Mode},
-        precision_profiles={m: policy.precision_profiles[getattr(modes, m).precision] for m in Mode},
-        deferral_depth={Mode.EXPLORATION: modes.exploration.deferral_depth, Mode.EXECUTION: 0},
-        temperature={m: getattr(modes, m).default_temperature(m) for m in Mode},
-        limits=policy.limits.overlay(route_rule.limits).overlay(tenant.limits),
-        audit=policy.audit,
-        audit_level=tenant.audit_level or policy.audit.level,
-        on_unavailable=policy.stores.on_unavailable,
-        idempotency_ttl_s=policy.stores.idempotency_ttl_s,
-        idempotency_wait_s=policy.stores.idempotency_wait_s,
-    )

@@ -28,8 +28,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, nkv * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(nh * d, h, bias=cfg.o_proj_bias)
         if cfg.qk_norm == "per_head":
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.zero_centred_norm)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.zero_centred_norm)
         elif cfg.qk_norm == "full":
             self.q_norm = RMSNorm(nh * d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(nkv * d, cfg.rms_norm_eps)
@@ -65,7 +65,7 @@ class Attention(nn.Module):
     def _project_qkv(self, x: torch.Tensor, fast: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not fast:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        nq, nkv = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
+        nq, nkv = self.q_proj.out_features, self.cfg.num_kv_heads * self.cfg.head_dim  # q rows (and gates)
         qkv = self.fast_qkv(x).to(x.dtype)  # [T, NQ + 2 NKV]
         if self.fast_qkv_bias is not None:
             qkv = qkv + self.fast_qkv_bias
@@ -81,7 +81,6 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """x [T, H]; cache (k_cache, v_cache), each [slots, KV, D], written in place -> [T, H]."""
         cfg = self.cfg
-        k_cache, v_cache = cache
         T = x.shape[0]
         fast = self.fast_qkv is not None and not batch.exact and x.device.type == "cpu"
         q, k, v = self._project_qkv(x, fast)  # [T, NH*D], [T, KV*D] x2
@@ -94,16 +93,32 @@ class Attention(nn.Module):
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
+        out = self._attend_paged(*self._rotate(q, k, batch), v, batch, cache)  # [T, NH, D]
+        return self._project_out(out.reshape(T, -1), fast)
+
+    def _project_out(self, out: torch.Tensor, fast: bool) -> torch.Tensor:
+        """o_proj of out [T, NH*D] (its quantized copy in `fast` exploration batches) -> [T, H]."""
+        if fast:
+            o = self.fast_o(out).to(out.dtype)
+            return o if self.fast_o_bias is None else o + self.fast_o_bias
+        return self.o_proj(out)
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on q [T, NH, D] and k [T, KV, D] (on the first rotary_dim dims of each head where partial)."""
+        cfg = self.cfg
         cos, sin = self._rope(batch, q.dtype)
         if cfg.rotary_dim == cfg.head_dim:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        else:  # partial rotary (GLM-4.5): the first rotary_dim dims of each head turn, the rest pass
-            r = cfg.rotary_dim
-            q = torch.cat((apply_rotary(q[..., :r], cos, sin), q[..., r:]), dim=-1)
-            k = torch.cat((apply_rotary(k[..., :r], cos, sin), k[..., r:]), dim=-1)
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        r = cfg.rotary_dim  # partial rotary (GLM-4.5, Qwen3-Next): the first r dims of each head turn, the rest pass
+        return (torch.cat((apply_rotary(q[..., :r], cos, sin), q[..., r:]), dim=-1),
+                torch.cat((apply_rotary(k[..., :r], cos, sin), k[..., r:]), dim=-1))
+
+    def _attend_paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                      cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Writes k/v [T, KV, D] to the cache, attends each sequence's q over its context -> [T, NH, D]."""
+        k_cache, v_cache = cache
         k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
-
         out = torch.empty_like(q)  # [T, NH, D]
         for start, q_len, _ctx, slots in zip(
             batch.query_starts, batch.query_lens, batch.context_lens, batch.context_slots, strict=True
@@ -112,10 +127,7 @@ class Attention(nn.Module):
             ks = k_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [KV, ctx, D]
             vs = v_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)
             out[start : start + q_len] = self._attend(qs, ks, vs).transpose(0, 1)
-        if fast:
-            o = self.fast_o(out.reshape(T, -1)).to(x.dtype)
-            return o if self.fast_o_bias is None else o + self.fast_o_bias
-        return self.o_proj(out.reshape(T, -1))
+        return out
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [NH, q, D], k/v [KV, ctx, D] -> [NH, q, D]. Grouped heads share one batched matmul per KV head

@@ -17,23 +17,33 @@ from kernels.formats import formats_for
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        attention = arch_spec(cfg.arch).attention_class()
-        # per-layer attention types (sliding / full) need the layer's index
-        self.self_attn = attention(cfg, layer_idx) if cfg.layer_types else attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centred_norm)
+        spec = arch_spec(cfg.arch)
+        if cfg.is_linear(layer_idx):  # Qwen3-Next: a recurrent state per sequence instead of KV
+            self.mixer_name = "linear_attn"
+            self.linear_attn = spec.linear_attention_class()(cfg, layer_idx)
+        else:  # per-layer attention types (sliding / full) need the layer's index
+            self.mixer_name = "self_attn"
+            self.self_attn = spec.attention_class()(cfg, layer_idx) if cfg.layer_types else spec.attention_class()(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centred_norm)
         self.is_moe = cfg.moe_layers[layer_idx]
         self.mlp = (
             SparseMoeBlock(cfg, is_last_moe=layer_idx == cfg.last_moe_layer)
             if self.is_moe else GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size)
         )
 
+    @property
+    def mixer(self) -> nn.Module:
+        """The layer's token mixer: `self_attn`, or `linear_attn` on a linear-attention layer."""
+        return getattr(self, self.mixer_name)
+
     def forward(
         self, x, batch: ForwardBatch, cache: tuple[torch.Tensor, ...], pending: Deferred | None
     ) -> tuple[torch.Tensor, Deferred | None]:
         """-> (hidden [T, H], this layer's deferred expert output still in flight). `cache`: the layer's
-        KV cache tensors (engine.kv_cache.allocate_kv_cache)."""
-        h = x + self.self_attn(self.input_layernorm(x), batch, cache)
+        KV cache tensors (engine.kv_cache.allocate_kv_cache) or its recurrent-state pools
+        (engine.recurrent_state)."""
+        h = x + self.mixer(self.input_layernorm(x), batch, cache)
         if not self.is_moe:
             return h + self.mlp(self.post_attention_layernorm(h)), pending
         out, deferred = self.mlp(self.post_attention_layernorm(h), batch)
@@ -47,7 +57,7 @@ class MoeModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centred_norm)
 
 
 class MoeForCausalLM(nn.Module):
@@ -66,7 +76,8 @@ class MoeForCausalLM(nn.Module):
         self.expert_reader = None  # (layer, expert) -> checkpoint weights, set by the streaming loader
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        """Runs the stack over the batch's new tokens, writing their KV; returns hidden [T, H]."""
+        """Runs the stack over the batch's new tokens, writing their KV (and recurrent states: one entry of
+        `kv_caches` per layer, ModelRunner.layer_caches); returns hidden [T, H]."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
         if self.batch_invariant(batch.exact) and x.device.type == "cpu":
             from kernels.norm import rms_norm_rows

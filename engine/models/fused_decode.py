@@ -25,7 +25,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from kernels.decode_layer import DecodeLayerParams, decode_layer_library, run_decode_layer
+from kernels.bindings import DecodeLayerParams, decode_layer_library, run_decode_layer
 from kernels.formats import FORMAT_CODE
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def unsupported_reason(cfg: ModelConfig, layer, exact: bool = False) -> str | None:
     """Why `layer` cannot run fused in the profile (None: it can; execution packs its projections itself)."""
+    if cfg.linear_attention is not None or cfg.attention_output_gate:
+        return "linear attention / gated attention output (Qwen3-Next)"
     if cfg.attention != "gqa" or cfg.router != "softmax":
         return f"{cfg.attention} attention / {cfg.router} routing (the kernel runs GQA with softmax top-k)"
     if cfg.rotary_dim != cfg.head_dim:

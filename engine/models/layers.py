@@ -12,15 +12,20 @@ __all__ = ["GatedMLP", "RMSNorm", "RotaryEmbedding", "apply_rotary"]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """`zero_centred` (Qwen3-Next): the weight is stored as an offset from 1 and scales in fp32."""
+
+    def __init__(self, dim: int, eps: float, zero_centred: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
         self.eps = eps
+        self.zero_centred = zero_centred
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centred:
+            return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
 

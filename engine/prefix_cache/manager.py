@@ -14,6 +14,7 @@ from engine.prefix_cache.entry import EntryCodec
 from engine.prefix_cache.hashing import BlockHasher
 from engine.prefix_cache.ram import RamTier
 from engine.prefix_cache.writer import BackgroundWriter
+from engine.recurrent_state import RecurrentStates
 from engine.sequence import Sequence
 
 
@@ -57,8 +58,9 @@ class PrefixCacheManager:
     """
 
     def __init__(self, config: PrefixCacheConfig, blocks: BlockManager, io: KVBlockIO, hasher: BlockHasher,
-                 codec: EntryCodec) -> None:
+                 codec: EntryCodec, states: RecurrentStates | None = None) -> None:
         self.config = config
+        self.states = states  # linear-attention models: a hit needs the recurrent state at its boundary
         self.blocks = blocks
         self.io = io
         self.hasher = hasher
@@ -123,10 +125,12 @@ class PrefixCacheManager:
             self.blocks.register(block, key)
             table.append(block)
             hits[source] = hits.get(source, 0) + 1
-        if per_chunk and len(table) % per_chunk:
-            extra = table[len(table) - len(table) % per_chunk :]
-            del table[len(table) - len(extra) :]
-            self.blocks.free(extra)
+        keep = len(table) - len(table) % per_chunk if per_chunk else len(table)
+        if self.states is not None:  # only up to a boundary whose recurrent state was saved
+            keep = self.states.longest_hit(seq.block_hashes, keep, max(per_chunk, 1))
+        if keep < len(table):
+            self.blocks.free(table[keep:])
+            del table[keep:]
         seq.num_computed = len(table) * bs
         seq.num_cache_checked = len(table)
         seq.num_cached_tokens = seq.num_computed
@@ -167,6 +171,8 @@ class PrefixCacheManager:
                 for tier in self.through:
                     self.writers[tier.name].submit(tier, seq.block_hashes[i], kv)
         seq.num_cache_checked = max(seq.num_cache_checked, end)
+        if self.states is not None and (start + num_tokens) % bs == 0:  # the chunk ended block end - 1, registered
+            self.states.save(seq, seq.block_hashes[end - 1])
 
     # -- demotion ------------------------------------------------------------------------------
     def _demote_device(self, block: int, key: str) -> None:

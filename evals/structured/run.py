@@ -17,49 +17,24 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from gateway.structured.base import ConstraintSpec
-from gateway.structured.bitmask import apply_bitmask_, bitmask_words, row_allows, row_ids
+from gateway.structured.bitmask import apply_bitmask_, bitmask_words, row_ids
 from gateway.structured.build import json_schema_spec
 from gateway.structured.closing import completion_hints, shortest_completion
 from gateway.structured.constraint import Constraint
-from gateway.structured.errors import ConstraintCompileTimeout, StructuredOutputError, UnsupportedSchemaError
-from gateway.structured.registry import get_backend
-from gateway.structured.sql_grammar import sql_spec
-from gateway.structured.sql_schema import DatabaseSchema, SQLPolicy
-from gateway.structured.sql_validate import check_sql
+from gateway.structured.errors import StructuredOutputError, UnsupportedSchemaError
 from gateway.structured.tools import tool_call_spec
 from gateway.structured.validate import validate_json, validate_tool_calls
 from gateway.structured.vocab import TokenizerInfo
 
+from .common import DATA, _sample, compile_timed, pct
 from .driver import LogitsFn, random_logits
+from .engine_overhead import DEMO_MODEL
 from .qwen_vocab import QWEN_EOS_IDS, QWEN_MODEL_VOCAB, qwen_tokenizer_json
-from .splits import DATA, splits
-from .sql_walks import random_walks
+from .splits import splits
+from .sql_eval import SQL_DIALECTS, eval_sql
 
 SPLIT_ROWS = splits()
 SPLITS = tuple(SPLIT_ROWS)
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-def compile_timed(spec: ConstraintSpec, tok: TokenizerInfo, backend: str, timeout_s: float):
-    """Compile with the same bound as the gateway's cache (thread + timeout)."""
-    import concurrent.futures as cf
-
-    impl = get_backend(spec.kind, backend)
-    with cf.ThreadPoolExecutor(1) as pool:
-        t0 = time.perf_counter()
-        fut = pool.submit(impl.compile, spec, tok)
-        try:
-            compiled = fut.result(timeout=timeout_s)
-        except cf.TimeoutError:
-            raise ConstraintCompileTimeout(spec.kind, timeout_s) from None
-        return compiled, time.perf_counter() - t0
 
 
 def generate(compiled, logits_fn: LogitsFn | None, vocab: int, max_tokens: int, stats: dict,
@@ -98,13 +73,6 @@ def completion_length(compiled, tok: TokenizerInfo, max_tokens: int) -> int | No
     in `max_tokens` with its end-of-sequence token)."""
     path = shortest_completion(compiled.new_matcher().llg, tok, max_tokens - 1, completion_hints(compiled.spec.source))
     return None if path is None else len(path)
-
-
-def _sample(rows: list, n: int) -> list:
-    """`n` rows evenly spread over `rows` (0: all of them)."""
-    if not n or n >= len(rows):
-        return rows
-    return [rows[i * len(rows) // n] for i in range(n)]
 
 
 def llguidance_alone(schema, tok: TokenizerInfo) -> bool:
@@ -269,113 +237,6 @@ def eval_regex(tok: TokenizerInfo, args) -> dict:
     return out
 
 
-def scope_vetoes(compiled, ids: list[int]) -> str | None:
-    """Feed a gold query through the full SQL Constraint (grammar mask, then the alias-scope guard's
-    filter): the first gold token the guard rules out (as text), or None when every one is allowed."""
-    c = Constraint(compiled)
-    bitmask = torch.empty(1, bitmask_words(c.vocab_size), dtype=torch.int32)
-    for t in ids:
-        fallbacks = c.guard_fallbacks
-        c.fill_bitmask(bitmask, 0)
-        if c.guard_fallbacks > fallbacks or not row_allows(bitmask[0], np.array([t]))[0]:
-            return compiled.tokenizer.decode([t])
-        c.consume(t)
-    return None
-
-
-SQL_DIALECTS = ("sqlite", "postgres")
-WALK_SCHEMA = {"prices": ["ticker", "ts", "price"], "trades": ["id", "ticker", "qty", "Market Value"]}
-
-
-def _sql_three(compiled, tok: TokenizerInfo, sql: str, schema: DatabaseSchema, dialect: str) -> dict:
-    """Grammar alone, grammar + scope guard (what decoding admits), validator: each accepts `sql`?"""
-    ids = tok.encode(sql)
-    m = compiled.new_matcher()
-    grammar = all(m.consume(t) for t in ids) and m.is_accepting()
-    guard = grammar and scope_vetoes(compiled, ids) is None
-    try:
-        check_sql(sql, schema, SQLPolicy(dialect=dialect, max_limit=None))
-        validator, rule = True, None
-    except StructuredOutputError as e:
-        validator, rule = False, getattr(e, "rule", type(e).__name__)
-    return {"grammar": grammar, "guard": guard, "validator": validator, "all": guard and validator, "rule": rule}
-
-
-def _gold(dialect: str, sql: str, schema: DatabaseSchema) -> str | None:
-    """A gold query (SQLite) in `dialect` (sqlglot's transpiler, after SQLite's reading of "..." that
-    names no column as a string; None where it cannot)."""
-    if dialect == "sqlite":
-        return sql
-    import sqlglot
-
-    from gateway.structured.sql_validate import _sqlite_double_quoted_strings
-
-    try:
-        tree = sqlglot.parse_one(sql, read="sqlite")
-        _sqlite_double_quoted_strings(tree, schema, [])
-        return tree.sql(dialect=dialect)
-    except sqlglot.errors.SqlglotError:
-        return None
-
-
-def eval_sql(tok: TokenizerInfo, args) -> dict:
-    """Gold queries (Spider dev) through grammar, guard, validator, per dialect; the adversarial set;
-    random walks (every finished one must validate); compile and mask cost."""
-    import sqlglot  # noqa: F401
-
-    tables = {t["db_id"]: t for t in json.load(open(DATA / "sql" / "spider_tables.json"))}
-    dev = _sample(json.load(open(DATA / "sql" / "spider_dev.json")), args.sql_limit)
-    adversarial = json.loads((Path(__file__).parent / "data" / "sql_adversarial.json").read_text())
-    out: dict = {"queries": len(dev), "dialects": {}}
-    for dialect in args.sql_dialects.split(","):
-        compiled, compile_s = {}, []
-        counts: Counter = Counter()
-        rules: Counter = Counter()
-        rejected: dict[str, list] = {"grammar": [], "guard": [], "validator": []}
-        untranspiled = 0
-        for q in tqdm(dev, desc=f"spider {dialect}"):
-            db = q["db_id"]
-            schema = DatabaseSchema.from_spider(tables[db])
-            if db not in compiled:
-                compiled[db], dt = compile_timed(sql_spec(schema, SQLPolicy(dialect=dialect)), tok, "llguidance",
-                                                 args.compile_timeout)
-                compile_s.append(dt)
-            sql = _gold(dialect, q["query"], schema)
-            if sql is None:
-                untranspiled += 1
-                continue
-            r = _sql_three(compiled[db], tok, sql, schema, dialect)
-            counts.update(k for k in ("grammar", "guard", "validator", "all") if r[k])
-            if r["rule"]:
-                rules[r["rule"]] += 1
-            for k in ("grammar", "guard", "validator"):
-                if not r[k] and (k == "grammar" or r["grammar"] or k == "validator"):
-                    rejected[k].append(sql)
-        schema = DatabaseSchema.from_mapping(adversarial["schema"])
-        adv = compile_timed(sql_spec(schema, SQLPolicy(dialect=dialect)), tok, "llguidance", args.compile_timeout)[0]
-        adv_accepted = [s for s in adversarial["must_reject"] if _sql_three(adv, tok, s, schema, dialect)["all"]]
-        adv_refused = [s for s in adversarial["must_accept"] if not _sql_three(adv, tok, s, schema, dialect)["all"]]
-        n = len(dev)
-        walks = random_walks(tok, DatabaseSchema.from_mapping(WALK_SCHEMA), dialect, args.sql_walks).summary() \
-            if args.sql_walks else None
-        out["dialects"][dialect] = {
-            "grammar_pct": 100 * counts["grammar"] / n, "grammar_guard_pct": 100 * counts["guard"] / n,
-            "validator_pct": 100 * counts["validator"] / n, "all_three_pct": 100 * counts["all"] / n,
-            "untranspiled": untranspiled, "validator_fail_rules": dict(rules),
-            "databases": len(compiled), "compile_ms_p50": 1e3 * pct(compile_s, 0.5),
-            "compile_ms_p99": 1e3 * pct(compile_s, 0.99), "compile_ms_max": 1e3 * max(compile_s),
-            "adversarial_accepted": len(adv_accepted), "adversarial_total": len(adversarial["must_reject"]),
-            "adversarial_accepted_examples": adv_accepted, "must_accept_refused": adv_refused,
-            "random_walks": walks,
-            "rejected_examples": {k: v[:8] for k, v in rejected.items()},
-        }
-        print("sql", dialect, {k: v for k, v in out["dialects"][dialect].items()
-                               if k not in ("rejected_examples", "random_walks")})
-        if walks:
-            print("sql walks", dialect, {k: v for k, v in walks.items() if k != "examples"})
-    return out
-
-
 def bfcl_to_json_schema(s):
     """BFCL's parameter dialect (dict/float/tuple/any) to JSON Schema; eval-local conversion."""
     if isinstance(s, list):
@@ -505,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sql-limit", type=int, default=0, help="Spider dev queries, evenly spread (0: all)")
     p.add_argument("--sql-dialects", default=",".join(SQL_DIALECTS))
     p.add_argument("--sql-walks", type=int, default=60, help="random walks through the SQL constraint per dialect")
+    p.add_argument("--decode-model", type=lambda v: None if v == "none" else Path(v),
+                   default=DEMO_MODEL if DEMO_MODEL.exists() else None,
+                   help="model whose unconstrained decode step the SQL mask cost is compared with in this run "
+                        "(none: not measured)")
     p.add_argument("--timed-generations", type=int, default=50,
                    help="per split, the first N draw full Gaussian logits and time the apply; the rest draw "
                         "uniformly among the allowed ids (the same distribution, without the 152k-float draw)")

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from importlib.util import find_spec
 from pathlib import Path
 
-DATA = Path("/work/shared/evaldata")
+from .common import DATA
+
 KUBERNETES_RELEASE = "v1.29.0-local"
 DEFS = "#/$defs/"
 

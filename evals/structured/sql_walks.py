@@ -40,12 +40,14 @@ class WalkReport:
     failures: Counter = field(default_factory=Counter)
     examples: list = field(default_factory=list)  # (sql, error) of finished walks the validator refused
     mask_us: list = field(default_factory=list)  # per step: grammar fill + guard filter
+    unfinished: list = field(default_factory=list)  # (text, error) of walks that did not end
 
     def summary(self) -> dict:
         us = sorted(self.mask_us) or [float("nan")]
         return {"dialect": self.dialect, "walks": self.walks, "finished": self.finished, "valid": self.valid,
                 "invalid": self.finished - self.valid, "dead_ends": self.dead_ends,
                 "failures": dict(self.failures), "examples": self.examples[:5],
+                "unfinished_examples": [(t[-160:], e) for t, e in self.unfinished[:5]],
                 "mask_us_p50": us[len(us) // 2], "mask_us_mean": float(np.mean(us)),
                 "mask_us_p99": us[min(len(us) - 1, int(0.99 * len(us)))]}
 
@@ -83,6 +85,7 @@ def random_walks(tok: TokenizerInfo, schema: DatabaseSchema, dialect: str, walks
         report.walks += 1
         report.dead_ends += c.guard_fallbacks > 0
         if not (ids and ids[-1] in c.eos_ids and c.is_accepting()):
+            report.unfinished.append((tok.decode(ids), c.error))
             continue
         report.finished += 1
         sql = tok.decode(ids[:-1])

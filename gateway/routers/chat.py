@@ -24,6 +24,7 @@ from gateway.segments import SegmentFences
 from gateway.serving import Job, budget, resolve_policy, serve
 from gateway.sse import Chunker, usage_of
 from gateway.structured.sql_schema import tables_prompt
+from gateway.structured.tool_formats import DEFAULT, ToolFormat
 from policies.resolve import PolicyDenied
 
 ROUTE = "/v1/chat/completions"
@@ -31,7 +32,9 @@ router = APIRouter()
 _ERRORS = {s: {"model": ErrorBody} for s in (400, 401, 403, 404, 413, 429, 500, 503, 504)}
 
 
-def _template_messages(messages: list[Message]) -> list[dict]:
+def _template_messages(messages: list[Message], arguments_as_text: bool = False) -> list[dict]:
+    """The messages as chat templates read them; a call's arguments an object, or its JSON text where the
+    family's template writes them verbatim (`ToolFormat.arguments_as_text`)."""
     out = []
     for i, m in enumerate(messages):
         d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -50,16 +53,18 @@ def _template_messages(messages: list[Message]) -> list[dict]:
                 if lone_surrogate_at(args) is not None:
                     raise bad_request(f"tool call {c.id} arguments hold an unpaired UTF-16 surrogate (e.g. \\ud800), "
                                       "which is not Unicode text", param, "invalid_unicode")
+                if arguments_as_text:
+                    args = json.dumps(args, ensure_ascii=False)
                 calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
             d["tool_calls"] = calls
         out.append(d)
     return out
 
 
-def _prompt_messages(body: ChatCompletionRequest) -> list[dict]:
+def _prompt_messages(body: ChatCompletionRequest, fmt: ToolFormat = DEFAULT) -> list[dict]:
     """The conversation the model reads: the client's messages, and for a SQL response_format the tables
     (sql_schema.tables_prompt) in the system turn, so the model knows the names the grammar admits."""
-    messages = _template_messages(body.messages)
+    messages = _template_messages(body.messages, fmt.arguments_as_text)
     fmt = body.response_format
     if fmt is not None and fmt.type == "sql" and fmt.sql is not None:
         line = tables_prompt(fmt.sql.tables)
@@ -135,7 +140,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     tok = state.llm.tokenizer
     try:
-        prompt_text = tok.apply_chat_template(_prompt_messages(body), tools=tools or None)
+        # the checkpoint's own template; one without any gets its family's (the tool format's)
+        fmt = state.generator.tool_format
+        fallback = fmt.chat_template() if tok.chat_template is None else None
+        prompt_text = tok.apply_chat_template(_prompt_messages(body, fmt), tools=tools or None, chat_template=fallback)
     except ChatTemplateError as e:
         raise bad_request(f"cannot render the conversation: {e}", "messages") from None
     prompt_ids = tok.encode(prompt_text)
@@ -144,7 +152,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     max_tokens = budget(state, rp, len(prompt_ids), requested, param)
     try:
         plan = chat_plan(body, prompt_ids, rp, state.generator.tok, state.llm.engine.model_config.vocab_size,
-                         max_tokens)
+                         max_tokens, state.generator.tool_format)
         fences = SegmentFences(plan.tools)
         if body.moegate is not None and body.moegate.sql is not None:
             fences.sql = sql_target(body.moegate.sql, rp)

@@ -24,6 +24,9 @@ from .vocab import TokenizerInfo
 # patterns like `^(?:\S+\s+){0,99}\S+$` under minLength/maxLength exhaust the defaults mid-string
 # ("too many expressions constructed", a dead end at runtime); fuel still bounds each mask.
 PARSER_LIMITS = dict(initial_lexer_fuel=20_000_000, step_lexer_fuel=5_000_000, max_lexer_states=2_000_000)
+# SQL: any name after a qualifier (a CTE's or derived table's column) completes an operand at every byte
+# of every identifier token after `q.`: up to ~3x llguidance's default 50,000 Earley items per mask there
+_KIND_LIMITS = {ConstraintKind.SQL: dict(step_max_items=150_000)}
 
 
 class LLGuidanceMatcher(Matcher):
@@ -57,7 +60,8 @@ class LLGuidanceCompiled(CompiledConstraint):
         self.spec, self.tokenizer, self.grammar = spec, tokenizer, grammar
         self.enforcement = enforcement  # JSON Schema: how each keyword is enforced
         self._template = llguidance.LLMatcher(tokenizer.llg, grammar, log_level=0,
-                                              limits=llguidance.LLParserLimits(**PARSER_LIMITS))
+                                              limits=llguidance.LLParserLimits(
+                                                  **PARSER_LIMITS, **_KIND_LIMITS.get(spec.kind, {})))
         if self._template.is_error():
             raise _typed_error(spec.kind, self._template.get_error())
         self._n_words = (tokenizer.vocab_size + 31) // 32

@@ -24,6 +24,9 @@ class ConstraintSpec:
 
     kind: ConstraintKind
     source: str
+    # TOOL_CALLS: ids of the tokens right before a JSON part (the finite-number guard restarts there);
+    # None: the format's arguments are not one JSON text (no guard)
+    json_starts: tuple[int, ...] | None = ()
 
     @property
     def digest(self) -> str:

@@ -1,7 +1,7 @@
 """Token bitmasks: allocate [B, ceil(V/32)] int32, fill them in parallel, apply them to logits.
 
 Bit j of word w allows token id 32*w + j. On CPU fp32 logits the mask is applied by the compiled
-kernel (kernels/logits_mask.py, `moegate_apply_bitmask`: one test per 32-id word); elsewhere, or without a compiler,
+kernel (kernels/bindings.py, `moegate_apply_bitmask`: one test per 32-id word); elsewhere, or without a compiler,
 by a byte lookup (256 x 8 table of 0/-inf) added to the logits: ~80 us for one 152k row on a 2-core
 EPYC, against ~0.5 ms for masked_fill with an unpacked bool mask.
 """
@@ -13,7 +13,7 @@ import functools
 import numpy as np
 import torch
 
-from kernels.logits_mask import apply_bitmask_kernel
+from kernels.bindings import apply_bitmask_kernel
 
 
 def bitmask_words(vocab_size: int) -> int:

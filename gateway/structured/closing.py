@@ -158,6 +158,7 @@ def _allowed(matcher, n_words: int, buf: np.ndarray) -> np.ndarray:
 def shortest_completion(
     matcher, tokenizer: TokenizerInfo, max_depth: int, hints: tuple[bytes, ...] = (),
     allow: Callable[[list[int], bool], bool] | None = None, max_nodes: int | None = None,
+    first: Callable[[list[int]], tuple[tuple[int, ...], ...]] | None = None,
 ) -> list[int] | None:
     """Token ids that take llguidance `matcher` (not modified) to an accepting state, or None if no
     path of at most `max_depth` tokens was found within `max_nodes` expansions (default: enough to
@@ -168,13 +169,16 @@ def shortest_completion(
     strings tried as one move), then short tokens and representative bytes. A child whose allowed
     set and forced bytes equal its parent's made no visible progress (one more char of a free
     string): it is tried last, so counted repeats (`\\d{4}`, minLength) still complete but free text
-    never loops. `allow(path, final)` may veto a path (extra guards; `final`: as a complete output)."""
-    if matcher.is_accepting():
+    never loops. `allow(path, final)` may veto a path (extra guards; `final`: as a complete output).
+    `first(path)`: token sequences tried as one move before all others after `path` (a guard's own
+    completion texts)."""
+    if matcher.is_accepting() and (allow is None or allow([], True)):
         return []
     vocab = tokenizer.vocab_size
     n_words = (vocab + 31) // 32
     singles, lengths, by_byte = _byte_tokens(tokenizer)
     singles = singles[singles < vocab]
+    specials = np.array([i for i, b in enumerate(tokenizer.token_bytes[:vocab]) if b is None], dtype=np.int64)
     preferred = set(_CLOSERS) | set(_REPRESENTATIVE) | {h[0] for h in hints}
     macros = [[by_byte[b] for b in h] for h in hints if all(b in by_byte for b in h)]
     buf = np.zeros(n_words, dtype=np.uint32)
@@ -189,7 +193,7 @@ def shortest_completion(
         h.update(bytes(state.compute_ff_bytes()))
         return h.digest()
 
-    def moves(state) -> list[list[int]]:
+    def moves(state, path: list[int]) -> list[list[int]]:
         nonlocal in_buf
         forced = [t for t in state.compute_ff_tokens() if t < vocab]
         mask = buf if in_buf is state else _allowed(state, n_words, buf)
@@ -204,13 +208,17 @@ def shortest_completion(
             cands = allowed[np.argsort(lengths[allowed], kind="stable")][:MAX_CANDIDATES]
         out = [[t] for t in cands.tolist() if t not in tokenizer.eos_ids]
         n_close = sum(1 for m in out if (tokenizer.token_bytes[m[0]] or b"")[:1] in (b'"', b"}", b"]", b")", b"'"))
-        return ([forced] if forced else []) + out[:n_close] + macros + out[n_close:]
+        # special tokens that end free text here (a tool format's </arg_value>, <|end|>): closers too
+        ends = [[t] for t in specials[row_allows(mask, specials)].tolist() if t not in tokenizer.eos_ids] \
+            if specials.size else []
+        own = [list(m) for m in first(path)] if first is not None else []
+        return own + ([forced] if forced else []) + ends + out[:n_close] + macros + out[n_close:]
 
     def expand(state, path: list[int], key: bytes):
         """Yields children to descend into, in order, or one complete path (a list) when found."""
         nonlocal budget
         stalled = []
-        for move in moves(state):
+        for move in moves(state, path):
             if budget <= 0 or len(path) + len(move) > max_depth:
                 continue
             budget -= 1

@@ -13,7 +13,6 @@ from .bitmask import apply_bitmask_, bitmask_words, ids_to_row
 from .closing import completion_hints, shortest_completion
 from .json_numbers import FiniteNumberGuard
 from .sql_guard import SQLScopeGuard
-from .tools import TOOL_CALL_OPEN
 from .vocab import TokenizerInfo
 
 # Tokens that close an open construct, by preference tier (bytes allowed, required first byte);
@@ -89,8 +88,9 @@ class Constraint:
         self.guard_fallbacks = 0  # dead ends: the guard vetoed every token (the sequence ends with an error)
         self.guard = (SQLScopeGuard.from_grammar(compiled.spec.source, tok) if compiled.spec.kind is ConstraintKind.SQL
                       else FiniteNumberGuard(tok) if compiled.spec.kind is ConstraintKind.JSON_SCHEMA
-                      else FiniteNumberGuard(tok, tuple(tok.added_ids[t] for t in (TOOL_CALL_OPEN,) if t in tok.added_ids))
-                      if compiled.spec.kind is ConstraintKind.TOOL_CALLS else None)
+                      else FiniteNumberGuard(tok, compiled.spec.json_starts)
+                      if compiled.spec.kind is ConstraintKind.TOOL_CALLS and compiled.spec.json_starts is not None
+                      else None)
         self.plan: list[int] | None = None  # the forced completion path, once committed
         self._next_plan_check = 0  # consumed count at which the completion path is measured again
         self._token_bytes = tok.token_bytes
@@ -98,6 +98,7 @@ class Constraint:
         self.vocab_size = tok.vocab_size
         self.tok_words = bitmask_words(tok.vocab_size)
         self._scratch: torch.Tensor | None = None
+        self._peeked: tuple[int, torch.Tensor] | None = None  # (consumed, [1, tok_words] mask) of forced_token
         self.consumed = 0
         self.ended = False  # an EOS id was consumed
         self.error = ""
@@ -202,8 +203,9 @@ class Constraint:
             return None
         remaining = self.max_tokens - self.consumed  # this step included; EOS needs one of them
         if not self.plan and self.consumed >= self._next_plan_check:
+            first = self.guard.closing_moves if isinstance(self.guard, SQLScopeGuard) else None
             path = shortest_completion(llg, self.compiled.tokenizer, remaining - 1, _hints(self.compiled.spec),
-                                       allow=self.guard.allows if self.guard is not None else None)
+                                       allow=self.guard.allows if self.guard is not None else None, first=first)
             if path is None:  # nothing found that fits: back off (outside the closing window)
                 self._next_plan_check = self.consumed + (4 if self._closing() else max(4, remaining // 2))
             elif len(path) + 1 + self.closing_margin >= remaining or self._closing():
@@ -213,10 +215,33 @@ class Constraint:
                 self._next_plan_check = self.consumed + max(1, (remaining - len(path) - 1 - self.closing_margin) // 4)
         return self.plan[0] if self.plan else None
 
+    def forced_token(self, token_ids: Sequence[int]) -> int | None:
+        """The one id the mask allows after `token_ids` (jump-forward: sampling could pick nothing else), or None.
+        Through the mask batcher, the mask is kept for the step that samples from it."""
+        if self.mask_batcher is not None:
+            self.mask_batcher.wait()  # a prefetch may be reading this constraint
+        self.advance(token_ids)
+        if self.mask_batcher is not None:
+            row = self.mask_batcher.peek(self)  # [W]
+        else:  # kept for `__call__` at this state
+            self._peeked = (self.consumed, torch.empty(1, self.tok_words, dtype=torch.int32))
+            self.fill_bitmask(self._peeked[1], 0)
+            row = self._peeked[1][0]
+        words = row.numpy().view(np.uint32)
+        set_words = np.flatnonzero(words)
+        if len(set_words) != 1 or words[set_words[0]] & (words[set_words[0]] - np.uint32(1)):
+            return None
+        return 32 * int(set_words[0]) + int(words[set_words[0]]).bit_length() - 1
+
     def __call__(self, token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """Logits-processor form: advance by the new ids, then mask logits [V] in place."""
         self.advance(token_ids)
         words = bitmask_words(logits.shape[-1])
+        if self._peeked is not None and self._peeked[0] == self.consumed:  # forced_token computed it
+            mask, self._peeked = self._peeked[1], None
+            apply_bitmask_(logits.view(1, -1)[:, :mask.shape[1] * 32], mask)
+            logits[mask.shape[1] * 32:] = float("-inf")
+            return logits
         if self._scratch is None or self._scratch.shape[1] != words:
             self._scratch = torch.empty(1, words, dtype=torch.int32)
         self.fill_bitmask(self._scratch, 0)

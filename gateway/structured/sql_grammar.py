@@ -4,7 +4,7 @@ Tables and columns are literal terminals, so only real names can be produced; al
 names are new identifiers that are not keywords; a CTE is named `cte_*` so that FROM can name it
 without letting the model invent table names (sqlglot then checks it is bound). Keywords and
 unquoted names are case-insensitive. Whitespace is explicit and bounded: two word tokens never
-touch, and each gap holds 1-4 whitespace bytes.
+touch, and each gap holds 1-4 whitespace bytes; two minus signs never touch (`--` starts a comment).
 
 A CFG cannot bind `T1.name` in the SELECT list to the `FROM t AS T1` after it: the grammar ends with
 comments listing the tables and their columns and the grammar's words, from which the Constraint
@@ -86,7 +86,7 @@ join_kind: INNER | CROSS | LEFT (_S OUTER)? | RIGHT (_S OUTER)? | FULL (_S OUTER
 where_clause: WHERE _S expr
 group_by: GROUP _S BY _S group_item (_O? "," _O? group_item)*
 group_item: expr | OUTPUT_NAME
-having: HAVING _S expr
+having: HAVING _S (expr | OUTPUT_NAME _O? COMP _O? sum_expr)
 order_by: ORDER _S BY _S order_item (_O? "," _O? order_item)*
 order_item: (expr | OUTPUT_NAME) (_S (ASC | DESC))? (_S NULLS _S (FIRST | LAST))?
 
@@ -100,9 +100,10 @@ predicate: sum_expr
     | sum_expr (_S NOT)? _S LIKE _S sum_expr
     | sum_expr _S IS (_S NOT)? _S NULL
     | EXISTS _O? "(" _O? query _O? ")"
-sum_expr: term (_O? ADD_OP _O? term)*
+sum_expr: term (_O? ADD_OP _O? term | _O? "-" (_O? unsigned_term | _S term))*
 term: factor (_O? MUL_OP _O? factor)*
-factor: "-" _O? factor | primary
+unsigned_term: primary (_O? MUL_OP _O? factor)*
+factor: "-" _O? primary | primary
 primary: literal | column_ref | call | "(" _O? expr _O? ")" | "(" _O? query _O? ")" | case_expr
     | CAST _O? "(" _O? expr _S AS _S TYPE_NAME _O? ")"
 case_expr: CASE (_S expr)? (_S WHEN _S expr _S THEN _S expr)+ (_S ELSE _S expr)? _S END
@@ -114,7 +115,7 @@ window_spec: partition (_S order_by)? (_S frame)? | order_by (_S frame)? | frame
 partition: PARTITION _S BY _S expr (_O? "," _O? expr)*
 frame: (ROWS | RANGE) _S (BETWEEN _S bound _S AND _S bound | bound)
 bound: UNBOUNDED _S (PRECEDING | FOLLOWING) | CURRENT _S ROW | INT _S (PRECEDING | FOLLOWING)
-column_ref: column | qualifier "." column
+column_ref: column | qualifier "." (column | NEW_NAME)
 column: COLUMN
 qualifier: table | NEW_NAME
 literal: NUMBER | STRING | NULL | TRUE | FALSE
@@ -124,7 +125,7 @@ literal: NUMBER | STRING | NULL | TRUE | FALSE
 _S: /[ \t\r\n]{1,4}/
 _O: /[ \t\r\n]{1,4}/
 COMP: "=" | "!=" | "<>" | "<" | ">" | "<=" | ">="
-ADD_OP: "+" | "-" | "||"
+ADD_OP: "+" | "||"
 MUL_OP: "*" | "/" | "%"
 INT: /[0-9]{1,9}/
 NUMBER: /[0-9]{1,18}(\.[0-9]{1,18})?/ | /\.[0-9]{1,18}/

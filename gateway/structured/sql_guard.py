@@ -13,10 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .sql_closing import closing_texts
 from .sql_scope import (
     _BANNED,
     _CLAUSE_END,
     _ID,
+    _QUOTE_CLOSE,
     SCHEMA_COMMENT,
     WORDS_COMMENT,
     SQLScope,
@@ -45,6 +47,10 @@ class _TokenTable:
     hot: np.ndarray  # [V] bool: its head holds . ) ; a quote, or completes a word of _RELEVANT inside it
     head: np.ndarray  # [V] int: index into heads of its text up to and including its last non-identifier byte
     heads: list[str]
+    canon: tuple[np.ndarray, np.ndarray]  # [V] int each: index into canons of its head as the scope
+    canons: list[str]  # tracker reads it from outside / inside a '...' string (_canonical): one simulation
+    rest: np.ndarray  # [V] int: index into rests of its head after its leading identifier
+    rests: list[str]
     leads: dict[str, np.ndarray]  # lower-case identifier bytes before the first non-identifier byte -> ids
     inners: dict[str, np.ndarray]  # a word that starts and ends inside the token's head -> ids
     qual: np.ndarray  # [V] int: >= 0 where the head is `<whitespace><identifier>.` (a qualifier)
@@ -62,18 +68,48 @@ class _TokenTable:
     quote_start: np.ndarray  # [V] bool: starts with an identifier quote (" ` [)
     quotes: np.ndarray  # [V] bool: holds an identifier quote (" ` [ ])
     arg_marks: np.ndarray  # [V] bool: holds "," or ")"
+    call_marks: np.ndarray  # [V] bool: holds "(" and after it "," or ")"
+    has_digit: np.ndarray  # [V] bool: holds a digit
+
+
+def _canonical(head: str, in_string: bool) -> str:
+    """`head` as the scope tracker reads it (starting inside a '...' string or not): a string's
+    content as one "a" (only its closing quote counts), each whitespace run outside quotes as its last
+    byte (a run ends a word; a fence needs its newline right before the backtick); names in quotes as is."""
+    out, mode, gap = [], "'" if in_string else "", ""
+    for ch in head:
+        if mode == "'":
+            if ch == "'":
+                mode = ""
+                out.append(ch)
+            elif out[-1:] != ["a"]:
+                out.append("a")
+        elif mode:
+            out.append(ch)
+            mode = "" if ch == mode else mode
+        elif ch in " \t\r\n":
+            gap = ch
+        else:
+            out.append(gap + ch)
+            gap = ""
+            if ch == "'":
+                mode = "'"
+                out.append("")  # (the string's content follows)
+            elif ch in _QUOTE_CLOSE:
+                mode = _QUOTE_CLOSE[ch]
+    return "".join(out) + gap
 
 
 @functools.lru_cache(maxsize=8)
 def _token_table(tokenizer: TokenizerInfo) -> _TokenTable:
-    texts, index, leads, inners, quals, idents, tails = [], {}, {}, {}, {}, {}, {}
+    texts, index, nindex, rindex, leads, inners, quals, idents, tails = [], {}, {}, {}, {}, {}, {}, {}, {}
     n = tokenizer.vocab_size
     delim, dots, hot, tailed, lead_empty, first_dot, digit_start, digit_tail = (
         np.zeros(n, dtype=bool) for _ in range(8))
     tail_at = np.zeros(n, dtype=np.uint8)
     safe, safe_comma = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
     qual = np.full(n, -1, dtype=np.int64)
-    head = np.zeros(n, dtype=np.int64)
+    head, rest, canon_out, canon_in = (np.zeros(n, dtype=np.int64) for _ in range(4))
     for i, b in enumerate(tokenizer.token_bytes[:n]):
         t = (b or b"").decode("latin-1")
         texts.append(t)
@@ -97,6 +133,9 @@ def _token_table(tokenizer: TokenizerInfo) -> _TokenTable:
             inners.setdefault(w, []).append(i)
         hot[i] = bool(_HOT_CHARS & set(h)) or any(w in _RELEVANT for w in words)
         head[i] = index.setdefault(h, len(index))
+        rest[i] = rindex.setdefault(h[cuts[0]:], len(rindex))
+        canon_out[i] = nindex.setdefault(_canonical(h, False), len(nindex))
+        canon_in[i] = nindex.setdefault(_canonical(h, True), len(nindex))
         leads.setdefault(t[: cuts[0]].lower(), []).append(i)
         if (m := _QUAL_HEAD.match(h)) and "." not in t[len(h):]:
             qual[i] = 1
@@ -104,12 +143,18 @@ def _token_table(tokenizer: TokenizerInfo) -> _TokenTable:
     def arrays(d: dict[str, list[int]]) -> dict[str, np.ndarray]:
         return {k: np.array(v, dtype=np.int64) for k, v in d.items()}
 
-    return _TokenTable(texts, [t.lower() for t in texts], delim, dots, hot, head, list(index), arrays(leads),
+    return _TokenTable(texts, [t.lower() for t in texts], delim, dots, hot, head, list(index), (canon_out, canon_in),
+                       list(nindex),
+                       rest, list(rindex),
+                       arrays(leads),
                        arrays(inners), qual, arrays(quals), arrays(idents), arrays(tails), tailed, tail_at,
                        safe, safe_comma, lead_empty, first_dot, digit_start, digit_tail,
                        np.array([t[:1] in _QUOTE_OPEN for t in texts], dtype=bool),
                        np.array([any(q in t for q in '"`[]') for t in texts], dtype=bool),
-                       np.array(["," in t or ")" in t for t in texts], dtype=bool))
+                       np.array(["," in t or ")" in t for t in texts], dtype=bool),
+                       np.array(["(" in t and ("," in t[t.index("("):] or ")" in t[t.index("("):]) for t in texts],
+                                dtype=bool),
+                       np.array([any(c.isdigit() for c in t) for t in texts], dtype=bool))
 
 
 @functools.lru_cache(maxsize=64)
@@ -148,6 +193,17 @@ def _word_ids(tt: _TokenTable, pool: WordPool, word: str) -> np.ndarray:
     return np.concatenate(ids) if ids else _NONE
 
 
+@functools.lru_cache(maxsize=256)
+def _extending(tt: _TokenTable, words: frozenset[str], word: str) -> np.ndarray:
+    """[V] bool: identifier-only tokens after which `word` is still a prefix of one of `words`."""
+    ok = np.zeros(len(tt.texts), dtype=bool)
+    n = len(word)
+    for piece in {w[n:k] for w in words if w.startswith(word) for k in range(n + 1, len(w) + 1)}:
+        if (ids := tt.idents.get(piece)) is not None:
+            ok[ids] = True
+    return ok
+
+
 @functools.lru_cache(maxsize=64)
 def _word_mask(tt: _TokenTable, pool: WordPool, word: str) -> np.ndarray:
     """[V] bool: the tokens that keep `word` (being written where `pool` applies) within it."""
@@ -180,6 +236,7 @@ class SQLScopeGuard:
                  words: SQLWords | None = None) -> None:
         self.scope = SQLScope(tables, fenced, words)
         self.table = _token_table(tokenizer)
+        self.tokenizer = tokenizer
 
     @classmethod
     def from_grammar(cls, grammar: str, tokenizer: TokenizerInfo) -> SQLScopeGuard | None:
@@ -213,6 +270,18 @@ class SQLScopeGuard:
         except _Veto:
             return False
 
+    def closing_moves(self, tokens: list[int] = ()) -> tuple[tuple[int, ...], ...]:
+        """Token sequences that, after `tokens` (following the text so far), bind the names the
+        innermost scope left unbound (sql_closing.closing_texts), for the completion search to try first."""
+        state = self.scope
+        if tokens or (state.word and not state.mode):
+            state = state.clone()
+            try:  # (the texts start with a byte that ends the word being written)
+                state.feed("".join(self._text(t) for t in tokens) + (" " if state.word and not state.mode else ""))
+            except _Veto:
+                return ()
+        return tuple(tuple(self.tokenizer.encode(t)) for t in closing_texts(state))
+
     def allows_end(self) -> bool:
         return self.allows([], final=True)
 
@@ -232,10 +301,14 @@ class SQLScopeGuard:
         bits = np.unpackbits(out.view(np.uint8), bitorder="little")[: len(tt.texts)].astype(bool)
         drop = np.zeros(len(out) * 32, dtype=bool)  # the vetoed tokens
         keep = bits & tt.delim
-        if s.dot_q is not None:  # identifier-only tokens extend the column name: a prefix test
-            columns = s.columns_for(s.dot_q, quoted=bool(s.mode))
-            prefixes = {c[:k] for c in columns for k in range(len(c) + 1)}
-            drop[[t for t in np.flatnonzero(bits & ~tt.delim).tolist() if s.word + tt.lower[t] not in prefixes]] = True
+        if s.dot_q is not None and (columns := s.columns_for(s.dot_q, quoted=bool(s.mode))) is None:
+            # any name (FROM may declare q as a derived table that has it): identifier-only tokens go on
+            # with it, the others end it with their leading identifier
+            named = np.flatnonzero(keep & ~tt.lead_empty)
+            keep &= tt.lead_empty
+            drop[self._any_name_heads(named)] = True
+        elif s.dot_q is not None:  # identifier-only tokens extend the column name: a prefix test
+            drop[: len(bits)] |= bits & ~tt.delim & ~_extending(tt, frozenset(columns), s.word)
             if not s.mode:  # (inside quotes every other token is simulated)
                 ends = np.zeros(len(tt.texts), dtype=bool)  # tokens whose leading identifier ends a column
                 for c in columns:
@@ -249,8 +322,7 @@ class SQLScopeGuard:
             if s.pool is None:  # unchecked until its closing quote (SQLite's "...": a name or a string)
                 keep &= tt.quotes
             else:
-                prefixes = {w[:k] for w in s.pool.words for k in range(len(w) + 1)}
-                drop[[t for t in np.flatnonzero(bits & ~tt.delim).tolist() if s.word + tt.lower[t] not in prefixes]] = True
+                drop[: len(bits)] |= bits & ~tt.delim & ~_extending(tt, s.pool.words, s.word)
         else:
             if (pool := s.pool if s.word else s.word_pool()) is not None:
                 ok = _word_mask(tt, pool, s.word)
@@ -270,10 +342,20 @@ class SQLScopeGuard:
                 for w in _RELEVANT | pending | ({s.word} if in_from else set()):
                     if w.startswith(s.word) and (ids := tt.leads.get(w[len(s.word):])) is not None:
                         sim[ids] = True
-            if s.words is not None and not s.mode:  # the identifier after the head may start a checked word
-                drop[self._safe_tails(np.flatnonzero(keep & _tail_checks(tt, s.words.before_operand)), sim)] = True
+            checks = keep & _tail_checks(tt, s.words.before_operand) if s.words is not None and not s.mode else None
+            if s.in_by_list():  # a number there is an output column's position (SQLScope.ordinal_ok)
+                sim |= tt.has_digit
+                if checks is not None:
+                    checks &= ~tt.has_digit
+                if not s.word or s.word[:1].isdigit():
+                    numbers = np.flatnonzero(bits & ~tt.delim & tt.digit_start)
+                    drop[[t for t in numbers.tolist() if not s.ordinal_ok(s.word + tt.texts[t])]] = True
+            if checks is not None:  # the identifier after the head may start a checked word
+                drop[self._safe_tails(np.flatnonzero(checks), sim)] = True
             if any(f.func for f in s.stack):  # argument counts: "," and ")" may veto
                 sim |= tt.arg_marks
+            elif s.words is not None and (s.word or s.at) in s.words.arity:  # a call opened and closed by one token
+                sim |= tt.call_marks
             if not s.mode and unsettled:
                 # a word that may not become a clause keyword yet (SQLScope._bans)
                 if bans := (s.banned if s.word else s._bans()):
@@ -293,37 +375,67 @@ class SQLScopeGuard:
         fast = (tt.qual[cands] >= 0) & ~tt.tailed[cands]  # `q.` with nothing after the dot
         drop[self._qualifier_heads(cands, fast)] = True
         cands = cands[~fast]
-        heads = tt.head[cands]
+        string = s.mode == "'" and s.string == "'"
+        canon = tt.canon[1] if string else tt.canon[0] if not s.mode else tt.head
+        heads = canon[cands]
         order = np.argsort(heads, kind="stable")
         cands, heads = cands[order], heads[order]
         starts = np.flatnonzero(np.r_[True, heads[1:] != heads[:-1]])
         groups = zip(heads[starts].tolist(), np.split(cands, starts[1:]), strict=True) if cands.size else ()
         for h, members in groups:
-            state = s.clone()
-            try:
-                state.feed(tt.heads[h])
-            except _Veto:
-                drop[members] = True
-                continue
-            if state.mode and state.mode != state.string:  # the tail starts a quoted name
-                if state.pool is not None and (tailed := members[tt.tailed[members]]).size:
-                    drop[[t for t in tailed.tolist() if not state.pool.admits(tt.lower[t][len(tt.heads[h]):])]] = True
-            elif state.dot_q is not None:  # the identifier tail starts a column name: a prefix of one
-                if (tailed := members[tt.tailed[members]]).size:
-                    pool = WordPool(frozenset(state.columns_for(state.dot_q)), frozenset())
-                    drop[tailed[~(_tail_mask(tt, pool) & ~tt.digit_tail)[tailed]]] = True
-            elif (tailed := members[tt.tailed[members]]).size and not state.word and not state.mode:
-                if (pool := state.word_pool()) is not None:
-                    drop[tailed[~_tail_mask(tt, pool)[tailed]]] = True
-                if bans := state._bans():  # (a word after the head may not start as a clause keyword)
-                    state.banned = bans
-                    pieces = {k[:e] for k in bans for e in range(1, len(k) + 1) if state.only_banned(k[:e])}
-                    banned = np.zeros(len(tt.texts), dtype=bool)
-                    for p in pieces:
-                        if (ids := tt.tails.get(p)) is not None:
-                            banned[ids] = True
-                    drop[tailed[banned[tailed]]] = True
+            self._simulate(tt.heads[h] if s.mode and not string else tt.canons[h], members, drop)
         out &= ~np.packbits(drop, bitorder="little").view(np.uint32)
+
+    def _any_name_heads(self, ids: np.ndarray) -> list[int]:
+        """Vetoes among tokens (ids) that end a name any of which may follow `q.` with their leading
+        identifier: simulated by what follows it (one stand-in name per group where that is punctuation
+        only; one by one where it holds another word)."""
+        tt, drop = self.table, np.zeros(len(self.table.texts), dtype=bool)
+        if not ids.size:
+            return []
+        rests = tt.rest[ids]
+        order = np.argsort(rests, kind="stable")
+        ids, rests = ids[order], rests[order]
+        starts = np.flatnonzero(np.r_[True, rests[1:] != rests[:-1]])
+        for r, members in zip(rests[starts].tolist(), np.split(ids, starts[1:]), strict=True):
+            rest = tt.rests[r]
+            if any(ch in _ID for ch in rest):
+                for t in members.tolist():
+                    self._simulate(tt.texts[t][: len(tt.heads[tt.head[t]])], np.array([t]), drop)
+            else:
+                self._simulate("x" + rest, members, drop)
+        return np.flatnonzero(drop).tolist()
+
+    def _simulate(self, head: str, members: np.ndarray, drop: np.ndarray) -> None:
+        """Feed `head` (the text the tokens `members` share up to their last non-identifier byte) and
+        set in `drop` those it vetoes, or whose identifier after it cannot start a word there."""
+        s, tt = self.scope, self.table
+        state = s.clone()
+        try:
+            state.feed(head)
+        except _Veto:
+            drop[members] = True
+            return
+        if state.in_by_list() and (numbers := members[tt.digit_tail[members]]).size:
+            drop[[t for t in numbers.tolist() if not state.ordinal_ok(tt.texts[t][len(tt.heads[tt.head[t]]):])]] = True
+        if state.mode and state.mode != state.string:  # the tail starts a quoted name
+            if state.pool is not None and (tailed := members[tt.tailed[members]]).size:
+                drop[[t for t in tailed.tolist() if not state.pool.admits(tt.lower[t][len(tt.heads[tt.head[t]]):])]] = True
+        elif state.dot_q is not None:  # the identifier tail starts a column name: a prefix of one
+            if (tailed := members[tt.tailed[members]]).size and (cols := state.columns_for(state.dot_q)) is not None:
+                pool = WordPool(frozenset(cols), frozenset())
+                drop[tailed[~(_tail_mask(tt, pool) & ~tt.digit_tail)[tailed]]] = True
+        elif (tailed := members[tt.tailed[members]]).size and not state.word and not state.mode:
+            if (pool := state.word_pool()) is not None:
+                drop[tailed[~_tail_mask(tt, pool)[tailed]]] = True
+            if bans := state._bans():  # (a word after the head may not start as a clause keyword)
+                state.banned = bans
+                pieces = {k[:e] for k in bans for e in range(1, len(k) + 1) if state.only_banned(k[:e])}
+                banned = np.zeros(len(tt.texts), dtype=bool)
+                for p in pieces:
+                    if (ids := tt.tails.get(p)) is not None:
+                        banned[ids] = True
+                drop[tailed[banned[tailed]]] = True
 
     def _safe_tails(self, checks: np.ndarray, sim: np.ndarray) -> np.ndarray:
         """Vetoes among tokens (ids `checks`) with an identifier after their head, without simulating
@@ -378,8 +490,9 @@ class SQLScopeGuard:
             if any(f.scope and f.phase in ("start", "select") for f in state.stack):
                 continue  # any name may be bound later (its columns are checked as they are written)
             prefix = "" if after_space else state.word
-            if prefix[:1].isdigit():
-                continue  # a number's decimal point
+            if prefix[:1].isdigit():  # a number's decimal point (not in an output position)
+                veto += [] if state.ordinal_ok(prefix + ".") else group.tolist()
+                continue
             bound = {q for f in state.stack if f.scope for q in f.declared}
             ok = np.zeros(len(tt.texts), dtype=bool)
             if not prefix:  # a "." after no word: a number's decimal point (`.5`)

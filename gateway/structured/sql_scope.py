@@ -38,6 +38,8 @@ _BARE = re.compile(r"[a-z_][a-z0-9_]*\Z")  # a name the grammar takes unquoted (
 _AFTER_SOURCE = frozenset(("join", "inner", "left", "right", "full", "cross", "on", "using", "where", "group",
                            "having", "order", "limit", "union", "intersect", "except"))
 _WINDOW_WORDS = frozenset(("partition", "order", "rows", "range"))  # after "(" only in OVER (...)
+_AFTER_ALIAS = frozenset(("from",))
+_AFTER_SOURCE_ALIAS = _JOIN_WORDS | {"join", "on", "using"}
 _BANNED = ("where", "group", "having", "order", "limit", "union", "intersect", "except", "offset")
 
 
@@ -69,12 +71,15 @@ class _Frame:
     over: bool = False  # the parenthesis of a window (OVER (...))
     func: str = ""  # the parenthesis of this function's arguments
     args: int = 0  # arguments begun so far
+    items: int = 0  # items of its current SELECT list that ended
 
     def clone(self) -> _Frame:
-        return _Frame(self.scope, self.fresh, self.source, self.cte, self.phase, self.expect, dict(self.declared),
-                      {q: set(c) for q, c in self.pending.items()}, set(self.bare), self.source_name,
-                      set(self.aliases), self.clause, list(self.item), list(self.names), self.first,
-                      self.outputs, self.with_state, self.over, self.func, self.args)
+        new = object.__new__(_Frame)
+        d = new.__dict__
+        d.update(self.__dict__)
+        d["declared"], d["pending"] = dict(self.declared), {q: set(c) for q, c in self.pending.items()}
+        d["bare"], d["aliases"], d["item"], d["names"] = set(self.bare), set(self.aliases), list(self.item), list(self.names)
+        return new
 
 
 @dataclass(frozen=True)
@@ -207,6 +212,8 @@ class SQLScope:
             self._end_from(f)
         elif f.pending or f.bare:
             raise _Veto("names used without a FROM clause")
+        else:
+            f.phase = "after"  # (no FROM can follow: later names must be bound already)
         self._end_first(f)
 
     def _end_first(self, f: _Frame) -> None:
@@ -256,6 +263,7 @@ class SQLScope:
     # -- SELECT items (output columns of CTEs and derived tables) ----------------------------
     def _finish_item(self, f: _Frame) -> None:
         parts, f.item = f.item, []
+        f.items += bool(parts)
         while parts and parts[0] == ("k", "distinct") or parts[:1] == [("k", "all")]:
             parts = parts[1:]
         name, alias = None, False
@@ -315,7 +323,7 @@ class SQLScope:
         if kw == "select":
             if f.phase != "start":
                 self._end_scope(f)
-            f.phase, f.declared, f.pending, f.bare, f.expect = "select", {}, {}, set(), "source"
+            f.phase, f.declared, f.pending, f.bare, f.expect, f.items = "select", {}, {}, set(), "source", 0
             f.with_state = ""
         elif kw == "from" and f.phase == "select":
             f.phase, f.expect = "from", "source"
@@ -388,17 +396,20 @@ class SQLScope:
         if src is None and host is None:
             raise _Veto(f"qualifier {q} is not bound")
         cols = self.columns_for(q, quoted)
-        if not (col in cols if final else any(c.startswith(col) for c in cols)):
+        if cols is not None and not (col in cols if final else any(c.startswith(col) for c in cols)):
             raise _Veto(f"{col} is not a column of {q}")
         if src is None and final:
             host.pending.setdefault(q, set()).add(col)
 
-    def columns_for(self, q: str, quoted: bool = False) -> frozenset[str]:
-        """Columns that may follow `q.` now: of its source; of a table or CTE of that name, or of any
-        known one, when FROM has yet to declare it. Unquoted: only those written bare."""
+    def columns_for(self, q: str, quoted: bool = False) -> frozenset[str] | None:
+        """Columns that may follow `q.` now: of its source; of a table or CTE of that name when FROM
+        has yet to declare it; None (any name: a derived table declared later may have it) for another
+        name FROM has yet to declare (quoted: any known column). Unquoted: only those written bare."""
         src = self._lookup(q)
         if src is None:
             src = q if self._is_source(q) else None
+        if src is None and not quoted:
+            return None
         cols = self._cols(src) if src is not None else self._all_columns()
         return cols if quoted else _bare(cols, self._keywords())
 
@@ -451,10 +462,41 @@ class SQLScope:
         self._item(self._scope(), "p", ".")
         self.dot_q = q
 
+    def ordinal_ok(self, digits: str) -> bool:
+        """Whether a number written here may begin with `digits`: a number that starts an ORDER BY or
+        GROUP BY item is read as an output column's position (1 to the SELECT list's length)."""
+        f = self._scope()
+        at = self.word_at if self.word else self.at
+        if not (self.in_by_list() and at in ("by", ",")):
+            return True
+        return any(str(k).startswith(digits) for k in range(1, f.items + 1))
+
+    def in_by_list(self) -> bool:
+        """In the ORDER BY or GROUP BY list of the current scope (not in a parenthesis)."""
+        f = self._scope()
+        return f.clause in ("order", "group") and self.stack[-1] is f and not self.mode
+
     def only_banned(self, word: str) -> bool:
-        """`word` can only grow into a banned clause keyword (not into another keyword: OVER, OR, ...)."""
+        """`word` can only grow into a banned clause keyword (not into another keyword that may follow
+        here: OVER, OR, ...)."""
+        follow = self._follow()
         return any(k.startswith(word) for k in self.banned) and not any(
-            k.startswith(word) for k in self._keywords() if k not in _BANNED)
+            k.startswith(word) for k in (self._keywords() if follow is None else follow) if k not in _BANNED)
+
+    def _follow(self) -> frozenset[str] | None:
+        """The keywords a word starting here may be, where the position narrows them (None: any):
+        after a SELECT item's alias only FROM (or a clause keyword); after a FROM source's alias only
+        a join word, ON or USING."""
+        f = self._scope()
+        if self.stack[-1] is not f:
+            return None
+        parts = f.item
+        if f.phase == "select" and len(parts) >= 2 and parts[-1][0] == "w" and (
+                parts[-2] == ("k", "as") or parts[-2][0] in "wv" or parts[-2] == ("p", ")")):
+            return _AFTER_ALIAS
+        if f.phase == "from" and f.expect == "aliased":
+            return _AFTER_SOURCE_ALIAS
+        return None
 
     def _bans(self) -> tuple[str, ...]:
         """Clause keywords a word starting here may not become: after a complete operand (or source)
@@ -508,6 +550,8 @@ class SQLScope:
                 self.banned = () if ch.isdigit() or self.dot_q is not None else self._bans()
                 self.word_at = self.at
             self.word += ch.lower()
+            if self.word[:1].isdigit() and not self.ordinal_ok(self.word):
+                raise _Veto(f"ORDER BY / GROUP BY {self.word}: no such output column")
             if self.dot_q is not None and ch != ".":
                 self._column(self.dot_q, self.word, final=False)
             elif self.pool is not None and not self.pool.admits(self.word):
@@ -528,7 +572,13 @@ class SQLScope:
         f = self._scope()
         if self.stack[-1].fresh and ch != "(":
             self.stack[-1].fresh = False
-        if ch == ".":
+        if self.dot_q is not None and ch == "*":  # q.*: q must be bound like a qualified column
+            q, self.dot_q = self.dot_q, None
+            if self._lookup(q) is None:
+                host = next(g for g in reversed(self.stack) if g.scope and g.phase in ("start", "select"))
+                host.pending.setdefault(q, set())
+            self._item(f, "p", ch)
+        elif ch == ".":
             if last is not None:
                 self._qualifier(last)
         elif ch == "'" or (self.words is not None and ch in self.words.strings and ch not in self.words.quotes):
@@ -551,9 +601,10 @@ class SQLScope:
                 frame.cte, f.with_state = f.source_name, "after"
             self.stack.append(frame)
         elif ch == ")" and len(self.stack) > 1:
-            closed = self.stack.pop()
-            if closed.scope:
+            closed = self.stack[-1]
+            if closed.scope:  # (on top: its last SELECT item ends here)
                 self._end_scope(closed)
+            self.stack.pop()
             f = self._scope()
             self._item(f, "p", ")")
             if closed.cte is not None:

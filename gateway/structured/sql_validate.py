@@ -57,6 +57,9 @@ def check_sql(sql: str, schema: DatabaseSchema, policy: SQLPolicy | None = None)
     for node in tree.walk():
         if isinstance(node, _FORBIDDEN):
             raise SQLPolicyViolation("read_only", f"{node.key.upper()} is not allowed in a read-only query")
+    for select in tree.find_all(exp.Select):  # sqlglot parses a bare `SELECT` (no database does)
+        if not select.expressions:
+            raise SQLPolicyViolation("parse", f"not valid {dialect} SQL: a SELECT without a column list")
 
     rewrites: list[str] = []
     if dialect == "sqlite":

@@ -13,6 +13,7 @@ from .json_enforce import repair
 from .json_schema import normalise, parse_schema, validator_class
 from .sql_schema import DatabaseSchema, SQLPolicy
 from .sql_validate import SQLCheckResult, check_sql
+from .tool_formats import DEFAULT, ToolFormat
 from .tools import ToolSpec, _choice, parse_tool_calls
 
 
@@ -55,10 +56,11 @@ def validate_json(text: str, schema: str | dict | bool) -> Any:
 
 
 def validate_tool_calls(
-    text: str, tools: list[dict], tool_choice: str | dict | None = "auto", parallel_tool_calls: bool = True
+    text: str, tools: list[dict], tool_choice: str | dict | None = "auto", parallel_tool_calls: bool = True,
+    fmt: ToolFormat = DEFAULT,
 ) -> list[dict]:
-    """Parse the Qwen tool-call blocks and check names, arguments and tool_choice; returns the calls."""
-    calls = parse_tool_calls(text)
+    """Parse the tool calls (in format `fmt`) and check names, arguments and tool_choice; returns the calls."""
+    calls = parse_tool_calls(text, tools, fmt)
     specs = {t.name: t for t in (ToolSpec.from_openai(x) for x in tools)}
     mode, forced = _choice(tool_choice)
     if mode == "none" and calls:

@@ -6,7 +6,7 @@
 // replaces ~60 small torch operations per layer with one call. Included by moe_cpu.cpp.
 #pragma once
 
-struct DecodeLayerParams {  // mirrored by kernels/decode_layer.py (ctypes): keep in sync
+struct DecodeLayerParams {  // mirrored by kernels/build.py (ctypes): keep in sync
   int64_t H, NH, KV, D, E, topk, I;
   int64_t norm_topk;  // 1: top-k weights renormalised to sum to 1
   int64_t qk_norm;    // 0: none, 1: RMSNorm per head (Qwen3)

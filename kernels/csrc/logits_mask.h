@@ -1,4 +1,4 @@
-// The logits mask of constrained decoding (kernels/logits_mask.py). Included by moe_cpu.cpp.
+// The logits mask of constrained decoding (kernels/bindings.py). Included by moe_cpu.cpp.
 #pragma once
 
 extern "C" {

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss",
+         "qwen3_next")
 VOCAB = 512
 
 
@@ -51,6 +52,15 @@ def write_hf_checkpoint(path, arch: str, seed: int = 0, **overrides) -> None:
             swiglu_limit=0.1, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                "original_max_position_embeddings": 16})),
+        # linear / full / dense linear / linear layers; 2 key heads of 12 serving 6 value heads of 10, conv kernel 4;
+        # gated full attention with head_dim 24, a quarter of it rotary; a sigmoid-gated shared expert
+        "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+            num_hidden_layers=4, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                              "linear_attention"],
+            head_dim=24, num_experts=8, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+            intermediate_size=48, mlp_only_layers=[2], norm_topk_prob=True, linear_num_key_heads=2,
+            linear_num_value_heads=6, linear_key_head_dim=12, linear_value_head_dim=10, linear_conv_kernel_dim=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
     }
     config_cls, model_cls, arch_kw = specs[arch]
     config = getattr(tf, config_cls)(**{**common, **arch_kw, **overrides})

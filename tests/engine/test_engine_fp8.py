@@ -13,10 +13,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from engine.errors import CheckpointError, TensorShapeError, UnexpectedTensorError, UnsupportedCheckpointError
-from engine.fp8 import SCALE_SUFFIX, BlockFp8, quantize_checkpoint
+from engine.fp8 import SCALE_SUFFIX, BlockFp8
 from engine.llm_engine import LLM
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
+from modeltools.fp8_write import quantize_checkpoint
 
 
 def _reference_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -16,9 +16,11 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from engine.llm_engine import LLM
 from engine.loader import load_model
+from engine.recurrent_state import RecurrentStates, layer_caches
 from engine.sampling_params import SamplingParams
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss",
+         "qwen3_next")
 VOCAB = 512  # the tiny checkpoints of tests/engine/conftest.py
 
 STEPS = 32
@@ -38,7 +40,9 @@ def _our_logits(path, prompt: list[int], tokens: list[int], dtype: torch.dtype) 
     """Prefill the prompt, then feed `tokens` one at a time through the paged cache. -> [STEPS, V]"""
     model = load_model(path, dtype=dtype, progress=False)
     block_size = 8
-    kv = allocate_kv_cache(model.config, KVCacheSpec(16, block_size), dtype, "cpu")
+    cfg = model.config
+    states = RecurrentStates(cfg, 1, 0, block_size, "cpu") if cfg.linear_attention else None  # slot 0
+    kv = layer_caches(cfg, allocate_kv_cache(cfg, KVCacheSpec(16, block_size), dtype, "cpu"), states)
     table = [5, 2, 9, 0, 7, 11]  # scattered blocks: the block table must be honoured
     rows = []
     with torch.inference_mode():
@@ -73,7 +77,7 @@ def test_greedy_generation_matches_transformers(hf_checkpoint, arch, prompt):
     assert out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_next"])
 def test_bf16_within_documented_tolerance(hf_checkpoint, arch, prompt):
     path = hf_checkpoint(arch)
     tokens, ref = _hf_greedy(path, prompt, torch.bfloat16)

@@ -15,7 +15,7 @@ import torch
 
 from modeltools import plan as plan_mod
 from modeltools.plan import GIB, PRECISIONS, PlanOptions, build_plan, measure_bandwidth
-from modeltools.sizing import EMBED, ROUTED, ModelShape, SizingError, census, params_by_part
+from modeltools.sizing import EMBED, LM_HEAD, ROUTED, ModelShape, SizingError, census, params_by_part
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,6 +63,12 @@ def _tiny_configs():
         # sinks, biases on q/k/v/o, the router and every expert; fused [E, H, 2I] experts on disk
         "gpt_oss": t.GptOssConfig(**common, intermediate_size=40, num_hidden_layers=2, head_dim=18,
                                   num_local_experts=6, num_experts_per_tok=2),
+        # linear / full / linear (dense MLP) / full: gated DeltaNet weights, q_proj with its gate, a gated shared expert
+        "qwen3_next": t.Qwen3NextConfig(**common, head_dim=24, intermediate_size=48, moe_intermediate_size=24,
+                                        shared_expert_intermediate_size=40, num_hidden_layers=4, num_experts=8,
+                                        num_experts_per_tok=2, mlp_only_layers=[2], full_attention_interval=2,
+                                        linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=12,
+                                        linear_value_head_dim=10),
     }
 
 
@@ -74,7 +80,7 @@ def _save(config, path: Path, dtype=torch.float32) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2",
-                                  "glm4_moe", "gpt_oss"])
+                                  "glm4_moe", "gpt_oss", "qwen3_next"])
 def test_param_counts_match_transformers_and_headers_per_part(arch, tmp_path):
     model = _save(_tiny_configs()[arch], tmp_path)
     shape = ModelShape.from_dir(tmp_path)
@@ -141,6 +147,29 @@ def test_glm_45_air_figures_from_config_numbers(tmp_path):
     embeddings = 2 * 151552 * 4096
     assert 12.0e9 < p.params_active - embeddings < 12.5e9  # published: 12B active, embeddings aside
     assert p.kv_bytes_per_token == 2 * 46 * 8 * 128 * 2
+
+
+QWEN3_NEXT_80B_A3B = {  # numbers of Qwen/Qwen3-Next-80B-A3B-Instruct config.json
+    "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5120,
+    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "partial_rotary_factor": 0.25, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+
+
+def test_qwen3_next_80b_a3b_figures_from_config_numbers(tmp_path):
+    """Qwen3-Next-80B-A3B: 80B total, 3B activated (published); KV only in its 12 full-attention layers, and a
+    recurrent state per sequence in the 36 linear-attention ones."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_NEXT_80B_A3B))
+    p = build_plan(tmp_path, PlanOptions(experts_precision="int4", kv_tokens=1000), bandwidth_gbps=20.0)
+    assert 79.5e9 < p.params_total < 81.5e9
+    assert 2.8e9 < p.params_active - p.params[EMBED] - p.params[LM_HEAD] < 3.3e9  # "A3B": the embeddings aside
+    assert p.kv_bytes_per_token == 2 * 12 * 2 * 256 * 2
+    conv = (2 * 16 * 128 + 32 * 128) * 3
+    assert p.state_bytes == plan_mod.STATE_SLOTS * 36 * 4 * (conv + 32 * 128 * 128)
+    assert p.fast_device_bytes == p.dense_bytes + p.kv_bytes + p.state_bytes
 
 
 GPT_OSS_20B = {  # numbers of openai/gpt-oss-20b config.json

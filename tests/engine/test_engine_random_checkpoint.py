@@ -33,6 +33,8 @@ EXPECTED_NAMES = {
     "gpt_oss": ("num_local_experts", "mlp.experts.gate_up_proj", "mlp.router.weight",
                 ["mlp.router.bias", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias", "self_attn.sinks",
                  "self_attn.o_proj.bias"]),
+    "qwen3_next": ("num_experts", "mlp.experts.7.down_proj.weight", "mlp.gate.weight",  # layer 1 of 2: full attention
+                   ["self_attn.q_norm.weight", "mlp.shared_expert_gate.weight"]),
 }
 
 

@@ -55,6 +55,8 @@ ONLY_OTHER_ROUTES = [("- name: moegate-demo\n", "- name: moegate-demo\n  - name:
     ([("fast: {routed_experts: int4}", "fast: {routed_experts: int8}")], "modes.exploration.precision",
      "routed_experts: int4 -> int8"),
     ([("audit: {level: full, fsync: never}", "audit: {level: full, fsync: always}")], "audit.fsync", "restart"),
+    ([("audit: {level: full, fsync: never}", "audit: {level: full, fsync: never}\ndecoding: {speculative_tokens: 4}")],
+     "decoding", "multi-token decoding is set at start"),
 ])
 def test_reload_the_process_cannot_take_is_rejected(server, edits, field, words):
     app, policy, url = server

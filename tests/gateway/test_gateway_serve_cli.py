@@ -51,3 +51,22 @@ def test_serve_a_gguf_file(tiny_checkpoint, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_serve_qwen3_next(tiny_checkpoint, tmp_path):
+    """`moegate serve --model DIR` with a Qwen3-Next checkpoint: linear-attention layers and their recurrent state."""
+    model = tiny_checkpoint("qwen3_next")
+    proc, url = serve_process(["--model", str(model), "--device", "cpu", "--log-level", "warning"],
+                              {**os.environ, "MOEGATE_STATE_DIR": str(tmp_path)}, timeout_s=90)
+    try:
+        ask = {"model": "moegate-demo", "messages": [{"role": "user", "content": "Quote AAPL"}], "max_tokens": 4,
+               "temperature": 0}
+        first, again = (httpx.post(url + "/v1/chat/completions", headers={"Authorization": "Bearer anything"},
+                                   json=ask, timeout=60) for _ in range(2))
+        assert first.status_code == again.status_code == 200
+        assert first.json()["usage"]["completion_tokens"] >= 1
+        # the second request may reuse the first's prompt blocks and state: the same greedy reply
+        assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(30)

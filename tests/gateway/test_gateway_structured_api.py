@@ -137,11 +137,12 @@ def test_sql_extension(gateway_server):
 
 
 def test_sql_extension_failure_is_typed(gateway_server):
-    """Without help a random model writes SQL the validator rejects: a typed 400, never invalid SQL."""
+    """A budget no query fits in (`SELECT` alone is not one): a typed 400 after the strict retry,
+    never invalid SQL."""
     import openai
 
     with pytest.raises(openai.BadRequestError) as e:
-        _chat(gateway_server, max_tokens=40, temperature=0, response_format={"type": "sql", "sql": {
+        _chat(gateway_server, max_tokens=1, temperature=0, response_format={"type": "sql", "sql": {
             "tables": {"prices": ["ticker", "price"]}, "database": "market"}})
     assert e.value.code in ("sql_policy_violation", "structured_output_invalid")
     metrics = gateway_server.state.metrics.render().decode()

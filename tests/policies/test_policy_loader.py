@@ -59,6 +59,8 @@ def test_examples_are_what_they_claim():
         ("hash: sha256:b7b2", "hash: md5:b7b2", "tenants[1].api_keys[0].hash", "md5:b7b2", "pattern"),
         ("  tokens_per_day: 5000000", "  tokens_per_dya: 5000000", "limits.tokens_per_dya", "tokens_per_dya",
          "unknown field"),
+        ("  tokens_per_day: 5000000", "  tokens_per_day: 5000000\ndecoding:\n  jump_forward_tokens: -1",
+         "decoding.jump_forward_tokens", "jump_forward_tokens: -1", "greater than or equal to 0"),
     ],
 )
 def test_invalid_field_is_named_with_its_line(old, new, field, needle, words):

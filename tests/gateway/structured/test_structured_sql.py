@@ -41,6 +41,8 @@ ADVERSARIAL = [
     ("SELECT readfile('/etc/passwd') FROM trades", "function_not_allowed"),
     ("SELECT * FROM sqlite_master", "unknown_table"),
     ("SELECT id FROM trades LIMIT (SELECT 1)", "limit"),
+    ("SELECT", "parse"),  # sqlglot parses an empty SELECT list; no database runs it
+    ("SELECT id FROM trades WHERE id IN (SELECT)", "parse"),
 ]
 
 

@@ -58,6 +58,19 @@ def test_random_walks_always_parse_and_validate(tokinfo, dialect):
     "SELECT Laboratory.`T-CHO` FROM Laboratory",
     "SELECT count(*) FROM (SELECT symbol FROM trades GROUP BY symbol) AS t1",
     "SELECT symbol, sum(qty) AS n FROM trades GROUP BY symbol HAVING sum(qty) > 10 ORDER BY n DESC",
+    "SELECT symbol, sum(qty) AS n FROM trades GROUP BY symbol HAVING n > 10",  # a SELECT alias
+    # CTE and derived-table columns after their qualifier (declared before or after the SELECT list)
+    "WITH recent AS (SELECT account_id, max(ts) AS last_ts FROM trades GROUP BY account_id) "
+    "SELECT a.name, r.last_ts FROM accounts AS a JOIN recent AS r ON a.id = r.account_id",
+    "SELECT t1.max_qty FROM (SELECT max(qty) AS max_qty FROM trades) AS t1",
+    "SELECT T1.symbol FROM (SELECT symbol, count(*) AS max_count FROM trades GROUP BY symbol) AS T1 "
+    "WHERE T1.max_count > 2 ORDER BY T1.max_count DESC",
+    "WITH a AS (SELECT id, name FROM accounts), b AS (SELECT account_id, sum(qty) AS total FROM trades "
+    "GROUP BY account_id) SELECT a.name, b.total FROM a JOIN b ON a.id = b.account_id ORDER BY b.total DESC",
+    "SELECT CAST(SUM(IIF(T1.qty > 1, 1, 0)) AS REAL) * 100 / COUNT(T1.id) FROM trades AS T1 "
+    "INNER JOIN accounts AS T2 ON T1.account_id = T2.id WHERE STRFTIME('%Y', T1.ts) = '2012'",
+    "SELECT symbol, qty FROM trades ORDER BY 2 DESC, 1",
+    "SELECT qty - -1, -qty, qty-1 FROM trades",
 ])
 def test_sqlite_real_world_forms_admitted(tokinfo, sql):
     assert _admitted(tokinfo, sql, SQLPolicy(dialect="sqlite", max_limit=None)), sql
@@ -80,6 +93,14 @@ def test_postgres_forms_admitted(tokinfo, sql):
     "SELECT qty FROM accounts",  # a column of a table not in FROM
     "SELECT * FROM recent",  # not a table, no such CTE
     "SELECT '" + "''" * 70 + "' FROM trades",  # a string literal past 64 characters
+    "SELECT t1.nope FROM (SELECT max(qty) AS max_qty FROM trades) AS t1",  # not a column of the derived table
+    "SELECT r.qty FROM (SELECT symbol FROM trades) AS r",
+    "SELECT symbol, qty FROM trades ORDER BY 3",  # an output position past the SELECT list
+    "SELECT symbol FROM trades GROUP BY 0",
+    "SELECT qty--1 FROM trades",  # `--` starts a comment: the rest of the line would vanish
+    "SELECT - -qty FROM trades",
+    "SELECT t.*",  # a qualifier nothing declares
+    "SELECT 1 AS t ORDER BY t, rpad\t ()",  # too few arguments, `(` and `)` in one token
 ])
 def test_unsound_forms_refused(tokinfo, sql):
     assert not _admitted(tokinfo, sql, SQLPolicy(dialect="sqlite", max_limit=None)), sql
@@ -105,3 +126,43 @@ def test_adversarial_set_never_admitted(tokinfo, dialect):
         assert not (grammar and SQLScopeGuard.from_grammar(compiled.spec.source, tokinfo).allows(ids, final=True)), sql
         with pytest.raises(SQLPolicyViolation):
             check_sql(sql, schema, policy)
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
+def test_adversarial_must_accept_admitted(tokinfo, dialect):
+    import sqlglot
+
+    schema = DatabaseSchema.from_mapping(ADVERSARIAL["schema"])
+    policy = SQLPolicy(dialect=dialect, max_limit=None)
+    compiled = ConstraintCache().get_or_compile(sql_spec(schema, policy), tokinfo)
+    for sql in ADVERSARIAL["must_accept"]:
+        sql = sqlglot.transpile(sql, read="sqlite", write=dialect)[0]
+        ids = tokinfo.encode(sql)
+        m = compiled.new_matcher()
+        assert all(m.consume(t) for t in ids) and m.is_accepting(), sql
+        assert SQLScopeGuard.from_grammar(compiled.spec.source, tokinfo).allows(ids, final=True), sql
+        check_sql(sql, schema, policy)
+
+
+@pytest.mark.parametrize("prefix", [
+    "SELECT t1.max_qty",  # a derived table's column before the derived table
+    "SELECT tickerSELECTSELECTx.T tickerSELECT FROM trades tickerSELECTx inneR join trades tickerSELECTSELECT",
+    "SELECT t1.max_qty FROM (SELECT q.ab",  # two scopes with qualifiers still to declare
+    "SELECT zz.a, symbol + 1, t9.*",
+    "WITH r AS (SELECT zz.a, 1 + (2",
+])
+def test_admitted_prefixes_close_within_a_small_budget(tokinfo, prefix):
+    """Liveness: where grammar and guard admit a prefix, the completion search finds a closing path that
+    declares what it left unbound (the guard's own closing texts), and the closed query validates."""
+    from gateway.structured.build import build_constraint
+
+    c = build_constraint(sql_spec(DB, SQLPolicy(dialect="sqlite")), tokinfo, max_tokens=256, cache=ConstraintCache())
+    ids = tokinfo.encode(prefix)
+    assert c.guard.allows(ids, final=False), prefix
+    for t in ids:
+        assert c.consume(t), prefix
+    from gateway.structured.closing import shortest_completion
+
+    path = shortest_completion(c.matcher.llg, tokinfo, 80, allow=c.guard.allows, first=c.guard.closing_moves)
+    assert path is not None, prefix
+    check_sql(tokinfo.decode(ids + path), DB, SQLPolicy(dialect="sqlite"))

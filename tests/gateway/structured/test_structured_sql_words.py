@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from evals.structured.run import scope_vetoes
+from evals.structured.sql_eval import scope_vetoes
 from gateway.structured.bitmask import bitmask_words
 from gateway.structured.cache import ConstraintCache
 from gateway.structured.constraint import Constraint
@@ -124,7 +124,8 @@ def test_filter_agrees_with_simulating_every_token(tokinfo):
     words = bitmask_words(tokinfo.vocab_size)
     for sql in ["SELECT T1.name, count(*) AS n FROM accounts AS T1 JOIN trades AS T2 ON T1.id = T2.account_id "
                 "WHERE T2.qty > 1 AND region = 'EU' GROUP BY T1.name ORDER BY n",
-                "SELECT id FROM trades WHERE symbol IN (SELECT symbol FROM positions WHERE qty < 0)"]:
+                "SELECT id FROM trades WHERE symbol IN (SELECT symbol FROM positions WHERE qty < 0)",
+                "SELECT t1.max_qty, symbol FROM (SELECT max(qty) AS max_qty, symbol FROM trades) AS t1 ORDER BY 2, 1"]:
         c = Constraint(compiled)
         for t in tokinfo.encode(sql):
             grammar_only = torch.zeros(1, words, dtype=torch.int32)

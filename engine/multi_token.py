@@ -1,0 +1,201 @@
+"""Multi-token decoding: a sequence feeds k > 1 tokens in one step and keeps a prefix of them.
+
+Two sources of those tokens share one mechanism (a chunk of k tokens whose KV is computed together, with
+logits at the rows that need them):
+
+- Jump-forward: in constrained output the grammar often allows exactly one token (JSON keys, punctuation,
+  SQL keywords). Those forced tokens are appended right after the sampled token without a forward each;
+  the next step computes their KV as one chunk. Only where the numerics are chunk-invariant (the fused
+  execution path), so the bytes equal token-by-token decoding; a seeded generator draws what sampling the
+  forced token would have drawn, so sampled output is unchanged too.
+- Prompt lookup (n-gram) speculation: the last n tokens are searched for earlier in prompt + output and
+  the k tokens that followed become drafts. The next step computes the last token and the drafts in one
+  chunk with logits at every row; the target's choice at each row verifies the next draft. Greedy keeps the
+  longest agreeing prefix; sampling accepts a draft d with probability p(d) and otherwise samples from p
+  with d removed, which leaves the output distribution unchanged (the drafts are deterministic, q(d) = 1).
+  Rejected drafts' KV is rolled back (their slots are overwritten when those positions are recomputed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.mode import Mode
+from engine.sampler import SamplingError, apply_top_k_top_p, greedy, sample
+from engine.sampling_params import MIN_TEMPERATURE
+from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MultiTokenConfig:
+    """jump_forward_tokens: forced tokens appended per step at most (0: off). speculative_tokens: n-gram
+    drafts per step (0: off), found by matching the last ngram_max..ngram_min tokens."""
+
+    jump_forward_tokens: int = 0
+    speculative_tokens: int = 0
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.jump_forward_tokens < 0 or self.speculative_tokens < 0:
+            raise ValueError(f"jump_forward_tokens and speculative_tokens must be >= 0: {self}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+
+
+@dataclass
+class MultiTokenStats:
+    forced_tokens: int = 0  # tokens appended by jump-forward
+    sampled_tokens: int = 0  # tokens chosen from logits (sampled, or accepted / corrected drafts)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0  # drafts the target agreed with
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the last n tokens (longest n first)."""
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tail:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def accept_drafts(rows: torch.Tensor, drafts: list[int], seq: Sequence) -> list[int]:
+    """rows [k+1, V] (vocab-masked logits after the last token and after each draft) -> the accepted drafts
+    plus one token chosen by the target (the correction, or the token after the last draft)."""
+    p = seq.params
+    if p.temperature < MIN_TEMPERATURE:
+        out = []
+        for row, draft in zip(rows, drafts, strict=False):
+            token = greedy(row)
+            out.append(token)
+            if token != draft:
+                return out
+        return [*out, greedy(rows[len(drafts)])]
+    out = []
+    for row, draft in zip(rows, drafts, strict=False):
+        probs = _probs(row, seq)
+        u = float(torch.rand(1, generator=seq.generator))
+        if u < float(probs[draft]):
+            out.append(draft)
+            continue
+        probs[draft] = 0.0  # the residual max(0, p - q) with q the draft's one-hot distribution
+        return [*out, int(torch.multinomial(probs, 1, generator=seq.generator))]
+    return [*out, int(torch.multinomial(_probs(rows[len(drafts)], seq), 1, generator=seq.generator))]
+
+
+def _probs(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    probs = torch.softmax(apply_top_k_top_p(row / seq.params.temperature, seq.params.top_k, seq.params.top_p), -1)
+    if torch.isnan(probs).any() or not probs.sum() > 0:
+        raise SamplingError(f"request {seq.request_id}: no token is allowed at this step")
+    return probs
+
+
+class MultiTokenDecoder:
+    """Chooses each sampling sequence's next tokens from a step's logits and extends sequences between steps:
+    forced tokens (jump-forward) or drafts (speculation). `chunk_invariant`: execution chunks compute each
+    row independently of the chunk (the fused execution path), which jump-forward needs."""
+
+    def __init__(self, config: MultiTokenConfig, chunk_invariant: bool, rollback: bool = True) -> None:
+        if config.speculative_tokens and not rollback:
+            # rejected drafts cannot be taken back out of a recurrent state (linear attention): KV only rolls back
+            log.warning("speculative decoding is off: this model's linear-attention layers carry a recurrent "
+                        "state that rejected drafts would change")
+            config = dataclasses.replace(config, speculative_tokens=0)
+        self.config = config
+        self.chunk_invariant = chunk_invariant
+        self.stats = MultiTokenStats()
+        self.row_width = 0  # logits width (V): what a skipped sampling draw covers
+
+    def choose(self, logits: torch.Tensor, seqs: list[Sequence], vocab_limit: int | None
+               ) -> list[list[int] | SamplingError]:
+        """logits [sum of 1 + drafts per seq, V] -> the tokens each sequence keeps this step. Drafts are
+        verified here: rejected ones leave the sequence and its computed KV is rolled back before them."""
+        if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+            logits[:, vocab_limit:] = float("-inf")
+        if not seqs:
+            return []
+        self.row_width = logits.shape[-1]
+        counts = [1 + len(s.draft_token_ids) for s in seqs]
+        firsts = torch.tensor([sum(counts[:i]) for i in range(len(seqs))], dtype=torch.long)
+        plain = [i for i, s in enumerate(seqs) if not s.draft_token_ids]
+        picks: list[list[int] | SamplingError] = [[] for _ in seqs]
+        if plain:
+            for i, token in zip(plain, sample(logits[firsts[plain]], [seqs[i] for i in plain], None), strict=True):
+                picks[i] = token if isinstance(token, SamplingError) else [token]
+        for i, seq in enumerate(seqs):
+            if not seq.draft_token_ids:
+                continue
+            drafts, seq.draft_token_ids = seq.draft_token_ids, []
+            try:
+                picks[i] = accept_drafts(logits[firsts[i]:firsts[i] + counts[i]], drafts, seq)
+            except SamplingError as e:
+                picks[i] = e
+                continue
+            accepted = len(picks[i]) - 1
+            seq.num_computed -= len(drafts) - accepted  # the rejected drafts' KV is not the sequence's
+            self.stats.drafted_tokens += len(drafts)
+            self.stats.accepted_tokens += accepted
+        self.stats.sampled_tokens += sum(len(p) for p in picks if isinstance(p, list))
+        return picks
+
+    def extend(self, seq: Sequence, advance: Callable[[Sequence, int], str | None]) -> str | None:
+        """After `seq` took this step's tokens: appends forced tokens (each through `advance`, as if sampled) or
+        sets drafts for the next step. Returns a finish reason a forced token caused, if any."""
+        c = self.config
+        forced = self._forced_source(seq) if c.jump_forward_tokens else None
+        if forced is not None:
+            for _ in range(c.jump_forward_tokens):
+                token = forced.forced_token(seq.output_token_ids)
+                if token is None:
+                    break
+                _draw_like_sampling(seq, self.row_width)
+                seq.output_token_ids.append(token)
+                self.stats.forced_tokens += 1
+                reason = advance(seq, token)
+                if reason is not None:
+                    return reason
+            return None
+        if c.speculative_tokens and self._speculates(seq):
+            room = seq.params.max_tokens - len(seq.output_token_ids) - 1  # the verified step adds one more
+            k = min(c.speculative_tokens, room)
+            if k > 0:
+                seq.draft_token_ids = propose_ngram(seq.token_ids, k, c.ngram_max, c.ngram_min)
+        return None
+
+    def _forced_source(self, seq: Sequence):
+        """The sequence's one mask processor when it can report forced tokens and the tokens' KV may be computed
+        in one chunk without changing a byte; else None."""
+        procs = seq.params.logits_processors
+        if not (self.chunk_invariant and seq.mode == Mode.EXECUTION and len(procs) == 1
+                and not seq.params.mode_triggers):  # a token computes its KV in the mode it switches to
+            return None
+        return procs[0] if callable(getattr(procs[0], "forced_token", None)) else None
+
+    @staticmethod
+    def _speculates(seq: Sequence) -> bool:
+        """Only unconstrained sequences that cannot switch modes draft, and in execution mode only greedy ones (a
+        seeded execution sequence must draw the same random numbers whatever the engine's settings)."""
+        if seq.params.logits_processors or seq.segments is not None or seq.params.mode_triggers:
+            return False
+        return seq.mode != Mode.EXECUTION or seq.params.temperature < MIN_TEMPERATURE
+
+
+def _draw_like_sampling(seq: Sequence, width: int) -> None:
+    """A forced token skips sampling: a seeded generator still draws what `sample_row` would have drawn
+    (torch.multinomial's draw depends on the row's length only), so later tokens are unchanged."""
+    if seq.generator is not None and seq.params.temperature >= MIN_TEMPERATURE:
+        one = torch.zeros(width)
+        one[0] = 1.0
+        torch.multinomial(one, 1, generator=seq.generator)
