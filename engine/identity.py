@@ -12,6 +12,7 @@ import struct
 from pathlib import Path
 
 from engine.gguf import find_gguf
+from engine.gguf_file import SHARD, shard_name
 
 _VERSION = b"moegate-checkpoint-v1"
 _GGUF_HEAD = 1 << 24  # metadata, tensor index and the first tensors of a GGUF file
@@ -21,14 +22,15 @@ _DATA_HEAD = 1 << 16  # the first tensor bytes: two checkpoints of one layout di
 
 def checkpoint_identity(model: str | Path) -> str:
     """sha256 (hex) over config.json and, per safetensors file, its name, size, header (every tensor's name, shape,
-    dtype and byte offsets) and first data bytes; for a GGUF file (or a directory with one), its size and head."""
+    dtype and byte offsets) and first data bytes; for a GGUF file (or a directory with one), each shard's name, size and head."""
     model = Path(model)
     h = hashlib.sha256(_VERSION)
     gguf_file = find_gguf(model)
     if gguf_file is not None:
-        h.update(str(gguf_file.stat().st_size).encode())
-        with gguf_file.open("rb") as f:
-            h.update(hashlib.sha256(f.read(_GGUF_HEAD)).digest())
+        for path in _gguf_files(gguf_file):  # every shard of a split file: any of them names weights
+            h.update(path.name.encode() + struct.pack("<Q", path.stat().st_size))
+            with path.open("rb") as f:
+                h.update(hashlib.sha256(f.read(_GGUF_HEAD)).digest())
         model = gguf_file.parent
     config = model / "config.json"
     h.update(hashlib.sha256(config.read_bytes() if config.is_file() else b"").digest())
@@ -36,6 +38,16 @@ def checkpoint_identity(model: str | Path) -> str:
         h.update(path.name.encode() + struct.pack("<Q", path.stat().st_size))
         h.update(hashlib.sha256(_safetensors_head(path)).digest())
     return h.hexdigest()
+
+
+def _gguf_files(first: Path) -> list[Path]:
+    """A single GGUF file, or the shards `NAME-0000i-of-0000N.gguf` of the split file whose first shard it is
+    (those present: loading names a missing one)."""
+    m = SHARD.match(first.name)
+    if m is None:
+        return [first]
+    count = int(m["count"])
+    return [p for i in range(count) if (p := first.with_name(shard_name(m["stem"], i + 1, count))).is_file()]
 
 
 def _safetensors_head(path: Path) -> bytes:

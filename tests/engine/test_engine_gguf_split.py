@@ -91,3 +91,18 @@ def test_broken_split_gguf(hf_checkpoint, tmp_path):
     shutil.copy(other / "m-00001-of-00002.gguf", good / "m-00001-of-00002.gguf")  # two split models in one dir
     with pytest.raises(UnsupportedCheckpointError, match="4 .gguf files"):
         find_gguf(good)
+
+
+def test_identity_covers_every_shard(hf_checkpoint, tmp_path):
+    """The prefix cache and system_fingerprint key on the checkpoint identity: a later shard's bytes name it too."""
+    from engine.identity import checkpoint_identity
+
+    (tmp_path / "split").mkdir()
+    first = write_gguf(hf_checkpoint("qwen3_moe"), tmp_path / "split" / "model.gguf", "Q8_0", shards=3)
+    before = checkpoint_identity(first.parent)
+    assert checkpoint_identity(first) == before  # the directory or its first shard: one checkpoint
+    last = sorted(first.parent.glob("*.gguf"))[-1]
+    data = bytearray(last.read_bytes())
+    data[-1] ^= 0xFF  # a weight byte near the end of the last shard (within its head on these small files)
+    last.write_bytes(bytes(data))
+    assert checkpoint_identity(first.parent) != before
