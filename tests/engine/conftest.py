@@ -109,3 +109,21 @@ def run_requests(engine, requests) -> dict[str, list[int]]:
     while engine.has_work():
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
     return done
+
+
+def teacher_forced_rows(llm, prompts, reference) -> torch.Tensor:
+    """The logits rows `llm` gives along `reference` (each prompt's continuation, fed token by token)."""
+    from engine.sampling_params import SamplingParams
+    from evals.perf.modes_bench import TeacherForcing
+
+    procs = [TeacherForcing(ref) for ref in reference]
+    llm.generate(prompts, [SamplingParams(max_tokens=len(r), ignore_eos=True, logits_processors=[p])
+                           for r, p in zip(reference, procs, strict=True)])
+    return torch.cat([torch.stack(p.rows) for p in procs])
+
+
+def drift(rows: torch.Tensor, base: torch.Tensor) -> tuple[float, float]:
+    """(mean KL(base || rows) in nats, share of rows whose top-1 agrees with base's) over teacher-forced rows."""
+    kl = torch.nn.functional.kl_div(rows.log_softmax(-1), base.log_softmax(-1), log_target=True,
+                                    reduction="none").sum(-1)
+    return kl.mean().item(), (rows.argmax(-1) == base.argmax(-1)).float().mean().item()

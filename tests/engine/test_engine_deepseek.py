@@ -25,7 +25,7 @@ from engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from engine.llm_engine import LLM, EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.sampling_params import LogitsRecorder, SamplingParams
-from tests.engine.conftest import run_requests
+from tests.engine.conftest import drift, run_requests, teacher_forced_rows
 
 STEPS = 12
 
@@ -133,15 +133,6 @@ def test_prefix_cache_hit_over_latents_equals_a_cold_run(hf_checkpoint):
     assert tuple(block.shape) == (3, 1, 4, 1, 30)  # [layers, latent, block, 1, R + P]
 
 
-def _teacher_forced_rows(llm: LLM, prompts, reference) -> torch.Tensor:
-    from evals.perf.modes_bench import TeacherForcing
-
-    procs = [TeacherForcing(ref) for ref in reference]
-    llm.generate(prompts, [SamplingParams(max_tokens=len(r), ignore_eos=True, logits_processors=[p])
-                           for r, p in zip(reference, procs, strict=True)])
-    return torch.cat([torch.stack(p.rows) for p in procs])
-
-
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2", "glm4_moe"])
 def test_quantized_experts_within_drift_bounds(hf_checkpoint, arch):
     path = hf_checkpoint(arch)
@@ -149,17 +140,15 @@ def test_quantized_experts_within_drift_bounds(hf_checkpoint, arch):
     args = dict(num_kv_blocks=64, block_size=8, progress=False)
     exact = LLM(path, **args)
     reference = [o.token_ids for o in exact.generate(prompts, SamplingParams(max_tokens=STEPS, ignore_eos=True))]
-    base = _teacher_forced_rows(exact, prompts, reference)
+    base = teacher_forced_rows(exact, prompts, reference)
     kl_mean = {}
     for fmt, kl_bound, top1_bound in (("int8", 0.01, 0.9), ("int4", 0.05, 0.75)):
         quant = LLM(path, placement=PlacementConfig(fast_format=fmt, exact_format=fmt), **args)
-        rows = _teacher_forced_rows(quant, prompts, reference)
+        rows = teacher_forced_rows(quant, prompts, reference)
         assert not torch.equal(rows, base)  # the quantized experts really ran
-        kl = torch.nn.functional.kl_div(rows.log_softmax(-1), base.log_softmax(-1), log_target=True,
-                                        reduction="none").sum(-1)
-        kl_mean[fmt] = kl.mean().item()
+        kl_mean[fmt], top1 = drift(rows, base)
         assert kl_mean[fmt] <= kl_bound
-        assert (rows.argmax(-1) == base.argmax(-1)).float().mean().item() >= top1_bound
+        assert top1 >= top1_bound
     assert kl_mean["int4"] > kl_mean["int8"]  # 4 bits drift further than 8
 
 

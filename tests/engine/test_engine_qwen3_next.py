@@ -23,7 +23,7 @@ from engine.llm_engine import LLM
 from engine.loader import load_model
 from engine.mode import Mode
 from engine.sampling_params import SamplingParams
-from tests.engine.conftest import run_requests
+from tests.engine.conftest import drift, run_requests, teacher_forced_rows
 
 STEPS = 12
 ARGS = dict(num_kv_blocks=64, block_size=8, progress=False)
@@ -227,28 +227,18 @@ def test_prefix_hit_without_a_state_snapshot_is_refused(hf_checkpoint, reference
     assert run_requests(engine, [])["again"] == reference(path, prompt)
 
 
-def _teacher_forced_rows(llm: LLM, prompts, reference) -> torch.Tensor:
-    from evals.perf.modes_bench import TeacherForcing
-
-    procs = [TeacherForcing(ref) for ref in reference]
-    llm.generate(prompts, [SamplingParams(max_tokens=len(r), ignore_eos=True, logits_processors=[p])
-                           for r, p in zip(reference, procs, strict=True)])
-    return torch.cat([torch.stack(p.rows) for p in procs])
-
-
 @pytest.mark.parametrize(("fmt", "kl_bound", "top1_bound"), [("int8", 0.01, 0.9), ("int4", 0.05, 0.75)])
 def test_quantized_experts_within_drift_bounds(hf_checkpoint, fmt, kl_bound, top1_bound):
     path = hf_checkpoint("qwen3_next")
     prompts = _prompts(4, 31, (17, 40))
     exact = LLM(path, **ARGS)
     reference = [o.token_ids for o in exact.generate(prompts, _params())]
-    base = _teacher_forced_rows(exact, prompts, reference)
+    base = teacher_forced_rows(exact, prompts, reference)
     quant = LLM(path, placement=PlacementConfig(fast_format=fmt, exact_format=fmt), **ARGS)
-    rows = _teacher_forced_rows(quant, prompts, reference)
-    kl = torch.nn.functional.kl_div(rows.log_softmax(-1), base.log_softmax(-1), log_target=True,
-                                    reduction="none").sum(-1)
-    assert 0 < kl.mean().item() <= kl_bound  # > 0: the quantized experts really ran
-    assert (rows.argmax(-1) == base.argmax(-1)).float().mean().item() >= top1_bound
+    rows = teacher_forced_rows(quant, prompts, reference)
+    kl, top1 = drift(rows, base)
+    assert 0 < kl <= kl_bound  # > 0: the quantized experts really ran
+    assert top1 >= top1_bound
 
 
 def test_fast_dense_packs_both_mixers_within_drift_bounds(hf_checkpoint):
@@ -258,15 +248,14 @@ def test_fast_dense_packs_both_mixers_within_drift_bounds(hf_checkpoint):
     prompts = _prompts(4, 32, (17, 40))
     exact = LLM(path, **ARGS)
     reference = [o.token_ids for o in exact.generate(prompts, _params())]
-    base = _teacher_forced_rows(exact, prompts, reference)
+    base = teacher_forced_rows(exact, prompts, reference)
     fast = LLM(path, fast_dense="int8", **ARGS)
     assert all(layer.mixer.fast_qkv is not None and layer.mixer.fast_o is not None
                for layer in fast.engine.runner.model.model.layers)
-    rows = _teacher_forced_rows(fast, prompts, reference)
-    kl = torch.nn.functional.kl_div(rows.log_softmax(-1), base.log_softmax(-1), log_target=True,
-                                    reduction="none").sum(-1)
-    assert 0 < kl.mean().item() <= 0.01
-    assert (rows.argmax(-1) == base.argmax(-1)).float().mean().item() >= 0.9
+    rows = teacher_forced_rows(fast, prompts, reference)
+    kl, top1 = drift(rows, base)
+    assert 0 < kl <= 0.01
+    assert top1 >= 0.9
 
 
 def test_speculation_is_off_where_drafts_cannot_be_rolled_back(hf_checkpoint, reference, caplog):
