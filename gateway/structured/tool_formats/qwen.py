@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import ToolCallParseError
-from .base import ToolFormat, json_rule
+from .base import ToolFormat, json_rule, loads_args
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
@@ -41,11 +41,8 @@ class QwenFormat(ToolFormat):
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
                 raise ToolCallParseError(f"tool call needs a string 'name': {m.group(1)[:200]!r}")
             args = obj.get("arguments", {})
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except json.JSONDecodeError as e:
-                    raise ToolCallParseError(f"arguments of {obj['name']!r} are not JSON: {e}") from None
+            if isinstance(args, str):  # arguments as JSON text, as OpenAI's own messages carry them
+                args = loads_args(obj["name"], args)
             if not isinstance(args, dict):
                 raise ToolCallParseError(f"arguments of {obj['name']!r} must be a JSON object")
             calls.append({"name": obj["name"], "arguments": args})
