@@ -110,10 +110,8 @@ STALE_S = 7 * 24 * 3600  # a build unused this long (other sources, older compil
 
 
 def _touch(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # a read-only cache: the build is still used, only not marked
         os.utime(path)  # marks the build as in use, so prune() leaves it alone
-    except OSError:
-        pass
 
 
 def prune(directory: Path, variant: str, stale_s: float = STALE_S) -> list[Path]:
