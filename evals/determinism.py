@@ -19,13 +19,9 @@ import json
 import tempfile
 from pathlib import Path
 
+from engine.assets import DEMO_MODEL_DIR as DEMO
 from evals.perf.common import free_port, machine_info, save_bar_plot, serve_in_thread
-
-DEMO = Path(__file__).resolve().parents[1] / "engine" / "assets" / "demo-moe"
-ORDER = {"type": "object", "properties": {
-    "symbol": {"type": "string", "maxLength": 8}, "qty": {"type": "integer", "minimum": 1},
-    "side": {"enum": ["buy", "sell"]}, "note": {"type": "string", "maxLength": 60}},
-    "required": ["symbol", "qty", "side", "note"], "additionalProperties": False}
+from evals.perf.mode_streams import ORDER_SCHEMA as ORDER
 
 
 def prompts(long_tokens: int = 700) -> dict[str, str]:
