@@ -198,6 +198,12 @@ async def _serve(state: AppState, request: Request, tenant: Tenant, rp: Resolved
         await done()
 
 
+def _sent_output(sent: Sent) -> dict:
+    """What a stream handed the client, as an audit record's output entry."""
+    return {"content": "".join(sent.text),
+            "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in sent.calls]}
+
+
 def _classified(rt, plan: Plan) -> None:
     with rt.phase("classification", **{"moegate.mode": plan.decision.mode, "moegate.reason": plan.decision.reason}):
         pass
@@ -256,8 +262,7 @@ class _Ctx:
         """A request that failed: the error, each validation, and every output the client did not get as an
         answer (the text a stream had sent, each rejected attempt's text), so nothing generated is lost."""
         checks = e.validations if isinstance(e, StructuredOutputError) else ()
-        outputs = [{"content": "".join(sent.text), "tool_calls": [
-            {"name": c.name, "arguments": c.arguments} for c in sent.calls], "sent": True}] if sent and sent.chunks else []
+        outputs = [{**_sent_output(sent), "sent": True}] if sent and sent.chunks else []
         outputs += [{"content": v.output, "attempt": v.attempt, "kind": v.kind, "rejected": v.error}
                     for v in checks if v.output is not None]
         meta = {"status": err.status, "error": err.code, "message": err.message[:300]}
@@ -267,8 +272,7 @@ class _Ctx:
 
     async def audit_cut(self, sent: Sent) -> None:
         """A stream the client closed before its end: what was sent, marked as cut."""
-        output = json.dumps([{"content": "".join(sent.text), "tool_calls": [
-            {"name": c.name, "arguments": c.arguments} for c in sent.calls]}], ensure_ascii=False)
+        output = json.dumps([_sent_output(sent)], ensure_ascii=False)
         await self._audit({"status": 499, "error": "client_disconnected", "cut": True, "chunks_sent": sent.chunks,
                            "finish_reasons": [sent.fin.reason] if sent.fin else None,
                            "message": "the client closed the stream; generation was aborted"}, output)
