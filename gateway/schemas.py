@@ -230,6 +230,7 @@ class AssistantMessage(BaseModel):
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
     refusal: str | None = None
+    reasoning_content: str | None = None  # the model's reasoning, where its family writes it apart (harmony)
 
 
 class ChatChoice(BaseModel):

@@ -79,11 +79,14 @@ def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def _message(text: str, calls: list[ToolCall]) -> dict:
+def _message(text: str, calls: list[ToolCall], reasoning: str = "") -> dict:
+    """The assistant message; `reasoning_content` (the field OpenAI-compatible servers use) when the model's
+    family writes its reasoning apart (harmony's analysis channel)."""
     tool_calls = [{"id": call_id(), "type": "function",
                    "function": {"name": c.name, "arguments": dumps_args(c.arguments)}} for c in calls]
-    return {"role": "assistant", "content": text if (text or not calls) else None,
-            "tool_calls": tool_calls or None, "refusal": None}
+    message = {"role": "assistant", "content": text if (text or not calls) else None,
+               "tool_calls": tool_calls or None, "refusal": None}
+    return {**message, "reasoning_content": reasoning} if reasoning else message
 
 
 def _enforcement(fin: Finished) -> dict:
@@ -93,7 +96,7 @@ def _enforcement(fin: Finished) -> dict:
 
 def shape(rid: str, created: int, results: list[tuple[str, list[ToolCall], Finished]], fingerprint: str,
           model: str, prompt_tokens: int) -> dict:
-    choices = [{"index": i, "message": _message(text, calls), "finish_reason": fin.reason, "logprobs": None}
+    choices = [{"index": i, "message": _message(text, calls, fin.reasoning), "finish_reason": fin.reason, "logprobs": None}
                for i, (text, calls, fin) in enumerate(results)]
     completion = sum(f.completion_tokens for _, _, f in results)
     ext = {"choices": [{"decisions": [d.to_dict() for d in f.decisions],
@@ -118,6 +121,9 @@ class ChatChunker(Chunker):
 
     def text(self, text: str) -> dict:
         return self._chunk({"content": text})
+
+    def reasoning(self, text: str) -> dict:
+        return self._chunk({"reasoning_content": text})
 
     def tool_call(self, index: int, call: ToolCall) -> list[dict]:
         head = {"index": index, "id": call_id(), "type": "function", "function": {"name": call.name, "arguments": ""}}
