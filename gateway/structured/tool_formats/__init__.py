@@ -1,7 +1,7 @@
 """The tool-call format registry: one `ToolFormat` per model family (see base.py), chosen per checkpoint.
 
-`select_format` picks the family's format from the checkpoint's architecture (config.json `model_type`),
-if the tokenizer holds that format's special tokens as single tokens; else the Qwen format (the default,
+`select_format` picks the family's format from the checkpoint's architecture (config.json `model_type`:
+Kimi-K2's own `kimi_k2`, though its architecture is DeepSeek-V3's), if the tokenizer holds that format's special tokens as single tokens; else the Qwen format (the default,
 and what random checkpoints with the ChatML template speak). `--tool-format NAME` overrides the choice.
 """
 
@@ -11,12 +11,14 @@ from .base import ToolFormat
 from .deepseek import DEEPSEEK_V3, DEEPSEEK_V31
 from .glm import GLM45
 from .harmony import HARMONY
+from .kimi import KIMI_K2
 from .qwen import QWEN
 
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (QWEN, DEEPSEEK_V31, DEEPSEEK_V3, HARMONY, GLM45)}
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (QWEN, DEEPSEEK_V31, DEEPSEEK_V3, HARMONY, GLM45, KIMI_K2)}
 DEFAULT = QWEN
 # model_type -> the family's format (the engine's architectures not named here speak Qwen's)
-ARCH_FORMATS = {"deepseek_v3": DEEPSEEK_V31, "deepseek_v2": DEEPSEEK_V3, "gpt_oss": HARMONY, "glm4_moe": GLM45}
+ARCH_FORMATS = {"deepseek_v3": DEEPSEEK_V31, "deepseek_v2": DEEPSEEK_V3, "gpt_oss": HARMONY, "glm4_moe": GLM45,
+                "kimi_k2": KIMI_K2}
 
 
 class ToolFormatError(ValueError):
