@@ -307,7 +307,7 @@ def census(model_dir: str | Path) -> CheckpointCensus | None:
 
 # llama.cpp tensor kinds (`blk.N.KIND.weight`) -> placement part; norms, attention and dense MLP by prefix
 _GGUF_PARTS = {"token_embd": EMBED, "output": LM_HEAD, "ffn_gate_inp": ROUTER, "exp_probs_b": ROUTER}
-_GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?$")
 
 
 def gguf_part(name: str) -> str:
@@ -321,7 +321,7 @@ def gguf_part(name: str) -> str:
         return SHARED
     if "norm" in kind:
         return NORMS
-    if kind.startswith("attn_"):
+    if kind.startswith(("attn_", "ssm_")):  # ssm_*: Qwen3-Next's DeltaNet (linear_attn)
         return ATTENTION
     return DENSE_MLP if kind in ("ffn_gate", "ffn_up", "ffn_down") else OTHER
 
