@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
 import pytest
 
 from gateway.structured.tool_formats.harmony import CHANNEL, END, HARMONY, MESSAGE, START
@@ -113,8 +114,6 @@ def test_json_schema_without_analysis_is_the_final_channel_only(harmony_server):
 
 
 def test_sql_response_format_is_refused_with_a_reason(harmony_server):
-    import openai
-
     fmt = {"type": "sql", "sql": {"tables": {"trades": ["id", "symbol"]}}}
     with pytest.raises(openai.BadRequestError, match="not supported for the harmony format"):
         harmony_server.client().chat.completions.create(model="moegate-demo", messages=MESSAGES, max_tokens=32,

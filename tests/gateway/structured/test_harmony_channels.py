@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from evals.structured.driver import decode, random_logits
+from gateway.structured.backend_outlines import OutlinesBackend
 from gateway.structured.build import build_constraint, json_schema_spec
 from gateway.structured.errors import ConstraintCompileError
 from gateway.structured.tool_formats import get_format
@@ -93,8 +94,6 @@ def test_json_schema_is_constrained_to_the_final_channel(harmony_tok):
 
 
 def test_outlines_refuses_an_envelope(harmony_tok):
-    from gateway.structured.backend_outlines import OutlinesBackend
-
     spec = json_schema_spec(SCHEMA, HARMONY.json_envelope(harmony_tok))
     with pytest.raises(ConstraintCompileError, match="envelope"):
         OutlinesBackend().compile(spec, harmony_tok)
