@@ -99,6 +99,8 @@ class AssistantMessageIn(_Message):
     role: Literal["assistant"]
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCallIn] | None = None
+    # the reasoning an earlier response returned (harmony's analysis), as the openai client echoes it back
+    reasoning_content: str | None = None
     refusal: None = None
     annotations: Annotated[list, Field(max_length=0)] | None = None
     audio: None = None

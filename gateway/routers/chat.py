@@ -34,7 +34,7 @@ _ERRORS = {s: {"model": ErrorBody} for s in (400, 401, 403, 404, 413, 429, 500, 
 
 def _template_messages(messages: list[Message], arguments_as_text: bool = False) -> list[dict]:
     """The messages as chat templates read them; a call's arguments an object, or its JSON text where the
-    family's template writes them verbatim (`ToolFormat.arguments_as_text`)."""
+    family's template writes them verbatim (`ToolFormat.arguments_as_text`); an earlier turn's reasoning."""
     out = []
     for i, m in enumerate(messages):
         d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -42,6 +42,9 @@ def _template_messages(messages: list[Message], arguments_as_text: bool = False)
             d["name"] = m.name
         if getattr(m, "tool_call_id", None):
             d["tool_call_id"] = m.tool_call_id
+        if getattr(m, "reasoning_content", None):
+            # under both names chat templates read it: `thinking` (GPT-OSS's), `reasoning_content` (Qwen3's)
+            d["thinking"] = d["reasoning_content"] = m.reasoning_content
         if getattr(m, "tool_calls", None):
             calls = []
             for j, c in enumerate(m.tool_calls):

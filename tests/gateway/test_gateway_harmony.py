@@ -10,6 +10,8 @@ import jsonschema
 import openai
 import pytest
 
+from gateway.routers.chat import _template_messages
+from gateway.schemas import ChatCompletionRequest
 from gateway.structured.tool_formats.harmony import CHANNEL, END, HARMONY, MESSAGE, START
 from tests.gateway.conftest import POLICY, Server, free_port, serve_in_thread
 from tests.gateway.tool_format_checkpoint import family_checkpoint
@@ -118,3 +120,26 @@ def test_sql_response_format_is_refused_with_a_reason(harmony_server):
     with pytest.raises(openai.BadRequestError, match="not supported for the harmony format"):
         harmony_server.client().chat.completions.create(model="moegate-demo", messages=MESSAGES, max_tokens=32,
                                                         response_format=fmt)
+
+
+def test_the_agent_loop_sends_the_reply_back_as_the_client_got_it(harmony_server):
+    """The openai client appends the response message as it came (reasoning_content included) with the tool's
+    result; the next turn is accepted and the template keeps that analysis before the call."""
+    server = harmony_server
+    analysis = server.state.llm.tokenizer.encode("analysis")[0]
+    tools = [{"type": "function", "function": {"name": "get_quote", "parameters": {
+        "type": "object", "properties": {"symbol": {"enum": ["AAPL", "MSFT"]}}, "required": ["symbol"]}}}]
+    client = server.client()
+    r = client.chat.completions.create(model="moegate-demo", messages=MESSAGES, tools=tools, tool_choice="required",
+                                       max_tokens=96, temperature=0, logit_bias={str(analysis): 50})
+    message = r.choices[0].message
+    assert message.tool_calls and message.reasoning_content, message
+    history = [*MESSAGES, message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "187.25"}]
+    again = client.chat.completions.create(model="moegate-demo", messages=history, max_tokens=8, temperature=0)
+    assert again.choices[0].finish_reason in ("stop", "length")
+    tok = server.state.llm.tokenizer
+    prompt = tok.apply_chat_template(_template_messages(ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in history]}
+    ).messages, HARMONY.arguments_as_text), tools=tools)
+    assert (f"<|start|>assistant<|channel|>analysis<|message|>{message.reasoning_content}<|end|>"
+            "<|start|>assistant to=functions.get_quote") in prompt

@@ -181,3 +181,16 @@ def test_deepseek_templates_get_arguments_as_json_text():
     assert _prompt_messages(body, get_format("glm45"))[1]["tool_calls"][0]["function"]["arguments"] == {"symbol": "AAPL"}
     with pytest.raises(ChatTemplateError, match="chat template failed"):
         render_chat_template(v3_style, _prompt_messages(body, get_format("harmony")))
+
+
+def test_harmony_keeps_the_analysis_before_a_call_until_a_final_reply():
+    """As gpt-oss's template: an assistant turn's `thinking` is rendered before its call while no final reply
+    follows; once one does, the older analysis is dropped."""
+    call = {**CONVERSATION[2], "thinking": "Need the quote."}
+    conv = [*CONVERSATION[:2], call, CONVERSATION[3]]
+    analysis = "<|start|>assistant<|channel|>analysis<|message|>Need the quote.<|end|><|start|>assistant to=functions"
+    fmt = get_format("harmony")
+    assert analysis in render_chat_template(fmt.chat_template(), conv, tools=TOOLS)
+    later = [*conv, {"role": "assistant", "content": "187.25."}, {"role": "user", "content": "And MSFT?"}]
+    prompt = render_chat_template(fmt.chat_template(), later, tools=TOOLS)
+    assert "Need the quote." not in prompt and "<|channel|>final<|message|>187.25.<|end|>" in prompt
