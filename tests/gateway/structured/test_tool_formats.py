@@ -156,7 +156,10 @@ def test_kimi_parallel_calls_and_errors():
 
 
 def test_kimi_k2_checkpoints_get_the_kimi_format(family_tok):
-    """config.json's model_type picks it (its architecture is DeepSeek-V3's, whose own format is V3.1's)."""
+    """config.json's model_type picks it (its architecture is DeepSeek-V3's, whose own format is V3.1's), else
+    the tokenizer's Kimi tokens do."""
     assert select_format("kimi_k2", family_tok["kimi_k2"])[0].name == "kimi_k2"
     assert select_format("deepseek_v3", family_tok["deepseek_v31"])[0].name == "deepseek_v31"
     assert select_format("kimi_k2", family_tok["qwen"])[0].name == "qwen"  # no Kimi tokens: the default, said why
+    # a Kimi-K2 checkpoint that says deepseek_v3 (a llama.cpp deepseek2 GGUF of it): its tokenizer's tokens decide
+    assert select_format("deepseek_v3", family_tok["kimi_k2"])[0].name == "kimi_k2"
