@@ -87,7 +87,8 @@ class Constraint:
         # JSON Schema and tool calls: keeps every number a finite double (json_numbers.py)
         self.guard_fallbacks = 0  # dead ends: the guard vetoed every token (the sequence ends with an error)
         self.guard = (SQLScopeGuard.from_grammar(compiled.spec.source, tok) if compiled.spec.kind is ConstraintKind.SQL
-                      else FiniteNumberGuard(tok) if compiled.spec.kind is ConstraintKind.JSON_SCHEMA
+                      else FiniteNumberGuard(tok, compiled.spec.json_starts or ())
+                      if compiled.spec.kind is ConstraintKind.JSON_SCHEMA
                       else FiniteNumberGuard(tok, compiled.spec.json_starts)
                       if compiled.spec.kind is ConstraintKind.TOOL_CALLS and compiled.spec.json_starts is not None
                       else None)
