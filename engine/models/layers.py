@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.rope import RotaryEmbedding
+from kernels.rope import apply_rotary
 
 __all__ = ["GatedMLP", "RMSNorm", "RotaryEmbedding", "apply_rotary"]
 
@@ -42,14 +43,6 @@ class RMSNorm(nn.Module):
         from kernels.fused_moe import kernel_available
 
         return kernel_available()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, D]."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class GatedMLP(nn.Module):
