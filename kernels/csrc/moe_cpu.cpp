@@ -227,6 +227,20 @@ void tile_rows_w4a8(const Mat& A, int64_t tile, const int8_t* const* q, const fl
   }
 }
 
+// Rows rows[0..n) of one expert through one tile, in chunks of up to kMaxMT activation rows.
+// (fp32 activations: at most 2 rows at a time for gate_up tiles, so the 2 x MT x R8 accumulators fit
+// in registers; the grouping of rows does not change any row's arithmetic.)
+template <int FMT, int R8>
+void tile_rows(const Mat& A, int64_t tile, const float* const* X, float* const* out, int n) {
+  int i = 0;
+  if constexpr (R8 == 1) {
+    for (; i + 4 <= n; i += 4) tile_dot<FMT, R8, 4>(A, tile, X + i, out + i);
+    if (n - i == 3) { tile_dot<FMT, R8, 3>(A, tile, X + i, out + i); return; }
+  }
+  for (; i + 2 <= n; i += 2) tile_dot<FMT, R8, 2>(A, tile, X + i, out + i);
+  if (i < n) tile_dot<FMT, R8, 1>(A, tile, X + i, out + i);
+}
+
 // Symmetric per-group int8 quantization of a padded row: s = amax / 127, q = round_half_even(x / s);
 // per group sx = s, qs = sum(q) as float and n8 = -8 * sum(q) (the int4 correction, as an integer).
 // The AVX2 loop (gs is a multiple of 8 for int4 formats) computes the same bits as the plain one: max is
@@ -304,20 +318,6 @@ template <int FMT, int R8>
 void zmm_fp_unit_rows(const Mat&, int64_t, int64_t, int64_t, const float* const*, float* const*, int) {}
 inline bool cpu_has_bf16_dot() { return false; }
 #endif
-
-// Rows rows[0..n) of one expert through one tile, in chunks of up to kMaxMT activation rows.
-// (fp32 activations: at most 2 rows at a time for gate_up tiles, so the 2 x MT x R8 accumulators fit
-// in registers; the grouping of rows does not change any row's arithmetic.)
-template <int FMT, int R8>
-void tile_rows(const Mat& A, int64_t tile, const float* const* X, float* const* out, int n) {
-  int i = 0;
-  if constexpr (R8 == 1) {
-    for (; i + 4 <= n; i += 4) tile_dot<FMT, R8, 4>(A, tile, X + i, out + i);
-    if (n - i == 3) { tile_dot<FMT, R8, 3>(A, tile, X + i, out + i); return; }
-  }
-  for (; i + 2 <= n; i += 2) tile_dot<FMT, R8, 2>(A, tile, X + i, out + i);
-  if (i < n) tile_dot<FMT, R8, 1>(A, tile, X + i, out + i);
-}
 
 // SiLU in double, rounded once to float (reproducible by the torch reference to the last bit).
 inline float silu(float g) { return (float)((double)g / (1.0 + std::exp(-(double)g))); }
