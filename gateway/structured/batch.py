@@ -93,14 +93,21 @@ class BatchMasker:
         for _, _, future, _, _ in self._pending.values():
             future.result()
 
+    def wait_for(self, constraint: Constraint) -> None:
+        """Join the prefetch in flight that reads `constraint`, if any (each prefetch covers its own rows)."""
+        pre = self._pending.get(id(constraint))
+        if pre is not None:
+            pre[2].result()
+
     def peek(self, constraint: Constraint) -> torch.Tensor:
         """[W] int32 mask of the (advanced) constraint's current state, kept for the next `masks` call (the step
         that samples from it); a prefetched one when it is still current."""
-        self.wait()
         words = self._words or constraint.tok_words
         pre = self._pending.get(id(constraint))
-        if pre is not None and pre[0] is constraint and pre[1] == constraint.consumed and pre[3].shape[1] == words:
-            return pre[3][pre[4]]
+        if pre is not None:
+            pre[2].result()  # this constraint's prefetch, if one is in flight (the others' do not touch it)
+            if pre[0] is constraint and pre[1] == constraint.consumed and pre[3].shape[1] == words:
+                return pre[3][pre[4]]
         bitmask = torch.empty(1, words, dtype=torch.int32)
         self.fill([constraint], bitmask)
         done: cf.Future = cf.Future()

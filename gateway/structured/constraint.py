@@ -220,7 +220,7 @@ class Constraint:
         """The one id the mask allows after `token_ids` (jump-forward: sampling could pick nothing else), or None.
         Through the mask batcher, the mask is kept for the step that samples from it."""
         if self.mask_batcher is not None:
-            self.mask_batcher.wait()  # a prefetch may be reading this constraint
+            self.mask_batcher.wait_for(self)  # a prefetch may be reading this constraint
         self.advance(token_ids)
         if self.mask_batcher is not None:
             row = self.mask_batcher.peek(self)  # [W]
