@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -47,6 +48,13 @@ def _special_rows(tokenizer: TokenizerInfo, eos_ids: tuple[int, ...], n_words: i
     for row in (rows[0], *tiers, rows[2]):
         row.flags.writeable = False
     return rows
+
+
+# (compiled constraint, max depth) -> the completion path from its start state (Constraint._completion_path),
+# the oldest entry dropped past the bound; masks are filled on the engine thread and the mask-prefetch thread
+_START_PATHS: dict[tuple[CompiledConstraint, int], tuple[int, ...] | None] = {}
+_START_PATHS_MAX = 64
+_START_PATHS_LOCK = threading.Lock()
 
 
 class Constraint:
@@ -204,9 +212,7 @@ class Constraint:
             return None
         remaining = self.max_tokens - self.consumed  # this step included; EOS needs one of them
         if not self.plan and self.consumed >= self._next_plan_check:
-            first = self.guard.closing_moves if isinstance(self.guard, SQLScopeGuard) else None
-            path = shortest_completion(llg, self.compiled.tokenizer, remaining - 1, _hints(self.compiled.spec),
-                                       allow=self.guard.allows if self.guard is not None else None, first=first)
+            path = self._completion_path(llg, remaining - 1)
             if path is None:  # nothing found that fits: back off (outside the closing window)
                 self._next_plan_check = self.consumed + (4 if self._closing() else max(4, remaining // 2))
             elif len(path) + 1 + self.closing_margin >= remaining or self._closing():
@@ -215,6 +221,27 @@ class Constraint:
                 # step can lengthen it by a few tokens: an opened object, a required key)
                 self._next_plan_check = self.consumed + max(1, (remaining - len(path) - 1 - self.closing_margin) // 4)
         return self.plan[0] if self.plan else None
+
+    def _completion_path(self, llg, max_depth: int) -> list[int] | None:
+        """closing.shortest_completion from the current state. From the start state (nothing consumed: the
+        matcher and the guard are as `compiled` makes them) the path depends only on `compiled` and
+        `max_depth`: it is searched once per pair and shared by the requests that start there."""
+        key = (self.compiled, max_depth)
+        if self.consumed == 0:
+            with _START_PATHS_LOCK:
+                hit = key in _START_PATHS
+                path = _START_PATHS.get(key)
+            if hit:
+                return list(path) if path is not None else None
+        first = self.guard.closing_moves if isinstance(self.guard, SQLScopeGuard) else None
+        path = shortest_completion(llg, self.compiled.tokenizer, max_depth, _hints(self.compiled.spec),
+                                   allow=self.guard.allows if self.guard is not None else None, first=first)
+        if self.consumed == 0:
+            with _START_PATHS_LOCK:
+                if len(_START_PATHS) >= _START_PATHS_MAX:
+                    del _START_PATHS[next(iter(_START_PATHS))]  # the oldest entry
+                _START_PATHS[key] = tuple(path) if path is not None else None
+        return path
 
     def forced_token(self, token_ids: Sequence[int]) -> int | None:
         """The one id the mask allows after `token_ids` (jump-forward: sampling could pick nothing else), or None.
