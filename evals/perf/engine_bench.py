@@ -55,8 +55,6 @@ def decode_step_breakdown(engine, prompt: list[int], params) -> dict[str, float]
     ForwardBatch, sampling, stop checks, detokenizing, outputs ("overhead" = step - forward - logits)."""
     import statistics
 
-    import engine.llm_engine as llm_engine
-
     runner, spent = engine.runner, {"forward": 0.0, "logits": 0.0, "sample": 0.0, "schedule": 0.0, "batch": 0.0}
 
     def timed(key: str, fn):
@@ -70,7 +68,7 @@ def decode_step_breakdown(engine, prompt: list[int], params) -> dict[str, float]
 
     model = runner.model
     patches = [(runner, "model", _TimedModel(model, timed)), (model, "compute_logits", timed("logits", model.compute_logits)),
-               (llm_engine, "sample", timed("sample", llm_engine.sample)),
+               (engine.decoder, "choose", timed("sample", engine.decoder.choose)),  # sampling, drafts verified
                (engine.scheduler, "schedule", timed("schedule", engine.scheduler.schedule)),
                (runner, "build_batch", timed("batch", runner.build_batch))]
     saved = [(obj, name, vars(obj)[name] if name in vars(obj) else _MISSING) for obj, name, _ in patches]
