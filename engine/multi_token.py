@@ -19,6 +19,7 @@ logits at the rows that need them):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,11 +129,12 @@ class MultiTokenDecoder:
             return []
         self.row_width = logits.shape[-1]
         counts = [1 + len(s.draft_token_ids) for s in seqs]
-        firsts = torch.tensor([sum(counts[:i]) for i in range(len(seqs))], dtype=torch.long)
+        firsts = list(itertools.accumulate(counts, initial=0))[:-1]  # each sequence's first row
         plain = [i for i, s in enumerate(seqs) if not s.draft_token_ids]
         picks: list[list[int] | SamplingError] = [[] for _ in seqs]
-        if plain:
-            for i, token in zip(plain, sample(logits[firsts[plain]], [seqs[i] for i in plain], None), strict=True):
+        if plain:  # without drafts anywhere the rows are the plain rows: no gather copy of [S, V]
+            rows = logits if len(plain) == logits.shape[0] else logits[torch.tensor([firsts[i] for i in plain])]
+            for i, token in zip(plain, sample(rows, [seqs[i] for i in plain], None), strict=True):
                 picks[i] = token if isinstance(token, SamplingError) else [token]
         for i, seq in enumerate(seqs):
             if not seq.draft_token_ids:
