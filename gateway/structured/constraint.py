@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .base import CompiledConstraint, ConstraintKind
-from .bitmask import apply_bitmask_, bitmask_words, ids_to_row
+from .bitmask import apply_bitmask_, bitmask_words, ids_to_row, only_id
 from .closing import completion_hints, shortest_completion
 from .json_numbers import FiniteNumberGuard
 from .sql_guard import SQLScopeGuard
@@ -255,11 +255,7 @@ class Constraint:
             self._peeked = (self.consumed, torch.empty(1, self.tok_words, dtype=torch.int32))
             self.fill_bitmask(self._peeked[1], 0)
             row = self._peeked[1][0]
-        words = row.numpy().view(np.uint32)
-        set_words = np.flatnonzero(words)
-        if len(set_words) != 1 or words[set_words[0]] & (words[set_words[0]] - np.uint32(1)):
-            return None
-        return 32 * int(set_words[0]) + int(words[set_words[0]]).bit_length() - 1
+        return only_id(row)
 
     def __call__(self, token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """Logits-processor form: advance by the new ids, then mask logits [V] in place."""
