@@ -99,16 +99,6 @@ class BatchMasker:
         if pre is not None:
             pre[2].result()
 
-    def peek(self, constraint: Constraint) -> torch.Tensor:
-        """[W] int32 mask of the (advanced) constraint's current state, kept for the next `masks` call (the step
-        that samples from it); a prefetched one when it is still current."""
-        self.wait_for(constraint)
-        words = self._words or constraint.tok_words
-        if not self._current(constraint, words):
-            self._keep([constraint], words)
-        _, _, _, bitmask, row = self._pending[id(constraint)]
-        return bitmask[row]
-
     def forced_tokens(self, items: Sequence[tuple[Constraint, Sequence[int]]]) -> list[int | None]:
         """Constraint.forced_token for many sequences at once ((constraint, its generated ids) each): the masks
         not already current are filled in one batched call and kept for the step that samples from them."""
