@@ -47,12 +47,28 @@ def run_in(tree: Path, command: list[str], result: str) -> dict:
         return res
 
 
+def save_plot(res: dict, path: Path, only: list[str], rounds: int) -> None:
+    """One panel per section of the result (baseline and this tree side by side) and one of the ratios; `only`:
+    the figures whose name contains one of these strings (all but load and machine figures when empty)."""
+    median, ratio = res["median"], res["this_over_baseline"]
+    shown = [k for k in ratio if "/" in k and k.split("/")[0] not in ("load_average", "machine")
+             and (not only or any(o in k for o in only))]
+    groups: dict[str, dict[str, float]] = {}
+    for k in shown:
+        section, name = k.split("/", 1)[0], k.rsplit("/", 1)[-1]
+        groups.setdefault(section, {}).update({f"{name} (baseline)": median["baseline"][k],
+                                               f"{name} (this)": median["this"][k]})
+    groups["this / baseline"] = {k.rsplit("/", 1)[-1]: ratio[k] for k in shown}
+    save_bar_plot(path, f"{path.stem}: median of {rounds} runs per tree, {res['machine']['cpu_count']} CPUs", groups)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", required=True, help="the baseline source tree (a checkout of main)")
     ap.add_argument("--result", required=True, help="file name the command writes under its --out")
     ap.add_argument("--out", required=True, help="output path without extension (NAME.json, NAME.png)")
     ap.add_argument("--rounds", type=int, default=2, help="runs per tree, alternating (baseline first)")
+    ap.add_argument("--plot", default="", help="comma list: plot only the figures whose name contains one")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then the benchmark command")
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -72,15 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=2))
-    shown = [k for k in keys if "/" in k and k.split("/")[0] not in ("load_average", "machine")]
-    groups: dict[str, dict[str, float]] = {}
-    for k in shown:  # one panel per section of the result, baseline and this tree side by side
-        section, name = k.split("/", 1)
-        groups.setdefault(section, {}).update({f"{name} (baseline)": median["baseline"][k],
-                                               f"{name} (this)": median["this"][k]})
-    groups["this / baseline"] = {k: ratio[k] for k in shown if k in ratio}
-    save_bar_plot(out.with_suffix(".png"), f"{Path(args.out).name}: median of {args.rounds} runs per tree, "
-                  f"{res['machine']['cpu_count']} CPUs", groups)
+    save_plot(res, out.with_suffix(".png"), [k for k in args.plot.split(",") if k], args.rounds)
     json.dump({"median": median, "this_over_baseline": ratio}, sys.stdout, indent=2)
     print()
     return res
