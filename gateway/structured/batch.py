@@ -93,17 +93,11 @@ class BatchMasker:
         for _, _, future, _, _ in self._pending.values():
             future.result()
 
-    def wait_for(self, constraint: Constraint) -> None:
-        """Join the prefetch in flight that reads `constraint`, if any (each prefetch covers its own rows)."""
-        pre = self._pending.get(id(constraint))
-        if pre is not None:
-            pre[2].result()
-
     def forced_tokens(self, items: Sequence[tuple[Constraint, Sequence[int]]]) -> list[int | None]:
         """Constraint.forced_token for many sequences at once ((constraint, its generated ids) each): the masks
         not already current are filled in one batched call and kept for the step that samples from them."""
+        self.wait()  # no prefetch reads these constraints, nor uses the executor beside this fill
         for constraint, token_ids in items:
-            self.wait_for(constraint)  # a prefetch may be reading it
             constraint.advance(token_ids)
         words = self._words or items[0][0].tok_words
         stale = [c for c, _ in items if not self._current(c, words)]
