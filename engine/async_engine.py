@@ -39,9 +39,14 @@ class _Delivery:
             wake = len(self._items) == 1  # else a delivery is already scheduled and takes this item too
         if wake:
             loop = self._loop()
-            if loop is None:
-                raise RuntimeError("the stream's event loop is gone")
-            loop.call_soon_threadsafe(self._deliver)
+            try:
+                if loop is None:
+                    raise RuntimeError("the stream's event loop is gone")
+                loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:  # a closed loop: nothing will read these; the next post tries to wake it again
+                with self._lock:
+                    self._items.clear()
+                raise
 
     def _deliver(self) -> None:
         with self._lock:
