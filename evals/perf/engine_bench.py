@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.llama_cpp:
         llama_cpp.build()
         gguf = llama_cpp.peer_files(Path(model), out / "gguf", list(dict.fromkeys(r.peer for r in MATCHED)))
-        peer_info = {"source": llama_cpp.source_dir().parent.name, "simd": llama_cpp.simd_flags(),
+        peer_info = {"source": llama_cpp.source_dir().parents[1].name, "simd": llama_cpp.simd_flags(),
                      "files": {k: str(v) for k, v in gguf.items()}}
         print(f"llama.cpp ({peer_info['source']}): {peer_info['simd']}")
         plan = matched_plan(model, args.dense, prompt, args.decode, str(out / "pack"), gguf, threads)
@@ -357,7 +357,8 @@ def _plot(path: Path, summary: dict[str, dict], matched: list[dict] | None) -> N
 
 
 def median_runs(runs: dict[str, dict]) -> dict[str, dict]:
-    """Runs "name#r" of --repeats folded into "name": the median of each numeric figure."""
+    """Runs "name#r" of --repeats folded into "name": the median of each figure, the first run's facts
+    (precision, the peer's tensor types)."""
     import statistics
 
     groups: dict[str, list[dict]] = {}
@@ -369,7 +370,7 @@ def median_runs(runs: dict[str, dict]) -> dict[str, dict]:
         if not ok:
             out[name] = rs[0]
             continue
-        out[name] = {k: statistics.median(r[k] for r in ok) for k in ("prefill_tok_s", "decode_tok_s")}
+        out[name] = {**ok[0], **{k: statistics.median(r[k] for r in ok) for k in ("prefill_tok_s", "decode_tok_s")}}
         steps = [r["decode_step_ms"] for r in ok if r.get("decode_step_ms")]
         if steps:
             out[name]["decode_step_ms"] = {k: statistics.median(s[k] for s in steps) for k in steps[0]}

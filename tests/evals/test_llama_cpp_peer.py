@@ -126,3 +126,16 @@ def test_engine_bench_rejects_plan_options_with_llama_cpp():
 
     with pytest.raises(SystemExit):
         main(["--llama-cpp", "--formats", "int4", "--out", "/nonexistent/never-created"])
+
+
+def test_repeats_keep_the_facts_the_rows_report():
+    from evals.perf.engine_bench import median_runs
+
+    row = MATCHED[0]
+    runs = {f"llama.cpp-{row.peer}#0": {"prefill_tok_s": 10.0, "decode_tok_s": 1.0, "tensor_types": {"lm_head": "Q6_K"}},
+            f"llama.cpp-{row.peer}#1": {"prefill_tok_s": 30.0, "decode_tok_s": 3.0, "tensor_types": {"lm_head": "Q6_K"}},
+            f"{row.run}#0": {"prefill_tok_s": 40.0, "decode_tok_s": 4.0, "precision": {"lm_head": "int8"}},
+            f"{row.run}#1": {"prefill_tok_s": 80.0, "decode_tok_s": 8.0, "precision": {"lm_head": "int8"}}}
+    m = pair_rows(median_runs(runs), [row])[0]
+    assert m["peer_types"] == {"lm_head": "Q6_K"} and m["moegate_precision"] == {"lm_head": "int8"}
+    assert m["decode_ratio"] == pytest.approx(6.0 / 2.0) and m["prefill_ratio"] == pytest.approx(60.0 / 20.0)
