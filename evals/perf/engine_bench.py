@@ -1,10 +1,12 @@
-"""End-to-end prefill and decode tok/s: moegate (per expert format) vs transformers eager (and llama.cpp
-when `llama_cpp` and a GGUF are available), on the same checkpoint, same threads, in ONE run.
+"""End-to-end prefill and decode tok/s: moegate (per expert format) vs transformers eager and, with
+`--llama-cpp`, llama.cpp's native `llama-bench` at matched precision, same checkpoint, same threads, in ONE run.
 
 Reference model (default): random Qwen3-MoE, hidden 1024, 8 layers, 64 experts top-8, moe_intermediate
 512, 16 / 4 heads, Qwen vocabulary (`moegate model init-random --preset bench`). Writes engine_bench.json
-and engine_bench.png; reports ratios. Usage:
-    python evals/perf/engine_bench.py [--model DIR] [--gguf-q4 FILE --gguf-q8 FILE] [--quick]
+and engine_bench.png; reports ratios. `--llama-cpp` runs the MATCHED rows instead of the per-format plan:
+each moegate precision beside the llama.cpp GGUF type it matches (evals/perf/llama_cpp.py builds the
+tools and the files once). Usage:
+    python -m evals.perf.engine_bench [--model DIR] [--llama-cpp] [--quick]
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from evals.perf import llama_cpp
 from evals.perf.common import machine_info, save_bar_plot
+from evals.perf.llama_cpp import MATCHED, format_matched, pair_rows
 
 
 def _moegate(model: str, fmt: str, dense: str, prompt: list[int], decode: int, defer: int = 0,
@@ -31,25 +35,40 @@ def _moegate(model: str, fmt: str, dense: str, prompt: list[int], decode: int, d
         build.SOURCE = Path(kernel_source)
     from engine.experts import PlacementConfig
     from engine.llm_engine import LLM
-    from engine.sampling_params import SamplingParams
 
     placement = PlacementConfig(fast_format=fmt, exact_format=fmt, pack_cache_dir=pack_dir)
     t = time.perf_counter()
     llm = LLM(model, dtype=dense, placement=placement, defer=defer, num_kv_blocks=64, prefix_cache=False,
               fast_lm_head=lm_head, fast_dense=fast_dense, progress=False)  # no prefix cache: every prefill is computed
-    load_s = time.perf_counter() - t
-    llm.generate([prompt[:16]], SamplingParams(max_tokens=2))  # warm-up (kernel build / first-touch)
+    return _measure(llm, time.perf_counter() - t, prompt, decode, "exploration", dense)
+
+
+def _moegate_execution(model: str, dense: str, prompt: list[int], decode: int) -> dict:
+    """Execution mode with the dev policy's profiles, configured as `moegate serve` configures its engine."""
+    from evals.perf.mode_streams import policy_llm
+
+    t = time.perf_counter()
+    llm = policy_llm(model, dtype=dense, num_kv_blocks=64)
+    return _measure(llm, time.perf_counter() - t, prompt, decode, "execution", dense)
+
+
+def _measure(llm, load_s: float, prompt: list[int], decode: int, mode: str, dense: str) -> dict:
+    from engine.sampling_params import SamplingParams
+
+    _timed_request(llm.engine, prompt[:16], SamplingParams(max_tokens=2), mode)  # warm-up (kernel build, first touch)
     params = SamplingParams(max_tokens=decode + 1, ignore_eos=True)
-    runs = [_timed_request(llm.engine, prompt, params) for _ in range(3)]
-    steps = decode_step_breakdown(llm.engine, prompt, params)
+    runs = [_timed_request(llm.engine, prompt, params, mode) for _ in range(3)]
+    steps = decode_step_breakdown(llm.engine, prompt, params, mode)
+    parts = llm.engine.numerics.parts(mode, dense)
+    tokens = vars(llm.engine.decoder.stats)  # forced / drafted tokens: 0 unless multi-token decoding ran
     llm.engine.runner.shutdown()
     pre = min(r[0] for r in runs)
     dec = min(r[1] for r in runs)
     return {"load_s": load_s, "prefill_tok_s": len(prompt) / pre, "decode_tok_s": decode / dec,
-            "decode_step_ms": steps}
+            "decode_step_ms": steps, "mode": mode, "precision": parts, "multi_token": dict(tokens)}
 
 
-def decode_step_breakdown(engine, prompt: list[int], params) -> dict[str, float]:
+def decode_step_breakdown(engine, prompt: list[int], params, mode: str = "exploration") -> dict[str, float]:
     """Median milliseconds per decode step of one request, split into the model's forward (decoder layers),
     the logits (final norm + lm_head) and everything else the step does: scheduling, building the
     ForwardBatch, sampling, stop checks, detokenizing, outputs ("overhead" = step - forward - logits).
@@ -81,7 +100,7 @@ def decode_step_breakdown(engine, prompt: list[int], params) -> dict[str, float]
     try:
         for obj, name, new in patches:
             setattr(obj, name, new)
-        engine.add_request("breakdown", prompt, params)
+        engine.add_request("breakdown", prompt, params, mode)
         first = True
         while engine.has_work():
             for d in (spent, cpu):
@@ -122,12 +141,12 @@ class _TimedModel:
         return getattr(self._model, name)
 
 
-def _timed_request(engine, prompt: list[int], params) -> tuple[float, float]:
+def _timed_request(engine, prompt: list[int], params, mode: str = "exploration") -> tuple[float, float]:
     """One request through the engine's step loop: (seconds to the first token, seconds for the rest).
 
     Timing the two phases of the same request keeps prefill noise out of the decode figure (subtracting a
     separately timed prefill from a whole generate did not)."""
-    engine.add_request("bench", prompt, params)
+    engine.add_request("bench", prompt, params, mode)
     start, first = time.perf_counter(), None
     while engine.has_work():
         if engine.step() and first is None:
@@ -148,29 +167,19 @@ def _transformers(model: str, dtype: torch.dtype, prompt: list[int], decode: int
     return {"prefill_tok_s": len(prompt) / pre, "decode_tok_s": decode / max(total - pre, 1e-9)}
 
 
-def _llama_cpp(gguf: str, prompt: list[int], decode: int, threads: int) -> dict:
-    from llama_cpp import Llama  # optional peer: pip install llama-cpp-python
-
-    llm = Llama(model_path=gguf, n_ctx=1024, n_threads=threads, n_batch=512, verbose=False)
-    llm.eval(prompt[:16])
-    llm.reset()
-
-    def prefill():
-        llm.reset()
-        llm.eval(prompt)
-
-    pre = _best(prefill)
-
-    def decode_only() -> float:
-        llm.reset()
-        llm.eval(prompt)
-        t = time.perf_counter()
-        for _ in range(decode):
-            llm.eval([llm.sample(temp=0.0)])
-        return time.perf_counter() - t
-
-    dec = min(decode_only() for _ in range(3))
-    return {"prefill_tok_s": len(prompt) / pre, "decode_tok_s": decode / dec}
+def matched_plan(model: str, dense: str, prompt: list[int], decode: int, pack: str, gguf: dict[str, Path],
+                 threads: int) -> list[tuple]:
+    """Each peer file's llama-bench run, then the moegate rows it serves: rows and their peer run side by side."""
+    plan = []
+    for peer in dict.fromkeys(r.peer for r in MATCHED):
+        plan.append((f"llama.cpp-{peer}", llama_cpp.bench_peer, (str(gguf[peer]), len(prompt), decode, threads), {}))
+        for row in (r for r in MATCHED if r.peer == peer):
+            if row.fmt is None:
+                plan.append((row.run, _moegate_execution, (model, dense, prompt, decode), {}))
+            else:
+                plan.append((row.run, _moegate, (model, row.fmt, dense, prompt, decode),
+                             {"pack_dir": pack, "lm_head": row.lm_head, "fast_dense": row.attention}))
+    return plan
 
 
 def _best(fn, n: int = 3) -> float:
@@ -205,8 +214,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fast-dense", default="match",
                     help="exploration attention projections of the +fast runs: int4|int8|bf16, or 'match' for the "
                          "experts' format (as llama.cpp's Q4_0 / Q8_0 quantize attention like the experts)")
-    ap.add_argument("--gguf-q4", default=None)
-    ap.add_argument("--gguf-q8", default=None)
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="the MATCHED rows against llama.cpp's native llama-bench (built and converted once) "
+                         "instead of the --formats / --lm-head / --fast-dense / --fast-only plan")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--fast-only", action="store_true",
                     help="only the +fast runs (quantized attention and lm_head), not the default profile")
@@ -214,9 +224,13 @@ def main(argv: list[str] | None = None) -> dict:
                     help="git revision whose kernel (kernels/csrc) runs the same moegate configurations, "
                          "alternating with this one, e.g. 65f89cb")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="run the moegate configurations this many times, alternating with --compare-rev's")
+                    help="run the whole plan this many times (alternating with --compare-rev's); medians reported")
     ap.add_argument("--quick", action="store_true", help="short prompt and decode")
     args = ap.parse_args(argv)
+    plan_options = ("formats", "lm_head", "fast_dense", "fast_only", "compare_rev")
+    if args.llama_cpp and any(getattr(args, k) != ap.get_default(k) for k in plan_options):
+        ap.error("--llama-cpp runs the MATCHED rows; it does not combine with " +
+                 ", ".join("--" + k.replace("_", "-") for k in plan_options))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.quick:
@@ -225,9 +239,53 @@ def main(argv: list[str] | None = None) -> dict:
     threads = torch.get_num_threads()
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     prompt = torch.randint(0, min(vocab, 150000), (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    info = machine_info()
-    runs: dict[str, dict] = {}
-    pack = str(out / "pack")
+    info, peer_info = machine_info(), None
+    if args.llama_cpp:
+        llama_cpp.build()
+        gguf = llama_cpp.peer_files(Path(model), out / "gguf", list(dict.fromkeys(r.peer for r in MATCHED)))
+        peer_info = {"source": llama_cpp.source_dir().parents[1].name, "simd": llama_cpp.simd_flags(),
+                     "files": {k: str(v) for k, v in gguf.items()}}
+        print(f"llama.cpp ({peer_info['source']}): {peer_info['simd']}")
+        plan = matched_plan(model, args.dense, prompt, args.decode, str(out / "pack"), gguf, threads)
+    else:
+        plan = _format_plan(args, model, prompt, str(out / "pack"))
+    plan = [(f"{name}#{r}" if args.repeats > 1 else name, fn, fa, kw) for r in range(args.repeats)
+            for name, fn, fa, kw in plan]
+    if not args.no_transformers:
+        plan += [("transformers-eager-bf16", _transformers, (model, torch.bfloat16, prompt, args.decode), {}),
+                 ("transformers-eager-fp32", _transformers, (model, torch.float32, prompt, args.decode), {})]
+    runs = _run_plan(plan)
+    summary = median_runs(runs)
+    ratios, matched = _ratios(summary, args.compare_rev), None
+    if args.llama_cpp:
+        matched = pair_rows(summary)
+        ratios.update({f"{m['run']}/{m['peer_run']} {phase}": m[f"{phase}_ratio"] for m in matched
+                       for phase in ("prefill", "decode") if f"{phase}_ratio" in m})
+    from kernels import kernel_variant
+    from kernels.build import load
+    from kernels.cpu_features import detect
+
+    lib = load(kernel_variant())
+    info.update(cpu=detect().summary(), cpu_model=detect().model, kernel_variant=kernel_variant(),
+                simd_path=lib.moegate_simd_path().decode() if lib is not None else None)
+    if peer_info:
+        peer_info["cpu_info"] = next((r["llama_bench"][0]["cpu"] for r in runs.values() if "llama_bench" in r), None)
+    result = {"model": model, "prompt_len": args.prompt_len, "decode": args.decode, "threads": threads,
+              "dense_dtype": args.dense, "machine": info, "llama_cpp": peer_info, "compare_rev": args.compare_rev,
+              "repeats": args.repeats, "runs": runs, "median": summary, "ratios": ratios, "matched": matched,
+              "busy_after": machine_info()["cpu_busy_fraction"], "loadavg_after": os.getloadavg()}
+    (out / "engine_bench.json").write_text(json.dumps(result, indent=2))
+    _plot(out / "engine_bench.png", summary, matched)
+    print(f"machine: {info['cpu_model']} ({info['cpu']}), moegate kernel {info['kernel_variant']}: {info['simd_path']}; "
+          f"load average {info['loadavg']} before, {result['loadavg_after']} after")
+    if matched:
+        print(format_matched(matched))
+    print(json.dumps(ratios, indent=2))
+    return result
+
+
+def _format_plan(args, model: str, prompt: list[int], pack: str) -> list[tuple]:
+    """The per-format plan: the default profile per --formats, the +fast runs per --lm-head, --compare-rev."""
     plan = [(f"moegate-{f}", _moegate, (model, f, args.dense, prompt, args.decode), {"pack_dir": pack})
             for f in args.formats.split(",") if not args.fast_only]
 
@@ -243,24 +301,22 @@ def main(argv: list[str] | None = None) -> dict:
         old = str(kernel_source_at(args.compare_rev))
         plan = [p for name, fn, fa, kw in plan
                 for p in ((name, fn, fa, kw), (f"{name}@{args.compare_rev}", fn, fa, {**kw, "kernel_source": old}))]
-    plan = [(f"{name}#{r}" if args.repeats > 1 else name, fn, fa, kw) for r in range(args.repeats)
-            for name, fn, fa, kw in plan]
-    if not args.no_transformers:
-        plan += [("transformers-eager-bf16", _transformers, (model, torch.bfloat16, prompt, args.decode), {}),
-                 ("transformers-eager-fp32", _transformers, (model, torch.float32, prompt, args.decode), {})]
-    for name, gguf in (("llama.cpp-Q4_0", args.gguf_q4), ("llama.cpp-Q8_0", args.gguf_q8)):
-        if gguf:
-            plan.append((name, _llama_cpp, (gguf, prompt, args.decode, threads), {}))
-    # Each run in a fresh process: a run must not inherit the previous one's heap, thread pools or page
-    # cache state (in one process a third engine decoded ~40% slower than the same engine run first).
-    # moegate's runs get the OpenMP settings `import engine` makes before torch loads (engine.OPENMP_ENV);
-    # the baselines run with the environment as it was.
+    return plan
+
+
+def _run_plan(plan: list[tuple]) -> dict[str, dict]:
+    """Each run in a fresh process: a run must not inherit the previous one's heap, thread pools or page
+    cache state (in one process a third engine decoded ~40% slower than the same engine run first).
+    moegate's runs get the OpenMP settings `import engine` makes before torch loads (engine.OPENMP_ENV);
+    the baselines (transformers, llama-bench) run with the environment as it was."""
     from engine import OPENMP_ENV, USER_OPENMP_ENV
 
+    runs: dict[str, dict] = {}
     spawn = multiprocessing.get_context("spawn")
     for name, fn, fargs, fkw in tqdm(plan, desc="engine bench"):
+        ours = fn in (_moegate, _moegate_execution)
         for key, value in OPENMP_ENV.items():
-            chosen = (USER_OPENMP_ENV[key] or value) if fn is _moegate else USER_OPENMP_ENV[key]
+            chosen = (USER_OPENMP_ENV[key] or value) if ours else USER_OPENMP_ENV[key]
             if chosen is None:
                 os.environ.pop(key, None)
             else:
@@ -270,47 +326,45 @@ def main(argv: list[str] | None = None) -> dict:
                 runs[name] = pool.apply(fn, fargs, fkw)
         except ImportError as exc:
             runs[name] = {"skipped": str(exc)}
-        tqdm.write(f"{name}: {runs[name]}")
-    summary = median_runs(runs)
+        tqdm.write(f"{name}: {_brief(runs[name])}")
+    return runs
+
+
+def _brief(run: dict) -> str:
+    return ", ".join(f"{k} {run[k]:.1f}" for k in ("prefill_tok_s", "decode_tok_s") if k in run) or str(run)
+
+
+def _ratios(summary: dict[str, dict], compare_rev: str | None) -> dict[str, float]:
     ratios = {}
-    if args.compare_rev:  # this kernel / the earlier revision's, same configuration, alternating processes
+    if compare_rev:  # this kernel / the earlier revision's, same configuration, alternating processes
         for name, r in summary.items():
-            old = summary.get(f"{name}@{args.compare_rev}", {})
+            old = summary.get(f"{name}@{compare_rev}", {})
             if "decode_tok_s" in r and "decode_tok_s" in old:
-                ratios[f"{name}/@{args.compare_rev} decode"] = r["decode_tok_s"] / old["decode_tok_s"]
-                ratios[f"{name}/@{args.compare_rev} prefill"] = r["prefill_tok_s"] / old["prefill_tok_s"]
+                ratios[f"{name}/@{compare_rev} decode"] = r["decode_tok_s"] / old["decode_tok_s"]
+                ratios[f"{name}/@{compare_rev} prefill"] = r["prefill_tok_s"] / old["prefill_tok_s"]
     base = summary.get("transformers-eager-bf16", {})
     for name, r in summary.items():
         if name.startswith("moegate") and "decode_tok_s" in base and "decode_tok_s" in r:
             ratios[f"{name}/transformers-bf16 decode"] = r["decode_tok_s"] / base["decode_tok_s"]
             ratios[f"{name}/transformers-bf16 prefill"] = r["prefill_tok_s"] / base["prefill_tok_s"]
-    for q, fmt in (("Q4_0", "int4"), ("Q8_0", "int8")):
-        peer = summary.get(f"llama.cpp-{q}", {})
-        for name, ours in summary.items():
-            if name.split("+")[0] == f"moegate-{fmt}" and "decode_tok_s" in peer and "decode_tok_s" in ours:
-                ratios[f"{name}/llama.cpp-{q} decode"] = ours["decode_tok_s"] / peer["decode_tok_s"]
-                ratios[f"{name}/llama.cpp-{q} prefill"] = ours["prefill_tok_s"] / peer["prefill_tok_s"]
-    from kernels import kernel_variant
-    from kernels.build import load
-    from kernels.cpu_features import detect
+    return ratios
 
-    lib = load(kernel_variant())
-    info.update(cpu=detect().summary(), cpu_model=detect().model, kernel_variant=kernel_variant(),
-                simd_path=lib.moegate_simd_path().decode() if lib is not None else None)
-    result = {"model": model, "prompt_len": args.prompt_len, "decode": args.decode, "threads": threads,
-              "dense_dtype": args.dense, "machine": info, "compare_rev": args.compare_rev, "repeats": args.repeats,
-              "runs": runs, "median": summary, "ratios": ratios, "busy_after": machine_info()["cpu_busy_fraction"]}
-    (out / "engine_bench.json").write_text(json.dumps(result, indent=2))
+
+def _plot(path: Path, summary: dict[str, dict], matched: list[dict] | None) -> None:
     ok = {k: v for k, v in summary.items() if "decode_tok_s" in v}
-    save_bar_plot(out / "engine_bench.png", "end-to-end tok/s (higher is better)",
-                  {"prefill": {k: v["prefill_tok_s"] for k, v in ok.items()},
-                   "decode": {k: v["decode_tok_s"] for k, v in ok.items()}})
-    print(json.dumps(ratios, indent=2))
-    return result
+    groups = {"prefill tok/s": {k: v["prefill_tok_s"] for k, v in ok.items()},
+              "decode tok/s": {k: v["decode_tok_s"] for k, v in ok.items()}}
+    if matched:
+        measured = [m for m in matched if "decode_ratio" in m]
+        for phase in ("prefill", "decode"):
+            groups[f"{phase} moegate / llama.cpp"] = {f"{m['run'].removeprefix('moegate-')} vs {m['peer']}":
+                                                      m[f"{phase}_ratio"] for m in measured}
+    save_bar_plot(path, "end-to-end tok/s (higher is better)", groups)
 
 
 def median_runs(runs: dict[str, dict]) -> dict[str, dict]:
-    """Runs "name#r" of --repeats folded into "name": the median of each numeric figure."""
+    """Runs "name#r" of --repeats folded into "name": the median of each figure, the first run's facts
+    (precision, the peer's tensor types)."""
     import statistics
 
     groups: dict[str, list[dict]] = {}
@@ -322,7 +376,7 @@ def median_runs(runs: dict[str, dict]) -> dict[str, dict]:
         if not ok:
             out[name] = rs[0]
             continue
-        out[name] = {k: statistics.median(r[k] for r in ok) for k in ("prefill_tok_s", "decode_tok_s")}
+        out[name] = {**ok[0], **{k: statistics.median(r[k] for r in ok) for k in ("prefill_tok_s", "decode_tok_s")}}
         steps = [r["decode_step_ms"] for r in ok if r.get("decode_step_ms")]
         if steps:
             out[name]["decode_step_ms"] = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
