@@ -74,8 +74,9 @@ class _TokenTable:
 
 def _canonical(head: str, in_string: bool) -> str:
     """`head` as the scope tracker reads it (starting inside a '...' string or not): a string's
-    content as one "a" (only its closing quote counts), each whitespace run outside quotes as its last
-    byte (a run ends a word; a fence needs its newline right before the backtick); names in quotes as is."""
+    content as one "a" (only its closing quote counts), each whitespace run outside quotes as one byte:
+    a newline where the run ends in one (a fence needs it right before the backtick), else a space (a
+    run ends a word, the tracker reads no other difference); names in quotes as is."""
     out, mode, gap = [], "'" if in_string else "", ""
     for ch in head:
         if mode == "'":
@@ -88,7 +89,7 @@ def _canonical(head: str, in_string: bool) -> str:
             out.append(ch)
             mode = "" if ch == mode else mode
         elif ch in " \t\r\n":
-            gap = ch
+            gap = "\n" if ch == "\n" else " "
         else:
             out.append(gap + ch)
             gap = ""
