@@ -182,6 +182,16 @@ def _tail_classes(tt: _TokenTable, before_operand: frozenset[str], after: frozen
 _NONE = np.zeros(0, dtype=np.int64)
 
 
+def _trie_members(node: dict) -> np.ndarray:
+    """The members of every head at or below a trie node of SQLScopeGuard._simulate."""
+    found, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        found += [v for k, v in n.items() if not k]
+        stack += [v for k, v in n.items() if k]
+    return np.concatenate(found) if found else _NONE
+
+
 def _word_ids(tt: _TokenTable, pool: WordPool, word: str) -> np.ndarray:
     """Tokens that keep `word` a prefix of a word of `pool`: identifier-only ones that extend it, and
     ones whose leading identifier completes it (before a "." only as a qualifier)."""
@@ -383,8 +393,8 @@ class SQLScopeGuard:
         cands, heads = cands[order], heads[order]
         starts = np.flatnonzero(np.r_[True, heads[1:] != heads[:-1]])
         groups = zip(heads[starts].tolist(), np.split(cands, starts[1:]), strict=True) if cands.size else ()
-        for h, members in groups:
-            self._simulate(tt.heads[h] if s.mode and not string else tt.canons[h], members, drop)
+        texts = tt.heads if s.mode and not string else tt.canons
+        self._simulate([(texts[h], members) for h, members in groups], drop)
         out &= ~np.packbits(drop, bitorder="little").view(np.uint32)
 
     def _any_name_heads(self, ids: np.ndarray) -> list[int]:
@@ -398,25 +408,52 @@ class SQLScopeGuard:
         order = np.argsort(rests, kind="stable")
         ids, rests = ids[order], rests[order]
         starts = np.flatnonzero(np.r_[True, rests[1:] != rests[:-1]])
+        heads: list[tuple[str, np.ndarray]] = []
         for r, members in zip(rests[starts].tolist(), np.split(ids, starts[1:]), strict=True):
             rest = tt.rests[r]
             if any(ch in _ID for ch in rest):
-                for t in members.tolist():
-                    self._simulate(tt.texts[t][: len(tt.heads[tt.head[t]])], np.array([t]), drop)
+                heads += [(tt.texts[t][: len(tt.heads[tt.head[t]])], np.array([t])) for t in members.tolist()]
             else:
-                self._simulate("x" + rest, members, drop)
+                heads.append(("x" + rest, members))
+        self._simulate(heads, drop)
         return np.flatnonzero(drop).tolist()
 
-    def _simulate(self, head: str, members: np.ndarray, drop: np.ndarray) -> None:
-        """Feed `head` (the text the tokens `members` share up to their last non-identifier byte) and
-        set in `drop` those it vetoes, or whose identifier after it cannot start a word there."""
-        s, tt = self.scope, self.table
-        state = s.clone()
-        try:
-            state.feed(head)
-        except _Veto:
-            drop[members] = True
-            return
+    def _simulate(self, heads: list[tuple[str, np.ndarray]], drop: np.ndarray) -> None:
+        """Feed each head (the text the tokens `members` share up to their last non-identifier byte)
+        and set in `drop` the tokens it vetoes, or whose identifier after it cannot start a word there.
+        The heads share their common prefixes: a trie of them walked depth first, each character fed
+        once per trie node and the state cloned only where the trie branches."""
+        trie: dict = {}
+        for head, members in heads:
+            node = trie
+            for ch in head:
+                node = node.setdefault(ch, {})
+            node[""] = np.concatenate((node[""], members)) if "" in node else members
+        self._walk(trie, self.scope.clone(), drop)
+
+    def _walk(self, node: dict, state: SQLScope, drop: np.ndarray) -> None:
+        """`state` has read the text to `node`: rule on the heads that end there, then go on into each
+        branch (the last one with `state` itself)."""
+        if (members := node.get("")) is not None:
+            # (SQLScope.feed's end-of-text check: a half-written word on its way to a banned keyword)
+            if state.word and state.banned and not state.mode and state.only_banned(state.word):
+                drop[members] = True
+            else:
+                self._after_head(state, members, drop)
+        kids = [ch for ch in node if ch]
+        for i, ch in enumerate(kids):
+            branch = state if i == len(kids) - 1 else state.clone()
+            try:
+                branch._char(ch)
+            except _Veto:
+                drop[_trie_members(node[ch])] = True
+                continue
+            self._walk(node[ch], branch, drop)
+
+    def _after_head(self, state: SQLScope, members: np.ndarray, drop: np.ndarray) -> None:
+        """Set in `drop` the tokens `members` (whose head `state` has read) whose identifier after the
+        head cannot start a word there (`state` is left as it was)."""
+        tt = self.table
         if state.in_by_list() and (numbers := members[tt.digit_tail[members]]).size:
             drop[[t for t in numbers.tolist() if not state.ordinal_ok(tt.texts[t][len(tt.heads[tt.head[t]]):])]] = True
         if state.mode and state.mode != state.string:  # the tail starts a quoted name
@@ -430,8 +467,9 @@ class SQLScopeGuard:
             if (pool := state.word_pool()) is not None:
                 drop[tailed[~_tail_mask(tt, pool)[tailed]]] = True
             if bans := state._bans():  # (a word after the head may not start as a clause keyword)
-                state.banned = bans
+                saved, state.banned = state.banned, bans
                 pieces = {k[:e] for k in bans for e in range(1, len(k) + 1) if state.only_banned(k[:e])}
+                state.banned = saved
                 banned = np.zeros(len(tt.texts), dtype=bool)
                 for p in pieces:
                     if (ids := tt.tails.get(p)) is not None:
