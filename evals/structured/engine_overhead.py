@@ -14,7 +14,7 @@ engine and this eval unchanged) and then with the working tree's, one after the 
 each in its own process: before and after, on one machine under the same load.
 
     PYTHONPATH=. python -m evals.structured.engine_overhead [--kinds sql,json] [--batch-sizes 1,8]
-        [--compare-rev 779d68a]
+        [--compare-rev 779d68a] [--name engine_overhead]
 """
 
 from __future__ import annotations
@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-rev", default=None, help="git revision whose gateway/ runs first, as the baseline")
     p.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=Path("evals/structured/results"))
+    p.add_argument("--name", default="engine_overhead", help="file name (without .json / .png) under --out")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     result = {"model": str(args.model), "requests": args.requests, "max_tokens": args.max_tokens,
@@ -256,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         args.worker_out.write_text(json.dumps(result["revisions"]["head"]))
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "engine_overhead.json").write_text(json.dumps(result, indent=2))
-    _plot(args.out / "engine_overhead.png", result["revisions"])
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+    _plot(args.out / f"{args.name}.png", result["revisions"])
     return 0
 
 
