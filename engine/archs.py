@@ -303,7 +303,7 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen3_next": ArchSpec(
         "qwen3_next", _qwen3_next, ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
         attention="engine.models.qwen3_next:GatedAttention", random_config=_qwen3_next_random,
-        linear_attention="engine.models.qwen3_next:GatedDeltaNet",
+        linear_attention="engine.models.qwen3_next:GatedDeltaNet", gguf_arch="qwen3next",
     ),
 }
 ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2 ships DeepSeek-V3's architecture under its own model_type

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -22,13 +23,45 @@ class EngineDeadError(EngineError):
     """The engine loop stopped after an internal failure; the server should be restarted."""
 
 
+class _Delivery:
+    """Hands items from the engine thread to one event loop: one wake-up of the loop (a write to its self-pipe,
+    and the GIL hand-off that comes with it) per batch of items, not per item. Items posted while a delivery is
+    pending join it, so a step's outputs for every stream on the loop arrive together, each stream's in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)  # AsyncLLM keys its deliveries weakly by loop: no strong ref back
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, RequestOutput | BaseException]] = []
+
+    def post(self, queue_: asyncio.Queue, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            self._items.append((queue_, item))
+            wake = len(self._items) == 1  # else a delivery is already scheduled and takes this item too
+        if wake:
+            loop = self._loop()
+            try:
+                if loop is None:
+                    raise RuntimeError("the stream's event loop is gone")
+                loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:  # a closed loop: nothing will read these; the next post tries to wake it again
+                with self._lock:
+                    self._items.clear()
+                raise
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue_, item in items:
+            queue_.put_nowait(item)
+
+
 @dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
+    delivery: _Delivery
     queue: asyncio.Queue
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.delivery.post(self.queue, item)
 
 
 class AsyncLLM:
@@ -39,6 +72,7 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
+        self._deliveries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _Delivery
         self._stop = threading.Event()
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="moegate-engine", daemon=True)
@@ -62,7 +96,11 @@ class AsyncLLM:
         """
         if self._dead is not None:
             raise EngineDeadError(f"engine stopped: {self._dead}")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        loop = asyncio.get_running_loop()
+        delivery = self._deliveries.get(loop)
+        if delivery is None:
+            delivery = self._deliveries[loop] = _Delivery(loop)
+        stream = _Stream(delivery, asyncio.Queue())
         self._streams[request_id] = stream
         self._commands.put(("add", request_id, prompt_token_ids, params, mode, cache_salt))
         finished = False

@@ -81,6 +81,7 @@ class ModelConfig:
     linear_attention: LinearAttentionDims | None = None
     attention_output_gate: bool = False
     zero_centred_norm: bool = False
+    model_type: str = ""  # config.json's own model_type where it names an alias of `arch` (kimi_k2); "" = arch
 
     def __post_init__(self) -> None:
         arch_spec(self.arch)  # UnsupportedArchitectureError for an unknown family
@@ -183,6 +184,7 @@ class ModelConfig:
         rope_scaling = RopeScaling.from_hf(hf)
         common = dict(
             arch=spec.model_type,
+            model_type=model_type if model_type != spec.model_type else "",
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
             num_layers=need("num_hidden_layers"),

@@ -4,7 +4,7 @@ A GGUF model is a directory holding one `*.gguf` file or one split model (llama.
 `NAME-0000i-of-0000N.gguf` shards, engine/gguf_file.py), no config.json, or the file (any shard) itself;
 its tokenizer is the `tokenizer.json` beside it, else the vocabulary the GGUF carries (engine/gguf_tokenizer.py).
 The architectures read are the registry entries with a `gguf_arch` (qwen3moe, qwen2moe, llama with experts,
-olmoe, glm4moe, deepseek2, gpt-oss: engine/gguf_config.py). Tensors map from llama.cpp names (`blk.N.attn_q.weight`,
+olmoe, glm4moe, deepseek2, gpt-oss, qwen3next: engine/gguf_config.py). Tensors map from llama.cpp names (`blk.N.attn_q.weight`,
 `blk.N.ffn_gate_exps.weight` [E, I, H], ...) to the engine's; the expert tensors read one expert at a time,
 and every supported type (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K, MXFP4, ...) is dequantized with the `gguf`
 package as the tensor is read, so routed experts go through the expert stream into the project's packed
@@ -13,7 +13,9 @@ they are permuted back here (the other families are stored unpermuted). DeepSeek
 whole (`attn_kv_b`) or rebuilt from the per-head halves newer files store (`attn_k_b` transposed,
 `attn_v_b`); multi-token-prediction blocks past the decoder layers (`nextn_predict_layers`) are unused.
 GPT-OSS's experts, which llama.cpp splits into gate / up / down with biases, are read back as its fused
-layout (`gate_up_proj` [E, H, 2I] gate/up interleaved) one expert at a time.
+layout (`gate_up_proj` [E, H, 2I] gate/up interleaved) one expert at a time. Qwen3-Next's DeltaNet tensors come
+back from its converter's form (`ssm_a` = -exp(A_log), norms stored plus 1, in_proj_qkvz split into attn_qkv and
+attn_gate: `_delta_net`).
 """
 
 from __future__ import annotations
@@ -51,7 +53,11 @@ _LAYER = {
 }
 _SHARED_EXPERTS = ("deepseek_v3", "deepseek_v2", "glm4_moe")  # n_shared_experts as one ungated `shared_experts`
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?$")  # Qwen3-Next's ssm_a has no suffix
+# Qwen3-Next's DeltaNet (linear_attn) tensors; attn_qkv + attn_gate are read back as its in_proj_qkvz
+_DELTA_NET = {"ssm_a": "A_log", "ssm_conv1d": "conv1d.weight", "ssm_dt": "dt_bias", "ssm_norm": "norm.weight",
+              "ssm_ba": "in_proj_ba.weight", "ssm_out": "out_proj.weight", "attn_qkv": "in_proj_qkvz.weight"}
+_ZERO_CENTRED = ("attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm")  # stored + 1
 
 
 def find_gguf(path: str | Path) -> Path | None:
@@ -120,9 +126,15 @@ class GgufCheckpoint:
                 other = t.name.replace(*(("gate", "up") if "gate" in m.group(2) else ("up", "gate")))
                 if other not in tensors:
                     raise CheckpointError(f"GGUF tensor {t.name} has no {other} (gate_up_proj needs both)")
+            if m and arch == "qwen3_next" and m.group(2) in ("attn_qkv", "attn_gate"):
+                other = t.name.replace(*(("qkv", "gate") if m.group(2) == "attn_qkv" else ("gate", "qkv")))
+                if other not in tensors:
+                    raise CheckpointError(f"GGUF tensor {t.name} has no {other} (in_proj_qkvz needs both)")
             for name, expert, kind in self._names(t.name, t.shape[0] if t.name.endswith("_exps.weight") else 0):
-                if kind == "attn_v_b" or (arch == "gpt_oss" and kind == "ffn_up_exps"):
-                    continue  # read with attn_k_b as kv_b_proj, with ffn_gate_exps as GPT-OSS's gate_up_proj
+                if kind == "attn_v_b" or (arch == "gpt_oss" and kind == "ffn_up_exps") or \
+                        (arch == "qwen3_next" and kind == "attn_gate"):
+                    continue  # read with attn_k_b as kv_b_proj, with ffn_gate_exps as GPT-OSS's gate_up_proj, with
+                    # attn_qkv as Qwen3-Next's in_proj_qkvz
                 self.where[name] = (self, path)
                 self._source[name] = (t, expert, kind)
 
@@ -142,6 +154,8 @@ class GgufCheckpoint:
             return [(f"{prefix}self_attn.sinks", None, kind)]
         if kind in _EXPERTS:
             return [(f"{prefix}mlp.experts.{e}.{_EXPERTS[kind]}.weight", e, kind) for e in range(experts)]
+        if self._arch == "qwen3_next" and kind in _DELTA_NET:
+            return [(f"{prefix}linear_attn.{_DELTA_NET[kind]}", None, kind)]
         if kind == "exp_probs_b":
             return [(f"{prefix}mlp.gate.e_score_correction_bias", None, kind)]
         if kind in ("attn_k_b", "attn_v_b"):
@@ -162,6 +176,9 @@ class GgufCheckpoint:
             if t.name.endswith(".bias"):
                 return (t.shape[0], 2 * t.shape[1]) if kind == "ffn_gate_exps" else t.shape
             return (t.shape[0], t.shape[2], 2 * t.shape[1] if kind == "ffn_gate_exps" else t.shape[1])
+        if self._arch == "qwen3_next" and kind in ("attn_qkv", "ssm_conv1d"):
+            gate = self._file.tensors[t.name.replace("attn_qkv", "attn_gate")] if kind == "attn_qkv" else None
+            return (t.shape[0] + gate.shape[0], t.shape[1]) if gate else (t.shape[0], 1, t.shape[1])
         shape = t.shape[1:] if expert is not None else t.shape
         return (shape[0], 1) if name.endswith("shared_expert_gate.weight") and len(shape) == 1 else shape
 
@@ -197,7 +214,24 @@ class GgufCheckpoint:
             v_b_info = self._file.tensors[t.name.replace("attn_k_b", "attn_v_b")]
             v_b = self._read(v_b_info).reshape(v_b_info.shape)  # [H, v, kv_lora]
             return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(self.shape(name)).contiguous()
+        if self._arch == "qwen3_next" and kind in ("ssm_a", "attn_qkv", *_ZERO_CENTRED):
+            return self._delta_net(t, kind, name)
         out = self._read(t, e).reshape(self.shape(name))
         if kind in self._permute:
             out = _unpermute(out, self._permute[kind])
         return out
+
+    def _delta_net(self, t: TensorInfo, kind: str, name: str) -> torch.Tensor:
+        """Qwen3-Next's tensors back from llama.cpp's form: A_log = log(-ssm_a), zero-centred norms less 1, and
+        in_proj_qkvz's per-key-head [q, k, v, z] rows from attn_qkv (all q, all k, all v) and attn_gate (z)."""
+        out = self._read(t).reshape(t.shape)
+        if kind == "ssm_a":
+            return torch.log(-out)
+        if kind != "attn_qkv":
+            return out - 1
+        meta, arch = self._file.meta, "qwen3next"
+        nk, dk = meta[f"{arch}.ssm.group_count"], meta[f"{arch}.ssm.state_size"]
+        gate = self._file.tensors[t.name.replace("attn_qkv", "attn_gate")]
+        z = self._read(gate).reshape(nk, -1, gate.shape[-1])  # [nk, per_v, H]
+        q, k, v = out[: nk * dk].view(nk, dk, -1), out[nk * dk : 2 * nk * dk].view(nk, dk, -1), out[2 * nk * dk :]
+        return torch.cat([q, k, v.reshape(nk, -1, out.shape[-1]), z], dim=1).reshape(self.shape(name)).contiguous()

@@ -159,10 +159,29 @@ def _gpt_oss(m: _Meta, tensors: dict) -> dict[str, Any]:
     return hf
 
 
+def _qwen3next(m: _Meta, tensors: dict) -> dict[str, Any]:
+    """Qwen3-Next: Qwen2-MoE's keys plus the DeltaNet widths under `ssm.*` (group_count key heads of state_size,
+    time_step_rank value heads of inner_size / time_step_rank), which layers are recurrent (llama.cpp's
+    `attention.recurrent_layers`, else every `full_attention_interval`-th layer is full attention) and the
+    rotary share of each head (`rope.dimension_count`)."""
+    hf = _qwen(m, tensors, "qwen3_next")
+    layers, value_heads = hf["num_hidden_layers"], m.need("ssm.time_step_rank")
+    recurrent = m.get("attention.recurrent_layers")
+    if recurrent is None:
+        interval = int(m.get("full_attention_interval", 4))
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+    hf.update(linear_num_key_heads=m.need("ssm.group_count"), linear_key_head_dim=m.need("ssm.state_size"),
+              linear_num_value_heads=value_heads, linear_value_head_dim=m.need("ssm.inner_size") // value_heads,
+              linear_conv_kernel_dim=m.need("ssm.conv_kernel"),
+              layer_types=["linear_attention" if r else "full_attention" for r in list(recurrent)[:layers]],
+              partial_rotary_factor=m.get("rope.dimension_count", hf["head_dim"]) / hf["head_dim"])
+    return hf
+
+
 FAMILIES: dict[str, Callable[[_Meta, dict], dict[str, Any]]] = {
     "qwen3moe": lambda m, t: _qwen(m, t, "qwen3_moe"), "qwen2moe": lambda m, t: _qwen(m, t, "qwen2_moe"),
     "llama": _llama, "olmoe": _olmoe, "glm4moe": _glm4moe, "deepseek2": _deepseek2,
-    "gpt-oss": _gpt_oss,
+    "gpt-oss": _gpt_oss, "qwen3next": _qwen3next,
 }
 assert set(FAMILIES) == {s.gguf_arch for s in REGISTRY.values() if s.gguf_arch}, "one family per registry gguf_arch"
 

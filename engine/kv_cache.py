@@ -58,6 +58,7 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self._offsets = torch.arange(block_size)  # slot offsets inside a block (`slots`)
         self._free: deque[int] = deque(range(num_blocks))  # blocks holding nothing worth keeping
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks, LRU first
         self._refs = [0] * num_blocks
@@ -171,6 +172,9 @@ class BlockManager:
 
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """KV slot ids of token positions [start, end) of a sequence. [end - start] int64"""
-        pos = torch.arange(start, end)
-        table = torch.tensor(block_table, dtype=torch.long)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        bs = self.block_size
+        if end <= start:
+            return torch.empty(0, dtype=torch.long)
+        table = torch.tensor(block_table[start // bs : (end - 1) // bs + 1], dtype=torch.long)  # the blocks spanned
+        first = start % bs
+        return (table[:, None] * bs + self._offsets).view(-1)[first : first + end - start]  # [blocks * bs] -> span

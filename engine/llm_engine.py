@@ -300,24 +300,28 @@ class LLMEngine:
         for c in chunks:
             if not c.samples:
                 self._register(c, alone)
-        outputs = []
+        reasons: dict[str, str] = {}  # request id -> finish reason
+        going: list[Sequence] = []
         for c, pick in zip(sampling, picks, strict=True):
             seq, reason = c.seq, None
             if isinstance(pick, SamplingError):
                 self._fail(seq, str(pick))
-                outputs.append(make_output(seq))
                 continue
             for token in pick:
                 seq.output_token_ids.append(token)
                 if (reason := self._advance(seq, token)) is not None:
                     break
             self._register(c, alone)  # accepted drafts are in the output now: the blocks hash them
-            reason = reason or self.decoder.extend(seq, self._advance)  # forced tokens or next drafts
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                self._seqs.pop(seq.request_id, None)
-            outputs.append(make_output(seq))
-        return outputs
+            if reason is None:
+                going.append(seq)
+            else:
+                reasons[seq.request_id] = reason
+        reasons.update(self.decoder.extend(going, self._advance))  # forced tokens (all masks together) or drafts
+        for c in sampling:
+            if (reason := reasons.get(c.seq.request_id)) is not None:
+                self.scheduler.finish(c.seq, reason)
+                self._seqs.pop(c.seq.request_id, None)
+        return [make_output(c.seq) for c in sampling]
 
     def _register(self, c: ScheduledChunk, alone: bool) -> None:
         """Names the prefix-cache blocks the chunk completed (up to what the sequence kept of it)."""

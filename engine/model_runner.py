@@ -87,6 +87,8 @@ class ModelRunner:
         logits: dict[int, torch.Tensor] = {}
         for group, exact in groups:
             out = self.forward(self.build_batch(group, blocks, exact))
+            if len(groups) == 1 and all(c.samples for c in chunks):
+                return out  # its rows are already in chunk order: no copy of [S, V]
             sampling = [c for c in group if c.samples]
             for c, rows in zip(sampling, out.split([c.num_logits for c in sampling]), strict=True):
                 logits[id(c)] = rows

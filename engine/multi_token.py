@@ -19,6 +19,7 @@ logits at the rows that need them):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,11 +129,12 @@ class MultiTokenDecoder:
             return []
         self.row_width = logits.shape[-1]
         counts = [1 + len(s.draft_token_ids) for s in seqs]
-        firsts = torch.tensor([sum(counts[:i]) for i in range(len(seqs))], dtype=torch.long)
+        firsts = list(itertools.accumulate(counts, initial=0))[:-1]  # each sequence's first row
         plain = [i for i, s in enumerate(seqs) if not s.draft_token_ids]
         picks: list[list[int] | SamplingError] = [[] for _ in seqs]
-        if plain:
-            for i, token in zip(plain, sample(logits[firsts[plain]], [seqs[i] for i in plain], None), strict=True):
+        if plain:  # without drafts anywhere the rows are the plain rows: no gather copy of [S, V]
+            rows = logits if len(plain) == logits.shape[0] else logits[torch.tensor([firsts[i] for i in plain])]
+            for i, token in zip(plain, sample(rows, [seqs[i] for i in plain], None), strict=True):
                 picks[i] = token if isinstance(token, SamplingError) else [token]
         for i, seq in enumerate(seqs):
             if not seq.draft_token_ids:
@@ -150,29 +152,38 @@ class MultiTokenDecoder:
         self.stats.sampled_tokens += sum(len(p) for p in picks if isinstance(p, list))
         return picks
 
-    def extend(self, seq: Sequence, advance: Callable[[Sequence, int], str | None]) -> str | None:
-        """After `seq` took this step's tokens: appends forced tokens (each through `advance`, as if sampled) or
-        sets drafts for the next step. Returns a finish reason a forced token caused, if any."""
-        c = self.config
-        forced = self._forced_source(seq) if c.jump_forward_tokens else None
-        if forced is not None:
-            for _ in range(c.jump_forward_tokens):
-                token = forced.forced_token(seq.output_token_ids)
+    def extend(self, seqs: list[Sequence], advance: Callable[[Sequence, int], str | None]) -> dict[str, str]:
+        """After `seqs` took this step's tokens: appends forced tokens (each through `advance`, as if sampled) or
+        sets drafts for the next step. Forced tokens go in rounds, one per forcing sequence, their masks found
+        together (a mask batcher's `forced_tokens`: one batched fill per round). Returns {request id: finish
+        reason} for the sequences a forced token finished."""
+        c, reasons, forcing = self.config, {}, []
+        for seq in seqs:
+            forced = self._forced_source(seq) if c.jump_forward_tokens else None
+            if forced is not None:
+                forcing.append((seq, forced))
+            elif c.speculative_tokens and self._speculates(seq):
+                room = seq.params.max_tokens - len(seq.output_token_ids) - 1  # the verified step adds one more
+                k = min(c.speculative_tokens, room)
+                if k > 0:
+                    seq.draft_token_ids = propose_ngram(seq.token_ids, k, c.ngram_max, c.ngram_min)
+        for _ in range(c.jump_forward_tokens):
+            if not forcing:
+                break
+            going = []
+            for (seq, source), token in zip(forcing, _forced_tokens(forcing), strict=True):
                 if token is None:
-                    break
+                    continue
                 _draw_like_sampling(seq, self.row_width)
                 seq.output_token_ids.append(token)
                 self.stats.forced_tokens += 1
                 reason = advance(seq, token)
                 if reason is not None:
-                    return reason
-            return None
-        if c.speculative_tokens and self._speculates(seq):
-            room = seq.params.max_tokens - len(seq.output_token_ids) - 1  # the verified step adds one more
-            k = min(c.speculative_tokens, room)
-            if k > 0:
-                seq.draft_token_ids = propose_ngram(seq.token_ids, k, c.ngram_max, c.ngram_min)
-        return None
+                    reasons[seq.request_id] = reason
+                else:
+                    going.append((seq, source))
+            forcing = going
+        return reasons
 
     def _forced_source(self, seq: Sequence):
         """The sequence's one mask processor when it can report forced tokens and the tokens' KV may be computed
@@ -190,6 +201,25 @@ class MultiTokenDecoder:
         if seq.params.logits_processors or seq.segments is not None or seq.params.mode_triggers:
             return False
         return seq.mode != Mode.EXECUTION or seq.params.temperature < MIN_TEMPERATURE
+
+
+def _forced_tokens(forcing: list[tuple[Sequence, object]]) -> list[int | None]:
+    """Each (sequence, forced source)'s next forced token: sources that share a mask batcher with
+    `forced_tokens` in one call per batcher, the others one by one."""
+    out: list[int | None] = [None] * len(forcing)
+    groups: dict[int, list[int]] = {}
+    for i, (_, source) in enumerate(forcing):
+        batcher = getattr(source, "mask_batcher", None)
+        if callable(getattr(batcher, "forced_tokens", None)):
+            groups.setdefault(id(batcher), []).append(i)
+        else:
+            out[i] = source.forced_token(forcing[i][0].output_token_ids)
+    for rows in groups.values():
+        batcher = forcing[rows[0]][1].mask_batcher
+        tokens = batcher.forced_tokens([(forcing[i][1], forcing[i][0].output_token_ids) for i in rows])
+        for i, token in zip(rows, tokens, strict=True):
+            out[i] = token
+    return out
 
 
 def _draw_like_sampling(seq: Sequence, width: int) -> None:

@@ -46,6 +46,10 @@ class MaskBatcher(Protocol):
     def prefetch(self, processors: list) -> None:
         """Start computing the next masks in the background (the processors were just advanced)."""
 
+    def forced_tokens(self, items: list) -> list[int | None]:
+        """Optional (jump-forward, engine/multi_token.py): for (processor, generated ids) pairs, each processor's
+        `forced_token(ids)`, the masks computed together."""
+
 
 @runtime_checkable
 class MaskProcessor(Protocol):

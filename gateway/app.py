@@ -242,7 +242,8 @@ def _start(settings: Settings, metrics: Metrics):
     else:  # the tokenizer a GGUF file carries
         tok = TokenizerInfo.from_json(engine.tokenizer.to_json(), sorted(engine.eos_token_ids), str(settings.model))
     _ = tok.llg, tok.token_bytes  # build the constraint vocabulary once, before the first request
-    tool_format, why = select_format(engine.model_config.arch, tok, engine.tokenizer.chat_template,
+    cfg = engine.model_config
+    tool_format, why = select_format(cfg.model_type or cfg.arch, tok, engine.tokenizer.chat_template,
                                      settings.tool_format)
     log.info("tool calls in the %s format (%s)", tool_format.name, why)
     llm = AsyncLLM(engine)

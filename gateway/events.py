@@ -11,6 +11,7 @@ from gateway.retry import Validation
 @dataclass
 class TextDelta:
     text: str
+    reasoning: bool = False  # the model's reasoning (harmony's analysis channel), not content
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Finished:
     cache_hits: dict[str, int] = field(default_factory=dict)  # prefix-cache blocks served per tier
     enforcement: dict | None = None  # JSON Schema: how each keyword was enforced (json_enforce.Enforcement)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    reasoning: str = ""  # a collected (non-streamed) choice's reasoning text
 
 
 Event = TextDelta | ToolCall | Finished

@@ -27,6 +27,7 @@ from gateway.structured.batch import default_masker
 from gateway.structured.build import build_constraint
 from gateway.structured.errors import StructuredValidationError
 from gateway.structured.tool_formats import DEFAULT, ToolFormat
+from gateway.structured.tool_formats.base import ChannelSplitter
 from gateway.structured.tools import text_before_tool_calls
 from gateway.structured.vocab import TokenizerInfo
 
@@ -85,9 +86,10 @@ class Generator:
             attempt: int = 0) -> AsyncIterator[Event]:
         """The events of one choice: a whole-output constraint when the plan has one, else free text with
         segments (`attempt` > 0: a strict retry)."""
-        if plan.spec is not None:
-            return self.run_structured(plan, rid, index)
-        return self.run_free(plan, rid, index, attempt, fences)
+        events = (self.run_structured(plan, rid, index) if plan.spec is not None
+                  else self.run_free(plan, rid, index, attempt, fences))
+        splitter = plan.tool_format.channels()
+        return events if splitter is None else split_channels(events, splitter)
 
     # -- whole-request execution --------------------------------------------------------------
     async def run_structured(self, plan: Plan, rid: str, index: int = 0) -> AsyncIterator[Event]:
@@ -112,7 +114,9 @@ class Generator:
         reason = out.finish_reason or "stop"
         if plan.kind == "tool_calls":
             check_policy_tools(plan, value)
-            before = text_before_tool_calls(out.text, plan.tool_format)
+            # a family with channels: the whole turn, which split_channels splits (calls dropped)
+            before = out.text if plan.tool_format.channels() is not None else \
+                text_before_tool_calls(out.text, plan.tool_format)
             if before:
                 yield TextDelta(before)
             for call in value:
@@ -173,19 +177,38 @@ class Generator:
                        last.cache_hits or {}, cached_tokens=last.num_cached_tokens)
 
 
+async def split_channels(events: AsyncIterator[Event], splitter: ChannelSplitter) -> AsyncIterator[Event]:
+    """A family with channels (harmony): each text delta split into reasoning and content deltas, the
+    family's markers removed."""
+    async with contextlib.aclosing(events) as evs:
+        async for ev in evs:
+            if isinstance(ev, TextDelta):
+                pieces = splitter.feed(ev.text)
+            elif isinstance(ev, Finished):
+                pieces = splitter.close()
+            else:
+                pieces = []
+            for kind, text in pieces:
+                yield TextDelta(text, reasoning=kind == "reasoning")
+            if not isinstance(ev, TextDelta):
+                yield ev
+
+
 async def collect(events: AsyncIterator[Event]) -> tuple[str, list[ToolCall], Finished]:
-    """Non-streaming: the whole content, the tool calls and the finish event."""
+    """Non-streaming: the whole content, the tool calls and the finish event (with the reasoning text)."""
     parts: list[str] = []
+    reasoning: list[str] = []
     calls: list[ToolCall] = []
     fin: Finished | None = None
     async for ev in events:
         if isinstance(ev, TextDelta):
-            parts.append(ev.text)
+            (reasoning if ev.reasoning else parts).append(ev.text)
         elif isinstance(ev, ToolCall):
             calls.append(ev)
         else:
             fin = ev
     assert fin is not None
+    fin.reasoning = "".join(reasoning)
     return "".join(parts), calls, fin
 
 

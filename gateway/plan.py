@@ -161,9 +161,13 @@ def chat_plan(body: ChatCompletionRequest, prompt_ids: list[int], rp: ResolvedPo
                 else {"type": "object"}
             if schema is None:
                 schema = {}
-            plan.kind, plan.spec = "json", json_schema_spec(schema)
-            plan.validate = lambda text: validate_json(text, schema)
+            plan.kind, plan.spec = "json", _json_spec(schema, tool_format, tok)
+            plan.validate = lambda text: validate_json(tool_format.content(text), schema)
         elif fmt_type == "sql":
+            if tool_format.channels() is not None:
+                raise bad_request(f"response_format sql is not supported for the {tool_format.name} format (the "
+                                  "SQL guard follows a whole output, not a channel); use json_schema, or the "
+                                  "moegate.sql extension in free text", "response_format")
             db, sql_policy = sql_target(fmt.sql, rp)
             plan.kind, plan.spec = "sql", sql_spec(db, sql_policy)
             plan.validate = lambda text: validate_sql(text, db, sql_policy)
@@ -177,6 +181,15 @@ def chat_plan(body: ChatCompletionRequest, prompt_ids: list[int], rp: ResolvedPo
     if plan.execution and plan.spec is None:  # the policy forces execution on an unstructured request
         plan.kind = "text"
     return plan
+
+
+def _json_spec(schema, fmt: ToolFormat, tok: TokenizerInfo) -> ConstraintSpec:
+    """The whole-output JSON constraint, inside the family's envelope where its turn wraps the value."""
+    envelope = fmt.json_envelope(tok)
+    if not envelope:
+        return json_schema_spec(schema)
+    starts = tuple(tok.added_ids[t] for t in fmt.json_starts if t in tok.added_ids)
+    return json_schema_spec(schema, envelope, starts)
 
 
 def completion_plan(body: CompletionRequest, prompt_ids: list[int], rp: ResolvedPolicy, vocab_size: int,

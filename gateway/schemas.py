@@ -99,6 +99,8 @@ class AssistantMessageIn(_Message):
     role: Literal["assistant"]
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCallIn] | None = None
+    # the reasoning an earlier response returned (harmony's analysis), as the openai client echoes it back
+    reasoning_content: str | None = None
     refusal: None = None
     annotations: Annotated[list, Field(max_length=0)] | None = None
     audio: None = None
@@ -230,6 +232,7 @@ class AssistantMessage(BaseModel):
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
     refusal: str | None = None
+    reasoning_content: str | None = None  # the model's reasoning, where its family writes it apart (harmony)
 
 
 class ChatChoice(BaseModel):

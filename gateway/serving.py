@@ -200,8 +200,13 @@ async def _serve(state: AppState, request: Request, tenant: Tenant, rp: Resolved
 
 def _sent_output(sent: Sent) -> dict:
     """What a stream handed the client, as an audit record's output entry."""
-    return {"content": "".join(sent.text),
-            "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in sent.calls]}
+    return _output("".join(sent.text), sent.calls, "".join(sent.reasoning))
+
+
+def _output(text: str, calls: list[ToolCall], reasoning: str) -> dict:
+    """One choice's output in an audit record: content, tool calls and, when there is some, the reasoning."""
+    out = {"content": text, "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in calls]}
+    return {**out, "reasoning": reasoning} if reasoning else out
 
 
 def _classified(rt, plan: Plan) -> None:
@@ -242,8 +247,7 @@ class _Ctx:
         rt.cache_hits([t for t, n in hits.items() if n], sum(hits.values()) or None)
         rt.usage(len(plan.prompt_ids), out_tokens, reasons, self.rid, self.job.model)
         await settle(self.state.store, self.rp.limits, self.tenant.id, len(plan.prompt_ids) + out_tokens)
-        output = json.dumps([{"content": t, "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in calls]}
-                             for t, calls, _ in results], ensure_ascii=False)
+        output = json.dumps([_output(t, calls, fin.reasoning) for t, calls, fin in results], ensure_ascii=False)
         await self._audit({"status": 200, "finish_reasons": reasons, "usage": {
             "prompt_tokens": len(plan.prompt_ids), "completion_tokens": out_tokens},
             "decisions": [[d.to_dict() for d in f.decisions] for _, _, f in results],
@@ -357,8 +361,8 @@ async def _stream(ctx: _Ctx, sent: Sent, span: Callable, done: Callable) -> Asyn
                 async for ev in events:
                     if isinstance(ev, TextDelta):
                         rt.first_token()
-                        yield sse(chunker.text(ev.text))
-                        sent.text.append(ev.text)
+                        yield sse(chunker.reasoning(ev.text) if ev.reasoning else chunker.text(ev.text))
+                        (sent.reasoning if ev.reasoning else sent.text).append(ev.text)
                         sent.chunks += 1
                     elif isinstance(ev, ToolCall):
                         rt.first_token()
@@ -374,6 +378,7 @@ async def _stream(ctx: _Ctx, sent: Sent, span: Callable, done: Callable) -> Asyn
                 yield sse(chunker.usage(len(job.plan.prompt_ids), sent.fin.completion_tokens, sent.fin.cached_tokens))
                 sent.chunks += 1
             with anyio.CancelScope(shield=True):
+                sent.fin.reasoning = "".join(sent.reasoning)
                 await ctx.finish([("".join(sent.text), sent.calls, sent.fin)], None)
             yield sse("[DONE]")
         except Exception as e:  # noqa: BLE001 - reported in the stream, as OpenAI does

@@ -42,6 +42,7 @@ class Sent:
     """What a stream has handed to the client so far."""
 
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
     fin: Finished | None = None
     chunks: int = 0

@@ -2,7 +2,8 @@
 
 For tests and tools: tensor names from the gguf package's own map (`TensorNameMap` of the architecture),
 per-expert weights stacked into `blk.N.ffn_{gate,up,down}_exps.weight` [E, ...], llama-arch (Mixtral) q/k
-permuted for interleaved RoPE, DeepSeek's kv_b_proj split into `attn_k_b` / `attn_v_b`, 1-D tensors and the
+permuted for interleaved RoPE, DeepSeek's kv_b_proj split into `attn_k_b` / `attn_v_b`, Qwen3-Next's DeltaNet
+tensors transformed as its converter does (`_delta_net_tensor`), 1-D tensors and the
 router kept in F32, the other matrices in the requested type (F32, F16, BF16, Q8_0, Q4_0, ...) where their rows
 fit its blocks; optionally split into shards as llama.cpp's gguf-split writes them.
 """
@@ -128,6 +129,8 @@ def _add_metadata(w, hf: dict, arch: str) -> None:
         w.add_clamp_kqv(hf["clip_qkv"])
     if arch in ("glm4moe", "deepseek2"):
         _add_routed(w, hf, arch)
+    if arch == "qwen3next":
+        _add_delta_net(w, hf)
     if hf.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(hf["shared_expert_intermediate_size"])
     if rope.get("rope_type", rope.get("type", "default")) in ("yarn", "linear"):
@@ -171,6 +174,43 @@ def _add_routed(w, hf: dict, arch: str) -> None:
     w.add_rope_dimension_count(hf["qk_rope_head_dim"])
 
 
+def _add_delta_net(w, hf: dict) -> None:
+    """Qwen3-Next's keys as convert_hf_to_gguf writes them: the DeltaNet widths as `ssm.*`, the recurrent layers,
+    the full-attention interval and the rotary dims of a head."""
+    value_heads = hf["linear_num_value_heads"]
+    w.add_ssm_conv_kernel(hf["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(hf["linear_key_head_dim"])
+    w.add_ssm_group_count(hf["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(value_heads)
+    w.add_ssm_inner_size(hf["linear_value_head_dim"] * value_heads)
+    if hf.get("layer_types"):  # llama.cpp's `attention.recurrent_layers` (GGUFWriter.add_recurrent_layers)
+        w.add_array(f"{w.arch}.attention.recurrent_layers", [t == "linear_attention" for t in hf["layer_types"]])
+    w.add_full_attention_interval(hf.get("full_attention_interval", 4))
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
+
+
+def _delta_net_tensor(hf: dict, gname: str, t: torch.Tensor) -> dict[str, np.ndarray]:
+    """A Qwen3-Next tensor as convert_hf_to_gguf stores it: A_log as -exp(A_log), the conv squeezed to [C, K],
+    zero-centred norms (all but the DeltaNet's gated norm) plus 1, in_proj_qkvz split into attn_qkv (all q, all
+    k, all v) and attn_gate (z) from its per-key-head [q, k, v, z] rows."""
+    if gname.endswith(".ssm_a"):
+        return {gname: (-torch.exp(t)).numpy()}
+    if "ssm_conv1d" in gname:
+        return {gname: t.squeeze(1).numpy()}
+    if gname.endswith("norm.weight") and ".ssm_norm." not in gname:
+        return {gname: (t + 1).numpy()}
+    if ".ssm_in." not in gname:
+        return {gname: t.numpy()}
+    dk, dv, nk = hf["linear_key_head_dim"], hf["linear_value_head_dim"], hf["linear_num_key_heads"]
+    per_v = hf["linear_num_value_heads"] // nk * dv
+    q, k, v, z = t.view(nk, 2 * dk + 2 * per_v, -1).split([dk, dk, per_v, per_v], dim=1)  # [nk, rows, H] each
+    blk = gname.rsplit(".ssm_in.", 1)[0]
+    qkv = torch.cat([x.reshape(-1, t.shape[-1]) for x in (q, k, v)])
+    return {f"{blk}.attn_qkv.weight": qkv.numpy(), f"{blk}.attn_gate.weight": z.reshape(-1, t.shape[-1]).numpy()}
+
+
 def _split_kv_b(hf: dict, kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """kv_b_proj [H * (nope + v), kv_lora] -> (k_b [H, kv_lora, nope], v_b [H, v, kv_lora]) as convert_hf_to_gguf."""
     heads, nope, v = hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["v_head_dim"]
@@ -205,12 +245,16 @@ def _gguf_tensors(hf_dir: Path, hf: dict, arch: str, target, experts_target=None
             if arch == "gpt-oss" and ".mlp.experts." in name:
                 tensors.update(_split_gpt_oss(f"blk.{name.split('.')[2]}", name, t))
                 continue
+            if arch == "qwen3next" and name.endswith(".linear_attn.dt_bias"):
+                name = name.replace(".dt_bias", ".dt_proj.bias")  # as convert_hf_to_gguf renames it
             gname, expert = _gguf_name(tmap, name)
             if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
                 t = _permute(t, heads if "attn_q" in gname else kv_heads)
             if gname.endswith("attn_kv_b.weight"):  # newer convert_hf_to_gguf stores the per-head halves only
                 k_b, v_b = _split_kv_b(hf, t)
                 tensors[gname.replace("kv_b", "k_b")], tensors[gname.replace("kv_b", "v_b")] = k_b.numpy(), v_b.numpy()
+            elif arch == "qwen3next" and expert is None:
+                tensors.update(_delta_net_tensor(hf, gname, t))
             elif expert is None:
                 tensors[gname] = t.numpy()
             else:

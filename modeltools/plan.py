@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.gguf import find_gguf
 from kernels.formats import REGISTRY, formats_for
 from modeltools.sizing import (
     EMBED,
@@ -190,7 +191,8 @@ def _load_working_set(shape: ModelShape, opts: PlanOptions, experts_resident: in
 
 
 def _checkpoint_check(shape: ModelShape, model_dir: Path) -> tuple[dict[str, object], int]:
-    """Compare config-derived counts with the safetensors headers; returns (report, bytes on disk)."""
+    """Compare config-derived counts with the safetensors headers (or a GGUF's tensor index); returns (report,
+    bytes on disk)."""
     found = census(model_dir)
     expected = params_by_part(shape)
     if found is None:
@@ -198,7 +200,8 @@ def _checkpoint_check(shape: ModelShape, model_dir: Path) -> tuple[dict[str, obj
         return {"headers": False}, sum(expected.values()) * nbytes
     mismatches = {p: {"config": expected.get(p, 0), "checkpoint": found.params[p]}
                   for p in (*PARTS, OTHER) if expected.get(p, 0) != found.params[p]}
-    report = {"headers": True, "tensors": found.num_tensors, "match": not mismatches,
+    report = {"headers": True, "source": "gguf" if find_gguf(model_dir) else "safetensors",
+              "tensors": found.num_tensors, "match": not mismatches,
               "params_checkpoint": sum(found.params.values()), "mismatches": mismatches}
     return report, found.file_bytes
 
@@ -311,11 +314,12 @@ def format_plan(plan: Plan) -> str:
     ]
     check = plan.checkpoint_check
     if not check.get("headers"):
-        lines.append("checkpoint: no safetensors found; disk size estimated from config dtype")
+        lines.append("checkpoint: no safetensors or GGUF found; disk size estimated from config dtype")
     elif check["match"]:
-        lines.append(f"checkpoint: {check['tensors']} tensors in safetensors headers match the config counts")
+        where = "the GGUF tensor index" if check["source"] == "gguf" else "safetensors headers"
+        lines.append(f"checkpoint: {check['tensors']} tensors in {where} match the config counts")
     else:
-        lines.append(f"checkpoint: headers DISAGREE with config.json: {check['mismatches']}")
+        lines.append(f"checkpoint: tensors DISAGREE with the config: {check['mismatches']}")
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,9 @@ from typing import Any
 from engine.archs import SUPPORTED_ARCHS, LinearAttentionDims
 from engine.config import ModelConfig, read_hf_config
 from engine.errors import CheckpointError, UnsupportedArchitectureError
+from engine.gguf import find_gguf
+from engine.gguf_config import text_layers
+from engine.gguf_file import open_gguf
 from engine.parts import (
     ATTENTION,
     DENSE_MLP,
@@ -277,7 +281,10 @@ def _weights_held(name: str, numel: int) -> int:
 
 
 def census(model_dir: str | Path) -> CheckpointCensus | None:
-    """Per-part element and byte counts from every *.safetensors header in `model_dir`; None if none."""
+    """Per-part element and byte counts from every *.safetensors header in `model_dir`, or from the tensor
+    index of its GGUF file (all shards of a split one); None if neither."""
+    if (gguf_file := find_gguf(model_dir)) is not None:
+        return gguf_census(gguf_file)
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         return None
@@ -296,3 +303,47 @@ def census(model_dir: str | Path) -> CheckpointCensus | None:
             n += 1
     return CheckpointCensus(params=params, bytes=nbytes,
                             file_bytes=sum(p.stat().st_size for p in files), num_tensors=n)
+
+
+# llama.cpp tensor kinds (`blk.N.KIND.weight`) -> placement part; norms, attention and dense MLP by prefix
+_GGUF_PARTS = {"token_embd": EMBED, "output": LM_HEAD, "ffn_gate_inp": ROUTER, "exp_probs_b": ROUTER}
+_GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?$")
+
+
+def gguf_part(name: str) -> str:
+    """Placement part of a GGUF tensor name (llama.cpp's naming)."""
+    kind = m.group(2) if (m := _GGUF_BLOCK.match(name)) else name.rpartition(".")[0]
+    if kind in _GGUF_PARTS:
+        return _GGUF_PARTS[kind]
+    if kind.endswith("_exps"):
+        return ROUTED
+    if kind.endswith("_shexp"):
+        return SHARED
+    if "norm" in kind:
+        return NORMS
+    if kind.startswith(("attn_", "ssm_")):  # ssm_*: Qwen3-Next's DeltaNet (linear_attn)
+        return ATTENTION
+    return DENSE_MLP if kind in ("ffn_gate", "ffn_up", "ffn_down") else OTHER
+
+
+def gguf_census(path: Path) -> CheckpointCensus:
+    """`census` of a GGUF model: weights per part from the tensor index (quantized tensors count their logical
+    weights, and their bytes as stored); DeepSeek's attn_k_b / attn_v_b halves count once beside attn_kv_b, and
+    multi-token-prediction blocks past the decoder layers (which the engine never runs) not at all."""
+    model = open_gguf(path)
+    garch = model.meta.get("general.architecture", "")
+    layers = text_layers(model.meta, garch)
+    params = dict.fromkeys((*PARTS, OTHER), 0)
+    nbytes = dict.fromkeys((*PARTS, OTHER), 0)
+    n = 0
+    for name, info in model.tensors.items():
+        m = _GGUF_BLOCK.match(name)
+        if m and (int(m.group(1)) >= layers or (m.group(2) in ("attn_k_b", "attn_v_b")
+                                                 and f"blk.{m.group(1)}.attn_kv_b.weight" in model.tensors)):
+            continue
+        part = gguf_part(name)
+        params[part] += math.prod(info.shape)
+        nbytes[part] += info.nbytes
+        n += 1
+    return CheckpointCensus(params=params, bytes=nbytes, file_bytes=sum(p.stat().st_size for p in model.paths),
+                            num_tensors=n)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.rope import RotaryEmbedding
+from kernels.rope import apply_rotary
 
 __all__ = ["GatedMLP", "RMSNorm", "RotaryEmbedding", "apply_rotary"]
 
@@ -21,6 +22,10 @@ class RMSNorm(nn.Module):
         self.zero_centred = zero_centred
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._row_kernel(x):  # one single-threaded call per norm: no torch thread barriers per op
+            from kernels.norm import rms_norm_rows
+
+            return rms_norm_rows(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -28,13 +33,13 @@ class RMSNorm(nn.Module):
             return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, D]."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    def _row_kernel(self, x: torch.Tensor) -> bool:
+        """fp32 inference on CPU runs kernels.norm (each row alone, within fp32 rounding of the torch
+        expression below); autograd, other dtypes and devices, and zero-centred weights stay in torch."""
+        if self.zero_centred or x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32:
+            return False
+        # (without a compiled kernel rms_norm_rows is rms_norm_reference: this expression's fp32 bits)
+        return not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
 
 
 class GatedMLP(nn.Module):

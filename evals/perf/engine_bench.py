@@ -52,25 +52,28 @@ def _moegate(model: str, fmt: str, dense: str, prompt: list[int], decode: int, d
 def decode_step_breakdown(engine, prompt: list[int], params) -> dict[str, float]:
     """Median milliseconds per decode step of one request, split into the model's forward (decoder layers),
     the logits (final norm + lm_head) and everything else the step does: scheduling, building the
-    ForwardBatch, sampling, stop checks, detokenizing, outputs ("overhead" = step - forward - logits)."""
+    ForwardBatch, sampling, stop checks, detokenizing, outputs ("overhead" = step - forward - logits).
+    "overhead_cpu" is the same split in CPU time of the stepping thread: on a shared machine the wall-clock
+    overhead also counts the time the thread waited for a core."""
     import statistics
 
-    import engine.llm_engine as llm_engine
-
     runner, spent = engine.runner, {"forward": 0.0, "logits": 0.0, "sample": 0.0, "schedule": 0.0, "batch": 0.0}
+    cpu = {"forward": 0.0, "logits": 0.0}
 
     def timed(key: str, fn):
         def wrapper(*a, **kw):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             try:
                 return fn(*a, **kw)
             finally:
                 spent[key] += time.perf_counter() - t
+                if key in cpu:
+                    cpu[key] += time.thread_time() - c
         return wrapper
 
     model = runner.model
     patches = [(runner, "model", _TimedModel(model, timed)), (model, "compute_logits", timed("logits", model.compute_logits)),
-               (llm_engine, "sample", timed("sample", llm_engine.sample)),
+               (engine.decoder, "choose", timed("sample", engine.decoder.choose)),  # sampling, drafts verified
                (engine.scheduler, "schedule", timed("schedule", engine.scheduler.schedule)),
                (runner, "build_batch", timed("batch", runner.build_batch))]
     saved = [(obj, name, vars(obj)[name] if name in vars(obj) else _MISSING) for obj, name, _ in patches]
@@ -81,17 +84,18 @@ def decode_step_breakdown(engine, prompt: list[int], params) -> dict[str, float]
         engine.add_request("breakdown", prompt, params)
         first = True
         while engine.has_work():
-            for k in spent:
-                spent[k] = 0.0
-            t = time.perf_counter()
+            for d in (spent, cpu):
+                d.update(dict.fromkeys(d, 0.0))
+            t, c = time.perf_counter(), time.thread_time()
             engine.step()
-            total = time.perf_counter() - t
+            total, total_cpu = time.perf_counter() - t, time.thread_time() - c
             if first:  # the prefill step
                 first = False
                 continue
             row = {k: 1e3 * v for k, v in spent.items()}
             row["step"] = 1e3 * total
             row["overhead"] = row["step"] - row["forward"] - row["logits"]
+            row["overhead_cpu"] = 1e3 * (total_cpu - cpu["forward"] - cpu["logits"])
             rows.append(row)
     finally:
         for obj, name, old in saved:

@@ -7,7 +7,8 @@ Three measurements, ratios taken within this one run (run through `python -m eva
    chunks share one forward on the batch-invariant fused path) and, as the baseline, serial execution
    (`batch_invariant_execution=False`: each execution chunk in a forward of its own on torch);
 2. gateway (`moegate serve` in a thread, dev policy): 1 and 8 concurrent json_schema requests (execution)
-   against 8 free-text requests (exploration), tok/s from `usage.completion_tokens` over wall time;
+   against 8 free-text requests (exploration), tok/s from `usage.completion_tokens` over wall time, and the
+   process's CPU time per token (the work a token costs, steadier than tok/s on a shared machine);
 3. with `--bench-model DIR` (`moegate model init-random --preset bench`): decode tok/s of one execution
    and one exploration stream, the bytes one execution token streams and their rate against the STREAM
    triad of this machine.
@@ -77,8 +78,10 @@ def engine_streams(llm, n: int, mode: str, tokens: int) -> float:
     return n * tokens / min(run(tokens) for _ in range(2))
 
 
-def gateway_streams(url: str, n: int, structured: bool, max_tokens: int, rounds: int = 2) -> float:
-    """tok/s of n concurrent chat requests (json_schema or free text), best of `rounds`."""
+def gateway_streams(url: str, n: int, structured: bool, max_tokens: int, rounds: int = 2) -> tuple[float, float]:
+    """(tok/s, CPU ms per token) of n concurrent chat requests (json_schema or free text), best of `rounds`. The CPU
+    time is the whole process's (server, engine, client, all threads): on a shared machine it measures the work a
+    token costs where tok/s also measures how long the process waited for a core."""
     import httpx
 
     async def one(client, i: int) -> int:
@@ -92,14 +95,15 @@ def gateway_streams(url: str, n: int, structured: bool, max_tokens: int, rounds:
         r.raise_for_status()
         return r.json()["usage"]["completion_tokens"]
 
-    async def burst() -> float:
+    async def burst() -> tuple[float, float]:
         async with httpx.AsyncClient(base_url=url, headers={"Authorization": "Bearer bench"}, timeout=600) as c:
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.process_time()
             counts = await asyncio.gather(*(one(c, i) for i in range(n)))
-            return sum(counts) / (time.perf_counter() - t)
+            return sum(counts) / (time.perf_counter() - t), 1e3 * (time.process_time() - cpu) / sum(counts)
 
     asyncio.run(burst())  # warm-up
-    return max(asyncio.run(burst()) for _ in range(rounds))
+    runs = [asyncio.run(burst()) for _ in range(rounds)]
+    return max(r[0] for r in runs), min(r[1] for r in runs)
 
 
 def engine_section(model: str, tokens: int) -> dict:
@@ -115,22 +119,23 @@ def engine_section(model: str, tokens: int) -> dict:
     return out
 
 
-def gateway_section(model: str, max_tokens: int) -> dict:
+def gateway_section(model: str, max_tokens: int) -> tuple[dict, dict]:
+    """({name: tok/s}, {name: CPU ms per token}) through `moegate serve` in a thread."""
     from gateway.settings import Settings
 
-    out = {}
+    out, cpu = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(model=model, port=free_port(), state_dir=Path(tmp), kv_cache_gib=0.25, max_queue=1024)
         server, thread, _app, url = serve_in_thread(settings)
         try:
             for name, structured, n in (("json_schema x1", True, 1), ("json_schema x8", True, 8),
                                         ("free text x1", False, 1), ("free text x8", False, 8)):
-                out[name] = gateway_streams(url, n, structured, max_tokens)
-                print(f"gateway {name}: {out[name]:.1f} tok/s", flush=True)
+                out[name], cpu[name] = gateway_streams(url, n, structured, max_tokens)
+                print(f"gateway {name}: {out[name]:.1f} tok/s, {cpu[name]:.2f} CPU ms/token", flush=True)
         finally:
             server.should_exit = True
             thread.join(30)
-    return out
+    return out, cpu
 
 
 def execution_bytes_per_token(model) -> int:
@@ -196,14 +201,15 @@ def main(argv: list[str] | None = None) -> dict:
             "batched / serial exec x8": e["batched execution x8"] / e["serial execution x8"],
         }
     if "gateway" not in skip:
-        g = res["gateway"] = gateway_section(args.model, args.tokens)
+        g, res["gateway_cpu_ms_per_token"] = gateway_section(args.model, args.tokens)
+        res["gateway"] = g
         res["gateway_ratios"] = {"json_schema x8 / x1": g["json_schema x8"] / g["json_schema x1"],
                                  "json_schema x8 / free text x8": g["json_schema x8"] / g["free text x8"]}
     if args.bench_model:
         res["single_stream"] = single_stream_section(args.bench_model, min(args.tokens, 32))
     (out_dir / "mode_streams.json").write_text(json.dumps(res, indent=2))
     groups = {k: res[k] for k in ("engine", "gateway") if k in res}
-    groups.update({k: res[k] for k in ("engine_ratios", "gateway_ratios") if k in res})
+    groups.update({k: res[k] for k in ("engine_ratios", "gateway_ratios", "gateway_cpu_ms_per_token") if k in res})
     if "single_stream" in res:
         s = res["single_stream"]
         groups["one stream, bench checkpoint"] = {k: s[k] for k in ("serial_execution_tok_s", "execution_tok_s",

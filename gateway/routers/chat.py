@@ -34,7 +34,7 @@ _ERRORS = {s: {"model": ErrorBody} for s in (400, 401, 403, 404, 413, 429, 500, 
 
 def _template_messages(messages: list[Message], arguments_as_text: bool = False) -> list[dict]:
     """The messages as chat templates read them; a call's arguments an object, or its JSON text where the
-    family's template writes them verbatim (`ToolFormat.arguments_as_text`)."""
+    family's template writes them verbatim (`ToolFormat.arguments_as_text`); an earlier turn's reasoning."""
     out = []
     for i, m in enumerate(messages):
         d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -42,6 +42,9 @@ def _template_messages(messages: list[Message], arguments_as_text: bool = False)
             d["name"] = m.name
         if getattr(m, "tool_call_id", None):
             d["tool_call_id"] = m.tool_call_id
+        if getattr(m, "reasoning_content", None):
+            # under both names chat templates read it: `thinking` (GPT-OSS's), `reasoning_content` (Qwen3's)
+            d["thinking"] = d["reasoning_content"] = m.reasoning_content
         if getattr(m, "tool_calls", None):
             calls = []
             for j, c in enumerate(m.tool_calls):
@@ -79,11 +82,14 @@ def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def _message(text: str, calls: list[ToolCall]) -> dict:
+def _message(text: str, calls: list[ToolCall], reasoning: str = "") -> dict:
+    """The assistant message; `reasoning_content` (the field OpenAI-compatible servers use) when the model's
+    family writes its reasoning apart (harmony's analysis channel)."""
     tool_calls = [{"id": call_id(), "type": "function",
                    "function": {"name": c.name, "arguments": dumps_args(c.arguments)}} for c in calls]
-    return {"role": "assistant", "content": text if (text or not calls) else None,
-            "tool_calls": tool_calls or None, "refusal": None}
+    message = {"role": "assistant", "content": text if (text or not calls) else None,
+               "tool_calls": tool_calls or None, "refusal": None}
+    return {**message, "reasoning_content": reasoning} if reasoning else message
 
 
 def _enforcement(fin: Finished) -> dict:
@@ -93,7 +99,7 @@ def _enforcement(fin: Finished) -> dict:
 
 def shape(rid: str, created: int, results: list[tuple[str, list[ToolCall], Finished]], fingerprint: str,
           model: str, prompt_tokens: int) -> dict:
-    choices = [{"index": i, "message": _message(text, calls), "finish_reason": fin.reason, "logprobs": None}
+    choices = [{"index": i, "message": _message(text, calls, fin.reasoning), "finish_reason": fin.reason, "logprobs": None}
                for i, (text, calls, fin) in enumerate(results)]
     completion = sum(f.completion_tokens for _, _, f in results)
     ext = {"choices": [{"decisions": [d.to_dict() for d in f.decisions],
@@ -118,6 +124,9 @@ class ChatChunker(Chunker):
 
     def text(self, text: str) -> dict:
         return self._chunk({"content": text})
+
+    def reasoning(self, text: str) -> dict:
+        return self._chunk({"reasoning_content": text})
 
     def tool_call(self, index: int, call: ToolCall) -> list[dict]:
         head = {"index": index, "id": call_id(), "type": "function", "function": {"name": call.name, "arguments": ""}}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import llguidance
@@ -89,6 +90,13 @@ def _check(grammar: str, tokenizer: TokenizerInfo) -> tuple[str | None, list[str
     """(first error or None, warnings) of a grammar against the tokenizer."""
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer.llg)
     return (messages[0] if messages else "invalid grammar") if is_error else None, [] if is_error else messages
+
+
+def enveloped(json_grammar: str, envelope: str) -> str:
+    """A JSON Schema grammar (llguidance's top-level JSON) inside `envelope`, Lark rules naming it `@json_schema`."""
+    top = json.loads(json_grammar)
+    value = {**top["grammars"][0], "name": "json_schema"}
+    return json.dumps({**top, "grammars": [{"name": "envelope", "lark_grammar": envelope}, value]})
 
 
 def _json_grammar(schema: dict | bool, options: dict) -> str:
@@ -233,6 +241,10 @@ class LLGuidanceBackend(Backend):
     def compile(self, spec: ConstraintSpec, tokenizer: TokenizerInfo) -> LLGuidanceCompiled:
         if spec.kind is ConstraintKind.JSON_SCHEMA:
             grammar, report = compile_json_schema(spec.source, tokenizer)
+            if spec.envelope:
+                grammar = enveloped(grammar, spec.envelope)
+                if (error := _check(grammar, tokenizer)[0]) is not None:
+                    raise _typed_error(spec.kind, error)
             return LLGuidanceCompiled(spec, tokenizer, grammar, report)
         try:
             grammar = self.grammar_for(spec)

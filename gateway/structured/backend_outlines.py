@@ -69,6 +69,9 @@ class OutlinesBackend(Backend):
     kinds = frozenset({ConstraintKind.JSON_SCHEMA, ConstraintKind.REGEX})
 
     def compile(self, spec: ConstraintSpec, tokenizer: TokenizerInfo) -> OutlinesCompiled:
+        if spec.envelope:
+            raise ConstraintCompileError(spec.kind, "outlines-core compiles a JSON value alone, not inside a "
+                                         "family's envelope (harmony's final channel): use the llguidance backend")
         if spec.kind is ConstraintKind.JSON_SCHEMA:
             regex = outlines_json_regex(parse_schema(spec.source))
         else:

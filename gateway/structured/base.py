@@ -27,10 +27,13 @@ class ConstraintSpec:
     # TOOL_CALLS: ids of the tokens right before a JSON part (the finite-number guard restarts there);
     # None: the format's arguments are not one JSON text (no guard)
     json_starts: tuple[int, ...] | None = ()
+    # JSON_SCHEMA: Lark rules around the JSON value, which `@json_schema` marks (a family whose turn wraps it,
+    # ToolFormat.json_envelope); "" when the value is the whole output
+    envelope: str = ""
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(f"{self.kind}\0{self.source}".encode()).hexdigest()[:24]
+        return hashlib.sha256(f"{self.kind}\0{self.source}\0{self.envelope}".encode()).hexdigest()[:24]
 
 
 class Matcher(ABC):

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import llguidance
 import torch
 
-from .bitmask import apply_bitmask_
+from .bitmask import apply_bitmask_, only_id
 from .constraint import Constraint
 
 
@@ -93,20 +93,33 @@ class BatchMasker:
         for _, _, future, _, _ in self._pending.values():
             future.result()
 
-    def peek(self, constraint: Constraint) -> torch.Tensor:
-        """[W] int32 mask of the (advanced) constraint's current state, kept for the next `masks` call (the step
-        that samples from it); a prefetched one when it is still current."""
-        self.wait()
-        words = self._words or constraint.tok_words
+    def forced_tokens(self, items: Sequence[tuple[Constraint, Sequence[int]]]) -> list[int | None]:
+        """Constraint.forced_token for many sequences at once ((constraint, its generated ids) each): the masks
+        not already current are filled in one batched call and kept for the step that samples from them."""
+        self.wait()  # no prefetch reads these constraints, nor uses the executor beside this fill
+        for constraint, token_ids in items:
+            constraint.advance(token_ids)
+        words = self._words or items[0][0].tok_words
+        stale = [c for c, _ in items if not self._current(c, words)]
+        if stale:
+            self._keep(stale, words)
+        rows = [self._pending[id(c)] for c, _ in items]
+        return [only_id(bitmask[row]) for _, _, _, bitmask, row in rows]
+
+    def _current(self, constraint: Constraint, words: int) -> bool:
+        """Whether the kept mask of `constraint` is its current state's (at this row width)."""
         pre = self._pending.get(id(constraint))
-        if pre is not None and pre[0] is constraint and pre[1] == constraint.consumed and pre[3].shape[1] == words:
-            return pre[3][pre[4]]
-        bitmask = torch.empty(1, words, dtype=torch.int32)
-        self.fill([constraint], bitmask)
+        return (pre is not None and pre[0] is constraint and pre[1] == constraint.consumed
+                and pre[3].shape[1] == words)
+
+    def _keep(self, constraints: Sequence[Constraint], words: int) -> None:
+        """Fill the constraints' current masks now (one batched call) and keep them as finished prefetches."""
+        bitmask = torch.empty(len(constraints), words, dtype=torch.int32)
+        self.fill(constraints, bitmask)
         done: cf.Future = cf.Future()
         done.set_result(None)
-        self._pending[id(constraint)] = (constraint, constraint.consumed, done, bitmask, 0)
-        return bitmask[0]
+        for row, c in enumerate(constraints):
+            self._pending[id(c)] = (c, c.consumed, done, bitmask, row)
 
     def prefetch(self, constraints: Sequence[Constraint]) -> None:
         """Start filling the masks of the next step for `constraints` (just advanced by their new

@@ -52,6 +52,16 @@ def row_ids(row: np.ndarray | torch.Tensor, limit: int | None = None) -> np.ndar
     return ids if limit is None else ids[ids < limit]
 
 
+def only_id(row: np.ndarray | torch.Tensor) -> int | None:
+    """The one id a bitmask row allows, or None (none, or more than one)."""
+    words = _words(row)
+    set_words = np.flatnonzero(words)
+    if len(set_words) != 1:
+        return None
+    word = int(words[set_words[0]])
+    return 32 * int(set_words[0]) + word.bit_length() - 1 if word & (word - 1) == 0 else None
+
+
 def row_allows(row: np.ndarray | torch.Tensor, ids: np.ndarray) -> np.ndarray:
     """Whether one bitmask row allows each of `ids` (int64 array) -> bool array."""
     words = _words(row)

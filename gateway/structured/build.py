@@ -13,9 +13,12 @@ from .json_schema import parse_schema
 from .vocab import TokenizerInfo
 
 
-def json_schema_spec(schema: str | dict | bool) -> ConstraintSpec:
-    """response_format json_schema (or json_object with {"type": "object"})."""
-    return ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(parse_schema(schema)))
+def json_schema_spec(schema: str | dict | bool, envelope: str = "", json_starts: tuple[int, ...] = ()
+                     ) -> ConstraintSpec:
+    """response_format json_schema (or json_object with {"type": "object"}); `envelope`: the family's rules
+    around the value (ToolFormat.json_envelope), `json_starts` the tokens right before it there."""
+    return ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(parse_schema(schema)), json_starts=json_starts,
+                          envelope=envelope)
 
 
 def regex_spec(pattern: str) -> ConstraintSpec:

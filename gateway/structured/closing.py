@@ -150,6 +150,15 @@ def _byte_tokens(tokenizer: TokenizerInfo) -> tuple[np.ndarray, np.ndarray, dict
     return np.array([i for i, _ in singles], dtype=np.int64), lengths, by_byte
 
 
+@functools.lru_cache(maxsize=8)
+def _special_ids(tokenizer: TokenizerInfo, vocab: int) -> np.ndarray:
+    """Ids below `vocab` of the tokens without bytes (special tokens), read-only: a walk over the whole
+    vocabulary, once per tokenizer rather than once per completion search."""
+    ids = np.array([i for i, b in enumerate(tokenizer.token_bytes[:vocab]) if b is None], dtype=np.int64)
+    ids.flags.writeable = False
+    return ids
+
+
 def _allowed(matcher, n_words: int, buf: np.ndarray) -> np.ndarray:
     matcher.unsafe_compute_mask_ptr(buf.ctypes.data, n_words * 4)
     return buf
@@ -178,7 +187,7 @@ def shortest_completion(
     n_words = (vocab + 31) // 32
     singles, lengths, by_byte = _byte_tokens(tokenizer)
     singles = singles[singles < vocab]
-    specials = np.array([i for i, b in enumerate(tokenizer.token_bytes[:vocab]) if b is None], dtype=np.int64)
+    specials = _special_ids(tokenizer, vocab)
     preferred = set(_CLOSERS) | set(_REPRESENTATIVE) | {h[0] for h in hints}
     macros = [[by_byte[b] for b in h] for h in hints if all(b in by_byte for b in h)]
     buf = np.zeros(n_words, dtype=np.uint32)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from .base import CompiledConstraint, ConstraintKind
-from .bitmask import apply_bitmask_, bitmask_words, ids_to_row
+from .bitmask import apply_bitmask_, bitmask_words, ids_to_row, only_id
 from .closing import completion_hints, shortest_completion
 from .json_numbers import FiniteNumberGuard
 from .sql_guard import SQLScopeGuard
@@ -64,6 +65,31 @@ def _sql_closer_rows(tokenizer: TokenizerInfo, mode: str, n_words: int) -> tuple
     return rows
 
 
+# (compiled constraint, max depth) -> the completion path from its start state (Constraint._completion_path),
+# the oldest entry dropped past the bound; masks are filled on the engine thread and the mask-prefetch thread
+_START_PATHS: dict[tuple[CompiledConstraint, int], tuple[int, ...] | None] = {}
+_START_PATHS_MAX = 64
+_START_PATHS_LOCK = threading.Lock()
+
+
+def _start_path(compiled: CompiledConstraint, max_depth: int, search: Callable[[], list[int] | None]
+                ) -> list[int] | None:
+    """The completion path from a constraint's start state (nothing consumed: its matcher and guard are as
+    `compiled` makes them), which depends only on `compiled` and `max_depth`: searched once per pair and shared
+    by the requests that start there."""
+    key = (compiled, max_depth)
+    with _START_PATHS_LOCK:
+        hit, path = key in _START_PATHS, _START_PATHS.get(key)
+    if not hit:
+        found = search()
+        path = tuple(found) if found is not None else None
+        with _START_PATHS_LOCK:
+            if len(_START_PATHS) >= _START_PATHS_MAX:
+                del _START_PATHS[next(iter(_START_PATHS))]  # the oldest entry
+            _START_PATHS[key] = path
+    return list(path) if path is not None else None
+
+
 class Constraint:
     """Per-sequence constraint state. Callable as an engine logits processor.
 
@@ -102,7 +128,8 @@ class Constraint:
         # JSON Schema and tool calls: keeps every number a finite double (json_numbers.py)
         self.guard_fallbacks = 0  # dead ends: the guard vetoed every token (the sequence ends with an error)
         self.guard = (SQLScopeGuard.from_grammar(compiled.spec.source, tok) if compiled.spec.kind is ConstraintKind.SQL
-                      else FiniteNumberGuard(tok) if compiled.spec.kind is ConstraintKind.JSON_SCHEMA
+                      else FiniteNumberGuard(tok, compiled.spec.json_starts or ())
+                      if compiled.spec.kind is ConstraintKind.JSON_SCHEMA
                       else FiniteNumberGuard(tok, compiled.spec.json_starts)
                       if compiled.spec.kind is ConstraintKind.TOOL_CALLS and compiled.spec.json_starts is not None
                       else None)
@@ -220,9 +247,7 @@ class Constraint:
             return None
         remaining = self.max_tokens - self.consumed  # this step included; EOS needs one of them
         if not self.plan and self.consumed >= self._next_plan_check:
-            first = self.guard.closing_moves if isinstance(self.guard, SQLScopeGuard) else None
-            path = shortest_completion(llg, self.compiled.tokenizer, remaining - 1, _hints(self.compiled.spec),
-                                       allow=self.guard.allows if self.guard is not None else None, first=first)
+            path = self._completion_path(llg, remaining - 1)
             if path is None:  # nothing found that fits: back off (outside the closing window)
                 self._next_plan_check = self.consumed + (4 if self._closing() else max(4, remaining // 2))
             elif len(path) + 1 + self.closing_margin >= remaining or self._closing():
@@ -232,23 +257,25 @@ class Constraint:
                 self._next_plan_check = self.consumed + max(1, (remaining - len(path) - 1 - self.closing_margin) // 4)
         return self.plan[0] if self.plan else None
 
+    def _completion_path(self, llg, max_depth: int) -> list[int] | None:
+        """closing.shortest_completion from the current state (from the start state: shared, `_start_path`)."""
+        guard = self.guard
+
+        def search() -> list[int] | None:
+            return shortest_completion(llg, self.compiled.tokenizer, max_depth, _hints(self.compiled.spec),
+                                       allow=guard.allows if guard is not None else None,
+                                       first=guard.closing_moves if isinstance(guard, SQLScopeGuard) else None)
+        return _start_path(self.compiled, max_depth, search) if self.consumed == 0 else search()
+
     def forced_token(self, token_ids: Sequence[int]) -> int | None:
         """The one id the mask allows after `token_ids` (jump-forward: sampling could pick nothing else), or None.
-        Through the mask batcher, the mask is kept for the step that samples from it."""
+        The mask is kept for the step that samples from it (by the mask batcher, else for `__call__`)."""
         if self.mask_batcher is not None:
-            self.mask_batcher.wait()  # a prefetch may be reading this constraint
+            return self.mask_batcher.forced_tokens([(self, token_ids)])[0]
         self.advance(token_ids)
-        if self.mask_batcher is not None:
-            row = self.mask_batcher.peek(self)  # [W]
-        else:  # kept for `__call__` at this state
-            self._peeked = (self.consumed, torch.empty(1, self.tok_words, dtype=torch.int32))
-            self.fill_bitmask(self._peeked[1], 0)
-            row = self._peeked[1][0]
-        words = row.numpy().view(np.uint32)
-        set_words = np.flatnonzero(words)
-        if len(set_words) != 1 or words[set_words[0]] & (words[set_words[0]] - np.uint32(1)):
-            return None
-        return 32 * int(set_words[0]) + int(words[set_words[0]]).bit_length() - 1
+        self._peeked = (self.consumed, torch.empty(1, self.tok_words, dtype=torch.int32))
+        self.fill_bitmask(self._peeked[1], 0)
+        return only_id(self._peeked[1][0])
 
     def __call__(self, token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """Logits-processor form: advance by the new ids, then mask logits [V] in place."""

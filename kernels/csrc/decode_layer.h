@@ -77,6 +77,29 @@ extern "C" int moegate_rms_norm(const float* x, const float* w, float* out, int6
   return 0;
 }
 
+// out[t, h] = rotate-half RoPE of x[t, h] ([T, heads, D]; x rows at t * xst + h * xsh floats, out contiguous),
+// cos / sin [T, D]: lo = x_lo * cos_lo - x_hi * sin_lo, hi = x_hi * cos_hi + x_lo * sin_hi, each product
+// rounded, then one add: torch's x * cos + cat(-x_hi, x_lo) * sin to the bit (kernels/rope.py). Tokens are
+// split over `nthreads` (the pool); each element's arithmetic is the same whatever the split.
+extern "C" int moegate_rope(const float* x, const float* cos, const float* sin, float* out, int64_t T, int64_t heads,
+                            int64_t D, int64_t xst, int64_t xsh, int nthreads) {
+  if (D % 2) return -2;
+  const int64_t h2 = D / 2;
+  moegate::WorkPool::instance().parallel_for(T, 8, std::max(nthreads, 1), [&](int64_t t) {
+    const float* c = cos + t * D;
+    const float* s = sin + t * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* v = x + t * xst + h * xsh;
+      float* o = out + (t * heads + h) * D;
+      for (int64_t i = 0; i < h2; ++i) {
+        o[i] = v[i] * c[i] - v[i + h2] * s[i];
+        o[i + h2] = v[i + h2] * c[i + h2] + v[i] * s[i + h2];
+      }
+    }
+  });
+  return 0;
+}
+
 extern "C" int moegate_decode_layer(const DecodeLayerParams* p, float* x, int64_t T, const float* cos,
                                     const float* sin, float* k_cache, float* v_cache, const int64_t* slot_mapping,
                                     const int64_t* ctx_slots, const int64_t* ctx_start, const int64_t* ctx_len,

@@ -4,7 +4,8 @@
 // time (Act); padding rows stay 0 under both activations.
 //
 // Compiled three ways by kernels/build.py: avx512 (the AVX2 path, with the int4 W4A8 projections on
-// 512-bit AVX-512 VNNI vpdpbusd, 16 output rows x up to 8 tokens per weight block: w4a8_zmm.h), avx2
+// 512-bit AVX-512 VNNI vpdpbusd, 16 output rows x up to 8 tokens per weight block: w4a8_zmm.h; fp32,
+// bf16 and int8 weights on zmm fp32 FMA with the same blocking: fp_zmm.h), avx2
 // (AVX2 + FMA + F16C intrinsics) and generic (plain loops the compiler may auto-vectorize). Always -ffp-contract=off so each output row's arithmetic is a fixed sequence of
 // operations: a row's result does not depend on which other rows share the batch, on thread count,
 // or on scheduling. Threads: work_pool.h (tiles
@@ -226,6 +227,20 @@ void tile_rows_w4a8(const Mat& A, int64_t tile, const int8_t* const* q, const fl
   }
 }
 
+// Rows rows[0..n) of one expert through one tile, in chunks of up to kMaxMT activation rows.
+// (fp32 activations: at most 2 rows at a time for gate_up tiles, so the 2 x MT x R8 accumulators fit
+// in registers; the grouping of rows does not change any row's arithmetic.)
+template <int FMT, int R8>
+void tile_rows(const Mat& A, int64_t tile, const float* const* X, float* const* out, int n) {
+  int i = 0;
+  if constexpr (R8 == 1) {
+    for (; i + 4 <= n; i += 4) tile_dot<FMT, R8, 4>(A, tile, X + i, out + i);
+    if (n - i == 3) { tile_dot<FMT, R8, 3>(A, tile, X + i, out + i); return; }
+  }
+  for (; i + 2 <= n; i += 2) tile_dot<FMT, R8, 2>(A, tile, X + i, out + i);
+  if (i < n) tile_dot<FMT, R8, 1>(A, tile, X + i, out + i);
+}
+
 // Symmetric per-group int8 quantization of a padded row: s = amax / 127, q = round_half_even(x / s);
 // per group sx = s, qs = sum(q) as float and n8 = -8 * sum(q) (the int4 correction, as an integer).
 // The AVX2 loop (gs is a multiple of 8 for int4 formats) computes the same bits as the plain one: max is
@@ -285,6 +300,7 @@ constexpr int kMaxMT = 4;
 
 #include "w4a8_zmm.h"
 #include "bf16_zmm.h"
+#include "fp_zmm.h"
 
 namespace {
 
@@ -298,22 +314,10 @@ void zmm_unit_rows(const Mat&, int64_t, int64_t, int64_t, const int8_t* const*, 
                    const float* const*, const int32_t* const*, float* const*, int) {}
 template <int R8>
 void zmm_bf16_unit_rows(const Mat&, int64_t, int64_t, int64_t, const uint16_t* const*, float* const*, int) {}
+template <int FMT, int R8>
+void zmm_fp_unit_rows(const Mat&, int64_t, int64_t, int64_t, const float* const*, float* const*, int) {}
 inline bool cpu_has_bf16_dot() { return false; }
 #endif
-
-// Rows rows[0..n) of one expert through one tile, in chunks of up to kMaxMT activation rows.
-// (fp32 activations: at most 2 rows at a time for gate_up tiles, so the 2 x MT x R8 accumulators fit
-// in registers; the grouping of rows does not change any row's arithmetic.)
-template <int FMT, int R8>
-void tile_rows(const Mat& A, int64_t tile, const float* const* X, float* const* out, int n) {
-  int i = 0;
-  if constexpr (R8 == 1) {
-    for (; i + 4 <= n; i += 4) tile_dot<FMT, R8, 4>(A, tile, X + i, out + i);
-    if (n - i == 3) { tile_dot<FMT, R8, 3>(A, tile, X + i, out + i); return; }
-  }
-  for (; i + 2 <= n; i += 2) tile_dot<FMT, R8, 2>(A, tile, X + i, out + i);
-  if (i < n) tile_dot<FMT, R8, 1>(A, tile, X + i, out + i);
-}
 
 // SiLU in double, rounded once to float (reproducible by the torch reference to the last bit).
 inline float silu(float g) { return (float)((double)g / (1.0 + std::exp(-(double)g))); }
@@ -385,7 +389,8 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   // On zmm (W4A8, and bf16_a16 on vdpbf16ps) a down item is a unit of two 8-row tiles (w4a8_zmm.h),
   // a gate_up item one 16-row tile.
   constexpr bool zmm = w4a8 && kZmm;
-  const bool units = zmm || dot16;
+  const bool fpz = kZmm && !w4a8 && !dot16;  // fp32 activations on zmm FMA (fp_zmm.h)
+  const bool units = zmm || dot16 || fpz;
   const int64_t dn_items = units ? (P.h8 + 1) / 2 : P.h8;
   const int64_t n1 = na * P.i8, n2 = na * dn_items;
   // One job: items [0, n1) are gate_up tiles, [n1, n1 + n2) down tiles. A down item of expert e
@@ -423,6 +428,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       if (dot16) zmm_bf16_unit_rows<2>(P.gu, e * P.i8, tile, P.i8, br, orow, n);
       else if constexpr (zmm) zmm_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8, qr, sxr, qsr, n8r, orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 2>(P.gu, e * P.i8 + tile, qr, sxr, qsr, orow, n);
+      else if (fpz) zmm_fp_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8, xr, orow, n);
       else tile_rows<FMT, 2>(P.gu, e * P.i8 + tile, xr, orow, n);
       const float* gb = P.gu_bias ? P.gu_bias + e * 2 * P.i8 * 8 + tile * 8 : nullptr;  // gate; up at + i8*8
       for (int i = 0; i < n; ++i) {
@@ -471,6 +477,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       if (dot16) zmm_bf16_unit_rows<1>(P.dn, e * P.h8, item, P.h8, br, orow, n);
       else if constexpr (zmm) zmm_unit_rows<FMT, 1>(P.dn, e * P.h8, item, P.h8, qr, sxr, qsr, n8r, orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(P.dn, e * P.h8 + tile, qr, sxr, qsr, orow, n);
+      else if (fpz) zmm_fp_unit_rows<FMT, 1>(P.dn, e * P.h8, item, P.h8, xr, orow, n);
       else tile_rows<FMT, 1>(P.dn, e * P.h8 + tile, xr, orow, n);
     }
   };
@@ -539,8 +546,9 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
     br[m] = &xbits[dot16 ? m * xbl : 0];
   }
   constexpr int kRows = kMaxMT * 16;
-  constexpr bool zmm = w4a8 && kZmm;  // an item is a unit of two tiles (w4a8_zmm.h, bf16_zmm.h)
-  const bool units = zmm || dot16;
+  constexpr bool zmm = w4a8 && kZmm;  // an item is a unit of two tiles (w4a8_zmm.h, bf16_zmm.h, fp_zmm.h)
+  const bool fpz = kZmm && !w4a8 && !dot16;
+  const bool units = zmm || dot16 || fpz;
   const int64_t items = units ? (n8 + 1) / 2 : n8;
   // ~16 claims per thread, as in run(): few enough to keep the shared counter quiet, enough to balance
   const int64_t chunk = std::max<int64_t>(1, items / (16 * std::max(1, nthreads)));
@@ -553,6 +561,7 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
       if (dot16) zmm_bf16_unit_rows<1>(A, 0, item, n8, &br[m0], orow, n);
       else if constexpr (zmm) zmm_unit_rows<FMT, 1>(A, 0, item, n8, &qr[m0], &sxr[m0], &qsr[m0], &n8r[m0], orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(A, tile, &qr[m0], &sxr[m0], &qsr[m0], orow, n);
+      else if (fpz) zmm_fp_unit_rows<FMT, 1>(A, 0, item, n8, &xr[m0], orow, n);
       else tile_rows<FMT, 1>(A, tile, &xr[m0], orow, n);
     }
   });
@@ -649,8 +658,9 @@ int moegate_has_bf16_dot() { return cpu_has_bf16_dot() ? 1 : 0; }
 const char* moegate_simd_path() {
 #if defined(MOEGATE_ZMM)
   if (cpu_has_bf16_dot())
-    return "avx512: W4A8 zmm vpdpbusd, bf16_a16 zmm vdpbf16ps (16 rows x up to 8 tokens per weight block)";
-  return "avx512: W4A8 zmm vpdpbusd (16 rows x up to 8 tokens per weight block)";
+    return "avx512: W4A8 zmm vpdpbusd, bf16_a16 zmm vdpbf16ps, fp32/bf16/int8 zmm fma (16 rows x up to 8 tokens "
+           "per weight block)";
+  return "avx512: W4A8 zmm vpdpbusd, fp32/bf16/int8/bf16_a16 zmm fma (16 rows x up to 8 tokens per weight block)";
 #elif defined(MOEGATE_VNNI)
   return "avx512: W4A8 ymm vpdpbusd";
 #elif defined(MOEGATE_AVX2)

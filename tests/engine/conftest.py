@@ -124,6 +124,7 @@ def teacher_forced_rows(llm, prompts, reference) -> torch.Tensor:
 
 def drift(rows: torch.Tensor, base: torch.Tensor) -> tuple[float, float]:
     """(mean KL(base || rows) in nats, share of rows whose top-1 agrees with base's) over teacher-forced rows."""
+    rows, base = rows.double(), base.double()  # fp32 rounding would swamp the KL of near-identical rows
     kl = torch.nn.functional.kl_div(rows.log_softmax(-1), base.log_softmax(-1), log_target=True,
                                     reduction="none").sum(-1)
     return kl.mean().item(), (rows.argmax(-1) == base.argmax(-1)).float().mean().item()

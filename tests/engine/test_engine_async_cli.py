@@ -72,3 +72,34 @@ def test_cli_init_random_then_generate_json(tmp_path):
 def test_cli_generate_reports_a_bad_checkpoint(tmp_path):
     r = _moegate("generate", "--model", str(tmp_path), "--prompt", "x")
     assert r.returncode != 0 and "config.json" in r.stderr
+
+
+def test_outputs_reach_the_loop_in_order_with_one_wake_up_per_batch():
+    """_Delivery: items posted from the engine thread arrive on each stream in order; posts made while a delivery is
+    pending join it instead of waking the loop again."""
+    import threading
+
+    from engine.async_engine import _Delivery
+
+    async def scenario() -> tuple[list, list, int]:
+        loop = asyncio.get_running_loop()
+        wakes = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: wakes.append(1) or real(*a)
+        delivery, qa, qb = _Delivery(loop), asyncio.Queue(), asyncio.Queue()
+
+        def engine_thread():
+            for i in range(200):
+                delivery.post(qa, i)
+                delivery.post(qb, -i)
+
+        t = threading.Thread(target=engine_thread)
+        t.start()
+        got_a = [await qa.get() for _ in range(200)]
+        got_b = [await qb.get() for _ in range(200)]
+        t.join()
+        return got_a, got_b, len(wakes)
+
+    got_a, got_b, wakes = asyncio.run(scenario())
+    assert got_a == list(range(200)) and got_b == [-i for i in range(200)]
+    assert 1 <= wakes < 400

@@ -1,4 +1,4 @@
-"""GGUF families beyond Qwen/Mixtral (olmoe, glm4moe, deepseek2, gpt-oss): quantized files against transformers running
+"""GGUF families beyond Qwen/Mixtral (olmoe, glm4moe, deepseek2, gpt-oss, qwen3next): quantized files against transformers running
 the same dequantized weights, llama.cpp's layout variants (whole kv_b, nextn blocks), and a clear error for
 an architecture moegate does not read."""
 
@@ -104,7 +104,7 @@ def test_glm_nextn_blocks_are_unused(hf_checkpoint, tmp_path):
                 load_model(tmp_path / name, progress=False)
 
 
-@pytest.mark.parametrize("arch", ["llama4", "qwen3next", "deepseek"])
+@pytest.mark.parametrize("arch", ["llama4", "qwen35moe", "deepseek"])
 def test_unread_architecture_is_one_error(hf_checkpoint, tmp_path, arch):
     good = _gguf_dir(hf_checkpoint("qwen3_moe"), tmp_path / "good", "F32") / "model.gguf"
     (tmp_path / "other").mkdir()
@@ -166,3 +166,30 @@ def _gpt_oss_hf_state(ours, ref) -> dict[str, torch.Tensor]:
         assert p.shape == value.shape, name
         state[name] = p.contiguous()
     return state
+
+
+def test_qwen3_next_gguf(hf_checkpoint, tmp_path, prompt):
+    """Qwen3-Next as llama.cpp's converter writes it (A_log as -exp, norms plus 1, in_proj_qkvz split into
+    attn_qkv / attn_gate, recurrent layers in the metadata): F32 gives the checkpoint's config, its weights to
+    an ulp and transformers' greedy tokens; Q8_0 gives transformers' tokens on the dequantized weights."""
+    src = hf_checkpoint("qwen3_next", mlp_only_layers=None)  # llama.cpp's qwen3next has no dense MLP layers
+    f32 = _gguf_dir(src, tmp_path / "f32", "F32")
+    names = set(open_gguf(f32 / "model.gguf").tensors)
+    assert {"blk.0.ssm_a", "blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.1.attn_q.weight"} <= names
+    ours, ref_cfg = ModelConfig.from_dir(f32), ModelConfig.from_dir(src)
+    assert _f32_fields(ours, ref_cfg) == ref_cfg
+    gguf_shape, ref_shape = ModelShape.from_dir(f32), ModelShape.from_dir(src)
+    assert replace(gguf_shape, checkpoint_dtype=ref_shape.checkpoint_dtype) == ref_shape
+    a, b = load_model(f32, progress=False), load_model(src, progress=False)
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=2.5e-7, msg=name)  # x + 1 - 1 and log(exp(x)) in fp32
+    expected, _ = _hf_greedy(src, prompt)
+    assert _greedy(f32, prompt) == expected[:STEPS]
+
+    q8 = _gguf_dir(src, tmp_path / "q8", "Q8_0")
+    c = load_model(q8, progress=False)
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ref.load_state_dict(_hf_state(c, ref), strict=True)
+    out = ref.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False, eos_token_id=None,
+                       pad_token_id=0, return_dict_in_generate=True)
+    assert _greedy(q8, prompt) == out.sequences[0, len(prompt):].tolist()

@@ -126,3 +126,19 @@ def test_configuration_errors_are_clear():
         DynamicHotConfig(interval_steps=0)
     with pytest.raises(ValueError, match="stats_file"):
         PlacementConfig(fast_format="int4", mixed_hot_fraction=0.25)
+
+
+def test_routing_counts_record_matches_bincount():
+    """LayerExperts.record adds each valid expert id once (-1: no expert) to the layer's counts, in place, as a
+    torch bincount of the valid ids would; also for ids made in inference mode (the forward's)."""
+    from engine.experts import LayerExperts
+
+    gen = torch.Generator().manual_seed(0)
+    le = LayerExperts(fast=[], exact=[], counts=torch.zeros(16, dtype=torch.long))
+    counts, want = le.counts, torch.zeros(16, dtype=torch.long)
+    for t in range(1, 9):
+        with torch.inference_mode():
+            ids = torch.randint(-1, 16, (t, 4), generator=gen)
+            le.record(ids)
+        want += torch.bincount(ids[ids >= 0], minlength=16)
+    assert le.counts is counts and torch.equal(counts, want) and int(want.sum()) > 0

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from modeltools import plan as plan_mod
+from modeltools.gguf_write import write_gguf
 from modeltools.plan import GIB, PRECISIONS, PlanOptions, build_plan, measure_bandwidth
 from modeltools.sizing import EMBED, LM_HEAD, ROUTED, ModelShape, SizingError, census, params_by_part
 
@@ -356,3 +357,27 @@ def test_both_modes_precision_and_streaming_load_peak(tmp_path, capsys):
     assert "routed experts, execution (int8, last 4 MoE layers bf16)" in out
     assert f"{both.experts_by_mode['resident'] / GIB:8.2f} GiB" in out
     assert "RAM peak while loading (anonymous)" in out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next"])
+def test_gguf_directories_are_sized_from_their_tensor_index(arch, hf_checkpoint, tmp_path, capsys):
+    """A llama.cpp directory (one file, or split shards): the same weights per part as the safetensors it was
+    written from, its files' bytes on disk, and the config read from its metadata agreeing with both."""
+    src = hf_checkpoint(arch, **({"mlp_only_layers": None} if arch == "qwen3_next" else {}))
+    want = census(src)
+    for shards in (1, 3):
+        out = tmp_path / f"{arch}-{shards}"
+        out.mkdir()
+        write_gguf(src, out / "m.gguf", "Q8_0", shards=shards)
+        files = sorted(out.glob("*.gguf"))
+        assert len(files) == shards
+        p = build_plan(out, PlanOptions(kv_tokens=64, device="cpu"), bandwidth_gbps=10.0)
+        assert p.checkpoint_check["headers"] and p.checkpoint_check["source"] == "gguf"
+        assert p.checkpoint_check["match"], p.checkpoint_check["mismatches"]
+        assert p.checkpoint_disk_bytes == sum(f.stat().st_size for f in files)
+        found = census(out)
+        assert found.params == want.params
+        assert found.bytes[ROUTED] < want.bytes[ROUTED]  # Q8_0 as stored: ~8.5 bits a weight against bf16/fp32
+        code, text, _ = _run_cli(["plan", "--model", str(out), "--bandwidth", "10", "--device", "cpu"], capsys)
+        assert code == 0 and "tensors in the GGUF tensor index match the config counts" in text
+        assert "no safetensors" not in text

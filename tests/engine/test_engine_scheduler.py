@@ -82,3 +82,21 @@ def test_finish_frees_blocks_for_waiting_and_running():
     sched.finish(b, "abort")
     sched.finish(a, "stop")
     assert bm.num_free == 8 and not sched.has_work()
+
+
+def test_block_slots_match_the_position_formula():
+    """BlockManager.slots: slot of position p = block_table[p // block_size] * block_size + p % block_size, for
+    every span (empty, inside one block, across blocks, starting mid-block)."""
+    import random
+
+    import torch
+
+    blocks, rng = BlockManager(64, 16), random.Random(0)
+    for _ in range(500):
+        table = rng.sample(range(64), rng.randint(1, 12))
+        end = rng.randint(0, 16 * len(table))
+        start = rng.randint(0, end)
+        pos = torch.arange(start, end)
+        want = torch.tensor(table)[pos // 16] * 16 + pos % 16
+        got = blocks.slots(table, start, end)
+        assert got.dtype == torch.long and torch.equal(got, want), (table, start, end)

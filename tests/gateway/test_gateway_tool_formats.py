@@ -1,5 +1,5 @@
 """Tool calls through the gateway in each family's format: a random DeepSeek-V3 (V3.1 calls), DeepSeek-V2
-(V3's fenced calls), GPT-OSS and GLM-4.5 checkpoint whose tokenizer holds the family's special tokens, served,
+(V3's fenced calls), GPT-OSS, GLM-4.5 and Kimi-K2 checkpoint whose tokenizer holds the family's special tokens, served,
 asked with the `openai` client."""
 
 from __future__ import annotations
@@ -9,11 +9,13 @@ import json
 import jsonschema
 import pytest
 
+from engine.archs import ALIASES
 from gateway.structured.tool_formats import get_format
 from tests.gateway.conftest import POLICY, Server, free_port, serve_in_thread
 from tests.gateway.tool_format_checkpoint import family_checkpoint
 
-FAMILIES = {"deepseek_v3": "deepseek_v31", "deepseek_v2": "deepseek_v3", "gpt_oss": "harmony", "glm4_moe": "glm45"}
+FAMILIES = {"deepseek_v3": "deepseek_v31", "deepseek_v2": "deepseek_v3", "gpt_oss": "harmony", "glm4_moe": "glm45",
+            "kimi_k2": "kimi_k2"}
 TOOLS = [
     {"type": "function", "function": {"name": "get_quote", "description": "Latest price of a ticker", "parameters": {
         "type": "object", "properties": {"symbol": {"type": "string", "enum": ["AAPL", "MSFT", "NVDA"]}},
@@ -34,7 +36,9 @@ def family_server(request, tiny_checkpoint, tmp_path_factory):
 
     arch = request.param
     tmp = tmp_path_factory.mktemp(f"tools-{arch}")
-    model = family_checkpoint(tiny_checkpoint(arch), tmp / "model", get_format(FAMILIES[arch]))
+    # Kimi-K2: a DeepSeek-V3 checkpoint under its own model_type, whose format config.json's model_type picks
+    model = family_checkpoint(tiny_checkpoint(ALIASES.get(arch, arch)), tmp / "model", get_format(FAMILIES[arch]),
+                              model_type=arch)
     (tmp / "policy.yaml").write_text(POLICY)
     settings = Settings(model=str(model), policy_path=str(tmp / "policy.yaml"), port=free_port(), device="cpu",
                         kv_cache_gib=0.05, max_queue=3, request_timeout_s=120, state_dir=tmp / "state",

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from engine.archs import ALIASES
 from engine.chat_template import ChatTemplateError, render_chat_template
 from engine.tokenizer import Tokenizer
 from gateway.structured.tool_formats import get_format
@@ -75,7 +76,15 @@ QWEN = (
     '<|im_start|>assistant\n<tool_call>\n{"name": "get_quote", "arguments": {"symbol": "AAPL"}}\n</tool_call><|im_end|>\n'
     "<|im_start|>user\n<tool_response>\n187.25\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
-EXPECTED = {"deepseek_v31": DEEPSEEK, "harmony": HARMONY, "glm45": GLM, "qwen": QWEN}
+KIMI = (
+    "<|im_system|>tool_declare<|im_middle|>" + json.dumps(json.loads("[" + TOOLS_JSON + "]"), separators=(",", ":"))
+    + "<|im_end|><|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>AAPL?<|im_end|>"
+    "<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|><|tool_call_begin|>functions.get_quote:0"
+    '<|tool_call_argument_begin|>{"symbol": "AAPL"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
+    "<|im_system|>tool<|im_middle|>## Return of functions.get_quote:0\n187.25<|im_end|>"
+    "<|im_assistant|>assistant<|im_middle|>")
+
+EXPECTED = {"deepseek_v31": DEEPSEEK, "harmony": HARMONY, "glm45": GLM, "qwen": QWEN, "kimi_k2": KIMI}
 OUTS_B, OUTS_E = "<\uff5ctool\u2581outputs\u2581begin\uff5c>", "<\uff5ctool\u2581outputs\u2581end\uff5c>"
 
 
@@ -111,7 +120,7 @@ def test_string_arguments_render_as_given():
     """OpenAI sends arguments as a JSON string: DeepSeek and harmony write it verbatim, GLM needs the object."""
     conv = [*CONVERSATION[:2], {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
             "function": {"name": "get_quote", "arguments": '{"symbol":"MSFT"}'}}]}]
-    for name in ("deepseek_v31", "deepseek_v3", "harmony"):
+    for name in ("deepseek_v31", "deepseek_v3", "harmony", "kimi_k2"):
         prompt = render_chat_template(get_format(name).chat_template(), conv, tools=TOOLS, add_generation_prompt=False)
         assert '{"symbol":"MSFT"}' in prompt
 
@@ -123,11 +132,27 @@ def test_harmony_refuses_two_calls_in_one_message():
         render_chat_template(get_format("harmony").chat_template(), conv, tools=TOOLS)
 
 
-@pytest.mark.parametrize("arch, name", [("deepseek_v3", "deepseek_v31"), ("gpt_oss", "harmony"), ("glm4_moe", "glm45")])
+def test_kimi_numbers_calls_across_the_conversation():
+    """Kimi-K2 ids count the conversation's calls (functions.NAME:IDX); each result names its call in order."""
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "get_quote", "arguments": {"symbol": s}}}
+             for i, s in enumerate(("AAPL", "MSFT"))]
+    conv = [{"role": "user", "content": "Both?"}, {"role": "assistant", "content": None, "tool_calls": calls[:1]},
+            {"role": "tool", "tool_call_id": "c0", "content": "187"},
+            {"role": "assistant", "content": "And MSFT:", "tool_calls": calls[1:]},
+            {"role": "tool", "tool_call_id": "c1", "content": "402"}]
+    prompt = render_chat_template(get_format("kimi_k2").chat_template(), conv)
+    assert prompt.startswith("<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.")
+    assert "<|im_middle|>And MSFT:<|tool_calls_section_begin|><|tool_call_begin|>functions.get_quote:1<|" in prompt
+    assert prompt.index("## Return of functions.get_quote:0\n187") < prompt.index("## Return of functions.get_quote:1\n402")
+
+
+@pytest.mark.parametrize("arch, name", [("deepseek_v3", "deepseek_v31"), ("gpt_oss", "harmony"), ("glm4_moe", "glm45"),
+                                        ("kimi_k2", "kimi_k2")])
 def test_family_tokens_are_single_tokens_of_the_checkpoint(arch, name, tiny_checkpoint, tmp_path):
     """The checkpoint's tokenizer renders the family template and encodes each of its tokens as one id."""
     fmt = get_format(name)
-    tok = Tokenizer.from_dir(family_checkpoint(tiny_checkpoint(arch), tmp_path / "m", fmt))
+    base = tiny_checkpoint(ALIASES.get(arch, arch))  # Kimi-K2: a DeepSeek-V3 checkpoint under its own model_type
+    tok = Tokenizer.from_dir(family_checkpoint(base, tmp_path / "m", fmt, model_type=arch))
     prompt = tok.apply_chat_template(CONVERSATION, tools=TOOLS)
     ids = tok.encode(prompt)
     used = [t for t in fmt.tokens if t in prompt]
@@ -156,3 +181,16 @@ def test_deepseek_templates_get_arguments_as_json_text():
     assert _prompt_messages(body, get_format("glm45"))[1]["tool_calls"][0]["function"]["arguments"] == {"symbol": "AAPL"}
     with pytest.raises(ChatTemplateError, match="chat template failed"):
         render_chat_template(v3_style, _prompt_messages(body, get_format("harmony")))
+
+
+def test_harmony_keeps_the_analysis_before_a_call_until_a_final_reply():
+    """As gpt-oss's template: an assistant turn's `thinking` is rendered before its call while no final reply
+    follows; once one does, the older analysis is dropped."""
+    call = {**CONVERSATION[2], "thinking": "Need the quote."}
+    conv = [*CONVERSATION[:2], call, CONVERSATION[3]]
+    analysis = "<|start|>assistant<|channel|>analysis<|message|>Need the quote.<|end|><|start|>assistant to=functions"
+    fmt = get_format("harmony")
+    assert analysis in render_chat_template(fmt.chat_template(), conv, tools=TOOLS)
+    later = [*conv, {"role": "assistant", "content": "187.25."}, {"role": "user", "content": "And MSFT?"}]
+    prompt = render_chat_template(fmt.chat_template(), later, tools=TOOLS)
+    assert "Need the quote." not in prompt and "<|channel|>final<|message|>187.25.<|end|>" in prompt

@@ -23,9 +23,13 @@ def add_format_tokens(tokenizer_json: dict, fmt: ToolFormat) -> dict[str, int]:
     return added
 
 
-def family_checkpoint(base: Path, out: Path, fmt: ToolFormat) -> Path:
-    """A copy of the random checkpoint `base` whose tokenizer writes `fmt` (its template and EOS included)."""
+def family_checkpoint(base: Path, out: Path, fmt: ToolFormat, model_type: str | None = None) -> Path:
+    """A copy of the random checkpoint `base` whose tokenizer writes `fmt` (its template and EOS included);
+    `model_type`: config.json's, for a release that ships the architecture under its own (kimi_k2)."""
     shutil.copytree(base, out, dirs_exist_ok=True)
+    if model_type is not None:
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "model_type": model_type}, indent=2))
     spec = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))
     ids = add_format_tokens(spec, fmt)
     rows = json.loads((out / "config.json").read_text())["vocab_size"]

@@ -125,10 +125,11 @@ def test_detect_reads_the_cpu_model_name() -> None:
 
 @pytest.mark.skipif(not (kernel_available("avx2") and vnni_capable(detect())),
                     reason="needs a CPU with AVX-512 VNNI")
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "int4_asym"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int4_asym"])
 def test_avx512_variant_equals_avx2_bitwise(fmt: str) -> None:
-    """vpdpbusd replaces maddubs + madd + add in the int4 dot products: the same exact integer sums, so
-    the avx512 build gives the avx2 build's bits for every format, batch size and top-k."""
+    """vpdpbusd replaces maddubs + madd + add in the int4 dot products (the same exact integer sums), and
+    the zmm fp32 FMA units (fp_zmm.h: 16 rows x up to 8 tokens) keep each row's fma sequence, so the
+    avx512 build gives the avx2 build's bits for every format, batch size and top-k."""
     packed = pack_experts(*random_experts(NUM_EXPERTS, 200, 72), fmt, progress=False)
     for n, (t, k) in enumerate(TOKENS_TOPK):
         x = torch.randn(t, 200, generator=torch.Generator().manual_seed(n))

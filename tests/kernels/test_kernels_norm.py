@@ -22,9 +22,12 @@ def test_rms_norm_matches_reference_and_the_model_norm(h: int) -> None:
     with torch.no_grad():
         norm.weight.normal_(1.0, 0.1, generator=gen)
     ref = rms_norm_reference(x, norm.weight, 1e-6)
-    assert torch.equal(ref, norm(x).detach())
+    assert torch.equal(ref, norm(x).detach())  # autograd on (weight requires grad): the torch expression
     out = rms_norm_rows(x, norm.weight, 1e-6)
     assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    with torch.no_grad():  # inference in fp32 on CPU: the model's norm is the kernel, any leading shape
+        assert torch.equal(norm(x), out)
+        assert torch.equal(norm(x.view(7, 1, h)), out.view(7, 1, h))
 
 
 @needs_kernel

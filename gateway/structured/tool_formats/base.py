@@ -62,6 +62,25 @@ class ToolSpec:
         return cls(fn["name"], params)
 
 
+class ChannelSplitter(ABC):
+    """Splits a turn's text, fed as it streams, into (kind, text) pieces: kind "reasoning" or "content"."""
+
+    @abstractmethod
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        """The pieces `text` completes (a possible start of a marker is held back until the next feed)."""
+
+    @abstractmethod
+    def close(self) -> list[tuple[str, str]]:
+        """The pieces still held back, at the end of the turn."""
+
+    def split(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) of a whole turn."""
+        parts = {"reasoning": [], "content": []}
+        for kind, piece in [*self.feed(text), *self.close()]:
+            parts[kind].append(piece)
+        return "".join(parts["reasoning"]), "".join(parts["content"])
+
+
 @dataclass(frozen=True)
 class ToolFormat(ABC):
     """One family's tool-call wire format. `segment_open`/`segment_close` are the tokens that open and close
@@ -88,6 +107,21 @@ class ToolFormat(ABC):
 
     def ids(self, tok: TokenizerInfo, *tokens: str) -> list[int]:
         return [tok.token_id(t) for t in tokens]
+
+    def channels(self) -> ChannelSplitter | None:
+        """A streaming splitter of the turn's text into reasoning and content, for a family whose turn holds
+        channels (harmony); None: the text is all content."""
+        return None
+
+    def content(self, text: str) -> str:
+        """The turn's content (what a whole-output JSON constraint validates): the text without its reasoning."""
+        splitter = self.channels()
+        return text if splitter is None else splitter.split(text)[1]
+
+    def json_envelope(self, tok: TokenizerInfo) -> str:
+        """Lark rules around a whole-output JSON value, which `@json_schema` marks (harmony: the final channel,
+        after an optional analysis message); "" when the JSON value is the whole turn."""
+        return ""
 
     def start_rule(self, required: bool) -> str:
         """The turn: only calls (required / named), or text, calls, or text then calls (auto)."""

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import ToolCallParseError
-from .base import ToolFormat, json_rule, lark_str, loads_args
+from .base import TEXT, ChannelSplitter, ToolFormat, json_rule, lark_str, loads_args
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
@@ -24,6 +24,68 @@ _MESSAGE = re.compile(r"(?:<\|start\|>assistant)?(.*?)<\|message\|>(.*?)(?=<\|en
                       r"<\|start\|>|\Z)(?:<\|end\|>|<\|call\|>|<\|return\|>)?", re.DOTALL)
 _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 _CHANNEL = re.compile(r"<\|channel\|>(\w+)")
+_MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
+
+
+class HarmonyChannels(ChannelSplitter):
+    """Harmony text as it streams: message bodies by channel (analysis -> reasoning; final and commentary
+    preambles -> content), calls (a message addressed `to=` a function) and headers dropped; text outside
+    any message (a model that writes no header) is content."""
+
+    def __init__(self) -> None:
+        self.held = ""  # a possible start of a marker, waiting for the next feed
+        self.header: str | None = None  # the header being read (None: inside a body)
+        self.kind = "content"  # where body text goes: reasoning | content | drop
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        s, out, i = self.held + text, [], 0
+        self.held = ""
+        while (j := s.find("<|", i)) >= 0:
+            self._text(s[i:j], out)
+            marker = next((m for m in _MARKERS if s.startswith(m, j)), None)
+            if marker is None:
+                if any(m.startswith(s[j:]) for m in _MARKERS):  # cut inside a marker: wait for the rest
+                    self.held = s[j:]
+                    return out
+                self._text("<|", out)
+                i = j + 2
+                continue
+            self._marker(marker)
+            i = j + len(marker)
+        if s.endswith("<"):  # perhaps a marker's first character
+            s, self.held = s[:-1], "<"
+        self._text(s[i:], out)
+        return out
+
+    def close(self) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        self._text(self.held, out)
+        self.held = ""
+        return out
+
+    def _text(self, text: str, out: list[tuple[str, str]]) -> None:
+        if not text:
+            return
+        if self.header is not None:
+            self.header += text
+        elif self.kind != "drop":
+            if out and out[-1][0] == self.kind:
+                out[-1] = (self.kind, out[-1][1] + text)
+            else:
+                out.append((self.kind, text))
+
+    def _marker(self, marker: str) -> None:
+        if marker == START:
+            self.header = ""
+        elif marker in (CHANNEL, CONSTRAIN):
+            self.header = (self.header or "") + marker
+        elif marker == MESSAGE:
+            header, self.header = self.header or "", None
+            channel = _CHANNEL.search(header)
+            self.kind = ("drop" if "to=" in header else
+                         "reasoning" if channel is not None and channel.group(1) == "analysis" else "content")
+        else:  # <|end|>, <|return|>, <|call|>: the message is over
+            self.header, self.kind = None, "content"
 
 
 @dataclass(frozen=True)
@@ -41,6 +103,15 @@ class HarmonyFormat(ToolFormat):
             lines.append(f'fn{i}: {lark_str(tool.name + " ")} <[{constrain}]> "json" <[{message}]> '
                          f"{json_rule(tool.parameters)}")
         return lines
+
+    def channels(self):
+        return HarmonyChannels()
+
+    def json_envelope(self, tok):
+        start, end, message, channel = self.ids(tok, START, END, MESSAGE, CHANNEL)
+        return "\n".join(["start: analysis? final",
+                          f'analysis: <[{channel}]> "analysis" <[{message}]> TEXT? <[{end}]> <[{start}]> "assistant"',
+                          f'final: <[{channel}]> "final" <[{message}]> @json_schema', TEXT]) + "\n"
 
     def _messages(self, text: str) -> list[tuple[str, str]]:
         if MESSAGE not in text:

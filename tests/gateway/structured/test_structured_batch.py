@@ -77,6 +77,37 @@ def test_batched_fill_equals_rowwise_and_async(tokinfo):
     masker.close()
 
 
+def test_batched_forced_tokens_equal_per_constraint(tokinfo):
+    """BatchMasker.forced_tokens (one fill for every stale row) gives each constraint's forced_token, walking
+    several constraints to their ends together; the masks it keeps serve the next `masks` call."""
+    cache = ConstraintCache()
+    schema = {"type": "object", "properties": {"side": {"enum": ["buy", "sell"]}, "qty": {"type": "integer"}},
+              "required": ["side", "qty"], "additionalProperties": False}
+    specs = [json_schema_spec(schema), regex_spec("ORD-[0-9]{2}-(buy|sell)"), json_schema_spec({"enum": ["alpha"]})]
+    masker = BatchMasker(num_threads=2, prefetch=False)
+    batched = [build_constraint(s, tokinfo, cache=cache, mask_batcher=masker) for s in specs]
+    alone = [build_constraint(s, tokinfo, cache=cache) for s in specs]
+    ids: list[list[int]] = [[], [], []]
+    forced_any = False
+    for _ in range(40):
+        got = masker.forced_tokens([(c, i) for c, i in zip(batched, ids, strict=True)])
+        want = [c.forced_token(i) for c, i in zip(alone, ids, strict=True)]
+        assert got == want
+        forced_any |= any(t is not None for t in got)
+        words = bitmask_words(tokinfo.vocab_size)
+        kept = masker.masks(batched, words)  # from the rows forced_tokens filled
+        for row, c in zip(kept, alone, strict=True):
+            ref = torch.zeros(1, words, dtype=torch.int32)
+            c.fill_bitmask(ref, 0)
+            assert torch.equal(row, ref[0])
+        for i, t in enumerate(got):  # forced, else the first allowed id
+            ids[i].append(t if t is not None else int(row_ids(kept[i], tokinfo.vocab_size)[0]))
+        if all(c.is_terminated() or c.is_accepting() for c in alone):
+            break
+    assert forced_any and masker.prefetch_hits > 0
+    masker.close()
+
+
 def test_lru_evicts_and_keys_by_tokenizer(tokinfo):
     cache = ConstraintCache(CompileConfig(cache_entries=2))
     a, b, c = (regex_spec(p) for p in ("a+", "b+", "c+"))

@@ -180,3 +180,24 @@ def test_keywords_are_enforced_not_dropped(schema, good, bad, tokinfo):
         c = build_constraint(json_schema_spec(schema), tokinfo, cache=cache)
         ok = all(c.consume(i) for i in tokinfo.encode(text)) and c.is_accepting()
         assert ok is expect, (schema, text)
+
+
+
+def test_start_completion_path_shared_by_requests(tokinfo, monkeypatch):
+    """The completion path from the start state is searched once per compiled constraint and budget; a request
+    that reuses it decodes the same ids as the one that searched it, and only its later searches run."""
+    import gateway.structured.constraint as constraint_mod
+
+    calls = []
+    real = constraint_mod.shortest_completion
+    monkeypatch.setattr(constraint_mod, "shortest_completion", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    monkeypatch.setattr(constraint_mod, "_START_PATHS", {})
+    cache, spec, outs, searches = ConstraintCache(), json_schema_spec(ORDER), [], []
+    for _ in range(2):
+        calls.clear()
+        c = build_constraint(spec, tokinfo, max_tokens=60, cache=cache)
+        outs.append(decode(c, random_logits(tokinfo.vocab_size, 7), max_tokens=60).ids)
+        searches.append(list(calls))
+    assert outs[0] == outs[1]
+    assert searches[0][0] == 59 and searches[1] == searches[0][1:]  # the start search (depth 59) ran once
+    assert list(constraint_mod._START_PATHS) == [(c.compiled, 59)]

@@ -11,7 +11,7 @@ import pytest
 from evals.structured.driver import decode, random_logits
 from gateway.structured.build import build_constraint
 from gateway.structured.errors import StructuredValidationError, ToolCallParseError
-from gateway.structured.tool_formats import FORMATS, ToolFormatError, get_format, select_format
+from gateway.structured.tool_formats import FORMATS, ToolFormatError, get_format, kimi, select_format
 from gateway.structured.tool_formats.deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 from gateway.structured.tools import parse_tool_calls, text_before_tool_calls, tool_call_spec
 from gateway.structured.validate import validate_tool_calls
@@ -131,3 +131,35 @@ def test_selection_by_architecture_tokens_and_override(family_tok):
         select_format("gpt_oss", family_tok["qwen"], override="harmony")
     with pytest.raises(ToolFormatError, match="known"):
         get_format("mistral")
+
+
+def test_kimi_parallel_calls_and_errors():
+    fmt = get_format("kimi_k2")
+    SECTION_BEGIN, SECTION_END, ARGS_BEGIN = kimi.SECTION_BEGIN, kimi.SECTION_END, kimi.ARGS_BEGIN  # noqa: N806
+    CALL_BEGIN, CALL_END = kimi.CALL_BEGIN, kimi.CALL_END  # noqa: N806
+    text = (f"Checking.{SECTION_BEGIN}{CALL_BEGIN}functions.get_quote:0{ARGS_BEGIN}{{\"symbol\": \"AAPL\"}}{CALL_END}"
+            f"{CALL_BEGIN}functions.place_order:1{ARGS_BEGIN}{{\"symbol\": \"AAPL\", \"side\": \"buy\", \"qty\": 5}}"
+            f"{CALL_END}{SECTION_END}")
+    assert validate_tool_calls(text, TOOLS, "auto", True, fmt) == [
+        {"name": "get_quote", "arguments": {"symbol": "AAPL"}},
+        {"name": "place_order", "arguments": {"symbol": "AAPL", "side": "buy", "qty": 5}}]
+    assert text_before_tool_calls(text, fmt) == "Checking."
+    with pytest.raises(StructuredValidationError, match="parallel_tool_calls is false"):
+        validate_tool_calls(text, TOOLS, "auto", False, fmt)
+    with pytest.raises(ToolCallParseError, match="not closed"):
+        parse_tool_calls(text[:-len(SECTION_END)], TOOLS, fmt)
+    with pytest.raises(ToolCallParseError, match="functions.NAME:INDEX"):
+        parse_tool_calls(f"{SECTION_BEGIN}{CALL_BEGIN}get_quote{ARGS_BEGIN}{{}}{CALL_END}{SECTION_END}", TOOLS, fmt)
+    with pytest.raises(ToolCallParseError, match="not JSON"):
+        parse_tool_calls(f"{SECTION_BEGIN}{CALL_BEGIN}functions.get_quote:0{ARGS_BEGIN}{{\"symbol\"{CALL_END}"
+                         f"{SECTION_END}", TOOLS, fmt)
+
+
+def test_kimi_k2_checkpoints_get_the_kimi_format(family_tok):
+    """config.json's model_type picks it (its architecture is DeepSeek-V3's, whose own format is V3.1's), else
+    the tokenizer's Kimi tokens do."""
+    assert select_format("kimi_k2", family_tok["kimi_k2"])[0].name == "kimi_k2"
+    assert select_format("deepseek_v3", family_tok["deepseek_v31"])[0].name == "deepseek_v31"
+    assert select_format("kimi_k2", family_tok["qwen"])[0].name == "qwen"  # no Kimi tokens: the default, said why
+    # a Kimi-K2 checkpoint that says deepseek_v3 (a llama.cpp deepseek2 GGUF of it): its tokenizer's tokens decide
+    assert select_format("deepseek_v3", family_tok["kimi_k2"])[0].name == "kimi_k2"

@@ -1,0 +1,170 @@
+// fp32-activation projections (fp32, bf16, int8 weights; bf16_a16 without vdpbf16ps) on 512-bit zmm
+// fp32 FMA in the avx512 variant: 16 output lanes per unit (as w4a8_zmm.h: a gate_up tile, two R8 = 1
+// tiles, or the last single one) and up to 8 activation rows per weight vector, so at prefill sizes each
+// weight is loaded and converted to fp32 once for 8 rows instead of once per 1-2 rows (tile_dot).
+// Included by moe_cpu.cpp after w4a8_zmm.h.
+//
+// The arithmetic per output row is tile_dot's, bit for bit (each lane is one row of a tile; fma is
+// single-rounding in both): fp32 / bf16 / bf16_a16 accumulate even k and odd k in two chains (an odd
+// tail k into the even one) and add them at the end; int8 sums each group's even and odd k in two
+// chains from zero and adds fma(scale, even + odd, acc) in group order. Nothing depends on MT or on
+// which rows share the call, so a row's result is batch-invariant and equals the avx2 build's.
+#pragma once
+
+#ifdef MOEGATE_ZMM
+
+namespace {
+
+// One 16-lane unit of a tiled fp32-activation projection: weights of k at w0 + k * stride (lanes 0-7,
+// kContig all 16) and w1 + k * stride (lanes 8-15, kPair), in elements of the weight type.
+template <class T>
+struct FpOperand {
+  const T* w0;
+  const T* w1;
+  const uint16_t* s0;  // int8: fp16 scales of lanes 0-7 (kContig: 0-15), sstride apart per group
+  const uint16_t* s1;
+  int64_t stride, sstride, kp, gs;
+};
+
+// The unit's 16 weights of k as fp32 (kSingle: the upper 8 lanes zero).
+template <int FMT, int MODE, class T>
+inline __m512 fp_weights(const FpOperand<T>& A, int64_t k) {
+  const T* p0 = A.w0 + k * A.stride;
+  const T* p1 = A.w1 + k * A.stride;
+  if constexpr (FMT == FP32) {
+    if constexpr (MODE == kContig) return _mm512_loadu_ps(p0);
+    const __m256 lo = _mm256_loadu_ps(p0);
+    if constexpr (MODE == kSingle) return _mm512_zextps256_ps512(lo);
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)),
+                                                _mm256_castps_pd(_mm256_loadu_ps(p1)), 1));
+  } else if constexpr (FMT == INT8) {
+    __m128i b;
+    if constexpr (MODE == kContig) b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0));
+    else if constexpr (MODE == kSingle) b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0));
+    else b = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0)),
+                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1)));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  } else {  // bf16 bits: the upper half of an fp32
+    __m256i h;
+    if constexpr (MODE == kContig) h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0));
+    else if constexpr (MODE == kSingle) h = _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0)));
+    else h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
+                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// Prefetch kPrefetch bytes ahead of the weights of k in each stream, once per 64-byte line.
+template <int MODE, class T>
+inline void fp_prefetch(const FpOperand<T>& A, int64_t k) {
+  const int64_t bytes = A.stride * (int64_t)sizeof(T), off = k * bytes;
+  if ((off & 63) >= bytes) return;  // not the first k of a line
+  __builtin_prefetch(reinterpret_cast<const char*>(A.w0) + off + kPrefetch, 0, 3);
+  if constexpr (MODE == kPair) __builtin_prefetch(reinterpret_cast<const char*>(A.w1) + off + kPrefetch, 0, 3);
+}
+
+// a[m] = fma(w(k), x[m][k], a[m]) for MT rows.
+template <int FMT, int MODE, int MT, class T>
+inline void fp_step(const FpOperand<T>& A, int64_t k, const float* const* x, __m512* a) {
+  fp_prefetch<MODE>(A, k);
+  const __m512 w = fp_weights<FMT, MODE>(A, k);
+  #pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) a[m] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[m][k]), a[m]);
+}
+
+// out[m][0 .. 16) (kSingle: [0 .. 8)) = unit rows . x[m] for MT fp32 activation rows.
+template <int FMT, int MODE, int MT, class T>
+void zmm_fp(const FpOperand<T>& A, const float* const* x, float* const* out) {
+  __m512 acc[MT], even[MT], odd[MT];
+  #pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) acc[m] = even[m] = odd[m] = _mm512_setzero_ps();
+  if constexpr (FMT == INT8) {
+    for (int64_t g = 0; g < A.kp / A.gs; ++g) {
+      #pragma GCC unroll 16
+      for (int m = 0; m < MT; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+      for (int64_t k = g * A.gs; k < (g + 1) * A.gs; k += 2) {  // gs is even
+        fp_step<FMT, MODE, MT>(A, k, x, even);
+        fp_step<FMT, MODE, MT>(A, k + 1, x, odd);
+      }
+      const __m512 s = zmm_f16<MODE>(A.s0 + g * A.sstride, A.s1 + g * A.sstride);
+      #pragma GCC unroll 16
+      for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(s, _mm512_add_ps(even[m], odd[m]), acc[m]);
+    }
+  } else {
+    int64_t k = 0;
+    for (; k + 2 <= A.kp; k += 2) {
+      fp_step<FMT, MODE, MT>(A, k, x, even);
+      fp_step<FMT, MODE, MT>(A, k + 1, x, odd);
+    }
+    if (k < A.kp) fp_step<FMT, MODE, MT>(A, k, x, even);
+    #pragma GCC unroll 16
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_add_ps(even[m], odd[m]);
+  }
+  #pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) {
+    if constexpr (MODE == kSingle) _mm256_storeu_ps(out[m], _mm512_castps512_ps256(acc[m]));
+    else _mm512_storeu_ps(out[m], acc[m]);
+  }
+}
+
+template <int FMT, int MODE, class T>
+void zmm_fp_rows(const FpOperand<T>& A, const float* const* x, float* const* out, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) zmm_fp<FMT, MODE, 8>(A, x + i, out + i);
+  switch (n - i) {
+    case 7: zmm_fp<FMT, MODE, 7>(A, x + i, out + i); break;
+    case 6: zmm_fp<FMT, MODE, 6>(A, x + i, out + i); break;
+    case 5: zmm_fp<FMT, MODE, 5>(A, x + i, out + i); break;
+    case 4: zmm_fp<FMT, MODE, 4>(A, x + i, out + i); break;
+    case 3: zmm_fp<FMT, MODE, 3>(A, x + i, out + i); break;
+    case 2: zmm_fp<FMT, MODE, 2>(A, x + i, out + i); break;
+    case 1: zmm_fp<FMT, MODE, 1>(A, x + i, out + i); break;
+    default: break;
+  }
+}
+
+// Unit `u` of a tiled fp32-activation projection (as zmm_unit_rows): R8 = 2 the gate_up tile first + u,
+// R8 = 1 the tiles first + 2u and first + 2u + 1 (if 2u + 1 < n8; few rows run them one after the other).
+template <int FMT, int R8>
+void zmm_fp_unit_rows(const Mat& M, int64_t first, int64_t u, int64_t n8, const float* const* x, float* const* out,
+                      int n) {
+  using T = std::conditional_t<FMT == FP32, float, std::conditional_t<FMT == INT8, int8_t, uint16_t>>;
+  if constexpr (FMT == INT8) {
+    if (n <= kSequentialRows) {  // memory-bound: the ymm tiles (int8 M = 1 on zmm measured ~1.9x slower)
+      const int64_t t = R8 == 2 ? first + u : first + 2 * u;
+      tile_rows<FMT, R8>(M, t, x, out, n);
+      if (R8 == 1 && 2 * u + 1 < n8) {
+        float* out1[kSequentialRows];
+        for (int i = 0; i < n; ++i) out1[i] = out[i] + 8;
+        tile_rows<FMT, R8>(M, t + 1, x, out1, n);
+      }
+      return;
+    }
+  }
+  const T* w = static_cast<const T*>(M.w);
+  const int64_t ng = FMT == INT8 ? M.kp / M.gs : 0;
+  if constexpr (R8 == 2) {
+    const int64_t t = first + u;
+    const uint16_t* s = FMT == INT8 ? M.scales + t * ng * 16 : nullptr;
+    zmm_fp_rows<FMT, kContig>(FpOperand<T>{w + t * M.kp * 16, nullptr, s, nullptr, 16, 16, M.kp, M.gs}, x, out, n);
+  } else {
+    const int64_t t = first + 2 * u;
+    const bool pair = 2 * u + 1 < n8;
+    const uint16_t* s = FMT == INT8 ? M.scales + t * ng * 8 : nullptr;
+    const FpOperand<T> A{w + t * M.kp * 8, w + (t + 1) * M.kp * 8, s, s ? s + ng * 8 : nullptr, 8, 8, M.kp, M.gs};
+    if (pair && n > kSequentialRows) {
+      zmm_fp_rows<FMT, kPair>(A, x, out, n);
+    } else {  // one tile after the other: one sequential weight stream (memory-bound few-row calls)
+      zmm_fp_rows<FMT, kSingle>(A, x, out, n);
+      if (pair) {
+        float* out1[kSequentialRows];
+        for (int i = 0; i < n; ++i) out1[i] = out[i] + 8;
+        zmm_fp_rows<FMT, kSingle>(FpOperand<T>{A.w1, nullptr, A.s1, nullptr, 8, 8, M.kp, M.gs}, x, out1, n);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+#endif  // MOEGATE_ZMM
