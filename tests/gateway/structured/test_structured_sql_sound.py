@@ -202,3 +202,14 @@ def test_sql_closing_window_prefers_only_real_closers(tokinfo, prefix, closers):
     else:
         assert closing.sum() < free.sum() and all(t.startswith(closers) and set(t) <= set(")" + closers)
                                                     for t in texts), (prefix, texts[:20])
+
+
+@pytest.mark.parametrize("prefix", ["SELECT b.x, *", "SELECT b.x, t.*", "SELECT *, b.x AS upper"])
+def test_no_word_after_a_star_or_alias_grows_only_into_a_banned_clause(tokinfo, prefix):
+    """After a `*` item (as after an alias) with `b` unbound, ` IN` can only become INTERSECT: refused
+    where it starts (a random walk met it as a dead end: every next token vetoed), FROM still allowed."""
+    guard = SQLScopeGuard.from_grammar(sql_spec(DB, SQLPolicy(dialect="sqlite")).source, tokinfo)
+    ids = tokinfo.encode(prefix)
+    assert guard.allows(ids, final=False), prefix
+    assert not guard.allows(ids + tokinfo.encode(" IN"), final=False), prefix
+    assert guard.allows(ids + tokinfo.encode(" FROM"), final=False), prefix
