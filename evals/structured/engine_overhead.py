@@ -1,18 +1,32 @@
-"""Constrained-decoding overhead measured in the real engine: decode-step time with and without a JSON
-Schema constraint on the same model, prompts and budgets, requests interleaved so load drifts cancel.
+"""Constrained-decoding overhead measured in the real engine: decode-step time with and without a
+constraint (JSON Schema or schema-derived SQL) on the same model, prompts and budgets, at batch sizes 1
+and 8, requests interleaved so load drifts cancel; plus the cold compile time of each constraint.
 
-The constraint's work per step is the token advance, the mask fill (llguidance), the closing planner's
-occasional search and the mask apply (compiled kernel); all of it runs inside `engine.step()`, so the
-difference of median decode-step times is the whole overhead a user pays.
+The constraint's work per step is the token advance, the mask fill (llguidance, then the SQL scope
+guard), the closing planner's occasional search and the mask apply (compiled kernel); all of it runs
+inside `engine.step()`, so the difference of median decode-step times is the whole overhead a user
+pays. The masks go through the gateway's batched path (`BatchMasker`, one fill call per step for every
+constrained row), whose fill time is also timed directly per step (`mask_ms_*`, its share of the
+unconstrained step: `mask_pct_*`).
 
-    PYTHONPATH=. python -m evals.structured.engine_overhead [--model DIR] [--requests 24]
+`--compare-rev REV` runs the same measurement with REV's `gateway/` (exported by `git archive`, the
+engine and this eval unchanged) and then with the working tree's, one after the other in this run,
+each in its own process: before and after, on one machine under the same load.
+
+    PYTHONPATH=. python -m evals.structured.engine_overhead [--kinds sql,json] [--batch-sizes 1,8]
+        [--compare-rev 779d68a] [--name engine_overhead]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,27 +38,109 @@ from evals.perf.common import machine_info, save_bar_plot
 DEFAULT_MODEL = Path("evals/out/models/bench-ref")  # engine_bench's reference model (Qwen vocabulary)
 DEMO_MODEL = Path("engine/assets/demo-moe")
 SCHEMAS = Path("/work/shared/evaldata/jsonschemabench/Glaiveai2K.jsonl")
+SPIDER = Path("/work/shared/evaldata/sql")
+PROMPTS = {"json": "Reply with the JSON object for today's order ticket.",
+           "sql": "Which singer had the most concerts last year? Reply with one SQL query."}
 
 
-def _decode_steps(engine, request_id: str, prompt: list[int], params, mode: str) -> list[float]:
-    """Seconds of each engine step after the first (the first one runs the prefill)."""
-    engine.add_request(request_id, prompt, params, mode=mode)
-    times = []
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def _decode_steps(engine, requests: list[tuple[str, list[int], object]], mode: str,
+                  masker=None) -> tuple[list[float], list[float]]:
+    """Seconds of each engine step that decodes every request of the batch at once (not the prefill
+    step, not the tail after one finished), and the mask fill seconds `masker` spent in each."""
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params, mode=mode)
+    times, masks, first = [], [], True
     while engine.has_work():
+        full = len(engine.scheduler.running) == len(requests) and not engine.scheduler.waiting
+        spent = masker.spent if masker is not None else 0.0
         t0 = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - t0)
-    return times[1:]
+        if full and not first:
+            times.append(time.perf_counter() - t0)
+            masks.append(masker.spent - spent if masker is not None else 0.0)
+        first = False
+    return times, masks
 
 
-def measure(model: Path, requests: int, max_tokens: int, modes: tuple[str, ...], fmt: str, lm_head: str,
-            dense: str) -> dict:
+def _specs(kind: str, n: int, info, cache) -> tuple[list, list[float]]:
+    """`n` constraint specs of `kind` (JSON: the first compilable Glaive schemas; SQL: Spider
+    databases' schemas, SQLite) and the cold compile seconds of each (spec built + compiled; the
+    process's one-time setup, the tokenizer's tables, is paid by a first compile not counted)."""
+    from gateway.structured.build import build_constraint, json_schema_spec
+    from gateway.structured.errors import StructuredOutputError
+
+    specs, seconds = [], []
+    if kind == "json":
+        sources = (lambda line=line: json_schema_spec(json.loads(line)["schema"]) for line in open(SCHEMAS))
+    else:
+        from gateway.structured.sql_grammar import sql_spec
+        from gateway.structured.sql_schema import DatabaseSchema, SQLPolicy
+
+        tables = json.load(open(SPIDER / "spider_tables.json"))
+        sources = (lambda t=t: sql_spec(DatabaseSchema.from_spider(t), SQLPolicy(dialect="sqlite")) for t in tables)
+    from gateway.structured.cache import CompileConfig, ConstraintCache
+    from gateway.structured.errors import ConstraintCompileTimeout
+
+    _ = info.llg  # the tokenizer's llguidance tables: once per process, not per compile
+    first = next(sources)
+    build_constraint(first(), info, cache=ConstraintCache(CompileConfig(timeout_s=600)))  # (again below, counted)
+    for make in [first, *sources]:
+        t0 = time.perf_counter()
+        try:
+            spec = make()
+            build_constraint(spec, info, cache=cache)
+        except ConstraintCompileTimeout:  # past the gateway's bound: counted at its time, not decoded
+            seconds.append(time.perf_counter() - t0)
+            continue
+        except StructuredOutputError:
+            continue
+        seconds.append(time.perf_counter() - t0)
+        specs.append(spec)
+        if len(specs) == n:
+            break
+    return specs, seconds
+
+
+def _timed_masker():
+    """The gateway's BatchMasker with the seconds its `fill` calls took, in `spent`."""
+    from gateway.structured.batch import BatchMasker
+
+    class TimedMasker(BatchMasker):
+        spent = 0.0
+
+        def fill(self, constraints, bitmask) -> None:
+            t0 = time.perf_counter()
+            super().fill(constraints, bitmask)
+            self.spent += time.perf_counter() - t0
+
+    return TimedMasker(prefetch=False)
+
+
+def _summary(steps: dict[str, list[float]], masks: list[float]) -> dict:
+    med = {k: statistics.median(v) * 1e3 for k, v in steps.items()}
+    mean = {k: statistics.fmean(v) * 1e3 for k, v in steps.items()}
+    mask_p50, mask_mean = statistics.median(masks) * 1e3, statistics.fmean(masks) * 1e3
+    return {"decode_steps": {k: len(v) for k, v in steps.items()},
+            "step_ms_p50_unconstrained": med["none"], "step_ms_p50_constrained": med["constrained"],
+            "overhead_pct": 100 * (med["constrained"] / med["none"] - 1),
+            "step_ms_mean_unconstrained": mean["none"], "step_ms_mean_constrained": mean["constrained"],
+            "overhead_mean_pct": 100 * (mean["constrained"] / mean["none"] - 1),
+            "mask_ms_p50": mask_p50, "mask_ms_mean": mask_mean,
+            "mask_pct_p50": 100 * mask_p50 / med["none"], "mask_pct_mean": 100 * mask_mean / mean["none"]}
+
+
+def measure(model: Path, kinds: tuple[str, ...], requests: int, batch_sizes: tuple[int, ...], max_tokens: int,
+            modes: tuple[str, ...], fmt: str, lm_head: str, dense: str, compile_n: int) -> dict:
     from engine.experts import PlacementConfig
     from engine.llm_engine import LLM
     from engine.sampling_params import SamplingParams
-    from gateway.structured.build import build_constraint, json_schema_spec
+    from gateway.structured.build import build_constraint
     from gateway.structured.cache import ConstraintCache
-    from gateway.structured.errors import StructuredOutputError
     from gateway.structured.vocab import TokenizerInfo
 
     llm = LLM(str(model), placement=PlacementConfig(fast_format=fmt, exact_format=fmt), prefix_cache=False,
@@ -52,64 +148,117 @@ def measure(model: Path, requests: int, max_tokens: int, modes: tuple[str, ...],
     engine, tok = llm.engine, llm.tokenizer
     eos = tuple(tok.eos_token_ids)
     info = TokenizerInfo.from_file(str(model / "tokenizer.json"), eos)
-    cache = ConstraintCache()
-    specs = []
-    for line in open(SCHEMAS):
-        spec = json_schema_spec(json.loads(line)["schema"])
-        try:
-            build_constraint(spec, info, cache=cache)
-        except StructuredOutputError:
-            continue
-        specs.append(spec)
-        if len(specs) == requests:
-            break
-    prompt = tok.encode(tok.apply_chat_template(
-        [{"role": "user", "content": "Reply with the JSON object for today's order ticket."}]))
-    _decode_steps(engine, "warm", prompt, SamplingParams(max_tokens=4), modes[0])  # kernel build, first touch
+    masker = _timed_masker()
+    warm = tok.encode("warm")
+    _decode_steps(engine, [("warm", warm, SamplingParams(max_tokens=4))], modes[0])  # kernel build, first touch
     out: dict = {}
-    for mode in modes:
-        steps: dict[str, list[float]] = {"none": [], "constrained": []}
-        for i, spec in enumerate(tqdm(specs, desc=f"requests ({mode})")):
-            constraint = build_constraint(spec, info, eos_ids=eos, cache=cache, max_tokens=max_tokens)
-            runs = [("none", SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
-                    ("constrained", SamplingParams(max_tokens=max_tokens, logits_processors=[constraint]))]
-            for name, params in runs if i % 2 == 0 else runs[::-1]:  # alternate the order: drift cancels
-                steps[name] += _decode_steps(engine, f"{mode}-{name}-{i}", prompt, params, mode)
-        med = {k: statistics.median(v) * 1e3 for k, v in steps.items()}
-        mean = {k: statistics.fmean(v) * 1e3 for k, v in steps.items()}
-        out[mode] = {"decode_steps": {k: len(v) for k, v in steps.items()},
-                     "step_ms_p50_unconstrained": med["none"], "step_ms_p50_constrained": med["constrained"],
-                     "overhead_pct": 100 * (med["constrained"] / med["none"] - 1),
-                     "step_ms_mean_unconstrained": mean["none"], "step_ms_mean_constrained": mean["constrained"],
-                     "overhead_mean_pct": 100 * (mean["constrained"] / mean["none"] - 1)}
-        print(mode, out[mode])
+    for kind in kinds:
+        cache = ConstraintCache()
+        specs, compile_s = _specs(kind, max(requests, compile_n), info, cache)
+        specs = specs[:requests]
+        out[kind] = {"compile": {"n": len(compile_s), "ms_p50": 1e3 * _percentile(compile_s, 0.5),
+                                 "ms_p99": 1e3 * _percentile(compile_s, 0.99), "ms_max": 1e3 * max(compile_s)}}
+        print(kind, "compile", out[kind]["compile"])
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPTS[kind]}]))
+        for mode in modes if kind == "json" else ("execution",):  # SQL is decoded in execution mode
+            for bs in batch_sizes:
+                steps: dict[str, list[float]] = {"none": [], "constrained": []}
+                masks: list[float] = []
+                batches = [specs[i:i + bs] for i in range(0, len(specs) - bs + 1, bs)] or [specs[:bs]]
+                for i, batch in enumerate(tqdm(batches, desc=f"{kind} {mode} x{bs}")):
+                    free = [(f"{kind}-{mode}-{bs}-none-{i}-{j}", prompt,
+                             SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for j in range(len(batch))]
+                    constrained = [(f"{kind}-{mode}-{bs}-c-{i}-{j}", prompt, SamplingParams(
+                        max_tokens=max_tokens, logits_processors=[build_constraint(
+                            spec, info, eos_ids=eos, cache=cache, max_tokens=max_tokens, mask_batcher=masker)]))
+                        for j, spec in enumerate(batch)]
+                    runs = [("none", free), ("constrained", constrained)]
+                    for name, reqs in runs if i % 2 == 0 else runs[::-1]:  # alternate the order: drift cancels
+                        times, spent = _decode_steps(engine, reqs, mode, masker if name == "constrained" else None)
+                        steps[name] += times
+                        masks += spent if name == "constrained" else []
+                out[kind].setdefault(mode, {})[f"batch_{bs}"] = _summary(steps, masks)
+                print(kind, mode, bs, out[kind][mode][f"batch_{bs}"])
     engine.runner.shutdown()
+    masker.close()
     return out
 
 
+def _export(rev: str) -> Path:
+    """REV's gateway/ package in a temporary directory (first on PYTHONPATH, it shadows the tree's)."""
+    root = Path(tempfile.mkdtemp(prefix="overhead-rev-"))
+    archive = subprocess.run(["git", "archive", rev, "gateway"], check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as tar:
+        tar.extractall(root, filter="data")
+    return root
+
+
+def _compare(args, argv: list[str]) -> dict:
+    """Each revision in its own process (base first, then the working tree), same arguments."""
+    out = {}
+    for label, path in ((f"base {args.compare_rev}", _export(args.compare_rev)), ("head", None)):
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                [str(path)] * (path is not None) + [os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+            cmd = [sys.executable, "-m", "evals.structured.engine_overhead", *argv, "--worker-out", f.name]
+            print(label, "...", flush=True)
+            subprocess.run(cmd, check=True, env=env)
+            out[label] = json.loads(Path(f.name).read_text())
+    return out
+
+
+def _plot(path: Path, revisions: dict) -> None:
+    """One panel per kind, mode and batch size: each revision's p50 steps and direct mask time."""
+    groups: dict[str, dict[str, float]] = {}
+    for label, kinds in revisions.items():
+        for kind, modes in kinds.items():
+            for mode, batches in modes.items():
+                for batch, r in batches.items() if mode != "compile" else ():
+                    g = groups.setdefault(f"{kind} {mode} {batch.replace('_', ' ')} (ms)", {})
+                    g[f"{label}: unconstrained"] = r["step_ms_p50_unconstrained"]
+                    g[f"{label}: constrained"] = r["step_ms_p50_constrained"]
+                    g[f"{label}: mask fill"] = r["mask_ms_p50"]
+    save_bar_plot(path, "decode step p50 and mask fill p50 per step", groups)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL if DEFAULT_MODEL.exists() else DEMO_MODEL)
-    p.add_argument("--requests", type=int, default=24, help="JSON schemas (Glaive, first compilable ones)")
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--modes", default="execution,exploration")
+    p.add_argument("--kinds", default="sql,json")
+    p.add_argument("--requests", type=int, default=16, help="constraints per kind (JSON: Glaive schemas; SQL: Spider DBs)")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--compile-n", type=int, default=60, help="schemas / databases whose cold compile is timed")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--modes", default="execution,exploration", help="JSON's modes (SQL runs in execution)")
     p.add_argument("--format", default="int4", help="expert format of the engine (fast and exact)")
     p.add_argument("--lm-head", default="int4", help="exploration lm_head format (engine_bench's best config)")
     p.add_argument("--fast-dense", default="int8", help="exploration attention format")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compare-rev", default=None, help="git revision whose gateway/ runs first, as the baseline")
+    p.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=Path("evals/structured/results"))
+    p.add_argument("--name", default="engine_overhead", help="file name (without .json / .png) under --out")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     result = {"model": str(args.model), "requests": args.requests, "max_tokens": args.max_tokens,
-              "format": args.format, "lm_head": args.lm_head, "fast_dense": args.fast_dense,
-              "machine": machine_info(),
-              "modes": measure(args.model, args.requests, args.max_tokens, tuple(args.modes.split(",")),
-                               args.format, args.lm_head, args.fast_dense)}
+              "batch_sizes": args.batch_sizes, "format": args.format, "lm_head": args.lm_head,
+              "fast_dense": args.fast_dense, "machine": machine_info()}
+    if args.compare_rev is not None and args.worker_out is None:
+        worker_argv = [a for i, a in enumerate(argv) if a != "--compare-rev" and argv[i - 1:i] != ["--compare-rev"]
+                       and not a.startswith("--compare-rev=")]
+        result["revisions"] = _compare(args, worker_argv)
+    else:
+        result["revisions"] = {"head": measure(
+            args.model, tuple(args.kinds.split(",")), args.requests, tuple(int(b) for b in args.batch_sizes.split(",")),
+            args.max_tokens, tuple(args.modes.split(",")), args.format, args.lm_head, args.fast_dense, args.compile_n)}
+    result["machine_after"] = machine_info()
+    if args.worker_out is not None:
+        args.worker_out.write_text(json.dumps(result["revisions"]["head"]))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "engine_overhead.json").write_text(json.dumps(result, indent=2))
-    save_bar_plot(args.out / "engine_overhead.png", "decode step p50 (ms): unconstrained vs JSON Schema constrained",
-                  {mode: {"unconstrained": r["step_ms_p50_unconstrained"], "constrained": r["step_ms_p50_constrained"]}
-                   for mode, r in result["modes"].items()})
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+    _plot(args.out / f"{args.name}.png", result["revisions"])
     return 0
 
 

@@ -101,11 +101,11 @@ def decode_step_ms(model: Path, requests: int = 6, max_tokens: int = 48) -> dict
     llm = LLM(str(model), prefix_cache=False, progress=False)
     prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Which ticker had the highest price yesterday? Reply with one SQL query."}]))
-    _decode_steps(llm.engine, "warm", prompt, SamplingParams(max_tokens=4), "execution")
+    _decode_steps(llm.engine, [("warm", prompt, SamplingParams(max_tokens=4))], "execution")
     steps: list[float] = []
     for i in range(requests):
-        steps += _decode_steps(llm.engine, f"step-{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                               "execution")
+        steps += _decode_steps(llm.engine, [(f"step-{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))],
+                               "execution")[0]
     llm.engine.runner.shutdown()
     return {"model": str(model), "steps": len(steps), "step_ms_p50": 1e3 * statistics.median(steps),
             "step_ms_mean": 1e3 * statistics.fmean(steps)}

@@ -250,9 +250,8 @@ class LLGuidanceBackend(Backend):
             grammar = self.grammar_for(spec)
         except ValueError as e:
             raise ConstraintCompileError(spec.kind, str(e)) from None
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer.llg)
-        if is_error:
-            raise _typed_error(spec.kind, messages[0] if messages else "invalid grammar")
+        # (the template matcher's construction checks the grammar and raises the same typed error: a
+        # separate validate_grammar_with_warnings call compiled every grammar twice)
         return LLGuidanceCompiled(spec, tokenizer, grammar)
 
 

@@ -21,6 +21,10 @@ from .vocab import TokenizerInfo
 # ends a JSON string, then JSON closers, then SQL's, then a separator (ends a number or value
 # when required members remain).
 CLOSING_TIERS = ((b'"}]', b'"'), (b'"}]', b""), (b")'", b"'"), (b")'", b""), (b",", b","))
+# SQL: only what ends the open string or quoted name (its closing quote, then `)`s), then `)`s alone.
+# `"` and `,` close nothing there: outside quotes they open a string or quoted name and a new item.
+SQL_CLOSING_TIERS = {mode: ((b")" + mode.encode(), mode.encode()),) for mode in ("'", '"', "`", "]")}
+SQL_PAREN_TIER = (b")", b")")
 
 
 @functools.lru_cache(maxsize=8)
@@ -46,6 +50,17 @@ def _special_rows(tokenizer: TokenizerInfo, eos_ids: tuple[int, ...], n_words: i
     tiers = [ids_to_row(_closer_ids(tokenizer, c, f), n_words) for c, f in CLOSING_TIERS]
     rows = (ids_to_row(eos_ids, n_words), tiers, ids_to_row(_whitespace_ids(tokenizer), n_words))
     for row in (rows[0], *tiers, rows[2]):
+        row.flags.writeable = False
+    return rows
+
+
+@functools.lru_cache(maxsize=32)
+def _sql_closer_rows(tokenizer: TokenizerInfo, mode: str, n_words: int) -> tuple[np.ndarray, ...]:
+    """SQL's closing tiers inside `mode` (the scope tracker's open quote: its closing char, "" outside
+    quotes) as read-only bitmask rows."""
+    tiers = (*SQL_CLOSING_TIERS.get(mode, ()), SQL_PAREN_TIER) if mode else (SQL_PAREN_TIER,)
+    rows = tuple(ids_to_row(_closer_ids(tokenizer, c, f), n_words) for c, f in tiers)
+    for row in rows:
         row.flags.writeable = False
     return rows
 
@@ -212,6 +227,8 @@ class Constraint:
             if accepting:
                 out[:] = eos_row
                 return
+            if isinstance(self.guard, SQLScopeGuard):
+                closer_tiers = _sql_closer_rows(self.compiled.tokenizer, self.guard.scope.mode, words)
             for tier in closer_tiers:
                 closing = out & tier
                 if closing.any():

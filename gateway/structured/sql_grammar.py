@@ -14,6 +14,7 @@ words that could only go on as one).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -149,8 +150,10 @@ def _char_class(chars: set[str] | frozenset[str]) -> str:
     return "[" + "".join(parts) + "]"
 
 
+@functools.lru_cache(maxsize=64)
 def _identifier_except(words: tuple[str, ...], max_len: int = 32) -> str:
-    """Regex of identifiers ([A-Za-z_][A-Za-z0-9_]{0,max_len-1}) whose lower case is not in `words`."""
+    """Regex of identifiers ([A-Za-z_][A-Za-z0-9_]{0,max_len-1}) whose lower case is not in `words`
+    (cached: the keywords and a policy's functions, not the schema, decide it)."""
     trie: dict = {}
     for w in words:
         node = trie

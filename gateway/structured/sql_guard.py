@@ -1,232 +1,39 @@
 """Per-token SQL scope guard: filters each constrained-decoding mask row with the scope tracker of
 sql_scope.py, simulating only the tokens that can veto (grouped by their text up to the last
-non-identifier byte) and testing identifier-only tokens by prefix masks.
+non-identifier byte, sharing their common prefixes) and testing identifier-only tokens by prefix
+masks over the token tables of sql_tokens.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
-import re
-from dataclasses import dataclass
 
 import numpy as np
 
 from .sql_closing import closing_texts
-from .sql_scope import (
-    _BANNED,
-    _CLAUSE_END,
-    _ID,
-    _QUOTE_CLOSE,
-    SCHEMA_COMMENT,
-    WORDS_COMMENT,
-    SQLScope,
-    SQLWords,
-    WordPool,
-    _Veto,
+from .sql_scope import _BANNED, _ID, SCHEMA_COMMENT, WORDS_COMMENT, SQLScope, SQLWords, WordPool, _Veto
+from .sql_tokens import (
+    NONE,
+    RELEVANT,
+    extending,
+    tail_checks,
+    tail_classes,
+    tail_mask,
+    token_table,
+    word_mask,
 )
 from .vocab import TokenizerInfo
 
-_QUAL_HEAD = re.compile(r"^[ \t\r\n]*([A-Za-z0-9_]*)\.$")
-_HOT_CHARS = frozenset(".);'\"`[]")
-_QUOTE_OPEN = ('"', "`", "[")
-_SAFE_HEAD = frozenset(" \t\r\n=<>!+-*/%|(")  # a head of these changes no scope: only where a word starts
-# Words whose completion can end a FROM clause or a scope (the others cannot veto, except aliases).
-_RELEVANT = _CLAUSE_END | {"select"}
 
-
-@dataclass(frozen=True, eq=False)
-class _TokenTable:
-    """Per-tokenizer arrays that let `filter` simulate only the tokens that can veto."""
-
-    texts: list[str]  # per id: its bytes as latin-1 text
-    lower: list[str]  # the same, lower case
-    delim: np.ndarray  # [V] bool: holds a non-identifier byte
-    dots: np.ndarray  # [V] bool: holds a "."
-    hot: np.ndarray  # [V] bool: its head holds . ) ; a quote, or completes a word of _RELEVANT inside it
-    head: np.ndarray  # [V] int: index into heads of its text up to and including its last non-identifier byte
-    heads: list[str]
-    canon: tuple[np.ndarray, np.ndarray]  # [V] int each: index into canons of its head as the scope
-    canons: list[str]  # tracker reads it from outside / inside a '...' string (_canonical): one simulation
-    rest: np.ndarray  # [V] int: index into rests of its head after its leading identifier
-    rests: list[str]
-    leads: dict[str, np.ndarray]  # lower-case identifier bytes before the first non-identifier byte -> ids
-    inners: dict[str, np.ndarray]  # a word that starts and ends inside the token's head -> ids
-    qual: np.ndarray  # [V] int: >= 0 where the head is `<whitespace><identifier>.` (a qualifier)
-    quals: dict[str, np.ndarray]  # that identifier, lower case -> ids
-    idents: dict[str, np.ndarray]  # lower-case text of identifier-only tokens -> ids
-    tails: dict[str, np.ndarray]  # lower-case identifier after the last non-identifier byte -> ids
-    tailed: np.ndarray  # [V] bool: holds a non-identifier byte and identifier bytes after the last one
-    tail_at: np.ndarray  # [V] uint8: its head's last non-whitespace byte (0: none, 1: an identifier byte)
-    safe: np.ndarray  # [V] bool: its head holds only whitespace and "=<>!+-*/%|(" (_SAFE_HEAD)
-    safe_comma: np.ndarray  # [V] bool: those and ","
-    lead_empty: np.ndarray  # [V] bool: starts with a non-identifier byte
-    first_dot: np.ndarray  # [V] bool: its first non-identifier byte is "."
-    digit_start: np.ndarray  # [V] bool: starts with a digit (a number, where a word would start)
-    digit_tail: np.ndarray  # [V] bool: the identifier after its last non-identifier byte starts with a digit
-    quote_start: np.ndarray  # [V] bool: starts with an identifier quote (" ` [)
-    quotes: np.ndarray  # [V] bool: holds an identifier quote (" ` [ ])
-    arg_marks: np.ndarray  # [V] bool: holds "," or ")"
-    call_marks: np.ndarray  # [V] bool: holds "(" and after it "," or ")"
-    has_digit: np.ndarray  # [V] bool: holds a digit
-
-
-def _canonical(head: str, in_string: bool) -> str:
-    """`head` as the scope tracker reads it (starting inside a '...' string or not): a string's
-    content as one "a" (only its closing quote counts), each whitespace run outside quotes as its last
-    byte (a run ends a word; a fence needs its newline right before the backtick); names in quotes as is."""
-    out, mode, gap = [], "'" if in_string else "", ""
-    for ch in head:
-        if mode == "'":
-            if ch == "'":
-                mode = ""
-                out.append(ch)
-            elif out[-1:] != ["a"]:
-                out.append("a")
-        elif mode:
-            out.append(ch)
-            mode = "" if ch == mode else mode
-        elif ch in " \t\r\n":
-            gap = ch
-        else:
-            out.append(gap + ch)
-            gap = ""
-            if ch == "'":
-                mode = "'"
-                out.append("")  # (the string's content follows)
-            elif ch in _QUOTE_CLOSE:
-                mode = _QUOTE_CLOSE[ch]
-    return "".join(out) + gap
-
-
-@functools.lru_cache(maxsize=8)
-def _token_table(tokenizer: TokenizerInfo) -> _TokenTable:
-    texts, index, nindex, rindex, leads, inners, quals, idents, tails = [], {}, {}, {}, {}, {}, {}, {}, {}
-    n = tokenizer.vocab_size
-    delim, dots, hot, tailed, lead_empty, first_dot, digit_start, digit_tail = (
-        np.zeros(n, dtype=bool) for _ in range(8))
-    tail_at = np.zeros(n, dtype=np.uint8)
-    safe, safe_comma = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
-    qual = np.full(n, -1, dtype=np.int64)
-    head, rest, canon_out, canon_in = (np.zeros(n, dtype=np.int64) for _ in range(4))
-    for i, b in enumerate(tokenizer.token_bytes[:n]):
-        t = (b or b"").decode("latin-1")
-        texts.append(t)
-        digit_start[i] = t[:1].isdigit()
-        cuts = [k for k, ch in enumerate(t) if ch not in _ID]
-        if not cuts:
-            if t:
-                idents.setdefault(t.lower(), []).append(i)
-            continue
-        h = t[: cuts[-1] + 1]
-        delim[i], dots[i] = True, "." in t
-        lead_empty[i], first_dot[i] = cuts[0] == 0, t[cuts[0]] == "."
-        if tail := t[len(h):].lower():
-            tailed[i], digit_tail[i] = True, tail[0].isdigit()
-            body = h.rstrip(" \t\r\n")
-            tail_at[i] = 0 if not body else 1 if body[-1] in _ID else ord(body[-1])
-            safe[i], safe_comma[i] = set(h) <= _SAFE_HEAD, set(h) <= _SAFE_HEAD | {","}
-            tails.setdefault(tail, []).append(i)
-        words = [t[a + 1:c].lower() for a, c in zip(cuts, cuts[1:], strict=False) if c > a + 1]
-        for w in words:
-            inners.setdefault(w, []).append(i)
-        hot[i] = bool(_HOT_CHARS & set(h)) or any(w in _RELEVANT for w in words)
-        head[i] = index.setdefault(h, len(index))
-        rest[i] = rindex.setdefault(h[cuts[0]:], len(rindex))
-        canon_out[i] = nindex.setdefault(_canonical(h, False), len(nindex))
-        canon_in[i] = nindex.setdefault(_canonical(h, True), len(nindex))
-        leads.setdefault(t[: cuts[0]].lower(), []).append(i)
-        if (m := _QUAL_HEAD.match(h)) and "." not in t[len(h):]:
-            qual[i] = 1
-            quals.setdefault(m.group(1).lower(), []).append(i)
-    def arrays(d: dict[str, list[int]]) -> dict[str, np.ndarray]:
-        return {k: np.array(v, dtype=np.int64) for k, v in d.items()}
-
-    return _TokenTable(texts, [t.lower() for t in texts], delim, dots, hot, head, list(index), (canon_out, canon_in),
-                       list(nindex),
-                       rest, list(rindex),
-                       arrays(leads),
-                       arrays(inners), qual, arrays(quals), arrays(idents), arrays(tails), tailed, tail_at,
-                       safe, safe_comma, lead_empty, first_dot, digit_start, digit_tail,
-                       np.array([t[:1] in _QUOTE_OPEN for t in texts], dtype=bool),
-                       np.array([any(q in t for q in '"`[]') for t in texts], dtype=bool),
-                       np.array(["," in t or ")" in t for t in texts], dtype=bool),
-                       np.array(["(" in t and ("," in t[t.index("("):] or ")" in t[t.index("("):]) for t in texts],
-                                dtype=bool),
-                       np.array([any(c.isdigit() for c in t) for t in texts], dtype=bool))
-
-
-@functools.lru_cache(maxsize=64)
-def _tail_checks(tt: _TokenTable, before_operand: frozenset[str]) -> np.ndarray:
-    """[V] bool: tokens whose identifier after the last non-identifier byte may start a checked word
-    (the head ends in punctuation that may precede an operand, or in a word or whitespace)."""
-    codes = [0, 1] + [ord(c) for c in before_operand if len(c) == 1]
-    return tt.tailed & np.isin(tt.tail_at, np.array(codes, dtype=np.uint8))
-
-
-@functools.lru_cache(maxsize=64)
-def _tail_classes(tt: _TokenTable, before_operand: frozenset[str], after: frozenset[str]) -> dict[str, np.ndarray]:
-    """Tokens with an identifier after their head, by the punctuation before it ("" for whitespace),
-    one class per pool: the bytes with words of their own (in `after`), and one for the rest."""
-    own = sorted(c for c in after if len(c) == 1 and c in before_operand)
-    rest = sorted(c for c in before_operand if len(c) == 1 and c not in own)
-    classes = {"": tt.tailed & (tt.tail_at == 0)}
-    classes |= {c: tt.tailed & (tt.tail_at == ord(c)) for c in own}
-    if rest:
-        classes[rest[0]] = tt.tailed & np.isin(tt.tail_at, np.array([ord(c) for c in rest], dtype=np.uint8))
-    return classes
-
-
-_NONE = np.zeros(0, dtype=np.int64)
-
-
-def _word_ids(tt: _TokenTable, pool: WordPool, word: str) -> np.ndarray:
-    """Tokens that keep `word` a prefix of a word of `pool`: identifier-only ones that extend it, and
-    ones whose leading identifier completes it (before a "." only as a qualifier)."""
-    n, ids = len(word), []
-    pieces = {a[n:k] for a in pool.words if a.startswith(word) for k in range(n + 1, len(a) + 1)}
-    ids += [x for p in pieces if (x := tt.idents.get(p)) is not None]
-    for a in pool.words:
-        if len(a) > n and a.startswith(word) and (x := tt.leads.get(a[n:])) is not None:
-            ids.append(x if a in pool.ends else x[tt.first_dot[x]])
-    return np.concatenate(ids) if ids else _NONE
-
-
-@functools.lru_cache(maxsize=256)
-def _extending(tt: _TokenTable, words: frozenset[str], word: str) -> np.ndarray:
-    """[V] bool: identifier-only tokens after which `word` is still a prefix of one of `words`."""
-    ok = np.zeros(len(tt.texts), dtype=bool)
-    n = len(word)
-    for piece in {w[n:k] for w in words if w.startswith(word) for k in range(n + 1, len(w) + 1)}:
-        if (ids := tt.idents.get(piece)) is not None:
-            ok[ids] = True
-    return ok
-
-
-@functools.lru_cache(maxsize=64)
-def _word_mask(tt: _TokenTable, pool: WordPool, word: str) -> np.ndarray:
-    """[V] bool: the tokens that keep `word` (being written where `pool` applies) within it."""
-    ok = np.zeros(len(tt.texts), dtype=bool)
-    ok[_word_ids(tt, pool, word)] = True
-    if not word:  # a token that starts with a delimiter or a digit starts no word
-        ok |= tt.lead_empty | tt.digit_start
-    elif word in pool.ends:  # ended by the token's first byte
-        ok |= tt.lead_empty
-    else:  # only as a qualifier
-        ok |= tt.lead_empty & tt.first_dot
-    return ok
-
-
-@functools.lru_cache(maxsize=64)
-def _tail_mask(tt: _TokenTable, pool: WordPool) -> np.ndarray:
-    """[V] bool: tokens whose identifier after their last non-identifier byte starts a word of
-    `pool` (or a number)."""
-    ok = tt.digit_tail.copy()
-    pieces = {a[:k] for a in pool.words for k in range(1, len(a) + 1)}
-    if ids := [x for p in pieces if (x := tt.tails.get(p)) is not None]:
-        ok[np.concatenate(ids)] = True
-    return ok
+def _trie_members(node: dict) -> np.ndarray:
+    """The members of every head at or below a trie node of SQLScopeGuard._simulate."""
+    found, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        found += [v for k, v in n.items() if not k]
+        stack += [v for k, v in n.items() if k]
+    return np.concatenate(found) if found else NONE
 
 
 class SQLScopeGuard:
@@ -235,7 +42,7 @@ class SQLScopeGuard:
     def __init__(self, tables: dict[str, frozenset[str]], tokenizer: TokenizerInfo, fenced: bool,
                  words: SQLWords | None = None) -> None:
         self.scope = SQLScope(tables, fenced, words)
-        self.table = _token_table(tokenizer)
+        self.table = token_table(tokenizer)
         self.tokenizer = tokenizer
 
     @classmethod
@@ -308,7 +115,7 @@ class SQLScopeGuard:
             keep &= tt.lead_empty
             drop[self._any_name_heads(named)] = True
         elif s.dot_q is not None:  # identifier-only tokens extend the column name: a prefix test
-            drop[: len(bits)] |= bits & ~tt.delim & ~_extending(tt, frozenset(columns), s.word)
+            drop[: len(bits)] |= bits & ~tt.delim & ~extending(tt, frozenset(columns), s.word)
             if not s.mode:  # (inside quotes every other token is simulated)
                 ends = np.zeros(len(tt.texts), dtype=bool)  # tokens whose leading identifier ends a column
                 for c in columns:
@@ -322,10 +129,10 @@ class SQLScopeGuard:
             if s.pool is None:  # unchecked until its closing quote (SQLite's "...": a name or a string)
                 keep &= tt.quotes
             else:
-                drop[: len(bits)] |= bits & ~tt.delim & ~_extending(tt, s.pool.words, s.word)
+                drop[: len(bits)] |= bits & ~tt.delim & ~extending(tt, s.pool.words, s.word)
         else:
             if (pool := s.pool if s.word else s.word_pool()) is not None:
-                ok = _word_mask(tt, pool, s.word)
+                ok = word_mask(tt, pool, s.word)
                 drop[: len(bits)] |= bits & ~ok
                 keep &= ok
             pending = {q for f in s.stack if f.scope for q in f.pending}
@@ -339,10 +146,10 @@ class SQLScopeGuard:
                     if (ids := tt.inners.get(w)) is not None:
                         sim[ids] = True
                 in_from = any(f.scope and f.phase == "from" for f in s.stack)
-                for w in _RELEVANT | pending | ({s.word} if in_from else set()):
+                for w in RELEVANT | pending | ({s.word} if in_from else set()):
                     if w.startswith(s.word) and (ids := tt.leads.get(w[len(s.word):])) is not None:
                         sim[ids] = True
-            checks = keep & _tail_checks(tt, s.words.before_operand) if s.words is not None and not s.mode else None
+            checks = keep & tail_checks(tt, s.words.before_operand) if s.words is not None and not s.mode else None
             if s.in_by_list():  # a number there is an output column's position (SQLScope.ordinal_ok)
                 sim |= tt.has_digit
                 if checks is not None:
@@ -382,8 +189,8 @@ class SQLScopeGuard:
         cands, heads = cands[order], heads[order]
         starts = np.flatnonzero(np.r_[True, heads[1:] != heads[:-1]])
         groups = zip(heads[starts].tolist(), np.split(cands, starts[1:]), strict=True) if cands.size else ()
-        for h, members in groups:
-            self._simulate(tt.heads[h] if s.mode and not string else tt.canons[h], members, drop)
+        texts = tt.heads if s.mode and not string else tt.canons
+        self._simulate([(texts[h], members) for h, members in groups], drop)
         out &= ~np.packbits(drop, bitorder="little").view(np.uint32)
 
     def _any_name_heads(self, ids: np.ndarray) -> list[int]:
@@ -397,25 +204,52 @@ class SQLScopeGuard:
         order = np.argsort(rests, kind="stable")
         ids, rests = ids[order], rests[order]
         starts = np.flatnonzero(np.r_[True, rests[1:] != rests[:-1]])
+        heads: list[tuple[str, np.ndarray]] = []
         for r, members in zip(rests[starts].tolist(), np.split(ids, starts[1:]), strict=True):
             rest = tt.rests[r]
             if any(ch in _ID for ch in rest):
-                for t in members.tolist():
-                    self._simulate(tt.texts[t][: len(tt.heads[tt.head[t]])], np.array([t]), drop)
+                heads += [(tt.texts[t][: len(tt.heads[tt.head[t]])], np.array([t])) for t in members.tolist()]
             else:
-                self._simulate("x" + rest, members, drop)
+                heads.append(("x" + rest, members))
+        self._simulate(heads, drop)
         return np.flatnonzero(drop).tolist()
 
-    def _simulate(self, head: str, members: np.ndarray, drop: np.ndarray) -> None:
-        """Feed `head` (the text the tokens `members` share up to their last non-identifier byte) and
-        set in `drop` those it vetoes, or whose identifier after it cannot start a word there."""
-        s, tt = self.scope, self.table
-        state = s.clone()
-        try:
-            state.feed(head)
-        except _Veto:
-            drop[members] = True
-            return
+    def _simulate(self, heads: list[tuple[str, np.ndarray]], drop: np.ndarray) -> None:
+        """Feed each head (the text the tokens `members` share up to their last non-identifier byte)
+        and set in `drop` the tokens it vetoes, or whose identifier after it cannot start a word there.
+        The heads share their common prefixes: a trie of them walked depth first, each character fed
+        once per trie node and the state cloned only where the trie branches."""
+        trie: dict = {}
+        for head, members in heads:
+            node = trie
+            for ch in head:
+                node = node.setdefault(ch, {})
+            node[""] = np.concatenate((node[""], members)) if "" in node else members
+        self._walk(trie, self.scope.clone(), drop)
+
+    def _walk(self, node: dict, state: SQLScope, drop: np.ndarray) -> None:
+        """`state` has read the text to `node`: rule on the heads that end there, then go on into each
+        branch (the last one with `state` itself)."""
+        if (members := node.get("")) is not None:
+            # (SQLScope.feed's end-of-text check: a half-written word on its way to a banned keyword)
+            if state.word and state.banned and not state.mode and state.only_banned(state.word):
+                drop[members] = True
+            else:
+                self._after_head(state, members, drop)
+        kids = [ch for ch in node if ch]
+        for i, ch in enumerate(kids):
+            branch = state if i == len(kids) - 1 else state.clone()
+            try:
+                branch._char(ch)
+            except _Veto:
+                drop[_trie_members(node[ch])] = True
+                continue
+            self._walk(node[ch], branch, drop)
+
+    def _after_head(self, state: SQLScope, members: np.ndarray, drop: np.ndarray) -> None:
+        """Set in `drop` the tokens `members` (whose head `state` has read) whose identifier after the
+        head cannot start a word there (`state` is left as it was)."""
+        tt = self.table
         if state.in_by_list() and (numbers := members[tt.digit_tail[members]]).size:
             drop[[t for t in numbers.tolist() if not state.ordinal_ok(tt.texts[t][len(tt.heads[tt.head[t]]):])]] = True
         if state.mode and state.mode != state.string:  # the tail starts a quoted name
@@ -424,13 +258,14 @@ class SQLScopeGuard:
         elif state.dot_q is not None:  # the identifier tail starts a column name: a prefix of one
             if (tailed := members[tt.tailed[members]]).size and (cols := state.columns_for(state.dot_q)) is not None:
                 pool = WordPool(frozenset(cols), frozenset())
-                drop[tailed[~(_tail_mask(tt, pool) & ~tt.digit_tail)[tailed]]] = True
+                drop[tailed[~(tail_mask(tt, pool) & ~tt.digit_tail)[tailed]]] = True
         elif (tailed := members[tt.tailed[members]]).size and not state.word and not state.mode:
             if (pool := state.word_pool()) is not None:
-                drop[tailed[~_tail_mask(tt, pool)[tailed]]] = True
+                drop[tailed[~tail_mask(tt, pool)[tailed]]] = True
             if bans := state._bans():  # (a word after the head may not start as a clause keyword)
-                state.banned = bans
+                saved, state.banned = state.banned, bans
                 pieces = {k[:e] for k in bans for e in range(1, len(k) + 1) if state.only_banned(k[:e])}
+                state.banned = saved
                 banned = np.zeros(len(tt.texts), dtype=bool)
                 for p in pieces:
                     if (ids := tt.tails.get(p)) is not None:
@@ -442,9 +277,9 @@ class SQLScopeGuard:
         the heads that change nothing but where a word starts (_SAFE_HEAD), by the byte before that
         identifier (classes with one pool each); sets the other tokens in `sim`."""
         s, tt = self.scope, self.table
-        veto = [_NONE]
+        veto = [NONE]
         if not checks.size:
-            return _NONE
+            return NONE
         base = s
         if s.word:  # the token's first byte ends the word being written (as whitespace would)
             base = s.clone()
@@ -457,12 +292,12 @@ class SQLScopeGuard:
             comma = not (f.phase == "from" and base.stack[-1] is f)  # "," there starts a new source
             is_fast = (tt.safe_comma if comma else tt.safe)[checks]
             fast, checks = checks[is_fast], checks[~is_fast]
-            classes = _tail_classes(tt, s.words.before_operand, frozenset(s.words.after))
+            classes = tail_classes(tt, s.words.before_operand, frozenset(s.words.after))
             if base.word_pool(next(iter(classes.keys() - {""}), "")) is not None:  # else no class has one
                 for at, members in classes.items():
                     if (pool := base.word_pool(at or base.at)) is not None:
                         m = fast[members[fast]]
-                        veto.append(m[~_tail_mask(tt, pool)[m]])
+                        veto.append(m[~tail_mask(tt, pool)[m]])
         sim[checks] = True
         return np.concatenate(veto)
 
@@ -496,7 +331,7 @@ class SQLScopeGuard:
             bound = {q for f in state.stack if f.scope for q in f.declared}
             ok = np.zeros(len(tt.texts), dtype=bool)
             if not prefix:  # a "." after no word: a number's decimal point (`.5`)
-                ok[tt.quals.get("", _NONE)] = True
+                ok[tt.quals.get("", NONE)] = True
             for b in bound:
                 if b.startswith(prefix) and (ids := tt.quals.get(b[len(prefix):])) is not None:
                     ok[ids] = True

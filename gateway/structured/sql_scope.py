@@ -485,7 +485,7 @@ class SQLScope:
 
     def _follow(self) -> frozenset[str] | None:
         """The keywords a word starting here may be, where the position narrows them (None: any):
-        after a SELECT item's alias only FROM (or a clause keyword); after a FROM source's alias only
+        after a SELECT item's alias or a `*` item only FROM (or a clause keyword); after a FROM source's alias only
         a join word, ON or USING."""
         f = self._scope()
         if self.stack[-1] is not f:
@@ -493,6 +493,9 @@ class SQLScope:
         parts = f.item
         if f.phase == "select" and len(parts) >= 2 and parts[-1][0] == "w" and (
                 parts[-2] == ("k", "as") or parts[-2][0] in "wv" or parts[-2] == ("p", ")")):
+            return _AFTER_ALIAS
+        if f.phase == "select" and self.at == "*" and parts[-1:] == [("p", "*")] and (
+                len(parts) == 1 or parts[-2] in (("p", "."), ("p", ","))):  # after a `*` item: as after an alias
             return _AFTER_ALIAS
         if f.phase == "from" and f.expect == "aliased":
             return _AFTER_SOURCE_ALIAS

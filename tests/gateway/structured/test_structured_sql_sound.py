@@ -166,3 +166,50 @@ def test_admitted_prefixes_close_within_a_small_budget(tokinfo, prefix):
     path = shortest_completion(c.matcher.llg, tokinfo, 80, allow=c.guard.allows, first=c.guard.closing_moves)
     assert path is not None, prefix
     check_sql(tokinfo.decode(ids + path), DB, SQLPolicy(dialect="sqlite"))
+
+
+@pytest.mark.parametrize("prefix, closers", [
+    ("SELECT id FROM trades WHERE symbol = ", None),  # nothing open: no tier applies
+    ("SELECT id FROM trades WHERE symbol = 'AA", "'"),  # inside a string: its quote first
+    ("SELECT id FROM trades WHERE qty > (1 + ", None),  # a number or name must come first: `)` not allowed yet
+    ("SELECT id FROM trades WHERE qty > (1 + 2", ")"),
+])
+def test_sql_closing_window_prefers_only_real_closers(tokinfo, prefix, closers):
+    """In the closing window an SQL row keeps `"` and `,` tokens no preference (they open a quoted name or
+    string and a new item); inside a string its closing quote leads, else `)` where it is allowed."""
+    import numpy as np
+    import torch
+
+    from gateway.structured.bitmask import bitmask_words
+    from gateway.structured.build import build_constraint
+
+    spec = sql_spec(DB, SQLPolicy(dialect="sqlite"))
+    ids = tokinfo.encode(prefix)
+    rows = {}
+    for budget in (len(ids) + 200, len(ids) + 8):  # outside / inside the closing window
+        c = build_constraint(spec, tokinfo, max_tokens=budget, cache=ConstraintCache())
+        c._next_plan_check = budget  # (no completion path forced: the tiers alone)
+        for t in ids:
+            assert c.consume(t), prefix
+        row = torch.empty(1, bitmask_words(c.vocab_size), dtype=torch.int32)
+        c.fill_bitmask(row, 0)
+        rows[budget > len(ids) + 8] = np.unpackbits(row[0].numpy().view(np.uint8), bitorder="little").astype(bool)
+    free, closing = rows[True], rows[False]
+    texts = [tokinfo.decode([int(i)]) for i in np.flatnonzero(closing)[:2000]]
+    if closers is None:
+        assert np.array_equal(free, closing), prefix
+        assert not all(t.startswith(('"', ",")) for t in texts)
+    else:
+        assert closing.sum() < free.sum() and all(t.startswith(closers) and set(t) <= set(")" + closers)
+                                                    for t in texts), (prefix, texts[:20])
+
+
+@pytest.mark.parametrize("prefix", ["SELECT b.x, *", "SELECT b.x, t.*", "SELECT *, b.x AS upper"])
+def test_no_word_after_a_star_or_alias_grows_only_into_a_banned_clause(tokinfo, prefix):
+    """After a `*` item (as after an alias) with `b` unbound, ` IN` can only become INTERSECT: refused
+    where it starts (a random walk met it as a dead end: every next token vetoed), FROM still allowed."""
+    guard = SQLScopeGuard.from_grammar(sql_spec(DB, SQLPolicy(dialect="sqlite")).source, tokinfo)
+    ids = tokinfo.encode(prefix)
+    assert guard.allows(ids, final=False), prefix
+    assert not guard.allows(ids + tokinfo.encode(" IN"), final=False), prefix
+    assert guard.allows(ids + tokinfo.encode(" FROM"), final=False), prefix

@@ -1,0 +1,216 @@
+"""Per-tokenizer token tables for the SQL scope guard (sql_guard.py): each token's text split where
+the scope tracker can react (its head up to the last non-identifier byte, the identifier before and
+after it), the heads as the tracker reads them (_canonical), and cached token-set masks over them.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sql_scope import _CLAUSE_END, _ID, _QUOTE_CLOSE, WordPool
+from .vocab import TokenizerInfo
+
+_QUAL_HEAD = re.compile(r"^[ \t\r\n]*([A-Za-z0-9_]*)\.$")
+_HOT_CHARS = frozenset(".);'\"`[]")
+_QUOTE_OPEN = ('"', "`", "[")
+_SAFE_HEAD = frozenset(" \t\r\n=<>!+-*/%|(")  # a head of these changes no scope: only where a word starts
+# Words whose completion can end a FROM clause or a scope (the others cannot veto, except aliases).
+RELEVANT = _CLAUSE_END | {"select"}
+
+
+@dataclass(frozen=True, eq=False)
+class TokenTable:
+    """Per-tokenizer arrays that let `SQLScopeGuard.filter` simulate only the tokens that can veto."""
+
+    texts: list[str]  # per id: its bytes as latin-1 text
+    lower: list[str]  # the same, lower case
+    delim: np.ndarray  # [V] bool: holds a non-identifier byte
+    dots: np.ndarray  # [V] bool: holds a "."
+    hot: np.ndarray  # [V] bool: its head holds . ) ; a quote, or completes a word of RELEVANT inside it
+    head: np.ndarray  # [V] int: index into heads of its text up to and including its last non-identifier byte
+    heads: list[str]
+    canon: tuple[np.ndarray, np.ndarray]  # [V] int each: index into canons of its head as the scope
+    canons: list[str]  # tracker reads it from outside / inside a '...' string (_canonical): one simulation
+    rest: np.ndarray  # [V] int: index into rests of its head after its leading identifier
+    rests: list[str]
+    leads: dict[str, np.ndarray]  # lower-case identifier bytes before the first non-identifier byte -> ids
+    inners: dict[str, np.ndarray]  # a word that starts and ends inside the token's head -> ids
+    qual: np.ndarray  # [V] int: >= 0 where the head is `<whitespace><identifier>.` (a qualifier)
+    quals: dict[str, np.ndarray]  # that identifier, lower case -> ids
+    idents: dict[str, np.ndarray]  # lower-case text of identifier-only tokens -> ids
+    tails: dict[str, np.ndarray]  # lower-case identifier after the last non-identifier byte -> ids
+    tailed: np.ndarray  # [V] bool: holds a non-identifier byte and identifier bytes after the last one
+    tail_at: np.ndarray  # [V] uint8: its head's last non-whitespace byte (0: none, 1: an identifier byte)
+    safe: np.ndarray  # [V] bool: its head holds only whitespace and "=<>!+-*/%|(" (_SAFE_HEAD)
+    safe_comma: np.ndarray  # [V] bool: those and ","
+    lead_empty: np.ndarray  # [V] bool: starts with a non-identifier byte
+    first_dot: np.ndarray  # [V] bool: its first non-identifier byte is "."
+    digit_start: np.ndarray  # [V] bool: starts with a digit (a number, where a word would start)
+    digit_tail: np.ndarray  # [V] bool: the identifier after its last non-identifier byte starts with a digit
+    quote_start: np.ndarray  # [V] bool: starts with an identifier quote (" ` [)
+    quotes: np.ndarray  # [V] bool: holds an identifier quote (" ` [ ])
+    arg_marks: np.ndarray  # [V] bool: holds "," or ")"
+    call_marks: np.ndarray  # [V] bool: holds "(" and after it "," or ")"
+    has_digit: np.ndarray  # [V] bool: holds a digit
+
+
+def _canonical(head: str, in_string: bool) -> str:
+    """`head` as the scope tracker reads it (starting inside a '...' string or not): a string's
+    content as one "a" (only its closing quote counts), each whitespace run outside quotes as one byte:
+    a newline where the run ends in one (a fence needs it right before the backtick), else a space (a
+    run ends a word, the tracker reads no other difference); names in quotes as is."""
+    out, mode, gap = [], "'" if in_string else "", ""
+    for ch in head:
+        if mode == "'":
+            if ch == "'":
+                mode = ""
+                out.append(ch)
+            elif out[-1:] != ["a"]:
+                out.append("a")
+        elif mode:
+            out.append(ch)
+            mode = "" if ch == mode else mode
+        elif ch in " \t\r\n":
+            gap = "\n" if ch == "\n" else " "
+        else:
+            out.append(gap + ch)
+            gap = ""
+            if ch == "'":
+                mode = "'"
+                out.append("")  # (the string's content follows)
+            elif ch in _QUOTE_CLOSE:
+                mode = _QUOTE_CLOSE[ch]
+    return "".join(out) + gap
+
+
+@functools.lru_cache(maxsize=8)
+def token_table(tokenizer: TokenizerInfo) -> TokenTable:
+    texts, index, nindex, rindex, leads, inners, quals, idents, tails = [], {}, {}, {}, {}, {}, {}, {}, {}
+    n = tokenizer.vocab_size
+    delim, dots, hot, tailed, lead_empty, first_dot, digit_start, digit_tail = (
+        np.zeros(n, dtype=bool) for _ in range(8))
+    tail_at = np.zeros(n, dtype=np.uint8)
+    safe, safe_comma = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    qual = np.full(n, -1, dtype=np.int64)
+    head, rest, canon_out, canon_in = (np.zeros(n, dtype=np.int64) for _ in range(4))
+    for i, b in enumerate(tokenizer.token_bytes[:n]):
+        t = (b or b"").decode("latin-1")
+        texts.append(t)
+        digit_start[i] = t[:1].isdigit()
+        cuts = [k for k, ch in enumerate(t) if ch not in _ID]
+        if not cuts:
+            if t:
+                idents.setdefault(t.lower(), []).append(i)
+            continue
+        h = t[: cuts[-1] + 1]
+        delim[i], dots[i] = True, "." in t
+        lead_empty[i], first_dot[i] = cuts[0] == 0, t[cuts[0]] == "."
+        if tail := t[len(h):].lower():
+            tailed[i], digit_tail[i] = True, tail[0].isdigit()
+            body = h.rstrip(" \t\r\n")
+            tail_at[i] = 0 if not body else 1 if body[-1] in _ID else ord(body[-1])
+            safe[i], safe_comma[i] = set(h) <= _SAFE_HEAD, set(h) <= _SAFE_HEAD | {","}
+            tails.setdefault(tail, []).append(i)
+        words = [t[a + 1:c].lower() for a, c in zip(cuts, cuts[1:], strict=False) if c > a + 1]
+        for w in words:
+            inners.setdefault(w, []).append(i)
+        hot[i] = bool(_HOT_CHARS & set(h)) or any(w in RELEVANT for w in words)
+        head[i] = index.setdefault(h, len(index))
+        rest[i] = rindex.setdefault(h[cuts[0]:], len(rindex))
+        canon_out[i] = nindex.setdefault(_canonical(h, False), len(nindex))
+        canon_in[i] = nindex.setdefault(_canonical(h, True), len(nindex))
+        leads.setdefault(t[: cuts[0]].lower(), []).append(i)
+        if (m := _QUAL_HEAD.match(h)) and "." not in t[len(h):]:
+            qual[i] = 1
+            quals.setdefault(m.group(1).lower(), []).append(i)
+    def arrays(d: dict[str, list[int]]) -> dict[str, np.ndarray]:
+        return {k: np.array(v, dtype=np.int64) for k, v in d.items()}
+
+    return TokenTable(texts, [t.lower() for t in texts], delim, dots, hot, head, list(index), (canon_out, canon_in),
+                       list(nindex),
+                       rest, list(rindex),
+                       arrays(leads),
+                       arrays(inners), qual, arrays(quals), arrays(idents), arrays(tails), tailed, tail_at,
+                       safe, safe_comma, lead_empty, first_dot, digit_start, digit_tail,
+                       np.array([t[:1] in _QUOTE_OPEN for t in texts], dtype=bool),
+                       np.array([any(q in t for q in '"`[]') for t in texts], dtype=bool),
+                       np.array(["," in t or ")" in t for t in texts], dtype=bool),
+                       np.array(["(" in t and ("," in t[t.index("("):] or ")" in t[t.index("("):]) for t in texts],
+                                dtype=bool),
+                       np.array([any(c.isdigit() for c in t) for t in texts], dtype=bool))
+
+
+@functools.lru_cache(maxsize=64)
+def tail_checks(tt: TokenTable, before_operand: frozenset[str]) -> np.ndarray:
+    """[V] bool: tokens whose identifier after the last non-identifier byte may start a checked word
+    (the head ends in punctuation that may precede an operand, or in a word or whitespace)."""
+    codes = [0, 1] + [ord(c) for c in before_operand if len(c) == 1]
+    return tt.tailed & np.isin(tt.tail_at, np.array(codes, dtype=np.uint8))
+
+
+@functools.lru_cache(maxsize=64)
+def tail_classes(tt: TokenTable, before_operand: frozenset[str], after: frozenset[str]) -> dict[str, np.ndarray]:
+    """Tokens with an identifier after their head, by the punctuation before it ("" for whitespace),
+    one class per pool: the bytes with words of their own (in `after`), and one for the rest."""
+    own = sorted(c for c in after if len(c) == 1 and c in before_operand)
+    rest = sorted(c for c in before_operand if len(c) == 1 and c not in own)
+    classes = {"": tt.tailed & (tt.tail_at == 0)}
+    classes |= {c: tt.tailed & (tt.tail_at == ord(c)) for c in own}
+    if rest:
+        classes[rest[0]] = tt.tailed & np.isin(tt.tail_at, np.array([ord(c) for c in rest], dtype=np.uint8))
+    return classes
+
+
+NONE = np.zeros(0, dtype=np.int64)
+
+
+def _word_ids(tt: TokenTable, pool: WordPool, word: str) -> np.ndarray:
+    """Tokens that keep `word` a prefix of a word of `pool`: identifier-only ones that extend it, and
+    ones whose leading identifier completes it (before a "." only as a qualifier)."""
+    n, ids = len(word), []
+    pieces = {a[n:k] for a in pool.words if a.startswith(word) for k in range(n + 1, len(a) + 1)}
+    ids += [x for p in pieces if (x := tt.idents.get(p)) is not None]
+    for a in pool.words:
+        if len(a) > n and a.startswith(word) and (x := tt.leads.get(a[n:])) is not None:
+            ids.append(x if a in pool.ends else x[tt.first_dot[x]])
+    return np.concatenate(ids) if ids else NONE
+
+
+@functools.lru_cache(maxsize=256)
+def extending(tt: TokenTable, words: frozenset[str], word: str) -> np.ndarray:
+    """[V] bool: identifier-only tokens after which `word` is still a prefix of one of `words`."""
+    ok = np.zeros(len(tt.texts), dtype=bool)
+    n = len(word)
+    for piece in {w[n:k] for w in words if w.startswith(word) for k in range(n + 1, len(w) + 1)}:
+        if (ids := tt.idents.get(piece)) is not None:
+            ok[ids] = True
+    return ok
+
+
+@functools.lru_cache(maxsize=64)
+def word_mask(tt: TokenTable, pool: WordPool, word: str) -> np.ndarray:
+    """[V] bool: the tokens that keep `word` (being written where `pool` applies) within it."""
+    ok = np.zeros(len(tt.texts), dtype=bool)
+    ok[_word_ids(tt, pool, word)] = True
+    if not word:  # a token that starts with a delimiter or a digit starts no word
+        ok |= tt.lead_empty | tt.digit_start
+    elif word in pool.ends:  # ended by the token's first byte
+        ok |= tt.lead_empty
+    else:  # only as a qualifier
+        ok |= tt.lead_empty & tt.first_dot
+    return ok
+
+
+@functools.lru_cache(maxsize=64)
+def tail_mask(tt: TokenTable, pool: WordPool) -> np.ndarray:
+    """[V] bool: tokens whose identifier after their last non-identifier byte starts a word of
+    `pool` (or a number)."""
+    ok = tt.digit_tail.copy()
+    pieces = {a[:k] for a in pool.words for k in range(1, len(a) + 1)}
+    if ids := [x for p in pieces if (x := tt.tails.get(p)) is not None]:
+        ok[np.concatenate(ids)] = True
+    return ok
