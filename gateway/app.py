@@ -241,7 +241,7 @@ def _start(settings: Settings, metrics: Metrics):
         tok = TokenizerInfo.from_file(tokenizer_file, sorted(engine.eos_token_ids))
     else:  # the tokenizer a GGUF file carries
         tok = TokenizerInfo.from_json(engine.tokenizer.to_json(), sorted(engine.eos_token_ids), str(settings.model))
-    _ = tok.llg, tok.token_bytes  # build the constraint vocabulary once, before the first request
+    tok.warm()  # the constraint vocabulary built once, before the first request
     cfg = engine.model_config
     tool_format, why = select_format(cfg.model_type or cfg.arch, tok, engine.tokenizer.chat_template,
                                      settings.tool_format)

@@ -108,6 +108,12 @@ class TokenizerInfo:
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=False)
 
+    def warm(self) -> TokenizerInfo:
+        """Builds the per-tokenizer tables every compile needs (seconds for a 151k vocabulary on a busy machine),
+        so that no compile's time limit pays for them."""
+        _ = self.llg, self.token_bytes
+        return self
+
     @functools.cached_property
     def llg(self):
         """llguidance LLTokenizer over this vocabulary (~1 s for 151k ids; cached per tokenizer)."""
