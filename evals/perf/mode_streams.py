@@ -152,7 +152,6 @@ def execution_bytes_per_token(model) -> int:
 
 def single_stream_section(model: str, tokens: int) -> dict:
     """Decode tok/s of one stream per mode (and of serial execution, the baseline), bytes vs the triad."""
-    import torch
 
     from evals.perf.common import decode_rate
     from evals.perf.kernel_bench import stream_triad
@@ -169,8 +168,9 @@ def single_stream_section(model: str, tokens: int) -> dict:
     if model_.batch_invariant(True):
         out["execution_bytes_per_token"] = execution_bytes_per_token(model_)
         out["execution_gb_s"] = out["execution_bytes_per_token"] * out["execution_tok_s"] / 1e9
+    threads = llm.engine.runner.max_threads  # the kernel pool's; torch's may be left at 1 by a small forward
     llm.engine.runner.shutdown()
-    out["triad"] = stream_triad(torch.get_num_threads())
+    out["triad"] = stream_triad(threads)
     triad = max(v for k, v in out["triad"].items() if k.startswith("triad"))
     out["execution_vs_exploration"] = out["execution_tok_s"] / out["exploration_tok_s"]
     out["execution_vs_serial"] = out["execution_tok_s"] / out["serial_execution_tok_s"]
