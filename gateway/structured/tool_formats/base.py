@@ -8,6 +8,7 @@ dialect) that constrain a turn's calls, and the parser that turns decoded text b
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from importlib import resources
@@ -42,6 +43,23 @@ def loads_args(name: str, raw: str) -> dict:
         raise ToolCallParseError(f"arguments of {name!r} must be a JSON object, got {raw[:200]!r}")
     return args
 
+
+
+def delimited_calls(text: str, block_begin: str, block_end: str, call_begin: str, sep: str,
+                    call_end: str) -> list[tuple[str, str]]:
+    """(head, body) of every call in `block_begin (call_begin head sep body call_end)+ block_end` blocks
+    of decoded text; ToolCallParseError on an unclosed block or an unfinished call."""
+    blocks = re.findall(re.escape(block_begin) + "(.*?)" + re.escape(block_end), text, re.DOTALL)
+    if text.count(block_begin) != len(blocks):
+        raise ToolCallParseError(f"a {block_begin} block is not closed by {block_end}")
+    call = re.compile(re.escape(call_begin) + "(.*?)" + re.escape(sep) + "(.*?)" + re.escape(call_end), re.DOTALL)
+    calls = []
+    for block in blocks:
+        found = call.findall(block)
+        if block.count(call_begin) != len(found) or not found:
+            raise ToolCallParseError(f"{block.count(call_begin)} {call_begin} tokens but {len(found)} complete calls")
+        calls.extend(found)
+    return calls
 
 @dataclass(frozen=True)
 class ToolSpec:
@@ -136,9 +154,10 @@ class ToolFormat(ABC):
         """Every complete call in decoded text as {"name", "arguments"}; ToolCallParseError on a malformed
         or unfinished one."""
 
-    @abstractmethod
     def text_before(self, text: str) -> str:
-        """The assistant's content in decoded text that holds calls (OpenAI `message.content`)."""
+        """The assistant's content in decoded text that holds calls (OpenAI `message.content`): by default
+        the text before the first `segment_open`."""
+        return text.split(self.segment_open, 1)[0].strip() if self.segment_open else text.strip()
 
     @abstractmethod
     def example_call(self, name: str) -> str:

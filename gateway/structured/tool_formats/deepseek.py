@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import ToolCallParseError
-from .base import ToolFormat, json_rule, lark_str, loads_args
+from .base import ToolFormat, delimited_calls, json_rule, lark_str, loads_args
 
 CALLS_BEGIN, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
 CALL_BEGIN, CALL_END = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>"
@@ -24,8 +24,6 @@ BOS, EOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<\uff5cend\u2581of\u258
 USER, ASSISTANT = "<\uff5cUser\uff5c>", "<\uff5cAssistant\uff5c>"
 TOKENS = (BOS, EOS, USER, ASSISTANT, CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP,
           OUTPUTS_BEGIN, OUTPUTS_END, OUTPUT_BEGIN, OUTPUT_END, "<think>", "</think>")
-_BLOCK = re.compile(re.escape(CALLS_BEGIN) + "(.*?)" + re.escape(CALLS_END), re.DOTALL)
-_CALL = re.compile(re.escape(CALL_BEGIN) + "(.*?)" + re.escape(SEP) + "(.*?)" + re.escape(CALL_END), re.DOTALL)
 _FENCE = re.compile(r"(.*?)\n```json\n(.*)\n```\s*", re.DOTALL)
 
 
@@ -48,27 +46,17 @@ class DeepSeekFormat(ToolFormat):
         return lines
 
     def parse(self, text, tools):
-        blocks = _BLOCK.findall(text)
-        if text.count(CALLS_BEGIN) != len(blocks):
-            raise ToolCallParseError(f"a {CALLS_BEGIN} block is not closed by {CALLS_END}")
         calls = []
-        for block in blocks:
-            found = _CALL.findall(block)
-            if block.count(CALL_BEGIN) != len(found) or not found:
-                raise ToolCallParseError(f"{block.count(CALL_BEGIN)} {CALL_BEGIN} tokens but {len(found)} complete calls")
-            for head, body in found:
-                if self.fenced:
-                    m = _FENCE.fullmatch(body)
-                    if head.strip() != "function" or m is None:
-                        raise ToolCallParseError(f"a call is not `function{SEP}NAME` and a ```json fence: {body[:200]!r}")
-                    name, raw = m.group(1).strip(), m.group(2)
-                else:
-                    name, raw = head.strip(), body
-                calls.append({"name": name, "arguments": loads_args(name, raw)})
+        for head, body in delimited_calls(text, CALLS_BEGIN, CALLS_END, CALL_BEGIN, SEP, CALL_END):
+            if self.fenced:
+                m = _FENCE.fullmatch(body)
+                if head.strip() != "function" or m is None:
+                    raise ToolCallParseError(f"a call is not `function{SEP}NAME` and a ```json fence: {body[:200]!r}")
+                name, raw = m.group(1).strip(), m.group(2)
+            else:
+                name, raw = head.strip(), body
+            calls.append({"name": name, "arguments": loads_args(name, raw)})
         return calls
-
-    def text_before(self, text):
-        return text.split(CALLS_BEGIN, 1)[0].strip()
 
     def example_call(self, name):
         call = f"function{SEP}{name}\n```json\n{{}}\n```" if self.fenced else f"{name}{SEP}{{}}"

@@ -89,9 +89,6 @@ class GlmFormat(ToolFormat):
             raise ToolCallParseError(f"{text.count(OPEN)} {OPEN} tokens but {len(calls)} complete calls")
         return calls
 
-    def text_before(self, text):
-        return text.split(OPEN, 1)[0].strip()
-
     def example_call(self, name):
         return f"{OPEN}{name}\n{CLOSE}"
 

@@ -11,14 +11,12 @@ import re
 from dataclasses import dataclass
 
 from ..errors import ToolCallParseError
-from .base import ToolFormat, json_rule, lark_str, loads_args
+from .base import ToolFormat, delimited_calls, json_rule, lark_str, loads_args
 
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARGS_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 SYSTEM, USER, ASSISTANT, MIDDLE, IM_END = "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"
 TOKENS = (SYSTEM, USER, ASSISTANT, MIDDLE, IM_END, SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGS_BEGIN, CALL_END)
-_SECTION = re.compile(re.escape(SECTION_BEGIN) + "(.*?)" + re.escape(SECTION_END), re.DOTALL)
-_CALL = re.compile(re.escape(CALL_BEGIN) + "(.*?)" + re.escape(ARGS_BEGIN) + "(.*?)" + re.escape(CALL_END), re.DOTALL)
 _ID = re.compile(r"\s*functions\.(.+):(\d+)\s*", re.DOTALL)
 
 
@@ -35,23 +33,13 @@ class KimiFormat(ToolFormat):
         return lines
 
     def parse(self, text, tools):
-        sections = _SECTION.findall(text)
-        if text.count(SECTION_BEGIN) != len(sections):
-            raise ToolCallParseError(f"a {SECTION_BEGIN} section is not closed by {SECTION_END}")
         calls = []
-        for section in sections:
-            found = _CALL.findall(section)
-            if section.count(CALL_BEGIN) != len(found) or not found:
-                raise ToolCallParseError(f"{section.count(CALL_BEGIN)} {CALL_BEGIN} tokens but {len(found)} complete calls")
-            for head, raw in found:
-                m = _ID.fullmatch(head)
-                if m is None:
-                    raise ToolCallParseError(f"a call id is not `functions.NAME:INDEX`: {head[:200]!r}")
-                calls.append({"name": m.group(1), "arguments": loads_args(m.group(1), raw)})
+        for head, raw in delimited_calls(text, SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGS_BEGIN, CALL_END):
+            m = _ID.fullmatch(head)
+            if m is None:
+                raise ToolCallParseError(f"a call id is not `functions.NAME:INDEX`: {head[:200]!r}")
+            calls.append({"name": m.group(1), "arguments": loads_args(m.group(1), raw)})
         return calls
-
-    def text_before(self, text):
-        return text.split(SECTION_BEGIN, 1)[0].strip()
 
     def example_call(self, name):
         return f"{SECTION_BEGIN}{CALL_BEGIN}functions.{name}:0{ARGS_BEGIN}{{}}{CALL_END}{SECTION_END}"

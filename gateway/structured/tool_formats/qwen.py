@@ -50,9 +50,6 @@ class QwenFormat(ToolFormat):
             raise ToolCallParseError(f"{text.count(OPEN)} {OPEN} tags but {len(calls)} complete calls")
         return calls
 
-    def text_before(self, text):
-        return text.split(OPEN, 1)[0].strip()
-
     def example_call(self, name):
         return f'{OPEN}\n{{"name": "{name}", "arguments": {{}}}}\n{CLOSE}'
 
