@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import lru_cache
 from typing import Any
 
 import jsonschema
@@ -18,7 +19,14 @@ from .tools import ToolSpec, _choice, parse_tool_calls
 
 
 def _validator(schema: dict | bool) -> jsonschema.protocols.Validator:
-    schema = repair(schema)  # the same meaning-preserving repairs as the compile path
+    """The schema's validator, built once per distinct schema: building one checks the schema against each
+    draft's meta-schema (milliseconds), which every request with the same response_format or tools repeated."""
+    return _validator_of(json.dumps(schema, sort_keys=True, separators=(",", ":")))
+
+
+@lru_cache(maxsize=512)
+def _validator_of(key: str) -> jsonschema.protocols.Validator:
+    schema = repair(json.loads(key))  # the same meaning-preserving repairs as the compile path
     cls = validator_class(schema)
     schema = normalise(schema)
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
