@@ -1,0 +1,124 @@
+"""Closed-loop load against `moegate serve` in a process of its own, measured so that a reader sees the spread.
+
+`served(...)` starts the gateway as a user would (`python -m gateway.cli serve`), so the client's Python never
+shares the server's interpreter lock; `closed_loop` keeps `workers` requests in flight, each worker sending its
+next request when its last one answered, and reports completion tokens over wall time and the server process's
+CPU time per token (/proc: every thread of the server, not the client); `interleaved` runs several named loads
+round after round (the order rotated each round, one warm-up round first) and summarises each figure and each
+ratio of two loads as median, min and max over the rounds, every ratio taken within one round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from evals.perf.common import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def served(model: str, state_dir: Path, timeout_s: float = 300.0) -> Iterator[tuple[str, int]]:
+    """`moegate serve --model MODEL` (dev policy) in a child process -> (base url, pid); stopped on exit."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    log = open(state_dir / "serve.log", "w")  # noqa: SIM115 - closed below, after the child
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port),
+                             "--max-queue", "1024", "--state-dir", str(state_dir), "--log-level", "warning"],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moegate serve exited with {proc.returncode}: see {state_dir / 'serve.log'}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"moegate serve did not answer /health within {timeout_s:.0f} s")
+            time.sleep(0.2)
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of every thread of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
+@dataclass(frozen=True)
+class Load:
+    """`workers` clients each sending `per_worker` requests one after another; `body(worker, k)` is the JSON
+    body of worker's k-th request."""
+
+    workers: int
+    per_worker: int
+    body: Callable[[int, int], dict]
+
+
+def closed_loop(url: str, pid: int, load: Load) -> dict[str, float]:
+    """{tok_s, cpu_ms_per_token, tokens, wall_s, requests} of one run of `load`."""
+
+    async def worker(client: httpx.AsyncClient, w: int) -> int:
+        tokens = 0
+        for k in range(load.per_worker):
+            r = await client.post("/v1/chat/completions", json=load.body(w, k))
+            r.raise_for_status()
+            tokens += r.json()["usage"]["completion_tokens"]
+        return tokens
+
+    async def run() -> dict[str, float]:
+        limits = httpx.Limits(max_connections=load.workers, max_keepalive_connections=load.workers)
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": "Bearer bench"}, timeout=600,
+                                     limits=limits) as client:
+            t, cpu = time.perf_counter(), process_cpu_s(pid)
+            tokens = sum(await asyncio.gather(*(worker(client, w) for w in range(load.workers))))
+            wall, cpu = time.perf_counter() - t, process_cpu_s(pid) - cpu
+        return {"tok_s": tokens / wall, "cpu_ms_per_token": 1e3 * cpu / tokens, "tokens": tokens, "wall_s": wall,
+                "requests": load.workers * load.per_worker}
+
+    return asyncio.run(run())
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def interleaved(url: str, pid: int, loads: dict[str, Load], rounds: int,
+                ratios: dict[str, tuple[str, str]], log: Callable[[str], None] = print) -> dict:
+    """Each load once as a warm-up, then `rounds` rounds of all loads (order rotated per round).
+    -> {"runs": {name: [per-round result]}, "summary": {name: {figure: spread}}, "ratios": {name: spread}}."""
+    names = list(loads)
+    for name in names:
+        closed_loop(url, pid, loads[name])
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            res = closed_loop(url, pid, loads[name])
+            runs[name].append(res)
+            log(f"round {r + 1}/{rounds} {name}: {res['tok_s']:.1f} tok/s, {res['cpu_ms_per_token']:.2f} server CPU "
+                f"ms/token ({res['tokens']} tokens, {res['wall_s']:.2f} s)")
+    summary = {n: {k: spread([x[k] for x in runs[n]]) for k in ("tok_s", "cpu_ms_per_token")} for n in names}
+    per_round = {k: spread([runs[a][i]["tok_s"] / runs[b][i]["tok_s"] for i in range(rounds)])
+                 for k, (a, b) in ratios.items()}
+    return {"runs": runs, "summary": summary, "ratios": per_round}
