@@ -59,6 +59,7 @@ class _Delivery:
 class _Stream:
     delivery: _Delivery
     queue: asyncio.Queue
+    final_only: bool = False  # the caller reads only the finished output: no per-step delivery
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.delivery.post(self.queue, item)
@@ -88,11 +89,13 @@ class AsyncLLM:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, mode: Mode = Mode.EXPLORATION,
-        *, cache_salt: str = "",
+        *, cache_salt: str = "", final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Yields incremental outputs until the request finishes; closing the iterator aborts it.
 
         `cache_salt` (the tenant, set by the server) scopes prefix-cache reuse; see LLMEngine.add_request.
+        `final_only`: yield only the finished output (its text and token ids are whole), for a caller that reads
+        nothing before the end: the event loop is then not woken for the request at every step.
         """
         if self._dead is not None:
             raise EngineDeadError(f"engine stopped: {self._dead}")
@@ -100,7 +103,7 @@ class AsyncLLM:
         delivery = self._deliveries.get(loop)
         if delivery is None:
             delivery = self._deliveries[loop] = _Delivery(loop)
-        stream = _Stream(delivery, asyncio.Queue())
+        stream = _Stream(delivery, asyncio.Queue(), final_only)
         self._streams[request_id] = stream
         self._commands.put(("add", request_id, prompt_token_ids, params, mode, cache_salt))
         finished = False
@@ -155,7 +158,7 @@ class AsyncLLM:
                 if self.engine.has_work():
                     for out in self.engine.step():
                         stream = self._streams.get(out.request_id)
-                        if stream is not None:
+                        if stream is not None and (out.finished or out.error or not stream.final_only):
                             stream.put(EngineError(out.error) if out.error else out)
             except Exception as exc:  # noqa: BLE001 - a broken step must fail its requests, not hang them
                 log.exception("engine step failed")
