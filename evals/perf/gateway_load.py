@@ -66,6 +66,13 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
 
 
+def machine_busy_s() -> float:
+    """CPU seconds all processes of the machine have run so far (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        vals = [int(v) for v in f.readline().split()[1:]]
+    return (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass(frozen=True)
 class Load:
     """`workers` clients each sending `per_worker` requests one after another; `body(worker, k)` is the JSON
@@ -77,7 +84,8 @@ class Load:
 
 
 def closed_loop(url: str, pid: int, load: Load) -> dict[str, float]:
-    """{tok_s, cpu_ms_per_token, tokens, wall_s, requests} of one run of `load`."""
+    """{tok_s, cpu_ms_per_token, tokens, wall_s, requests, others_cores} of one run of `load`; others_cores: the
+    cores that processes other than the server and this client kept busy meanwhile (the load behind the figure)."""
 
     async def worker(client: httpx.AsyncClient, w: int) -> int:
         tokens = 0
@@ -91,11 +99,12 @@ def closed_loop(url: str, pid: int, load: Load) -> dict[str, float]:
         limits = httpx.Limits(max_connections=load.workers, max_keepalive_connections=load.workers)
         async with httpx.AsyncClient(base_url=url, headers={"Authorization": "Bearer bench"}, timeout=600,
                                      limits=limits) as client:
-            t, cpu = time.perf_counter(), process_cpu_s(pid)
+            t, cpu, mine, busy = time.perf_counter(), process_cpu_s(pid), time.process_time(), machine_busy_s()
             tokens = sum(await asyncio.gather(*(worker(client, w) for w in range(load.workers))))
             wall, cpu = time.perf_counter() - t, process_cpu_s(pid) - cpu
+            others = machine_busy_s() - busy - cpu - (time.process_time() - mine)
         return {"tok_s": tokens / wall, "cpu_ms_per_token": 1e3 * cpu / tokens, "tokens": tokens, "wall_s": wall,
-                "requests": load.workers * load.per_worker}
+                "requests": load.workers * load.per_worker, "others_cores": max(others, 0.0) / wall}
 
     return asyncio.run(run())
 
@@ -117,8 +126,10 @@ def interleaved(url: str, pid: int, loads: dict[str, Load], rounds: int,
             res = closed_loop(url, pid, loads[name])
             runs[name].append(res)
             log(f"round {r + 1}/{rounds} {name}: {res['tok_s']:.1f} tok/s, {res['cpu_ms_per_token']:.2f} server CPU "
-                f"ms/token ({res['tokens']} tokens, {res['wall_s']:.2f} s)")
-    summary = {n: {k: spread([x[k] for x in runs[n]]) for k in ("tok_s", "cpu_ms_per_token")} for n in names}
+                f"ms/token ({res['tokens']} tokens, {res['wall_s']:.2f} s, other processes {res['others_cores']:.2f} "
+                f"cores)")
+    summary = {n: {k: spread([x[k] for x in runs[n]]) for k in ("tok_s", "cpu_ms_per_token", "others_cores")}
+               for n in names}
     per_round = {k: spread([runs[a][i]["tok_s"] / runs[b][i]["tok_s"] for i in range(rounds)])
                  for k, (a, b) in ratios.items()}
     return {"runs": runs, "summary": summary, "ratios": per_round}
