@@ -6,10 +6,11 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from engine.errors import EngineError
 from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
@@ -65,6 +66,23 @@ class _Stream:
         self.delivery.post(self.queue, item)
 
 
+@dataclass
+class StepStats:
+    """Engine steps since start, counted on the loop thread: how many, the sequences and tokens they output, the
+    wall time inside `step()` and the loop thread's CPU time in it (wall minus CPU: the thread waited for a core or
+    for the interpreter lock, which work on the event loop holds), and the time the loop waited with no work."""
+
+    steps: int = 0
+    sequences: int = 0
+    tokens: int = 0
+    wall_seconds: float = 0.0
+    thread_cpu_seconds: float = 0.0
+    idle_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
 class AsyncLLM:
     """Thread-safe front of an LLMEngine. Commands go in through a queue; the loop thread owns the engine."""
 
@@ -76,6 +94,7 @@ class AsyncLLM:
         self._deliveries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _Delivery
         self._stop = threading.Event()
         self._dead: BaseException | None = None
+        self.step_stats = StepStats()  # written by the loop thread only; read at any time (monotonic counters)
         self._thread = threading.Thread(target=self._run, name="moegate-engine", daemon=True)
         self._thread.start()
 
@@ -151,12 +170,23 @@ class AsyncLLM:
 
     # -- loop thread ---------------------------------------------------------------------------
     def _run(self) -> None:
+        stats = self.step_stats
         while not self._stop.is_set():
             block = not self.engine.has_work()
             try:
+                t = time.perf_counter()
                 self._drain(block)
+                if block:
+                    stats.idle_seconds += time.perf_counter() - t
                 if self.engine.has_work():
-                    for out in self.engine.step():
+                    t, cpu = time.perf_counter(), time.thread_time()
+                    outs = self.engine.step()
+                    stats.wall_seconds += time.perf_counter() - t
+                    stats.thread_cpu_seconds += time.thread_time() - cpu
+                    stats.steps += 1
+                    stats.sequences += len(outs)
+                    for out in outs:
+                        stats.tokens += len(out.new_token_ids)
                         stream = self._streams.get(out.request_id)
                         if stream is not None and (out.finished or out.error or not stream.final_only):
                             stream.put(EngineError(out.error) if out.error else out)

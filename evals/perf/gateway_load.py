@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -73,6 +74,28 @@ def machine_busy_s() -> float:
     return (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
 
 
+STEP_COUNTER = re.compile(r'^moegate_engine_steps\{counter="(\w+)"\} (\S+)$', re.M)
+
+
+async def engine_steps(client: httpx.AsyncClient) -> dict[str, float]:
+    """The server's engine-step counters (/metrics: AsyncLLM.step_stats)."""
+    r = await client.get("/metrics")
+    r.raise_for_status()
+    return {k: float(v) for k, v in STEP_COUNTER.findall(r.text)}
+
+
+def per_step(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Engine steps between two scrapes: their count, mean wall and engine-thread CPU ms, sequences and tokens per
+    step, and the engine loop's idle share of the interval."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    n = max(d.get("steps", 0.0), 1.0)
+    busy = d.get("wall_seconds", 0.0) + d.get("idle_seconds", 0.0)
+    return {"steps": d.get("steps", 0.0), "step_wall_ms": 1e3 * d.get("wall_seconds", 0.0) / n,
+            "step_thread_cpu_ms": 1e3 * d.get("thread_cpu_seconds", 0.0) / n,
+            "sequences_per_step": d.get("sequences", 0.0) / n, "tokens_per_step": d.get("tokens", 0.0) / n,
+            "engine_idle_share": d.get("idle_seconds", 0.0) / busy if busy else 0.0}
+
+
 @dataclass(frozen=True)
 class Load:
     """`workers` clients each sending `per_worker` requests one after another; `body(worker, k)` is the JSON
@@ -84,8 +107,9 @@ class Load:
 
 
 def closed_loop(url: str, pid: int, load: Load) -> dict[str, float]:
-    """{tok_s, cpu_ms_per_token, tokens, wall_s, requests, others_cores} of one run of `load`; others_cores: the
-    cores that processes other than the server and this client kept busy meanwhile (the load behind the figure)."""
+    """{tok_s, cpu_ms_per_token, tokens, wall_s, requests, others_cores, engine step figures (`per_step`)} of one run
+    of `load`; others_cores: the cores that processes other than the server and this client kept busy meanwhile (the
+    load behind the figure)."""
 
     async def worker(client: httpx.AsyncClient, w: int) -> int:
         tokens = 0
@@ -99,14 +123,20 @@ def closed_loop(url: str, pid: int, load: Load) -> dict[str, float]:
         limits = httpx.Limits(max_connections=load.workers, max_keepalive_connections=load.workers)
         async with httpx.AsyncClient(base_url=url, headers={"Authorization": "Bearer bench"}, timeout=600,
                                      limits=limits) as client:
+            steps = await engine_steps(client)
             t, cpu, mine, busy = time.perf_counter(), process_cpu_s(pid), time.process_time(), machine_busy_s()
             tokens = sum(await asyncio.gather(*(worker(client, w) for w in range(load.workers))))
             wall, cpu = time.perf_counter() - t, process_cpu_s(pid) - cpu
             others = machine_busy_s() - busy - cpu - (time.process_time() - mine)
+            steps = per_step(steps, await engine_steps(client))
         return {"tok_s": tokens / wall, "cpu_ms_per_token": 1e3 * cpu / tokens, "tokens": tokens, "wall_s": wall,
-                "requests": load.workers * load.per_worker, "others_cores": max(others, 0.0) / wall}
+                "requests": load.workers * load.per_worker, "others_cores": max(others, 0.0) / wall, **steps}
 
     return asyncio.run(run())
+
+
+SUMMARISED = ("tok_s", "cpu_ms_per_token", "others_cores", "step_wall_ms", "step_thread_cpu_ms", "sequences_per_step",
+              "tokens_per_step", "engine_idle_share")
 
 
 def spread(xs: list[float]) -> dict[str, float]:
@@ -127,9 +157,10 @@ def interleaved(url: str, pid: int, loads: dict[str, Load], rounds: int,
             runs[name].append(res)
             log(f"round {r + 1}/{rounds} {name}: {res['tok_s']:.1f} tok/s, {res['cpu_ms_per_token']:.2f} server CPU "
                 f"ms/token ({res['tokens']} tokens, {res['wall_s']:.2f} s, other processes {res['others_cores']:.2f} "
-                f"cores)")
-    summary = {n: {k: spread([x[k] for x in runs[n]]) for k in ("tok_s", "cpu_ms_per_token", "others_cores")}
-               for n in names}
+                f"cores); engine steps {res['step_wall_ms']:.2f} ms wall / {res['step_thread_cpu_ms']:.2f} ms thread "
+                f"CPU, {res['sequences_per_step']:.2f} sequences and {res['tokens_per_step']:.2f} tokens per step, "
+                f"idle {res['engine_idle_share']:.0%}")
+    summary = {n: {k: spread([x[k] for x in runs[n]]) for k in SUMMARISED} for n in names}
     per_round = {k: spread([runs[a][i]["tok_s"] / runs[b][i]["tok_s"] for i in range(rounds)])
                  for k, (a, b) in ratios.items()}
     return {"runs": runs, "summary": summary, "ratios": per_round}

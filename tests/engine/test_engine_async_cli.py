@@ -47,6 +47,9 @@ def test_async_streams_match_sync_and_abort_frees(tiny_checkpoint):
         assert ta == tb and xa == xb and ca == 12 and n == 3
         # final_only: one output, the finished one, with the whole text and tokens
         assert len(outs) == 1 and outs[0].finished and outs[0].token_ids == ta and outs[0].text == xa
+        stats = llm.step_stats  # every step counted, final_only ones too (3 x 12 tokens and the aborted 3+)
+        assert stats.steps >= 12 and stats.tokens >= 39 and stats.sequences >= stats.tokens / 2
+        assert 0 < stats.thread_cpu_seconds <= stats.wall_seconds + 0.05
         for _ in range(50):  # the abort is applied on the engine thread
             if engine.blocks.num_free == 64:
                 break
