@@ -165,6 +165,25 @@ def single_stream_section(model: str, tokens: int) -> dict:
     return out
 
 
+def save_plot(res: dict, path: Path) -> None:
+    groups = {k: res[k] for k in ("engine", "gateway") if k in res}
+    groups.update({k: res[k] for k in ("engine_ratios", "gateway_cpu_ms_per_token") if k in res})
+    if "gateway_ratio_spread" in res:  # each ratio's median, min and max over the interleaved rounds
+        groups["gateway ratios (median / min / max of rounds)"] = {
+            f"{k} {stat}": v[stat] for k, v in res["gateway_ratio_spread"].items() for stat in ("median", "min", "max")}
+        # why a figure moves: the engine thread off its core (step wall vs its CPU) and the other processes' cores
+        groups["gateway engine step ms, wall / thread CPU (median)"] = {
+            f"{n} {label}": v[key]["median"] for n, v in res["gateway_spread"].items()
+            for label, key in (("wall", "step_wall_ms"), ("CPU", "step_thread_cpu_ms"))}
+        groups["other processes, cores (median)"] = {n: v["others_cores"]["median"]
+                                                     for n, v in res["gateway_spread"].items()}
+    if "single_stream" in res:
+        s = res["single_stream"]
+        groups["one stream, bench checkpoint"] = {k: s[k] for k in ("serial_execution_tok_s", "execution_tok_s",
+                                                                     "exploration_tok_s")}
+    save_bar_plot(path, f"execution streams (tok/s, ratios), {res['machine']['cpu_count']} CPUs", groups)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="checkpoint of the engine and gateway sections (demo model)")
@@ -198,17 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.bench_model:
         res["single_stream"] = single_stream_section(args.bench_model, min(args.tokens, 32))
     (out_dir / "mode_streams.json").write_text(json.dumps(res, indent=2))
-    groups = {k: res[k] for k in ("engine", "gateway") if k in res}
-    groups.update({k: res[k] for k in ("engine_ratios", "gateway_cpu_ms_per_token") if k in res})
-    if "gateway_ratio_spread" in res:  # each ratio's median, min and max over the interleaved rounds
-        groups["gateway ratios (median / min / max of rounds)"] = {
-            f"{k} {stat}": v[stat] for k, v in res["gateway_ratio_spread"].items() for stat in ("median", "min", "max")}
-    if "single_stream" in res:
-        s = res["single_stream"]
-        groups["one stream, bench checkpoint"] = {k: s[k] for k in ("serial_execution_tok_s", "execution_tok_s",
-                                                                     "exploration_tok_s")}
-    save_bar_plot(out_dir / "mode_streams.png", f"execution streams (tok/s, ratios), {res['machine']['cpu_count']} "
-                  f"CPUs", groups)
+    save_plot(res, out_dir / "mode_streams.png")
     print(json.dumps({k: res[k] for k in res if k.endswith("ratios")}, indent=2))
     return res
 
