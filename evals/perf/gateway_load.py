@@ -107,9 +107,11 @@ class Load:
 
 
 def closed_loop(url: str, pid: int, load: Load) -> dict[str, float]:
-    """{tok_s, cpu_ms_per_token, tokens, wall_s, requests, others_cores, engine step figures (`per_step`)} of one run
-    of `load`; others_cores: the cores that processes other than the server and this client kept busy meanwhile (the
-    load behind the figure)."""
+    """{tok_s, steady_tok_s, cpu_ms_per_token, tokens, wall_s, requests, others_cores, engine step figures
+    (`per_step`)} of one run of `load`. steady_tok_s: the engine's output tokens per second until the first stream
+    has sent its last request and had it answered (before the batch drains: all streams busy); others_cores: the
+    cores that processes other than the server and this client kept busy meanwhile (the load behind the figure)."""
+    first_done: list[tuple[float, dict[str, float]]] = []
 
     async def worker(client: httpx.AsyncClient, w: int) -> int:
         tokens = 0
@@ -117,6 +119,10 @@ def closed_loop(url: str, pid: int, load: Load) -> dict[str, float]:
             r = await client.post("/v1/chat/completions", json=load.body(w, k))
             r.raise_for_status()
             tokens += r.json()["usage"]["completion_tokens"]
+        if not first_done:
+            first_done.append((0.0, {}))  # claimed: the other streams are still running
+            counters = await engine_steps(client)
+            first_done[0] = (time.perf_counter(), counters)
         return tokens
 
     async def run() -> dict[str, float]:
@@ -128,14 +134,17 @@ def closed_loop(url: str, pid: int, load: Load) -> dict[str, float]:
             tokens = sum(await asyncio.gather(*(worker(client, w) for w in range(load.workers))))
             wall, cpu = time.perf_counter() - t, process_cpu_s(pid) - cpu
             others = machine_busy_s() - busy - cpu - (time.process_time() - mine)
+            (t_steady, at_steady), start = first_done[0], steps
             steps = per_step(steps, await engine_steps(client))
-        return {"tok_s": tokens / wall, "cpu_ms_per_token": 1e3 * cpu / tokens, "tokens": tokens, "wall_s": wall,
-                "requests": load.workers * load.per_worker, "others_cores": max(others, 0.0) / wall, **steps}
+        steady = (at_steady["tokens"] - start["tokens"]) / (t_steady - t)
+        return {"tok_s": tokens / wall, "steady_tok_s": steady, "cpu_ms_per_token": 1e3 * cpu / tokens,
+                "tokens": tokens, "wall_s": wall, "requests": load.workers * load.per_worker,
+                "others_cores": max(others, 0.0) / wall, **steps}
 
     return asyncio.run(run())
 
 
-SUMMARISED = ("tok_s", "cpu_ms_per_token", "others_cores", "step_wall_ms", "step_thread_cpu_ms", "sequences_per_step",
+SUMMARISED = ("tok_s", "steady_tok_s", "cpu_ms_per_token", "others_cores", "step_wall_ms", "step_thread_cpu_ms", "sequences_per_step",
               "tokens_per_step", "engine_idle_share")
 
 
@@ -146,7 +155,8 @@ def spread(xs: list[float]) -> dict[str, float]:
 def interleaved(url: str, pid: int, loads: dict[str, Load], rounds: int,
                 ratios: dict[str, tuple[str, str]], log: Callable[[str], None] = print) -> dict:
     """Each load once as a warm-up, then `rounds` rounds of all loads (order rotated per round).
-    -> {"runs": {name: [per-round result]}, "summary": {name: {figure: spread}}, "ratios": {name: spread}}."""
+    -> {"runs": {name: [per-round result]}, "summary": {name: {figure: spread}}, "ratios": {name: spread}} (each
+    ratio of tok/s, and of steady_tok_s as "NAME (steady)")."""
     names = list(loads)
     for name in names:
         closed_loop(url, pid, loads[name])
@@ -155,12 +165,13 @@ def interleaved(url: str, pid: int, loads: dict[str, Load], rounds: int,
         for name in names[r % len(names):] + names[:r % len(names)]:
             res = closed_loop(url, pid, loads[name])
             runs[name].append(res)
-            log(f"round {r + 1}/{rounds} {name}: {res['tok_s']:.1f} tok/s, {res['cpu_ms_per_token']:.2f} server CPU "
+            log(f"round {r + 1}/{rounds} {name}: {res['tok_s']:.1f} tok/s (steady {res['steady_tok_s']:.1f}), "
+                f"{res['cpu_ms_per_token']:.2f} server CPU "
                 f"ms/token ({res['tokens']} tokens, {res['wall_s']:.2f} s, other processes {res['others_cores']:.2f} "
                 f"cores); engine steps {res['step_wall_ms']:.2f} ms wall / {res['step_thread_cpu_ms']:.2f} ms thread "
                 f"CPU, {res['sequences_per_step']:.2f} sequences and {res['tokens_per_step']:.2f} tokens per step, "
                 f"idle {res['engine_idle_share']:.0%}")
     summary = {n: {k: spread([x[k] for x in runs[n]]) for k in SUMMARISED} for n in names}
-    per_round = {k: spread([runs[a][i]["tok_s"] / runs[b][i]["tok_s"] for i in range(rounds)])
-                 for k, (a, b) in ratios.items()}
+    per_round = {f"{k}{label}": spread([runs[a][i][fig] / runs[b][i][fig] for i in range(rounds)])
+                 for k, (a, b) in ratios.items() for label, fig in (("", "tok_s"), (" (steady)", "steady_tok_s"))}
     return {"runs": runs, "summary": summary, "ratios": per_round}
