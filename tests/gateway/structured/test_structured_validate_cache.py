@@ -22,3 +22,10 @@ def test_schema_changed_in_place_is_checked_as_changed():
     schema["properties"]["s"]["maxLength"] = 3
     with pytest.raises(StructuredValidationError, match="too long"):
         validate_json('{"s": "abcdef"}', schema)
+
+
+def test_a_schema_that_is_not_plain_json_is_still_checked():
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, 1: "a non-string key"}
+    assert validate_json('{"n": 3}', schema) == {"n": 3}
+    with pytest.raises(StructuredValidationError):
+        validate_json('{"n": "x"}', schema)
