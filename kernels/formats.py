@@ -1,10 +1,9 @@
 """Quantized routed-expert weight formats, packed in the tiled layout the CPU kernel streams.
 
 Shapes: E = experts, H = hidden, I = expert intermediate, G = group size along K (the input dim).
-Formats: ``fp32`` and ``bf16`` (no groups; ``bf16_a16`` is bf16 weights whose kernel also rounds the
-activations to bf16, llama.cpp's BF16 precision, for AVX-512 BF16 vdpbf16ps), ``int8 (symmetric, q in [-127, 127], w = q * s),
-``int4`` (symmetric, u in [0, 15], w = (u - 8) * s), ``int4_asym`` (w = u * s + m) and ``int8_a8`` (int8's
-weights, W8A8: activations quantized to int8 as W4A8's, llama.cpp Q8_0's arithmetic). Scales and
+Formats (docs/kernels.md): ``fp32``, ``bf16``, ``bf16_a16`` (bf16 weights, bf16-rounded activations), ``int8``
+(q in [-127, 127], w = q * s), ``int4`` (u in [0, 15], w = (u - 8) * s), ``int4_asym`` (w = u * s + m), ``int8_a8``
+(int8's weights, int8 activations: W8A8, llama.cpp Q8_0's arithmetic). Scales and
 mins are fp16, one per (output row, group of G along K). Quantization rounds against the stored fp16
 scale, so ``dequantize`` is exactly what the kernel multiplies by.
 
@@ -22,10 +21,9 @@ Activations (``Activation``): SiLU(gate) * up, or GPT-OSS's clamped SwiGLU (gate
 (``gate_up_bias`` [E, 2, I8*8]: gate then up, ``down_bias`` [E, H8*8], fp32, zero-padded) are added to
 the projections' outputs, before the activation and before the router weight.
 
-int4 and int8_a8 (the ``a8`` formats) run W4A8 / W8A8 (kernels/csrc/moe_cpu.cpp): each projection's input
-is quantized per token and group of G to int8 (``quantize_activations``; symmetric, one fp32 scale per
-group, the group of the weights' scales, so a group's dot product is one exact integer sum times
-s_w * s_x), and the torch reference (kernels/w4a8.py) applies the same quantization.
+The ``a8`` formats (int4, int4_asym, int8_a8) quantize each projection's input per token and group of G to int8
+(``quantize_activations``; the weights' groups, so a group's dot is one exact integer sum times s * s_x);
+their torch reference (kernels/w4a8.py) replays the kernel's arithmetic.
 """
 
 from __future__ import annotations

@@ -217,9 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--llama-cpp", action="store_true",
                     help="the MATCHED rows against llama.cpp's native llama-bench (built and converted once) "
                          "instead of the --formats / --lm-head / --fast-dense / --fast-only plan")
-    ap.add_argument("--peers", default=None,
-                    help="with --llama-cpp: only the MATCHED rows against these llama.cpp files (comma list, e.g. "
-                         "Q8_0,BF16)")
+    ap.add_argument("--peers", help="--llama-cpp: only the rows against these llama.cpp files, e.g. Q8_0,BF16")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--fast-only", action="store_true",
                     help="only the +fast runs (quantized attention and lm_head), not the default profile")
@@ -234,9 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.llama_cpp and any(getattr(args, k) != ap.get_default(k) for k in plan_options):
         ap.error("--llama-cpp runs the MATCHED rows; it does not combine with " +
                  ", ".join("--" + k.replace("_", "-") for k in plan_options))
-    rows = MATCHED if args.peers is None else tuple(r for r in MATCHED if r.peer in args.peers.split(","))
-    if args.peers is not None and (not args.llama_cpp or {r.peer for r in rows} != set(args.peers.split(","))):
-        ap.error(f"--peers takes --llama-cpp and names among {', '.join(dict.fromkeys(r.peer for r in MATCHED))}")
+    rows = _matched_rows(ap, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.quick:
@@ -288,6 +284,16 @@ def main(argv: list[str] | None = None) -> dict:
         print(format_matched(matched))
     print(json.dumps(ratios, indent=2))
     return result
+
+
+def _matched_rows(ap: argparse.ArgumentParser, args) -> tuple:
+    """The MATCHED rows --peers keeps (all without it)."""
+    if args.peers is None:
+        return MATCHED
+    rows = tuple(r for r in MATCHED if r.peer in args.peers.split(","))
+    if not args.llama_cpp or {r.peer for r in rows} != set(args.peers.split(",")):
+        ap.error(f"--peers takes --llama-cpp and names among {', '.join(dict.fromkeys(r.peer for r in MATCHED))}")
+    return rows
 
 
 def _format_plan(args, model: str, prompt: list[int], pack: str) -> list[tuple]:
