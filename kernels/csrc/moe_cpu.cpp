@@ -22,8 +22,8 @@
 // token and group to int8 (symmetric, round half to even), integer dot products (maddubs, vpdpbusd)
 // are exact, and the group result is s*sx*(sum(u*q) - 8*sum(q)) (int4; the difference is an exact fp32
 // integer) or s*sx*sum(u*q) + m*sx*sum(q) (int4_asym, m the group min). The int4 down projection is W4A8
-// too (its input quantized the same way); fp32 / bf16 / int8 use fp32 activations with weights
-// dequantized in registers.
+// too (its input quantized the same way); int8_a8 is W8A8 on both projections (w8a8.h); fp32 / bf16 / int8
+// use fp32 activations with weights dequantized in registers.
 
 #include <omp.h>
 
@@ -42,8 +42,8 @@
 
 namespace {
 
-enum Fmt { FP32 = 0, BF16 = 1, INT8 = 2, INT4 = 3, INT4A = 4, BF16A = 5 };  // BF16A: bf16_a16
-inline bool is_quantized(int64_t fmt) { return fmt == INT8 || fmt == INT4 || fmt == INT4A; }
+enum Fmt { FP32 = 0, BF16 = 1, INT8 = 2, INT4 = 3, INT4A = 4, BF16A = 5, I8A8 = 6 };  // bf16_a16, int8_a8
+inline bool is_quantized(int64_t fmt) { return fmt == INT8 || fmt == INT4 || fmt == INT4A || fmt == I8A8; }
 
 // fp32 -> the nearest bf16 value (round half to even; NaN kept), as torch's .to(torch.bfloat16).
 inline float round_bf16(float f) {
@@ -301,6 +301,7 @@ constexpr int kMaxMT = 4;
 #include "w4a8_zmm.h"
 #include "bf16_zmm.h"
 #include "fp_zmm.h"
+#include "w8a8.h"
 
 namespace {
 
@@ -367,7 +368,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   for (int64_t e = 0; e < E; ++e)
     if (count[e + 1] > count[e]) active.push_back(e);
   const int64_t na = (int64_t)active.size();
-  constexpr bool w4a8 = FMT == INT4 || FMT == INT4A;
+  constexpr bool w4a8 = FMT == INT4 || FMT == INT4A || FMT == I8A8;  // int8 activations (W4A8, W8A8)
   const int64_t hp = P.hp, ip = P.ip, hbuf = P.hbuf, ldy = P.h8 * 8;
   const int64_t ngh = w4a8 ? hp / P.gs : 0, ngi = w4a8 ? ip / P.gs : 0;
   // Padded copies: per token X [T, hp], per row H [S, hbuf], Y [S, h8*8]; for W4A8 also the int8
@@ -426,6 +427,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       }
       // experts are contiguous runs of tiles: global tile = e * i8 + tile
       if (dot16) zmm_bf16_unit_rows<2>(P.gu, e * P.i8, tile, P.i8, br, orow, n);
+      else if constexpr (FMT == I8A8) w8a8_rows<2>(P.gu, e * P.i8, tile, P.i8, qr, sxr, qsr, orow, n);
       else if constexpr (zmm) zmm_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8, qr, sxr, qsr, n8r, orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 2>(P.gu, e * P.i8 + tile, qr, sxr, qsr, orow, n);
       else if (fpz) zmm_fp_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8, xr, orow, n);
@@ -475,6 +477,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
         orow[i] = &y[r * ldy + tile * 8];
       }
       if (dot16) zmm_bf16_unit_rows<1>(P.dn, e * P.h8, item, P.h8, br, orow, n);
+      else if constexpr (FMT == I8A8) w8a8_rows<1>(P.dn, e * P.h8, item, P.h8, qr, sxr, qsr, orow, n);
       else if constexpr (zmm) zmm_unit_rows<FMT, 1>(P.dn, e * P.h8, item, P.h8, qr, sxr, qsr, n8r, orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(P.dn, e * P.h8 + tile, qr, sxr, qsr, orow, n);
       else if (fpz) zmm_fp_unit_rows<FMT, 1>(P.dn, e * P.h8, item, P.h8, xr, orow, n);
@@ -512,7 +515,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
 // row's arithmetic is the same fixed sequence as in the MoE kernel, whatever M or the thread count.
 template <int FMT>
 void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, int64_t n8, int nthreads) {
-  constexpr bool w4a8 = FMT == INT4 || FMT == INT4A;
+  constexpr bool w4a8 = FMT == INT4 || FMT == INT4A || FMT == I8A8;  // int8 activations (W4A8, W8A8)
   const int64_t kp = A.kp, ng = w4a8 ? kp / A.gs : 0, ldo = n8 * 8;
   const float* xrows = x;
   std::vector<float> xp;
@@ -559,6 +562,7 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
       const int n = (int)std::min<int64_t>(kRows, M - m0);
       for (int i = 0; i < n; ++i) orow[i] = out + (m0 + i) * ldo + tile * 8;
       if (dot16) zmm_bf16_unit_rows<1>(A, 0, item, n8, &br[m0], orow, n);
+      else if constexpr (FMT == I8A8) w8a8_rows<1>(A, 0, item, n8, &qr[m0], &sxr[m0], &qsr[m0], orow, n);
       else if constexpr (zmm) zmm_unit_rows<FMT, 1>(A, 0, item, n8, &qr[m0], &sxr[m0], &qsr[m0], &n8r[m0], orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(A, tile, &qr[m0], &sxr[m0], &qsr[m0], orow, n);
       else if (fpz) zmm_fp_unit_rows<FMT, 1>(A, 0, item, n8, &xr[m0], orow, n);
@@ -594,6 +598,7 @@ int moe_dispatch(int64_t fmt, const Problem& P, const float* x, const int64_t* i
     case INT4: return run<INT4>(P, x, ids, wts, out, nthreads);
     case INT4A: return run<INT4A>(P, x, ids, wts, out, nthreads);
     case BF16A: return run<BF16A>(P, x, ids, wts, out, nthreads);
+    case I8A8: return run<I8A8>(P, x, ids, wts, out, nthreads);
     default: return -2;
   }
 }
@@ -607,6 +612,7 @@ int linear_dispatch(int64_t fmt, const Mat& A, const float* x, float* out, int64
     case INT4: run_linear<INT4>(A, x, out, M, K, n8, nthreads); return 0;
     case INT4A: run_linear<INT4A>(A, x, out, M, K, n8, nthreads); return 0;
     case BF16A: run_linear<BF16A>(A, x, out, M, K, n8, nthreads); return 0;
+    case I8A8: run_linear<I8A8>(A, x, out, M, K, n8, nthreads); return 0;
     default: return -2;
   }
 }
@@ -658,13 +664,13 @@ int moegate_has_bf16_dot() { return cpu_has_bf16_dot() ? 1 : 0; }
 const char* moegate_simd_path() {
 #if defined(MOEGATE_ZMM)
   if (cpu_has_bf16_dot())
-    return "avx512: W4A8 zmm vpdpbusd, bf16_a16 zmm vdpbf16ps, fp32/bf16/int8 zmm fma (16 rows x up to 8 tokens "
+    return "avx512: W4A8 / W8A8 zmm vpdpbusd, bf16_a16 zmm vdpbf16ps, fp32/bf16/int8 zmm fma (16 rows x up to 8 tokens "
            "per weight block)";
-  return "avx512: W4A8 zmm vpdpbusd, fp32/bf16/int8/bf16_a16 zmm fma (16 rows x up to 8 tokens per weight block)";
+  return "avx512: W4A8 / W8A8 zmm vpdpbusd, fp32/bf16/int8/bf16_a16 zmm fma (16 rows x up to 8 tokens per weight block)";
 #elif defined(MOEGATE_VNNI)
   return "avx512: W4A8 ymm vpdpbusd";
 #elif defined(MOEGATE_AVX2)
-  return "avx2: W4A8 maddubs";
+  return "avx2: W4A8 / W8A8 maddubs";
 #else
   return "generic: plain loops";
 #endif
