@@ -52,6 +52,12 @@ class LLGuidanceMatcher(Matcher):
     def error(self) -> str:
         return self.llg.get_error()
 
+    def allows(self, token_id: int) -> bool:
+        return self.llg.validate_tokens([token_id]) == 1
+
+    def forces(self) -> bool:
+        return bool(self.llg.compute_ff_bytes())
+
 
 class LLGuidanceCompiled(CompiledConstraint):
     backend = "llguidance"
