@@ -21,7 +21,6 @@ import torch
 from .bitmask import apply_bitmask_, only_id
 from .constraint import Constraint
 
-
 # The sampler checks a row's best candidates (one token each: grammar, guard) before filling its full
 # mask; a competent model's pick is nearly always among the first few (docs/structured.md).
 LAZY_CANDIDATES = 8
