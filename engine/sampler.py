@@ -17,6 +17,7 @@ them is ruled on gets its full mask, and samples from the same scores: the same 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -115,29 +116,31 @@ def _lazy_rows(logits: torch.Tensor, seqs: list[Sequence], tokens: list) -> dict
             noise[i] = race_noise(row.shape[-1], seq.generator)
             row = row / seq.params.temperature + noise[i]  # [V] race scores
         proc.advance(seq.output_token_ids)
-        order = candidate_order(row, k)
-        token = proc.first_allowed(order) if order is not None else None
+        token = proc.first_allowed(ranked(row, k))
         if token is not None:
             tokens[i] = token
             noise.pop(i, None)
     return noise
 
 
-def candidate_order(scores: torch.Tensor, k: int) -> list[int] | None:
+def ranked(scores: torch.Tensor, k: int) -> Iterator[int]:
     """The first k ids of scores [V] in the order greedy ranks them (descending, ties lowest id first), cut at
-    the first non-finite score; None when the row holds a NaN (greedy's pick is then no ranking's)."""
+    the first non-finite score (a NaN row yields nothing: greedy's pick is then no ranking's). The first is
+    greedy's own pick (one pass over the row); the rest are ranked only when asked for."""
     s = scores.numpy() if scores.device.type == "cpu" and scores.dtype == torch.float32 else scores.float().cpu().numpy()
+    first = int(np.argmax(s))  # (a NaN anywhere is the max)
+    if not math.isfinite(float(s[first])):
+        return
+    yield first
     k = min(k, s.shape[0])
     part = np.argpartition(-s, k - 1)[:k]
-    threshold = s[part].min()
-    if math.isnan(threshold) or math.isnan(float(s.max())):
-        return None
-    ties = np.flatnonzero(s >= threshold)  # every id ranked within the first k, whatever the ties
-    if ties.size > 4 * k:  # (a flat row: e.g. all -inf) nothing to gain over the full mask
-        return None
-    ranked = ties[np.lexsort((ties, -s[ties]))][:k]
-    finite = np.isfinite(s[ranked])
-    return ranked[: int(np.argmin(finite)) if not finite.all() else k].tolist()
+    ties = np.flatnonzero(s >= s[part].min())  # every id ranked within the first k, whatever the ties
+    if ties.size > 4 * k:  # (a flat row: e.g. mostly -inf) nothing to gain over the full mask
+        return
+    for token in ties[np.lexsort((ties, -s[ties]))][1:k].tolist():
+        if not math.isfinite(float(s[token])):
+            return
+        yield token
 
 
 def _apply_batched_masks(logits: torch.Tensor, seqs: list[Sequence], skip: list):

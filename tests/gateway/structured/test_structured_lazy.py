@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sampler import candidate_order, race_noise, sample
+from engine.sampler import race_noise, ranked, sample
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from gateway.structured.batch import BatchMasker
@@ -117,11 +117,16 @@ def test_a_guard_veto_is_checked_per_token(tokinfo):
     assert pick == int(allowed[0]) and c.lazy_hits == 1 and c.lazy_checked == 4
 
 
-def test_candidate_order_ranks_like_greedy():
+def test_ranked_orders_like_greedy():
     scores = torch.tensor([1.0, 3.0, 3.0, float("-inf"), 2.0, 3.0, -1.0])
-    assert candidate_order(scores, 4) == [1, 2, 5, 4]  # ties: lowest id first, as np.argmax picks
-    assert candidate_order(scores, 7) == [1, 2, 5, 4, 0, 6]  # cut before the first -inf
-    assert candidate_order(torch.tensor([0.0, float("nan"), 1.0]), 2) is None
+    assert list(ranked(scores, 4)) == [1, 2, 5, 4]  # ties: lowest id first, as np.argmax picks
+    assert list(ranked(scores, 7)) == [1, 2, 5, 4, 0, 6]  # cut before the first -inf
+    assert list(ranked(torch.tensor([0.0, float("nan"), 1.0]), 2)) == []
+    assert list(ranked(torch.full((100,), float("-inf")), 4)) == []
+    rows = torch.randn(50, 300, generator=torch.Generator().manual_seed(2)).round(decimals=1)  # many ties
+    for row in rows:
+        want = sorted(range(300), key=lambda i: (-float(row[i]), i))[:8]
+        assert list(ranked(row, 8)) == want
 
 
 def test_race_sampling_follows_softmax_and_replays():
