@@ -42,6 +42,9 @@ class BatchMasker:
         # id(constraint) -> (constraint, consumed count, future, bitmask, row) of the last prefetch
         self._pending: dict[int, tuple[Constraint, int, cf.Future, torch.Tensor, int]] = {}
         self.prefetch_hits = 0  # rows served from a prefetch (for tests and metrics)
+        # lazy verification over this batcher's constraints (Constraint.first_allowed): steps a candidate
+        # decided, candidates checked, steps that needed the full mask
+        self.lazy_totals = {"hits": 0, "candidates_checked": 0, "fallbacks": 0}
 
     def fill(self, constraints: Sequence[Constraint | None], bitmask: torch.Tensor) -> None:
         """bitmask [B, W] int32 CPU: row b gets constraints[b]'s mask, or all ones when None."""

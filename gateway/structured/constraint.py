@@ -248,19 +248,23 @@ class Constraint:
     def first_allowed(self, candidates: Sequence[int]) -> int | None:
         """The first of `candidates` (the sampler's ranking) that this step's mask allows, or None where the
         full mask must decide: none of them is allowed, or one is that only the whole row rules on."""
-        checked = 0
+        checked, found = 0, None
         for token in candidates:
             checked += 1
             verdict = self.allows_token(token)
             if verdict is None:
                 break
             if verdict:
-                self.lazy_hits += 1
-                self.lazy_checked += checked
-                return token
+                found = token
+                break
         self.lazy_checked += checked
-        self.lazy_fallbacks += 1
-        return None
+        self.lazy_hits += found is not None
+        self.lazy_fallbacks += found is None
+        if (totals := getattr(self.mask_batcher, "lazy_totals", None)) is not None:  # the process's, for /metrics
+            totals["hits"] += found is not None
+            totals["candidates_checked"] += checked
+            totals["fallbacks"] += found is None
+        return found
 
     def allows_token(self, token: int) -> bool | None:
         """Whether `fill_bitmask` would allow `token` now (grammar, guard, EOS, whitespace and completion-plan

@@ -176,3 +176,19 @@ def test_demo_model_outputs_are_the_same_bytes_lazy_or_full():
     assert runs[True] == runs[False]
     assert all(ok for _, ok in stats[True].values()), stats[True]
     assert sum(h for h, _ in stats[True].values()) > 0 and sum(h for h, _ in stats[False].values()) == 0
+
+
+def test_lazy_counts_reach_the_batcher_and_metrics(tokinfo):
+    from gateway.metrics import Metrics
+    from gateway.structured.batch import default_masker
+
+    masker = default_masker()
+    before = dict(masker.lazy_totals)
+    c = build_constraint(_specs(tokinfo)["json"], tokinfo, cache=CACHE, mask_batcher=masker)
+    brace = tokinfo.encode("{")[0]
+    assert c.first_allowed([tokinfo.encode("x")[0], brace]) == brace and c.first_allowed([]) is None
+    assert (c.lazy_hits, c.lazy_checked, c.lazy_fallbacks) == (1, 2, 1)
+    after = masker.lazy_totals
+    assert [after[k] - before[k] for k in ("hits", "candidates_checked", "fallbacks")] == [1, 2, 1]
+    text = Metrics().render().decode()
+    assert f'moegate_constrained_lazy_steps{{counter="hits"}} {float(after["hits"])}' in text
