@@ -108,15 +108,18 @@ def _lazy_rows(logits: torch.Tensor, seqs: list[Sequence], tokens: list) -> dict
         if (lazy := _lazy_candidates(seq)) is None:
             continue
         proc, k = lazy
-        if id(proc.mask_batcher) not in waited:  # no prefetch may compute on a processor checked here
-            proc.mask_batcher.wait()
-            waited.add(id(proc.mask_batcher))
         row = logits[i]
         if seq.params.temperature >= MIN_TEMPERATURE:
             noise[i] = race_noise(row.shape[-1], seq.generator)
             row = row / seq.params.temperature + noise[i]  # [V] race scores
-        proc.advance(seq.output_token_ids)
-        token = proc.first_allowed(ranked(row, k))
+        try:
+            if id(proc.mask_batcher) not in waited:  # no prefetch may compute on a processor checked here
+                waited.add(id(proc.mask_batcher))
+                proc.mask_batcher.wait()
+            proc.advance(seq.output_token_ids)
+            token = proc.first_allowed(ranked(row, k))
+        except Exception:  # noqa: BLE001 - the full-mask path meets the failure again and keeps it to its row
+            token = None
         if token is not None:
             tokens[i] = token
             noise.pop(i, None)
