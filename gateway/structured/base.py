@@ -59,7 +59,8 @@ class Matcher(ABC):
         return ""
 
     def allows(self, token_id: int) -> bool | None:
-        """Whether the mask would allow `token_id` now (nothing consumed); None where only the mask tells."""
+        """Whether the mask would allow `token_id` now (nothing consumed, the same answer as `fill_bitmask`'s bit);
+        None where only the mask tells."""
         return None
 
     def forces(self) -> bool | None:

@@ -192,3 +192,29 @@ def test_lazy_counts_reach_the_batcher_and_metrics(tokinfo):
     assert [after[k] - before[k] for k in ("hits", "candidates_checked", "fallbacks")] == [1, 2, 1]
     text = Metrics().render().decode()
     assert f'moegate_constrained_lazy_steps{{counter="hits"}} {float(after["hits"])}' in text
+
+
+TEXTS = {"json": '{"symbol":"AAPL","side":"buy","quantity":100,"price":1.5}',
+         "tools": '<tool_call>\n{"name": "place_order", "arguments": {"symbol": "AAPL", "side": "buy", "quantity": 9}}',
+         "sql": "SELECT t.symbol, a.name FROM trades AS t JOIN accounts AS a ON t.account_id = a.id WHERE t.qty > 10"}
+
+
+@pytest.mark.parametrize("kind", ["json", "tools", "sql"])
+def test_allows_token_agrees_with_the_full_mask_on_every_token(tokinfo, kind):
+    """Along an output, every id of the vocabulary: allows_token True only for ids the full mask allows, False
+    only for ids it forbids (forced bytes, where llguidance's mask keeps only their canonical tokens while
+    validate_tokens takes any prefix of them, answer None)."""
+    spec, ids = _specs(tokinfo)[kind], tokinfo.encode(TEXTS[kind])
+    answered = 0
+    for n in range(0, len(ids), 2):
+        c, ref = (build_constraint(spec, tokinfo, max_tokens=256, cache=CACHE) for _ in range(2))
+        c.advance(ids[:n])
+        ref.advance(ids[:n])
+        if c.error:
+            break
+        allowed = set(_allowed(ref, c.tok_words)[0].tolist())
+        for t in range(tokinfo.vocab_size):
+            verdict = c.allows_token(t)
+            assert verdict is None or verdict == (t in allowed), (tokinfo.decode(ids[:n]), tokinfo.decode([t]), verdict)
+            answered += verdict is not None
+    assert answered > tokinfo.vocab_size
