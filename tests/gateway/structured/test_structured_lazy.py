@@ -185,8 +185,9 @@ def test_lazy_counts_reach_the_batcher_and_metrics(tokinfo):
     masker = default_masker()
     before = dict(masker.lazy_totals)
     c = build_constraint(_specs(tokinfo)["json"], tokinfo, cache=CACHE, mask_batcher=masker)
-    brace = tokinfo.encode("{")[0]
-    assert c.first_allowed([tokinfo.encode("x")[0], brace]) == brace and c.first_allowed([]) is None
+    c.advance(tokinfo.encode('{"symbol":"AAPL","side":"buy","quantity":'))  # a number: no bytes forced
+    one = tokinfo.encode("1")[0]
+    assert c.first_allowed([tokinfo.encode("x")[0], one]) == one and c.first_allowed([]) is None
     assert (c.lazy_hits, c.lazy_checked, c.lazy_fallbacks) == (1, 2, 1)
     after = masker.lazy_totals
     assert [after[k] - before[k] for k in ("hits", "candidates_checked", "fallbacks")] == [1, 2, 1]
