@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.mode import Mode
-from engine.sampler import SamplingError, apply_top_k_top_p, greedy, sample
+from engine.sampler import SamplingError, apply_top_k_top_p, greedy, race_noise, sample
 from engine.sampling_params import MIN_TEMPERATURE
 from engine.sequence import Sequence
 
@@ -224,8 +224,6 @@ def _forced_tokens(forcing: list[tuple[Sequence, object]]) -> list[int | None]:
 
 def _draw_like_sampling(seq: Sequence, width: int) -> None:
     """A forced token skips sampling: a seeded generator still draws what `sample_row` would have drawn
-    (torch.multinomial's draw depends on the row's length only), so later tokens are unchanged."""
+    (the race noise depends on the row's length only), so later tokens are unchanged."""
     if seq.generator is not None and seq.params.temperature >= MIN_TEMPERATURE:
-        one = torch.zeros(width)
-        one[0] = 1.0
-        torch.multinomial(one, 1, generator=seq.generator)
+        race_noise(width, seq.generator)

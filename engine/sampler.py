@@ -1,14 +1,23 @@
 """Next-token choice per row: logits processors, then greedy or temperature / top-k / top-p sampling.
 
+Temperature sampling is an exponential race (Gumbel-max): token = argmax(logits / T - log q), q ~ Exp(1)
+drawn per id from the sequence's generator (the draw torch.multinomial makes for one sample). So the token
+chosen under an allowed-token mask is the first allowed id in descending score order, as greedy's is the
+first allowed id in descending logit order (ties: lowest id first).
+
 Mask processors (engine.sampling_params.MaskProcessor, e.g. constrained decoding) are batched: the
 masks of every such row in a step come from one `MaskBatcher.masks` call and one `apply` over
 those rows; after sampling, each is advanced by its new token and `prefetch` starts the next masks
-in the background, so they are computed while the next forward pass runs.
+in the background, so they are computed while the next forward pass runs. Where the batcher allows
+it (`lazy_candidates` > 0) and the row's order alone decides (no top-k / top-p, no other processor),
+the row's best candidates are checked one by one first (`first_allowed`); only a row where none of
+them is ruled on gets its full mask, and samples from the same scores: the same token either way.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -35,6 +44,12 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
+def race_noise(width: int, generator: torch.Generator | None) -> torch.Tensor:
+    """-log q, q ~ Exp(1), [width] fp32: one sampling step's draw (what torch.multinomial draws for one sample
+    from a row of `width`, so a generator advances the same)."""
+    return torch.empty(width).exponential_(1, generator=generator).log_().neg_()
+
+
 def sample(
     logits: torch.Tensor, seqs: list[Sequence], vocab_limit: int | None = None
 ) -> list[int | SamplingError]:
@@ -42,16 +57,19 @@ def sample(
     sequence hit (it fails alone; the other rows are unaffected)."""
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         logits[:, vocab_limit:] = float("-inf")  # padded rows of the embedding are not tokens
-    groups = _apply_batched_masks(logits, seqs)
-    tokens: list[int | SamplingError] = []
+    tokens: list[int | SamplingError | None] = [None] * len(seqs)
+    noise = _lazy_rows(logits, seqs, tokens)
+    groups = _apply_batched_masks(logits, seqs, skip=tokens)
     for i, (row, seq) in enumerate(zip(logits, seqs, strict=True)):
+        if tokens[i] is not None:
+            continue
         try:
-            tokens.append(sample_row(row, seq, batched=any(i in rows for rows in groups.values())))
+            batched = any(i in rows for rows in groups.values())
+            tokens[i] = sample_row(row, seq, batched=batched, noise=noise.get(i))
         except Exception as exc:  # noqa: BLE001 - a processor's failure belongs to its request
-            err = exc if isinstance(exc, SamplingError) else SamplingError(f"request {seq.request_id}: {exc}")
-            tokens.append(err)
+            tokens[i] = exc if isinstance(exc, SamplingError) else SamplingError(f"request {seq.request_id}: {exc}")
     _prefetch(groups, seqs, tokens)
-    return tokens
+    return tokens  # type: ignore[return-value]  # every row is set above
 
 
 def _batched(seq: Sequence) -> MaskProcessor | None:
@@ -67,11 +85,73 @@ def _is_mask_processor(proc) -> bool:
     return callable(getattr(proc, "advance", None)) and callable(proc)
 
 
-def _apply_batched_masks(logits: torch.Tensor, seqs: list[Sequence]):
-    """Mask the rows of batchable processors in place, one batcher call each -> {batcher: {row: processor}}."""
+def _lazy_candidates(seq: Sequence) -> tuple[MaskProcessor, int] | None:
+    """(processor, candidates to check) when the row's token may be found without its full mask: one mask
+    processor, the only one, that can rule on single ids, under a batcher with `lazy_candidates`, and no
+    top-k / top-p (they normalise over the allowed set)."""
+    p = seq.params
+    proc = _batched(seq)
+    if proc is None or len(p.logits_processors) != 1 or not callable(getattr(proc, "first_allowed", None)):
+        return None
+    k = getattr(proc.mask_batcher, "lazy_candidates", 0)
+    if not k or (p.temperature >= MIN_TEMPERATURE and (p.top_k or p.top_p < 1.0)):
+        return None
+    return proc, k
+
+
+def _lazy_rows(logits: torch.Tensor, seqs: list[Sequence], tokens: list) -> dict[int, torch.Tensor]:
+    """Set tokens[i] for the rows whose processor allows one of their best candidates; returns the race noise
+    drawn for temperature rows that go on to the full mask (the same draw samples them there)."""
+    noise: dict[int, torch.Tensor] = {}
+    waited: set[int] = set()
+    for i, seq in enumerate(seqs):
+        if (lazy := _lazy_candidates(seq)) is None:
+            continue
+        proc, k = lazy
+        row = logits[i]
+        if seq.params.temperature >= MIN_TEMPERATURE:
+            noise[i] = race_noise(row.shape[-1], seq.generator)
+            row = row / seq.params.temperature + noise[i]  # [V] race scores
+        try:
+            if id(proc.mask_batcher) not in waited:  # no prefetch may compute on a processor checked here
+                waited.add(id(proc.mask_batcher))
+                proc.mask_batcher.wait()
+            proc.advance(seq.output_token_ids)
+            token = proc.first_allowed(ranked(row, k))
+        except Exception:  # noqa: BLE001 - the full-mask path meets the failure again and keeps it to its row
+            token = None
+        if token is not None:
+            tokens[i] = token
+            noise.pop(i, None)
+    return noise
+
+
+def ranked(scores: torch.Tensor, k: int) -> Iterator[int]:
+    """The first k ids of scores [V] in the order greedy ranks them (descending, ties lowest id first), cut at
+    the first non-finite score (a NaN row yields nothing: greedy's pick is then no ranking's). The first is
+    greedy's own pick (one pass over the row); the rest are ranked only when asked for."""
+    s = scores.numpy() if scores.device.type == "cpu" and scores.dtype == torch.float32 else scores.float().cpu().numpy()
+    first = int(np.argmax(s))  # (a NaN anywhere is the max)
+    if not math.isfinite(float(s[first])):
+        return
+    yield first
+    k = min(k, s.shape[0])
+    part = np.argpartition(-s, k - 1)[:k]
+    ties = np.flatnonzero(s >= s[part].min())  # every id ranked within the first k, whatever the ties
+    if ties.size > 4 * k:  # (a flat row: e.g. mostly -inf) nothing to gain over the full mask
+        return
+    for token in ties[np.lexsort((ties, -s[ties]))][1:k].tolist():
+        if not math.isfinite(float(s[token])):
+            return
+        yield token
+
+
+def _apply_batched_masks(logits: torch.Tensor, seqs: list[Sequence], skip: list):
+    """Mask the rows of batchable processors in place (not those with a token in `skip`), one batcher call
+    each -> {batcher: {row: processor}}."""
     groups: dict[object, dict[int, MaskProcessor]] = {}
     for i, seq in enumerate(seqs):
-        if (proc := _batched(seq)) is not None:
+        if skip[i] is None and (proc := _batched(seq)) is not None:
             groups.setdefault(proc.mask_batcher, {})[i] = proc
     words = (logits.shape[-1] + 31) // 32
     for batcher, members in list(groups.items()):
@@ -88,7 +168,8 @@ def _apply_batched_masks(logits: torch.Tensor, seqs: list[Sequence]):
 
 
 def _prefetch(groups: dict, seqs: list[Sequence], tokens: list) -> None:
-    """Advance each batched processor by its sampled token and start its next mask."""
+    """Advance each batched processor by its sampled token and start its next mask (rows that needed their
+    full mask this step: a row its candidates decided is likely decided by them again)."""
     for batcher, members in groups.items():
         ready = []
         for i, proc in members.items():
@@ -107,9 +188,9 @@ def greedy(row: torch.Tensor) -> int:
     return int(torch.argmax(row))
 
 
-def sample_row(row: torch.Tensor, seq: Sequence, batched: bool = False) -> int:
+def sample_row(row: torch.Tensor, seq: Sequence, batched: bool = False, noise: torch.Tensor | None = None) -> int:
     """logits row [V] -> the next token of `seq` under its SamplingParams (`batched`: its mask
-    processor was already applied by `sample`)."""
+    processor was already applied by `sample`; `noise`: this step's race noise, when already drawn)."""
     p = seq.params
     skip = _batched(seq) if batched else None
     for proc in p.logits_processors:
@@ -121,7 +202,8 @@ def sample_row(row: torch.Tensor, seq: Sequence, batched: bool = False) -> int:
             raise SamplingError(f"request {seq.request_id}: no token is allowed at this step")
         return token
     row = apply_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
-    probs = torch.softmax(row, dim=-1)
-    if torch.isnan(probs).any() or not probs.sum() > 0:
+    if noise is None:
+        noise = race_noise(row.shape[-1], seq.generator)
+    if not math.isfinite(float(row.max())):  # all -inf (every token masked) or a NaN
         raise SamplingError(f"request {seq.request_id}: no token is allowed at this step")
-    return int(torch.multinomial(probs, 1, generator=seq.generator))
+    return greedy(row + noise)

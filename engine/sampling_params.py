@@ -46,6 +46,13 @@ class MaskBatcher(Protocol):
     def prefetch(self, processors: list) -> None:
         """Start computing the next masks in the background (the processors were just advanced)."""
 
+    def wait(self) -> None:
+        """Join the background mask computations in flight (before a processor is used outside them)."""
+
+    # Optional (engine/sampler.py): > 0 lets the sampler check a row's best candidates one by one through the
+    # processor's `first_allowed(ids) -> id | None` before its full mask; 0 (or absent): every row's full mask.
+    lazy_candidates: int
+
     def forced_tokens(self, items: list) -> list[int | None]:
         """Optional (jump-forward, engine/multi_token.py): for (processor, generated ids) pairs, each processor's
         `forced_token(ids)`, the masks computed together."""

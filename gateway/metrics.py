@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from gateway.structured.batch import default_masker
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -39,6 +41,10 @@ class Metrics:
         self.multi_token = Gauge("moegate_multi_token_tokens", "Multi-token decoding (engine): forced (jump-forward), "
                                  "sampled, drafted and accepted tokens since start", ["counter"], registry=r)
 
+        self.lazy_mask = Gauge("moegate_constrained_lazy_steps", "Constrained sampling steps decided by checking the "
+                               "best candidates (hits), candidates checked, steps that needed the full mask "
+                               "(fallbacks), since start", ["counter"], registry=r)
+
     def render(self, llm=None) -> bytes:
         """The exposition text; engine gauges are read from `llm` at scrape time."""
         if llm is not None:
@@ -57,4 +63,6 @@ class Metrics:
             decoder = getattr(getattr(llm, "engine", None), "decoder", None)
             for name, value in (decoder.stats.as_dict() if decoder is not None else {}).items():
                 self.multi_token.labels(name).set(value)
+        for name, value in default_masker().lazy_totals.items():
+            self.lazy_mask.labels(name).set(value)
         return generate_latest(self.registry)

@@ -58,6 +58,15 @@ class Matcher(ABC):
     def error(self) -> str:
         return ""
 
+    def allows(self, token_id: int) -> bool | None:
+        """Whether the mask would allow `token_id` now (nothing consumed, the same answer as `fill_bitmask`'s bit);
+        None where only the mask tells."""
+        return None
+
+    def forces(self) -> bool | None:
+        """Whether the grammar forces the next bytes now; None where only the mask tells."""
+        return None
+
     # The native llguidance.LLMatcher when the backend is llguidance (parallel batched masks).
     llg = None
 

@@ -21,11 +21,20 @@ import torch
 from .bitmask import apply_bitmask_, only_id
 from .constraint import Constraint
 
+# The sampler checks a row's best candidates (one token each: grammar, guard) before filling its full
+# mask; a competent model's pick is nearly always among the first few (docs/structured.md).
+LAZY_CANDIDATES = 8
+
 
 class BatchMasker:
     """Owns an llguidance executor and one background thread for overlapping mask computation."""
 
-    def __init__(self, num_threads: int | None = None, prefetch: bool | None = None) -> None:
+    def __init__(self, num_threads: int | None = None, prefetch: bool | None = None,
+                 lazy_candidates: int = LAZY_CANDIDATES) -> None:
+        if lazy_candidates < 0:
+            raise ValueError(f"lazy_candidates must be >= 0 (0: every step's full mask), got {lazy_candidates}")
+        # candidates the sampler checks one by one before a row's full mask (engine/sampler.py); 0: full masks
+        self.lazy_candidates = lazy_candidates
         self._executor = llguidance.LLExecutor(num_threads=num_threads)
         self.prefetching = torch.cuda.is_available() if prefetch is None else prefetch
         self._thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mask-prefetch")
@@ -33,6 +42,9 @@ class BatchMasker:
         # id(constraint) -> (constraint, consumed count, future, bitmask, row) of the last prefetch
         self._pending: dict[int, tuple[Constraint, int, cf.Future, torch.Tensor, int]] = {}
         self.prefetch_hits = 0  # rows served from a prefetch (for tests and metrics)
+        # lazy verification over this batcher's constraints (Constraint.first_allowed): steps a candidate
+        # decided, candidates checked, steps that needed the full mask
+        self.lazy_totals = {"hits": 0, "candidates_checked": 0, "fallbacks": 0}
 
     def fill(self, constraints: Sequence[Constraint | None], bitmask: torch.Tensor) -> None:
         """bitmask [B, W] int32 CPU: row b gets constraints[b]'s mask, or all ones when None."""
@@ -95,16 +107,20 @@ class BatchMasker:
 
     def forced_tokens(self, items: Sequence[tuple[Constraint, Sequence[int]]]) -> list[int | None]:
         """Constraint.forced_token for many sequences at once ((constraint, its generated ids) each): the masks
-        not already current are filled in one batched call and kept for the step that samples from them."""
+        not already current are filled in one batched call and kept for the step that samples from them.
+        With `lazy_candidates`, only the masks of constraints that may force a token (Constraint.may_force:
+        the grammar forces bytes, a completion plan, ...): the others report None without a mask (their next
+        token is sampled: the same token, jump-forward only saves a step)."""
         self.wait()  # no prefetch reads these constraints, nor uses the executor beside this fill
         for constraint, token_ids in items:
             constraint.advance(token_ids)
+        forcing = [not self.lazy_candidates or c.may_force() for c, _ in items]
         words = self._words or items[0][0].tok_words
-        stale = [c for c, _ in items if not self._current(c, words)]
+        stale = [c for (c, _), f in zip(items, forcing, strict=True) if f and not self._current(c, words)]
         if stale:
             self._keep(stale, words)
-        rows = [self._pending[id(c)] for c, _ in items]
-        return [only_id(bitmask[row]) for _, _, _, bitmask, row in rows]
+        rows = [self._pending[id(c)] if f else None for (c, _), f in zip(items, forcing, strict=True)]
+        return [only_id(r[3][r[4]]) if r is not None else None for r in rows]
 
     def _current(self, constraint: Constraint, words: int) -> bool:
         """Whether the kept mask of `constraint` is its current state's (at this row width)."""

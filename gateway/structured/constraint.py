@@ -144,6 +144,9 @@ class Constraint:
         self.consumed = 0
         self.ended = False  # an EOS id was consumed
         self.error = ""
+        # the sampler's lazy path (first_allowed): steps decided by a candidate, candidates checked,
+        # steps that needed the full mask
+        self.lazy_hits = self.lazy_checked = self.lazy_fallbacks = 0
 
     # -- state -----------------------------------------------------------------------------
     def advance(self, token_ids: Sequence[int]) -> None:
@@ -239,6 +242,60 @@ class Constraint:
         if not out.any():  # dead end (matcher error): end the sequence; validation reports it
             self.error = self.error or self.matcher.error() or "no token can continue the output"
             out[:] = eos_row
+
+    # -- one token without the mask -----------------------------------------------------------
+
+    def first_allowed(self, candidates: Sequence[int]) -> int | None:
+        """The first of `candidates` (the sampler's ranking) that this step's mask allows, or None where the
+        full mask must decide: none of them is allowed, or one is that only the whole row rules on."""
+        checked, found = 0, None
+        for token in candidates:
+            checked += 1
+            verdict = self.allows_token(token)
+            if verdict is None:
+                break
+            if verdict:
+                found = token
+                break
+        self.lazy_checked += checked
+        self.lazy_hits += found is not None
+        self.lazy_fallbacks += found is None
+        if (totals := getattr(self.mask_batcher, "lazy_totals", None)) is not None:  # the process's, for /metrics
+            totals["hits"] += found is not None
+            totals["candidates_checked"] += checked
+            totals["fallbacks"] += found is None
+        return found
+
+    def allows_token(self, token: int) -> bool | None:
+        """Whether `fill_bitmask` would allow `token` now (grammar, guard, EOS, whitespace and completion-plan
+        rules), found without the mask; None where the answer depends on the rest of the row (ended, the
+        closing window, a completion plan, a whitespace token past the run limit, EOS beside a guard)."""
+        if self.is_terminated() or self._closing() or self.plan:
+            return None
+        if token in self.eos_ids:  # (a guard's dead end would allow EOS alone: the row decides)
+            return self._matcher_accepts() if self.guard is None else None
+        if token >= self.vocab_size:
+            return False
+        if (grammar := self.matcher.allows(token)) is not True:
+            return grammar
+        if self.guard is not None:
+            row = ids_to_row((token,), self.tok_words)
+            self.guard.filter(row)  # the filter of the full row, on this token alone
+            if not row.any():
+                return False
+        piece = self._token_bytes[token] if token < len(self._token_bytes) else None
+        if self._ws_run >= self.max_whitespace_run and piece and not piece.strip():
+            return None
+        if not self._matcher_accepts() and self._planned_token() is not None:
+            return None  # (the plan's token alone is allowed from here: the full mask says which)
+        return True
+
+    def may_force(self) -> bool:
+        """False where no token can be forced now unless the grammar forces bytes (not ended, no completion
+        plan, outside the closing window): jump-forward skips the mask then."""
+        if self.is_terminated() or self._closing() or self.plan:
+            return True
+        return self.matcher.forces() is not False
 
     def _planned_token(self) -> int | None:
         """Next token of the completion path when the budget requires following it now (else None)."""

@@ -1,0 +1,221 @@
+"""Lazy verification (engine/sampler.py `first_allowed`): a constrained row's best candidates checked one by
+one before its full mask pick exactly the token the full mask picks, for JSON Schema, tool calls and SQL,
+greedy and seeded; top-p rows take the full mask; a token the SQL guard vetoes is never emitted.
+
+Logits are built per step from a reference constraint's full mask: one allowed id raised, and ids the mask
+forbids (first those the SQL guard vetoes after the grammar allowed them) raised above it, so the lazy path
+rejects candidates before it finds one, as a trained model's near misses make it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.sampler import race_noise, ranked, sample
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from gateway.structured.batch import BatchMasker
+from gateway.structured.bitmask import row_ids
+from gateway.structured.build import build_constraint, json_schema_spec
+from gateway.structured.cache import ConstraintCache
+from gateway.structured.sql_grammar import sql_spec
+from gateway.structured.sql_schema import DatabaseSchema
+from gateway.structured.tools import tool_call_spec
+
+DEMO = Path(__file__).parents[3] / "engine" / "assets" / "demo-moe"
+ORDER = {"type": "object", "properties": {
+    "symbol": {"type": "string", "maxLength": 5}, "side": {"enum": ["buy", "sell"]},
+    "quantity": {"type": "integer", "minimum": 1}, "price": {"type": "number"}},
+    "required": ["symbol", "side", "quantity"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "place_order", "parameters": ORDER}}]
+DB = DatabaseSchema.from_mapping({"accounts": ["id", "name", "region"],
+                                  "trades": ["id", "account_id", "symbol", "qty", "price", "ts"]})
+CACHE = ConstraintCache()
+
+
+def _specs(tok):
+    return {"json": json_schema_spec(ORDER), "tools": tool_call_spec(TOOLS, tok, "required"), "sql": sql_spec(DB)}
+
+
+def _allowed(ref, words: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids the reference constraint's full mask allows, ids its grammar allows that the rest forbids)."""
+    full = torch.zeros(1, words, dtype=torch.int32)
+    ref.fill_bitmask(full, 0)
+    allowed = row_ids(full[0])
+    grammar = torch.zeros(1, words, dtype=torch.int32)
+    if not ref.is_terminated():
+        ref.matcher.fill_bitmask(grammar[0].data_ptr(), words)
+    return allowed, np.setdiff1d(row_ids(grammar[0], ref.vocab_size), allowed)
+
+
+def _decode(spec, tok, lazy: bool, temperature: float, top_p: float = 1.0, steps: int = 80, seed: int = 0):
+    masker = BatchMasker(num_threads=1, prefetch=False, lazy_candidates=8 if lazy else 0)
+    c = build_constraint(spec, tok, max_tokens=steps, cache=CACHE, mask_batcher=masker)
+    ref = build_constraint(spec, tok, max_tokens=steps, cache=CACHE)  # the full mask of the same state
+    seq = Sequence("r", [1], SamplingParams(max_tokens=steps, temperature=temperature, top_p=top_p, seed=seed,
+                                            logits_processors=[c]))
+    vocab, words = tok.vocab_size, c.tok_words
+    for step in range(steps):
+        ref.advance(seq.output_token_ids)
+        allowed, vetoed = _allowed(ref, words)
+        gen = torch.Generator().manual_seed(1000 * seed + step)
+        logits = torch.randn(1, vocab + 24, generator=gen)  # padded lm_head rows
+        logits[0, int(allowed[step * 7 % len(allowed)])] += 8.0
+        forbidden = np.setdiff1d(np.arange(vocab), allowed)
+        near = [*vetoed[:2].tolist(), *forbidden[torch.randint(len(forbidden), (2,), generator=gen)].tolist()]
+        logits[0, near] += 9.0
+        token = sample(logits, [seq], vocab)[0]
+        assert isinstance(token, int), token
+        assert token in allowed and token not in vetoed, (step, token, tok.decode([token]))
+        seq.output_token_ids.append(token)
+        if token in tok.eos_ids:
+            break
+    masker.close()
+    return seq.output_token_ids, c
+
+
+@pytest.mark.parametrize("kind", ["json", "tools", "sql"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_lazy_picks_the_full_mask_token(tokinfo, kind, temperature):
+    spec = _specs(tokinfo)[kind]
+    hits = 0
+    for seed in range(3):
+        want, full = _decode(spec, tokinfo, lazy=False, temperature=temperature, seed=seed)
+        got, lazy = _decode(spec, tokinfo, lazy=True, temperature=temperature, seed=seed)
+        assert got == want, (tokinfo.decode(want), tokinfo.decode(got))
+        assert full.lazy_hits == full.lazy_checked == 0
+        assert lazy.lazy_hits + lazy.lazy_fallbacks == len(got)  # one or the other, every step
+        hits += lazy.lazy_hits
+        assert lazy.lazy_checked >= lazy.lazy_hits
+    assert hits > 0
+
+
+def test_top_p_takes_the_full_mask_and_the_same_token(tokinfo):
+    spec = _specs(tokinfo)["json"]
+    want, _ = _decode(spec, tokinfo, lazy=False, temperature=0.8, top_p=0.9)
+    got, lazy = _decode(spec, tokinfo, lazy=True, temperature=0.8, top_p=0.9)
+    assert got == want and lazy.lazy_checked == 0
+
+
+def test_a_guard_veto_is_checked_per_token(tokinfo):
+    """After `... FROM trades AS t WHERE `: the grammar-allowed tokens the SQL guard vetoes (qualifiers no FROM
+    binds, ...) are rejected one by one, and first_allowed passes over them to an allowed one."""
+    prefix = tokinfo.encode("SELECT t.id FROM trades AS t WHERE ")
+    c, ref = (build_constraint(sql_spec(DB), tokinfo, cache=CACHE) for _ in range(2))
+    c.advance(prefix)
+    ref.advance(prefix)
+    allowed, vetoed = _allowed(ref, c.tok_words)
+    assert len(vetoed), "the guard vetoes some grammar-allowed token here"
+    for t in vetoed[:20].tolist():
+        assert c.allows_token(t) is False, tokinfo.decode([t])
+    for t in allowed[:20].tolist():
+        assert c.allows_token(t) in (True, None), tokinfo.decode([t])
+    pick = c.first_allowed([*vetoed[:3].tolist(), int(allowed[0])])
+    assert pick == int(allowed[0]) and c.lazy_hits == 1 and c.lazy_checked == 4
+
+
+def test_ranked_orders_like_greedy():
+    scores = torch.tensor([1.0, 3.0, 3.0, float("-inf"), 2.0, 3.0, -1.0])
+    assert list(ranked(scores, 4)) == [1, 2, 5, 4]  # ties: lowest id first, as np.argmax picks
+    assert list(ranked(scores, 7)) == [1, 2, 5, 4, 0, 6]  # cut before the first -inf
+    assert list(ranked(torch.tensor([0.0, float("nan"), 1.0]), 2)) == []
+    assert list(ranked(torch.full((100,), float("-inf")), 4)) == []
+    rows = torch.randn(50, 300, generator=torch.Generator().manual_seed(2)).round(decimals=1)  # many ties
+    for row in rows:
+        want = sorted(range(300), key=lambda i: (-float(row[i]), i))[:8]
+        assert list(ranked(row, 8)) == want
+
+
+def test_race_sampling_follows_softmax_and_replays():
+    logits = torch.tensor([[1.0, 0.2, 2.0, -1.0, 0.5, 0.0]])
+    seq = Sequence("d", [1], SamplingParams(temperature=0.7, seed=3))
+    n = 40000
+    draws = [sample(logits.clone(), [seq])[0] for _ in range(n)]
+    counts = np.bincount(draws, minlength=6)
+    target = torch.softmax(logits[0] / 0.7, -1).numpy()
+    chi2 = float(((counts - n * target) ** 2 / (n * target)).sum())
+    assert chi2 < 25.0, (counts / n, target)  # 5 degrees of freedom: p ~ 1e-4 to fail by chance
+    again = Sequence("d", [1], SamplingParams(temperature=0.7, seed=3))
+    assert [sample(logits.clone(), [again])[0] for _ in range(200)] == draws[:200]
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    probs = torch.softmax(torch.randn(500, generator=torch.Generator().manual_seed(1)), -1)
+    torch.multinomial(probs, 1, generator=g1)
+    race_noise(500, g2)  # the draw of one torch.multinomial sample: the generators stay in step
+    assert torch.equal(torch.rand(4, generator=g1), torch.rand(4, generator=g2))
+
+
+def test_demo_model_outputs_are_the_same_bytes_lazy_or_full():
+    """The shipped demo model in execution mode (jump-forward on): JSON, tool calls and SQL, greedy and seeded,
+    all in one batch: the same tokens with lazy verification as with every step's full mask."""
+    from engine.experts import PlacementConfig
+    from engine.llm_engine import LLM
+    from gateway.structured.vocab import TokenizerInfo
+
+    engine = LLM(DEMO, progress=False, placement=PlacementConfig(fast_format="int4", exact_format="bf16"),
+                 num_kv_blocks=256, jump_forward_tokens=32).engine
+    tok = TokenizerInfo.from_file(DEMO / "tokenizer.json", sorted(engine.eos_token_ids))
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Buy 100 AAPL at market."}])
+    runs, stats = {}, {}
+    for lazy in (False, True):
+        masker = BatchMasker(num_threads=1, prefetch=False, lazy_candidates=8 if lazy else 0)
+        cons = {}
+        for kind, spec in _specs(tok).items():
+            for temp in (0.0, 0.7):
+                cons[f"{kind}-{temp}"] = build_constraint(spec, tok, max_tokens=64, cache=CACHE, mask_batcher=masker)
+                engine.add_request(f"{lazy}-{kind}-{temp}", prompt, SamplingParams(
+                    max_tokens=64, temperature=temp, seed=4, logits_processors=[cons[f"{kind}-{temp}"]]),
+                    mode="execution")
+        done = {}
+        while engine.has_work():
+            done.update({o.request_id.split("-", 1)[1]: o.token_ids for o in engine.step() if o.finished})
+        masker.close()
+        runs[lazy], stats[lazy] = done, {k: (c.lazy_hits, c.is_accepting()) for k, c in cons.items()}
+    assert runs[True] == runs[False]
+    assert all(ok for _, ok in stats[True].values()), stats[True]
+    assert sum(h for h, _ in stats[True].values()) > 0 and sum(h for h, _ in stats[False].values()) == 0
+
+
+def test_lazy_counts_reach_the_batcher_and_metrics(tokinfo):
+    from gateway.metrics import Metrics
+    from gateway.structured.batch import default_masker
+
+    masker = default_masker()
+    before = dict(masker.lazy_totals)
+    c = build_constraint(_specs(tokinfo)["json"], tokinfo, cache=CACHE, mask_batcher=masker)
+    c.advance(tokinfo.encode('{"symbol":"AAPL","side":"buy","quantity":'))  # a number: no bytes forced
+    one = tokinfo.encode("1")[0]
+    assert c.first_allowed([tokinfo.encode("x")[0], one]) == one and c.first_allowed([]) is None
+    assert (c.lazy_hits, c.lazy_checked, c.lazy_fallbacks) == (1, 2, 1)
+    after = masker.lazy_totals
+    assert [after[k] - before[k] for k in ("hits", "candidates_checked", "fallbacks")] == [1, 2, 1]
+    text = Metrics().render().decode()
+    assert f'moegate_constrained_lazy_steps{{counter="hits"}} {float(after["hits"])}' in text
+
+
+TEXTS = {"json": '{"symbol":"AAPL","side":"buy","quantity":100,"price":1.5}',
+         "tools": '<tool_call>\n{"name": "place_order", "arguments": {"symbol": "AAPL", "side": "buy", "quantity": 9}}',
+         "sql": "SELECT t.symbol, a.name FROM trades AS t JOIN accounts AS a ON t.account_id = a.id WHERE t.qty > 10"}
+
+
+@pytest.mark.parametrize("kind", ["json", "tools", "sql"])
+def test_allows_token_agrees_with_the_full_mask_on_every_token(tokinfo, kind):
+    """Along an output, every id of the vocabulary: allows_token True only for ids the full mask allows, False
+    only for ids it forbids (forced bytes, where llguidance's mask keeps only their canonical tokens while
+    validate_tokens takes any prefix of them, answer None)."""
+    spec, ids = _specs(tokinfo)[kind], tokinfo.encode(TEXTS[kind])
+    answered = 0
+    for n in range(0, len(ids), 2):
+        c, ref = (build_constraint(spec, tokinfo, max_tokens=256, cache=CACHE) for _ in range(2))
+        c.advance(ids[:n])
+        ref.advance(ids[:n])
+        if c.error:
+            break
+        allowed = set(_allowed(ref, c.tok_words)[0].tolist())
+        for t in range(tokinfo.vocab_size):
+            verdict = c.allows_token(t)
+            assert verdict is None or verdict == (t in allowed), (tokinfo.decode(ids[:n]), tokinfo.decode([t]), verdict)
+            answered += verdict is not None
+    assert answered > tokinfo.vocab_size
