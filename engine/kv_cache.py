@@ -59,6 +59,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._offsets = torch.arange(block_size)  # slot offsets inside a block (`slots`)
+        # id(block table) -> (its blocks when computed, their slots [blocks * bs]): a decode step slices them
+        self._slot_rows: dict[int, tuple[list[int], torch.Tensor]] = {}
         self._free: deque[int] = deque(range(num_blocks))  # blocks holding nothing worth keeping
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks, LRU first
         self._refs = [0] * num_blocks
@@ -135,6 +137,7 @@ class BlockManager:
                 else:
                     self._free.append(block)
         block_table.clear()
+        self._slot_rows.pop(id(block_table), None)
 
     # -- device cache tier ---------------------------------------------------------------------
     def register(self, block: int, key: str) -> bool:
@@ -171,10 +174,17 @@ class BlockManager:
         return out
 
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        """KV slot ids of token positions [start, end) of a sequence. [end - start] int64"""
+        """KV slot ids of token positions [start, end) of a sequence. [end - start] int64, a read-only view:
+        the table's slots are kept (checked against its blocks each call) until it grows or is freed."""
         bs = self.block_size
         if end <= start:
             return torch.empty(0, dtype=torch.long)
-        table = torch.tensor(block_table[start // bs : (end - 1) // bs + 1], dtype=torch.long)  # the blocks spanned
-        first = start % bs
-        return (table[:, None] * bs + self._offsets).view(-1)[first : first + end - start]  # [blocks * bs] -> span
+        n = (end - 1) // bs + 1  # blocks spanned from the first
+        kept = self._slot_rows.get(id(block_table))
+        if kept is None or len(kept[0]) < n or kept[0][:n] != block_table[:n]:
+            if len(self._slot_rows) >= 4 * self.num_blocks:  # tables dropped without `free`
+                self._slot_rows.clear()
+            blocks = list(block_table)
+            table = torch.tensor(blocks, dtype=torch.long)  # [blocks]
+            kept = self._slot_rows[id(block_table)] = (blocks, (table[:, None] * bs + self._offsets).view(-1))
+        return kept[1][start:end]

@@ -41,6 +41,7 @@ class ModelRunner:
         self.strict_experts = ExpertPipeline(device)  # execution: everything now, on this thread
         self.expert_worker = self.experts.executor
         self.max_threads = torch.get_num_threads()
+        self._all_rows = torch.arange(64)  # `_rows`: read-only, sliced
 
     def set_defer(self, defer: int) -> None:
         """Exploration's deferral for the batches built from now on (between steps)."""
@@ -60,20 +61,29 @@ class ModelRunner:
             ctx_slots.append(slots)
             row += c.num_tokens
             rows.extend(range(row - c.num_logits, row))
+        one = len(chunks) == 1  # a single sequence (decode at batch 1): its tensors as they are, no cat
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=torch.cat(positions),
-            slot_mapping=torch.cat(slot_parts),
+            positions=positions[0] if one else torch.cat(positions),
+            slot_mapping=slot_parts[0] if one else torch.cat(slot_parts),
             query_lens=[c.num_tokens for c in chunks],
             context_lens=[c.start + c.num_tokens for c in chunks],
             context_slots=ctx_slots,
-            logits_rows=torch.tensor(rows, dtype=torch.long),
+            logits_rows=self._rows(rows, row),
             exact=exact,
             defer=0 if exact else self.defer,
             expert_pipeline=self.strict_experts if exact else self.experts,
             state_slots=[c.seq.state_slot for c in chunks] if self.states is not None else [],
         )
         return batch.to(self.device) if self.device.type != "cpu" else batch
+
+    def _rows(self, rows: list[int], num_tokens: int) -> torch.Tensor:
+        """The logits rows [S] as a tensor; every row in order (decode steps) is a slice of one kept arange."""
+        if len(rows) != num_tokens:
+            return torch.tensor(rows, dtype=torch.long)
+        if self._all_rows.numel() < num_tokens:
+            self._all_rows = torch.arange(max(num_tokens, 2 * self._all_rows.numel()))
+        return self._all_rows[:num_tokens]
 
     def run(self, chunks: list[ScheduledChunk], blocks: BlockManager) -> torch.Tensor:
         """All scheduled chunks -> fp32 logits [S, V]: `num_logits` rows per chunk that samples, in chunk order."""
@@ -131,7 +141,9 @@ class ModelRunner:
             # torch's here left its OpenMP workers spinning through the next decode step on the same cores
             # as the kernel (17% of decode samples on 2 cores).
             torch.set_num_threads(self.max_threads)
-        return self.model.compute_logits(hidden[batch.logits_rows], exact=batch.exact).cpu()
+        rows = batch.logits_rows  # every row, in order, when as many as tokens (a decode step)
+        return self.model.compute_logits(hidden if rows.numel() == hidden.shape[0] else hidden[rows],
+                                         exact=batch.exact).cpu()
 
     def shutdown(self) -> None:
         self.experts.shutdown()

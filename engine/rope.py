@@ -175,12 +175,18 @@ def _longrope(dim: int, theta: float, s: RopeScaling, seq_len: int | None) -> tu
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE tables (cos, sin) [T, D] in the rotate-half layout Hugging Face uses, scaled as configured."""
+    """RoPE tables (cos, sin) [T, D] in the rotate-half layout Hugging Face uses, scaled as configured.
+
+    On the CPU, where the frequencies do not depend on the sequence, rows come from a table of every position
+    so far (grown by doubling), computed by the same expression: a decode step indexes two rows instead of
+    running a dozen small ops. Each element is the same elementwise arithmetic either way, so the bits are
+    those of the direct expression (tests/engine/test_engine_rope.py checks it)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self._freqs: dict[tuple[torch.device, bool | None], tuple[torch.Tensor, float]] = {}
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # dtype -> cos, sin [P, D]
 
     def _inv_freq(self, device: torch.device, seq_len: int | None) -> tuple[torch.Tensor, float]:
         s, variant = self.scaling, None  # the frequencies differ per length only past the switch point
@@ -198,13 +204,30 @@ class RotaryEmbedding(nn.Module):
                 seq_lens: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; seq_lens: (new tokens, sequence length) per sequence, needed by per-sequence scaling."""
         if self.scaling is None or not self.scaling.per_sequence or seq_lens is None:
-            parts = [(positions, self._inv_freq(positions.device, None))]
-        else:
-            chunks = positions.split([n for n, _ in seq_lens])
-            parts = [(p, self._inv_freq(positions.device, total)) for p, (_, total) in zip(chunks, seq_lens, strict=True)]
-        cos, sin = [], []
-        for pos, (freqs, attention) in parts:
-            emb = (pos.float()[:, None] * freqs[None, :]).repeat(1, 2)  # [t, D]
-            cos.append((emb.cos() * attention).to(dtype))
-            sin.append((emb.sin() * attention).to(dtype))
-        return torch.cat(cos), torch.cat(sin)
+            if positions.device.type == "cpu":
+                needed = max(total for _, total in seq_lens) if seq_lens else int(positions.max()) + 1
+                cos, sin = self._table(needed, dtype)
+                return cos.index_select(0, positions), sin.index_select(0, positions)
+            return self._direct(positions, self._inv_freq(positions.device, None), dtype)
+        chunks = positions.split([n for n, _ in seq_lens])
+        parts = [self._direct(p, self._inv_freq(positions.device, total), dtype)
+                 for p, (_, total) in zip(chunks, seq_lens, strict=True)]
+        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+
+    def _table(self, needed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [P, D] of positions 0..P-1 with P >= needed (CPU, sequence-independent frequencies)."""
+        table = self._tables.get(dtype)
+        if table is None or table[0].shape[0] < needed:
+            size = max(needed, 256, 2 * table[0].shape[0] if table is not None else 0)
+            device = torch.device("cpu")
+            table = self._direct(torch.arange(size), self._inv_freq(device, None), dtype)
+            self._tables[dtype] = table
+        return table
+
+    @staticmethod
+    def _direct(pos: torch.Tensor, freqs_attention: tuple[torch.Tensor, float],
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [t, D] of positions pos [t] computed from the frequencies."""
+        freqs, attention = freqs_attention
+        emb = (pos.float()[:, None] * freqs[None, :]).repeat(1, 2)  # [t, D]
+        return (emb.cos() * attention).to(dtype), (emb.sin() * attention).to(dtype)

@@ -1,6 +1,7 @@
 """Typed calls into the compiled kernel library for code outside kernels/ (kernels/build.py declares every
-entry point): the logits mask of constrained decoding (`moegate_apply_bitmask`, csrc/logits_mask.h) and the
-one-call decoder layer (`moegate_decode_layer`, csrc/decode_layer.h)."""
+entry point): the logits mask of constrained decoding (`moegate_apply_bitmask`, csrc/logits_mask.h), the
+one-call decoder layer (`moegate_decode_layer`, csrc/decode_layer.h) and the whole stack of them in one call
+(`moegate_decode_stack`)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,27 @@ def run_decode_layer(lib, params: DecodeLayerParams, x: torch.Tensor, cos: torch
         ids.data_ptr(), ctypes.c_int(num_threads))
     if rc != 0:
         raise RuntimeError(f"moegate_decode_layer failed with code {rc}")
+
+
+def run_decode_stack(lib, layers: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_caches: ctypes.Array, v_caches: ctypes.Array, slot_mapping: torch.Tensor, slots: torch.Tensor,
+                     start: torch.Tensor, length: torch.Tensor, ids: torch.Tensor, counts: ctypes.Array,
+                     num_threads: int, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None) -> None:
+    """`run_decode_layer` for every layer in order, in one call: layers (DecodeLayerParams * L), layer l's
+    KV caches at k_caches[l] / v_caches[l] (c_void_p * L); counts[l] (c_void_p * L, None for none): layer
+    l's routing counts [E] int64, each top-k expert id of its tokens added once. ids [>= T, K] int64: scratch.
+    norm (weight [H] fp32, eps, out [T, H] fp32): the final RMSNorm of each row of x into out, as
+    `kernels.norm.rms_norm_rows`; None: x is left un-normed."""
+    if ids.dtype != torch.int64 or not ids.is_contiguous() or ids.shape[0] < x.shape[0]:
+        raise ValueError(f"ids must be contiguous int64 with >= {x.shape[0]} rows, got {ids.dtype} {tuple(ids.shape)}")
+    weight, eps, out = norm if norm is not None else (None, 0.0, None)
+    if norm is not None and not (weight.dtype == out.dtype == torch.float32 and weight.is_contiguous()
+                                 and out.is_contiguous() and weight.shape == x.shape[1:] and out.shape == x.shape):
+        raise ValueError("norm: weight [H] and out [T, H] must be contiguous fp32")
+    rc = lib.moegate_decode_stack(
+        layers, len(layers), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(), k_caches, v_caches,
+        slot_mapping.data_ptr(), slots.data_ptr(), start.data_ptr(), length.data_ptr(), ids.data_ptr(), counts,
+        None if weight is None else weight.data_ptr(), float(eps), None if out is None else out.data_ptr(),
+        ctypes.c_int(num_threads))
+    if rc != 0:
+        raise RuntimeError(f"moegate_decode_stack failed with code {rc}")

@@ -194,3 +194,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.moegate_decode_layer.restype = ctypes.c_int
         lib.moegate_decode_layer.argtypes = [ctypes.POINTER(DecodeLayerParams), p, i64, p, p, p, p, p, p, p, p, p,
                                              ctypes.c_int]
+    if hasattr(lib, "moegate_decode_stack"):
+        lib.moegate_decode_stack.restype = ctypes.c_int
+        lib.moegate_decode_stack.argtypes = [ctypes.POINTER(DecodeLayerParams), i64, p, i64, p, p, p, p, p, p, p, p,
+                                             p, p, p, ctypes.c_double, p, ctypes.c_int]

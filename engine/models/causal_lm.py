@@ -70,8 +70,8 @@ class MoeForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.exact_lm_head: torch.Tensor | None = None  # fp32 copy used in execution mode, if set
         self.fast_lm_head: QuantizedLMHead | None = None  # int8 / bf16 copy used in exploration, if set
-        self.fused_layers: list | None = None  # engine.models.fused_decode layers for small exploration batches
-        self.exact_layers: list | None = None  # fused layers of the execution profile (batch-invariant), if built
+        self.fused_layers = None  # engine.models.fused_decode.FusedStack for small exploration batches
+        self.exact_layers = None  # FusedStack of the execution profile (batch-invariant), if built
         self.exact_head = None  # kernels.linear.PackedLinear: lossless lm_head of the fused execution path
         self.expert_reader = None  # (layer, expert) -> checkpoint weights, set by the streaming loader
 
@@ -80,27 +80,25 @@ class MoeForCausalLM(nn.Module):
         `kv_caches` per layer, ModelRunner.layer_caches); returns hidden [T, H]."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
         if self.batch_invariant(batch.exact) and x.device.type == "cpu":
-            from kernels.norm import rms_norm_rows
-
-            x = self._run_fused(self.exact_layers, batch, x, kv_caches)
-            return rms_norm_rows(x, self.model.norm.weight, self.model.norm.eps)  # each row alone
+            return self._run_fused(self.exact_layers, batch, x, kv_caches, final_norm=True)  # each row alone
         if self._fused(batch, x):
-            return self.model.norm(self._run_fused(self.fused_layers, batch, x, kv_caches))
+            return self._run_fused(self.fused_layers, batch, x, kv_caches, self.model.norm._row_kernel(x))
         pending = None
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
             x, pending = layer(x, batch, cache, pending)
         assert pending is None, "the last MoE layer must not defer"
         return self.model.norm(x)
 
-    def _run_fused(self, layers: list, batch: ForwardBatch, x: torch.Tensor, kv_caches) -> torch.Tensor:
+    def _run_fused(self, stack, batch: ForwardBatch, x: torch.Tensor, kv_caches, final_norm: bool) -> torch.Tensor:
+        """Every layer in one kernel call -> hidden [T, H] after the final norm: in the same call where
+        `final_norm` (the norm's row kernel, kernels.norm.rms_norm_rows, to the bit), else by the module."""
         from engine.models.fused_decode import FusedContext
 
         cos, sin = self.model.layers[0].self_attn._rope(batch, torch.float32)
-        ctx = FusedContext(batch, cos, sin)
-        x = x.contiguous()
-        for fused, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
-            fused(x, ctx, k_cache, v_cache)  # in place
-        return x
+        norm = self.model.norm
+        out = stack(x.contiguous(), FusedContext(batch, cos, sin), kv_caches,
+                    (norm.weight, norm.eps) if final_norm else None)
+        return out if final_norm else norm(out)
 
     def batch_invariant(self, exact: bool) -> bool:
         """Whether `exact` forwards run the fused execution path, whose rows do not depend on their batch."""
@@ -123,7 +121,7 @@ class MoeForCausalLM(nn.Module):
         a cheaper one (decode streams the whole [V, H] matrix once per step)."""
         if exact:
             if self.exact_head is not None and hidden.device.type == "cpu":
-                return self.exact_head(hidden, num_threads=self.exact_layers[0].num_threads)
+                return self.exact_head(hidden, num_threads=self.exact_layers.num_threads)
             if self.exact_lm_head is not None:
                 return torch.nn.functional.linear(hidden.float(), self.exact_lm_head)
         elif self.fast_lm_head is not None:

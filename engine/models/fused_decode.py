@@ -19,13 +19,14 @@ norms, shared experts, dense MLP layers, experts on other devices, non-fp32 dens
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from kernels.bindings import DecodeLayerParams, decode_layer_library, run_decode_layer
+from kernels.bindings import DecodeLayerParams, decode_layer_library, run_decode_layer, run_decode_stack
 from kernels.formats import FORMAT_CODE
 
 log = logging.getLogger(__name__)
@@ -97,11 +98,50 @@ class FusedDecodeLayer:
         self.num_threads = self.packed.num_threads or torch.get_num_threads()
 
     def __call__(self, x: torch.Tensor, ctx: FusedContext, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """x [T, H] fp32 contiguous, updated in place; writes the tokens' K/V."""
+        """x [T, H] fp32 contiguous, updated in place; writes the tokens' K/V. One layer alone: the reference
+        of `FusedStack`, which runs them all in one call."""
         ids = torch.empty(x.shape[0], self.top_k, dtype=torch.int64)
         run_decode_layer(self.lib, self.params, x, ctx.cos, ctx.sin, k_cache, v_cache, ctx.slot_mapping, ctx.slots,
                          ctx.start, ctx.length, ids, self.num_threads)
         self.packed.record(ids)
+
+
+class FusedStack:
+    """A profile's fused layers run as one kernel call per forward (`moegate_decode_stack`): the layers'
+    parameters, routing-count and KV-cache pointers gathered once, not marshalled per layer and step."""
+
+    def __init__(self, layers: list[FusedDecodeLayer]) -> None:
+        self.layers, self.lib, self.num_threads = layers, layers[0].lib, layers[0].num_threads
+        if any(f.num_threads != self.num_threads for f in layers):
+            raise ValueError("the fused layers of one stack must share the kernel pool's thread count")
+        self.params = (DecodeLayerParams * len(layers))(*(f.params for f in layers))
+        for f in layers:
+            c = f.packed.counts
+            if c.dtype != torch.int64 or not c.is_contiguous() or c.numel() != f.params.E or c.device.type != "cpu":
+                raise ValueError(f"routing counts must be [E={f.params.E}] int64 on the CPU, got {c.dtype} {tuple(c.shape)}")
+        self.counts = (ctypes.c_void_p * len(layers))(*(f.packed.counts.data_ptr() for f in layers))
+        self._ids = torch.empty(0, layers[0].top_k, dtype=torch.int64)  # [T, K] scratch, grown on demand
+        self._caches: tuple[list, ctypes.Array, ctypes.Array] | None = None
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __call__(self, x: torch.Tensor, ctx: FusedContext, kv_caches: list,
+                 norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """x [T, H] fp32 contiguous, updated in place; writes every layer's K/V and routing counts. -> with
+        `norm` (the final RMSNorm's fp32 weight [H], eps) each row of x normed in the same call, else x."""
+        if self._caches is None or self._caches[0] is not kv_caches:  # the runner's list: the same every step
+            n = len(self.layers)
+            self._caches = (kv_caches, (ctypes.c_void_p * n)(*(c[0].data_ptr() for c in kv_caches)),
+                            (ctypes.c_void_p * n)(*(c[1].data_ptr() for c in kv_caches)))
+        if self._ids.shape[0] < x.shape[0]:
+            self._ids = torch.empty(x.shape[0], self._ids.shape[1], dtype=torch.int64)
+        _, k, v = self._caches
+        out = torch.empty_like(x) if norm is not None else x  # [T, H]
+        run_decode_stack(self.lib, self.params, x, ctx.cos, ctx.sin, k, v, ctx.slot_mapping, ctx.slots, ctx.start,
+                         ctx.length, self._ids, self.counts, self.num_threads,
+                         None if norm is None else (norm[0].detach(), norm[1], out))
+        return out
 
 
 class FusedContext:
@@ -116,12 +156,14 @@ class FusedContext:
                 starts.append(offset)
                 lengths.append(ctx_len - q_len + i + 1)
             offset += ctx_len
-        self.slots = torch.cat(batch.context_slots).contiguous() if batch.context_slots else torch.empty(0, dtype=torch.long)
+        slots = batch.context_slots
+        self.slots = (slots[0] if len(slots) == 1 else torch.cat(slots) if slots
+                      else torch.empty(0, dtype=torch.long)).contiguous()  # [sum of context lens]
         self.start = torch.tensor(starts, dtype=torch.int64)
         self.length = torch.tensor(lengths, dtype=torch.int64)
 
 
-def build_fused_layers(cfg: ModelConfig, layers, exact: bool = False) -> list[FusedDecodeLayer] | None:
+def build_fused_layers(cfg: ModelConfig, layers, exact: bool = False) -> FusedStack | None:
     """Fused layers for the whole stack in one profile, or None (with the reason logged) if any layer
     cannot run fused. The execution profile packs lossless copies of the attention projections first."""
     lib = decode_layer_library()
@@ -135,7 +177,7 @@ def build_fused_layers(cfg: ModelConfig, layers, exact: bool = False) -> list[Fu
     if exact:
         for layer in layers:
             layer.self_attn.set_exact_dense()
-    return [FusedDecodeLayer(cfg, layer, lib, exact) for layer in layers]
+    return FusedStack([FusedDecodeLayer(cfg, layer, lib, exact) for layer in layers])
 
 
 def build_exact_path(model) -> bool:

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from evals.perf import llama_cpp
 from evals.perf.common import machine_info, save_bar_plot
 from evals.perf.llama_cpp import MATCHED, format_matched, pair_rows
+from evals.perf.step_breakdown import decode_step_breakdown
 
 
 def _moegate(model: str, fmt: str, dense: str, prompt: list[int], decode: int, defer: int = 0,
@@ -66,79 +67,6 @@ def _measure(llm, load_s: float, prompt: list[int], decode: int, mode: str, dens
     dec = min(r[1] for r in runs)
     return {"load_s": load_s, "prefill_tok_s": len(prompt) / pre, "decode_tok_s": decode / dec,
             "decode_step_ms": steps, "mode": mode, "precision": parts, "multi_token": dict(tokens)}
-
-
-def decode_step_breakdown(engine, prompt: list[int], params, mode: str = "exploration") -> dict[str, float]:
-    """Median milliseconds per decode step of one request, split into the model's forward (decoder layers),
-    the logits (final norm + lm_head) and everything else the step does: scheduling, building the
-    ForwardBatch, sampling, stop checks, detokenizing, outputs ("overhead" = step - forward - logits).
-    "overhead_cpu" is the same split in CPU time of the stepping thread: on a shared machine the wall-clock
-    overhead also counts the time the thread waited for a core."""
-    import statistics
-
-    runner, spent = engine.runner, {"forward": 0.0, "logits": 0.0, "sample": 0.0, "schedule": 0.0, "batch": 0.0}
-    cpu = {"forward": 0.0, "logits": 0.0}
-
-    def timed(key: str, fn):
-        def wrapper(*a, **kw):
-            t, c = time.perf_counter(), time.thread_time()
-            try:
-                return fn(*a, **kw)
-            finally:
-                spent[key] += time.perf_counter() - t
-                if key in cpu:
-                    cpu[key] += time.thread_time() - c
-        return wrapper
-
-    model = runner.model
-    patches = [(runner, "model", _TimedModel(model, timed)), (model, "compute_logits", timed("logits", model.compute_logits)),
-               (engine.decoder, "choose", timed("sample", engine.decoder.choose)),  # sampling, drafts verified
-               (engine.scheduler, "schedule", timed("schedule", engine.scheduler.schedule)),
-               (runner, "build_batch", timed("batch", runner.build_batch))]
-    saved = [(obj, name, vars(obj)[name] if name in vars(obj) else _MISSING) for obj, name, _ in patches]
-    rows: list[dict[str, float]] = []
-    try:
-        for obj, name, new in patches:
-            setattr(obj, name, new)
-        engine.add_request("breakdown", prompt, params, mode)
-        first = True
-        while engine.has_work():
-            for d in (spent, cpu):
-                d.update(dict.fromkeys(d, 0.0))
-            t, c = time.perf_counter(), time.thread_time()
-            engine.step()
-            total, total_cpu = time.perf_counter() - t, time.thread_time() - c
-            if first:  # the prefill step
-                first = False
-                continue
-            row = {k: 1e3 * v for k, v in spent.items()}
-            row["step"] = 1e3 * total
-            row["overhead"] = row["step"] - row["forward"] - row["logits"]
-            row["overhead_cpu"] = 1e3 * (total_cpu - cpu["forward"] - cpu["logits"])
-            rows.append(row)
-    finally:
-        for obj, name, old in saved:
-            if old is _MISSING:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, old)
-    return {k: statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {}
-
-
-_MISSING = object()
-
-
-class _TimedModel:
-    """The runner's model with its forward call timed (attributes pass through)."""
-
-    def __init__(self, model, timed) -> None:
-        self._model, self._call = model, timed("forward", model.__call__)
-
-    def __call__(self, *a, **kw):
-        return self._call(*a, **kw)
-
-    def __getattr__(self, name: str):
-        return getattr(self._model, name)
 
 
 def _timed_request(engine, prompt: list[int], params, mode: str = "exploration") -> tuple[float, float]:

@@ -190,3 +190,26 @@ extern "C" int moegate_decode_layer(const DecodeLayerParams* p, float* x, int64_
     for (int64_t i = 0; i < H; ++i) x[t * H + i] += o[t * n8_h * 8 + i];
   return 0;
 }
+
+// The whole decoder stack of a forward in one call: moegate_decode_layer for layers 0..L-1 in order (layer l
+// with k_caches[l] / v_caches[l]), then each layer's top-k expert ids added to its routing counts
+// (counts[l] [E] int64; a null entry counts nothing), then, if norm_w is given, the final RMSNorm of each row
+// into norm_out [T, H] (moegate_rms_norm's arithmetic). topk_ids [T, K] int64 is scratch, holding the last
+// layer's ids on return. Each layer's arithmetic is moegate_decode_layer's, so the bytes are those of L calls.
+extern "C" int moegate_decode_stack(const DecodeLayerParams* layers, int64_t L, float* x, int64_t T,
+                                    const float* cos, const float* sin, float* const* k_caches,
+                                    float* const* v_caches, const int64_t* slot_mapping, const int64_t* ctx_slots,
+                                    const int64_t* ctx_start, const int64_t* ctx_len, int64_t* topk_ids,
+                                    int64_t* const* counts, const float* norm_w, double norm_eps, float* norm_out,
+                                    int nthreads) {
+  for (int64_t l = 0; l < L; ++l) {
+    const int rc = moegate_decode_layer(&layers[l], x, T, cos, sin, k_caches[l], v_caches[l], slot_mapping,
+                                        ctx_slots, ctx_start, ctx_len, topk_ids, nthreads);
+    if (rc) return rc;
+    if (counts[l] == nullptr) continue;
+    for (int64_t i = 0; i < T * layers[l].topk; ++i)
+      if (topk_ids[i] >= 0 && topk_ids[i] < layers[l].E) ++counts[l][topk_ids[i]];
+  }
+  if (norm_w != nullptr && L > 0) moegate_rms_norm(x, norm_w, norm_out, T, layers[0].H, norm_eps);
+  return 0;
+}

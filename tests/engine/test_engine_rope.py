@@ -10,7 +10,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
 from engine.llm_engine import LLM
-from engine.rope import RopeScaling, inv_freq
+from engine.rope import RopeScaling, RotaryEmbedding, inv_freq
 from engine.sampling_params import SamplingParams
 
 VOCAB = 512  # the tiny checkpoints of tests/engine/conftest.py
@@ -77,3 +77,22 @@ def test_long_prompt_greedy_matches_transformers(tmp_path, write_checkpoint, nam
     assert llm.generate([long_prompt], params)[0].token_ids == expected
     outs = llm.generate([long_prompt, long_prompt[:9]], params)
     assert outs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+@pytest.mark.parametrize("name", [None, "linear", "yarn", "llama3"])
+def test_position_table_rows_equal_the_direct_expression(head_dim, name):
+    """On the CPU the (cos, sin) rows come from a table of positions (grown by doubling): each row has the bits
+    the direct expression gives for that position alone (a decode step) and inside a chunk (prefill)."""
+    scaling = None if name is None else RopeScaling.from_hf(_hf_config(ROPES[name], 4 * ORIGINAL))
+    rotary = RotaryEmbedding(head_dim, THETA, scaling)
+    freqs = rotary._inv_freq(torch.device("cpu"), None)
+    for positions in ([0], [255], [256], [1000], list(range(200, 300)), [3, 700, 5]):
+        pos = torch.tensor(positions)
+        for dtype in (torch.float32, torch.bfloat16):
+            cos, sin = rotary(pos, dtype, [(len(positions), max(positions) + 1)])
+            want = [RotaryEmbedding._direct(torch.tensor([p]), freqs, dtype) for p in positions]
+            assert torch.equal(cos, torch.cat([c for c, _ in want])) and torch.equal(sin, torch.cat([s for _, s in want]))
+            chunk = RotaryEmbedding._direct(pos, freqs, dtype)
+            assert torch.equal(cos, chunk[0]) and torch.equal(sin, chunk[1])
+    assert rotary._tables[torch.float32][0].shape[0] >= 1001

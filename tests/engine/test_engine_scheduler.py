@@ -100,3 +100,28 @@ def test_block_slots_match_the_position_formula():
         want = torch.tensor(table)[pos // 16] * 16 + pos % 16
         got = blocks.slots(table, start, end)
         assert got.dtype == torch.long and torch.equal(got, want), (table, start, end)
+
+
+def test_block_slots_follow_a_table_that_grows_and_is_refilled():
+    """A table's slots are kept between calls (a decode step slices them): they follow the table as it grows,
+    after `free` clears it and it is refilled with other blocks, and after an edit in place."""
+    import torch
+
+    blocks = BlockManager(64, 16)
+
+    def want(table, end):
+        pos = torch.arange(end)
+        return torch.tensor(table)[pos // 16] * 16 + pos % 16
+
+    table: list[int] = []
+    blocks.grow(table, 20)  # two blocks
+    assert torch.equal(blocks.slots(table, 0, 20), want(table, 20))
+    blocks.grow(table, 40)  # a third block
+    assert torch.equal(blocks.slots(table, 0, 40), want(table, 40))
+    assert torch.equal(blocks.slots(table, 21, 40), want(table, 40)[21:])
+    blocks.free(table)
+    assert table == []
+    table.extend([blocks.allocate() for _ in range(3)][::-1])  # other blocks, other order, the same list
+    assert torch.equal(blocks.slots(table, 0, 33), want(table, 33))
+    table[0] = 63 if table[0] != 63 else 62  # a block swapped in place
+    assert torch.equal(blocks.slots(table, 0, 33), want(table, 33))
