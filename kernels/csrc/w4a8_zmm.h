@@ -108,9 +108,9 @@ inline void pair_prefetch(const T* w0, const T* w1, int64_t off_bytes, int64_t t
 template <int FMT, int MODE, int MT>
 void zmm_w4a8(const ZmmOperand& A, const int8_t* q, const float* sx, const float* qs, const int32_t* n8,
               float* const* out) {
-  // Independent integer chains per row: lo / hi nibbles and k-block parity when few rows would leave the
-  // vpdpbusd latency exposed (exact integer sums: the split never changes a result).
-  constexpr int NC = MT >= 4 ? 1 : MT >= 2 ? 2 : 4;
+  // Independent integer chains per row: lo / hi nibbles, and k-block parity for a single row, so that
+  // the vpdpbusd latency (5 cycles) stays hidden (exact integer sums: the split never changes a result).
+  constexpr int NC = MT >= 2 ? 2 : 4;
   const __m512i m15 = _mm512_set1_epi8(15);
   __m512 acc[MT];
   #pragma GCC unroll 16
@@ -151,6 +151,13 @@ void zmm_w4a8(const ZmmOperand& A, const int8_t* q, const float* sx, const float
         block(kb0 + j, std::integral_constant<int, 0>{}, std::integral_constant<int, 1>{});
         block(kb0 + j + 1, std::integral_constant<int, 2>{}, std::integral_constant<int, 3>{});
       }
+    }
+    if (bpg == 4 && NC == 2) {  // the default group of 32 k: four blocks, unrolled (no register rotation)
+      block(kb0, std::integral_constant<int, 0>{}, std::integral_constant<int, 1>{});
+      block(kb0 + 1, std::integral_constant<int, 0>{}, std::integral_constant<int, 1>{});
+      block(kb0 + 2, std::integral_constant<int, 0>{}, std::integral_constant<int, 1>{});
+      block(kb0 + 3, std::integral_constant<int, 0>{}, std::integral_constant<int, 1>{});
+      j = bpg;
     }
     for (; j < bpg; ++j) block(kb0 + j, std::integral_constant<int, 0>{}, std::integral_constant<int, NC >= 2 ? 1 : 0>{});
     #pragma GCC unroll 16
