@@ -6,10 +6,11 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from engine.errors import EngineError
 from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
@@ -59,9 +60,27 @@ class _Delivery:
 class _Stream:
     delivery: _Delivery
     queue: asyncio.Queue
+    final_only: bool = False  # the caller reads only the finished output: no per-step delivery
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.delivery.post(self.queue, item)
+
+
+@dataclass
+class StepStats:
+    """Engine steps since start, counted on the loop thread: how many, the sequences and tokens they output, the
+    wall time inside `step()` and the loop thread's CPU time in it (wall minus CPU: the thread waited for a core or
+    for the interpreter lock, which work on the event loop holds), and the time the loop waited with no work."""
+
+    steps: int = 0
+    sequences: int = 0
+    tokens: int = 0
+    wall_seconds: float = 0.0
+    thread_cpu_seconds: float = 0.0
+    idle_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
 
 
 class AsyncLLM:
@@ -75,6 +94,7 @@ class AsyncLLM:
         self._deliveries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _Delivery
         self._stop = threading.Event()
         self._dead: BaseException | None = None
+        self.step_stats = StepStats()  # written by the loop thread only; read at any time (monotonic counters)
         self._thread = threading.Thread(target=self._run, name="moegate-engine", daemon=True)
         self._thread.start()
 
@@ -88,11 +108,13 @@ class AsyncLLM:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, mode: Mode = Mode.EXPLORATION,
-        *, cache_salt: str = "",
+        *, cache_salt: str = "", final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Yields incremental outputs until the request finishes; closing the iterator aborts it.
 
         `cache_salt` (the tenant, set by the server) scopes prefix-cache reuse; see LLMEngine.add_request.
+        `final_only`: yield only the finished output (its text and token ids are whole), for a caller that reads
+        nothing before the end: the event loop is then not woken for the request at every step.
         """
         if self._dead is not None:
             raise EngineDeadError(f"engine stopped: {self._dead}")
@@ -100,7 +122,7 @@ class AsyncLLM:
         delivery = self._deliveries.get(loop)
         if delivery is None:
             delivery = self._deliveries[loop] = _Delivery(loop)
-        stream = _Stream(delivery, asyncio.Queue())
+        stream = _Stream(delivery, asyncio.Queue(), final_only)
         self._streams[request_id] = stream
         self._commands.put(("add", request_id, prompt_token_ids, params, mode, cache_salt))
         finished = False
@@ -148,14 +170,25 @@ class AsyncLLM:
 
     # -- loop thread ---------------------------------------------------------------------------
     def _run(self) -> None:
+        stats = self.step_stats
         while not self._stop.is_set():
             block = not self.engine.has_work()
             try:
+                t = time.perf_counter()
                 self._drain(block)
+                if block:
+                    stats.idle_seconds += time.perf_counter() - t
                 if self.engine.has_work():
-                    for out in self.engine.step():
+                    t, cpu = time.perf_counter(), time.thread_time()
+                    outs = self.engine.step()
+                    stats.wall_seconds += time.perf_counter() - t
+                    stats.thread_cpu_seconds += time.thread_time() - cpu
+                    stats.steps += 1
+                    stats.sequences += len(outs)
+                    for out in outs:
+                        stats.tokens += len(out.new_token_ids)
                         stream = self._streams.get(out.request_id)
-                        if stream is not None:
+                        if stream is not None and (out.finished or out.error or not stream.final_only):
                             stream.put(EngineError(out.error) if out.error else out)
             except Exception as exc:  # noqa: BLE001 - a broken step must fail its requests, not hang them
                 log.exception("engine step failed")

@@ -75,8 +75,9 @@ class Generator:
                               top_k=plan.top_k, seed=seed, stop=list(plan.stop),
                               logits_processors=bias + processors, segments=segments, resync=RESYNC)
 
-    def _stream(self, rid: str, plan: Plan, params: SamplingParams, mode: Mode) -> AsyncIterator[RequestOutput]:
-        return self.llm.generate(rid, plan.prompt_ids, params, mode, cache_salt=plan.cache_salt)
+    def _stream(self, rid: str, plan: Plan, params: SamplingParams, mode: Mode,
+                final_only: bool = False) -> AsyncIterator[RequestOutput]:
+        return self.llm.generate(rid, plan.prompt_ids, params, mode, cache_salt=plan.cache_salt, final_only=final_only)
 
     def _decision(self, plan: Plan) -> Decision:
         """The request's own mode: the engine ran the sequence in it from its first token."""
@@ -100,7 +101,9 @@ class Generator:
             constraint = await asyncio.to_thread(build_constraint, plan.spec, self.tok, eos_ids=self.eos_ids,
                                                  max_tokens=plan.max_tokens, mask_batcher=default_masker())
             params = self._params(plan, [constraint], index, i)
-            out = await self._last(self._stream(f"{rid}-a{i}" if i else rid, plan, params, Mode.EXECUTION))
+            # validated as a whole before anything leaves: only the finished output is delivered
+            out = await self._last(self._stream(f"{rid}-a{i}" if i else rid, plan, params, Mode.EXECUTION,
+                                                final_only=True))
             try:
                 value = plan.validate(out.text)
             except VALIDATION_ERRORS as e:

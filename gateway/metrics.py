@@ -33,6 +33,9 @@ class Metrics:
                                   ["tier", "counter"], registry=r)
         self.hot_set = Gauge("moegate_hot_set", "Dynamic hot set (engine): version, swaps, pending, hit_rate",
                              ["counter"], registry=r)
+        self.engine_steps = Gauge("moegate_engine_steps", "Engine steps since start (engine loop thread): steps, "
+                                  "sequences and tokens output, wall_seconds and thread_cpu_seconds inside the steps, "
+                                  "idle_seconds waiting for work", ["counter"], registry=r)
         self.multi_token = Gauge("moegate_multi_token_tokens", "Multi-token decoding (engine): forced (jump-forward), "
                                  "sampled, drafted and accepted tokens since start", ["counter"], registry=r)
 
@@ -48,6 +51,9 @@ class Metrics:
             hot = getattr(getattr(llm, "engine", None), "hot_set", None)
             for name, value in (hot.stats() if hot is not None else {}).items():
                 self.hot_set.labels(name).set(value)
+            steps = getattr(llm, "step_stats", None)
+            for name, value in (steps.as_dict() if steps is not None else {}).items():
+                self.engine_steps.labels(name).set(value)
             decoder = getattr(getattr(llm, "engine", None), "decoder", None)
             for name, value in (decoder.stats.as_dict() if decoder is not None else {}).items():
                 self.multi_token.labels(name).set(value)

@@ -1,9 +1,9 @@
 """Quantized routed-expert weight formats, packed in the tiled layout the CPU kernel streams.
 
 Shapes: E = experts, H = hidden, I = expert intermediate, G = group size along K (the input dim).
-Formats: ``fp32`` and ``bf16`` (no groups; ``bf16_a16`` is bf16 weights whose kernel also rounds the
-activations to bf16, llama.cpp's BF16 precision, for AVX-512 BF16 vdpbf16ps), ``int8 (symmetric, q in [-127, 127], w = q * s),
-``int4`` (symmetric, u in [0, 15], w = (u - 8) * s) and ``int4_asym`` (w = u * s + m). Scales and
+Formats (docs/kernels.md): ``fp32``, ``bf16``, ``bf16_a16`` (bf16 weights, bf16-rounded activations), ``int8``
+(q in [-127, 127], w = q * s), ``int4`` (u in [0, 15], w = (u - 8) * s), ``int4_asym`` (w = u * s + m), ``int8_a8``
+(int8's weights, int8 activations: W8A8, llama.cpp Q8_0's arithmetic). Scales and
 mins are fp16, one per (output row, group of G along K). Quantization rounds against the stored fp16
 scale, so ``dequantize`` is exactly what the kernel multiplies by.
 
@@ -11,7 +11,9 @@ Tiled layout (LAYOUT_VERSION): a projection [N, K] is padded to N8 * 8 rows and 
 rounded up to G for quantized formats) and stored as [N8, Kp, R, 8] — for each tile of 8 output rows
 and each k, R * 8 contiguous values. gate_up uses R = 2 (8 gate rows, then the matching 8 up rows),
 down uses R = 1. int4 packs blocks of 8 k as one dword per row: [N8, Kp / 8, R, 8, 4] uint8, byte c
-holding k0 + c (low nibble) and k0 + 4 + c (high nibble), the operand order of AVX2 maddubs.
+holding k0 + c (low nibble) and k0 + 4 + c (high nibble), the operand order of AVX2 maddubs. int8_a8
+packs blocks of 4 k as one dword per row: [N8, Kp / 4, R, 8, 4] int8, byte c holding k0 + c (one
+vpdpbusd multiplies 16 rows x 4 k).
 Scales (and mins) are [N8, Kp / G, R, 8].
 
 Activations (``Activation``): SiLU(gate) * up, or GPT-OSS's clamped SwiGLU (gate clamped above at
@@ -19,8 +21,9 @@ Activations (``Activation``): SiLU(gate) * up, or GPT-OSS's clamped SwiGLU (gate
 (``gate_up_bias`` [E, 2, I8*8]: gate then up, ``down_bias`` [E, H8*8], fp32, zero-padded) are added to
 the projections' outputs, before the activation and before the router weight.
 
-int4 gate_up runs W4A8 (kernels/csrc/moe_cpu.cpp): the layer input is quantized per token and group
-of G to int8 (``quantize_activations``), so the torch reference applies the same quantization.
+The ``a8`` formats (int4, int4_asym, int8_a8) quantize each projection's input per token and group of G to int8
+(``quantize_activations``; the weights' groups, so a group's dot is one exact integer sum times s * s_x);
+their torch reference (kernels/w4a8.py) replays the kernel's arithmetic.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class WeightFormat:
     group_size: int = 0
     family: str = ""
     parts: tuple[str, ...] = PARTS
+    a8: bool = False  # activations quantized per token and group to int8 (W4A8 / W8A8)
 
     @property
     def quantized(self) -> bool:
@@ -58,9 +62,10 @@ REGISTRY: dict[str, WeightFormat] = {
     "fp32": WeightFormat(32, parts=("experts", "linear")),
     "bf16": WeightFormat(16, family="bf16"),
     "int8": WeightFormat(8, 64),
-    "int4": WeightFormat(4, 32),
-    "int4_asym": WeightFormat(4, 32, parts=("linear",)),
+    "int4": WeightFormat(4, 32, a8=True),
+    "int4_asym": WeightFormat(4, 32, parts=("linear",), a8=True),
     "bf16_a16": WeightFormat(16, family="bf16", parts=("linear",)),  # bf16 weights, bf16-rounded activations
+    "int8_a8": WeightFormat(8, 32, a8=True),  # W8A8, groups of 32 as llama.cpp's Q8_0 blocks
 }
 FORMATS = tuple(REGISTRY)  # every format the kernel packs
 FORMAT_CODE = {name: code for code, name in enumerate(FORMATS)}
@@ -117,8 +122,11 @@ SILU = Activation()
 BF16_FORMATS = tuple(n for n, f in REGISTRY.items() if f.family == "bf16")  # the same packed weights
 
 
-def round_activations(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The activations a format's kernel multiplies by: bf16-rounded for bf16_a16, else x (fp32)."""
+def round_activations(x: torch.Tensor, fmt: str, group_size: int = 0) -> torch.Tensor:
+    """The activations x [T, K] a format's kernel multiplies by: bf16-rounded for bf16_a16, int8-quantized
+    per token and group of `group_size` for the a8 formats (``quantize_activations``), else x (fp32)."""
+    if REGISTRY[fmt].a8:
+        return quantize_activations(x, group_size)
     return x.float().to(torch.bfloat16).float() if fmt == "bf16_a16" else x.float()
 
 
@@ -132,7 +140,7 @@ def check_format(fmt: str, group_size: int) -> int:
         raise FormatError(f"unknown expert weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if not is_quantized(fmt):
         return 0
-    step = 8 if REGISTRY[fmt].bits == 4 else 2
+    step = 8 if REGISTRY[fmt].a8 else 2  # int4: blocks of 8 k; int8_a8: the activations' 8-wide quantizer
     if group_size <= 0 or group_size % step or group_size > 4096:
         raise FormatError(f"group_size must be a multiple of {step} in {step}..4096 for {fmt}, got {group_size}")
     return group_size
@@ -149,8 +157,8 @@ def _quantize(w: torch.Tensor, fmt: str, gs: int) -> tuple[torch.Tensor, torch.T
     if fmt in BF16_FORMATS:
         return w.to(torch.bfloat16), None, None
     g = w.unflatten(-1, (-1, gs))  # [..., N, Kp/G, G]
-    if fmt == "int8" or fmt == "int4":
-        qmax = 127.0 if fmt == "int8" else 7.0
+    if fmt in ("int8", "int8_a8", "int4"):
+        qmax = 7.0 if fmt == "int4" else 127.0
         scale = (g.abs().amax(-1) / qmax).to(torch.float16)  # [..., N, Kp/G]
         s = scale.float().unsqueeze(-1)
         q = torch.where(s > 0, g / torch.where(s > 0, s, 1.0), 0.0).round()
@@ -180,8 +188,12 @@ def quantize_activations(x: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def _tile(q: torch.Tensor, fmt: str) -> torch.Tensor:
-    """q [E, R, N8*8, Kp] -> [E, N8, Kp, R, 8] (int4: [E, N8, Kp/2, R, 8] uint8)."""
+    """q [E, R, N8*8, Kp] -> [E, N8, Kp, R, 8] (int4: [E, N8, Kp/8, R, 8, 4] uint8; int8_a8: [E, N8, Kp/4, R,
+    8, 4] int8)."""
     e, r, n, kp = q.shape
+    if fmt == "int8_a8":
+        t = q.to(torch.int8).reshape(e, r, n // 8, 8, kp // 4, 4).permute(0, 2, 4, 1, 3, 5)  # [E, N8, Kp/4, R, 8, 4]
+        return t.contiguous()
     t = q.reshape(e, r, n // 8, 8, kp).permute(0, 2, 4, 1, 3)  # [E, N8, Kp, R, 8]
     if fmt == "int8":
         return t.to(torch.int8).contiguous()
@@ -192,7 +204,9 @@ def _tile(q: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def _untile(t: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Inverse of _tile for one expert: [N8, Kp(/2), R, 8] -> [R, N8*8, Kp] int/float."""
+    """Inverse of _tile for one expert: [N8, Kp(/8, /4), R, 8(, 4)] -> [R, N8*8, Kp] int/float."""
+    if fmt == "int8_a8":
+        t = t.permute(0, 1, 4, 2, 3).flatten(1, 2)  # [N8, Kp/4, 4, R, 8] -> [N8, Kp, R, 8]
     if fmt in ("int4", "int4_asym"):
         lo, hi = (t & 15).to(torch.int16), (t >> 4).to(torch.int16)  # [N8, Kp/8, R, 8, 4]
         t = torch.stack((lo, hi), dim=-2).permute(0, 1, 4, 5, 2, 3)  # [N8, Kp/8, 2, 4, R, 8]
@@ -285,7 +299,7 @@ class PackedExperts:
             return q
         gs = self.group_size
         s = _untile(self.tensors[name + "_scales"][e], "fp32").float().repeat_interleave(gs, -1)
-        if self.fmt == "int8":
+        if self.fmt in ("int8", "int8_a8"):
             return q * s
         if self.fmt == "int4":
             return (q - 8) * s
@@ -324,7 +338,8 @@ class PackedExperts:
         e, r_i, r_h = self.num_experts, _round_up(self.intermediate, 8), _round_up(self.hidden, 8)
         for name, n, kp in (("gate_up", r_i, self.padded_hidden), ("down", r_h, self.padded_intermediate)):
             r = 2 if name == "gate_up" else 1
-            expect = (e, n // 8, kp // 8, r, 8, 4) if self.fmt.startswith("int4") else (e, n // 8, kp, r, 8)
+            expect = ((e, n // 8, kp // 8, r, 8, 4) if self.fmt.startswith("int4") else
+                      (e, n // 8, kp // 4, r, 8, 4) if self.fmt == "int8_a8" else (e, n // 8, kp, r, 8))
             t = self.tensors[name]
             if tuple(t.shape) != expect or t.dtype != _WEIGHT_DTYPE[self.fmt]:
                 raise FormatError(f"{name}: got {tuple(t.shape)} {t.dtype}, expected {expect} "
@@ -344,7 +359,8 @@ class PackedExperts:
 
 
 _WEIGHT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8,
-                 "int4": torch.uint8, "int4_asym": torch.uint8, "bf16_a16": torch.bfloat16}
+                 "int4": torch.uint8, "int4_asym": torch.uint8, "bf16_a16": torch.bfloat16,
+                 "int8_a8": torch.int8}
 
 
 def _pack_proj(w: torch.Tensor, r: int, fmt: str, gs: int) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ optional per-expert biases (added to gate/up before act, to down before w) come 
 Tolerance vs the reference (tests/kernels): fp32 / bf16 / int8 multiply by exactly the dequantized
 weights the reference uses and only the fp32 summation order differs (bf16_a16: the reference rounds
 both projections' inputs to bf16 as the kernel does; vdpbf16ps rounds its pair sums its own way); int4 formats are W4A8 (both
-projections' inputs quantized per token and group to int8) and their reference (kernels/w4a8.py)
+projections' inputs quantized per token and group to int8; int8_a8 the same, W8A8) and their reference (kernels/w4a8.py)
 replays the kernel's arithmetic, so they agree to the last bit but for ~2^-29-rare double roundings.
 |kernel - reference| <= 1e-4 * max|reference| + 1e-5 for every format.
 Determinism: a row's output is bitwise identical whatever else is in the batch, for any thread count.
@@ -25,7 +25,7 @@ import torch
 
 from kernels import build
 from kernels.cpu_features import detect, select_variant
-from kernels.formats import FORMAT_CODE, PackedExperts, quantize_activations, round_activations
+from kernels.formats import FORMAT_CODE, REGISTRY, PackedExperts, quantize_activations, round_activations
 from kernels.w4a8 import w4a8_moe
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     if bool((local >= experts.num_experts).any()) or bool((local < -1).any()):
         raise ExpertIdError(f"topk_ids must lie in [-1, {experts.num_experts}) for this PackedExperts")
     w = topk_weights.float()
-    if experts.fmt.startswith("int4"):  # W4A8: the kernel's integer + fp32 arithmetic, step by step
+    if REGISTRY[experts.fmt].a8:  # W4A8 / W8A8: the kernel's integer + fp32 arithmetic, step by step
         return w4a8_moe(x.cpu(), local.cpu(), w.cpu(), experts.to("cpu")).to(x.device)
     out = torch.zeros_like(x)
     inter, fmt = experts.intermediate, experts.fmt

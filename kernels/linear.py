@@ -2,13 +2,14 @@
 compiled kernel's ``moegate_linear`` for small batches, with a plain-torch reference.
 
 A ``PackedLinear`` holds W [N, K] as one down-style projection (R = 1) of kernels/formats.py:
-int8 (per row and group of G scales, fp32 activations), int4 / int4_asym (W4A8: activations quantized
-per token and group to int8, exact integer dot products), bf16 or fp32. ``exact_format`` picks the
+int8 (per row and group of G scales, fp32 activations), int4 / int4_asym / int8_a8 (W4A8 / W8A8: activations
+quantized per token and group to int8, exact integer dot products), bf16 or fp32. ``exact_format`` picks the
 lossless one for a weight (bf16 when every value is a bf16 number, as in a bf16 checkpoint loaded in
 fp32: the same products from half the bytes), which the execution path uses for its dense layers. The kernel's result for a row does
 not depend on the other rows of the call or the thread count; the reference is the dequantized
 matmul (int8, bf16: |kernel - reference| <= 1e-4 * max|ref| + 1e-5, only the fp32 summation order
-differs) or the W4A8 arithmetic replayed step by step (int4: equal but for ~2^-29-rare double roundings).
+differs) or the W4A8 / W8A8 arithmetic replayed step by step (int4, int8_a8: equal but for ~2^-29-rare double
+roundings).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from kernels.formats import (
     DEFAULT_GROUP_SIZE,
     FORMAT_CODE,
+    REGISTRY,
     _pack_proj,
     _untile,
     check_format,
@@ -79,7 +81,7 @@ class PackedLinear:
         q = _untile(self.tensors["weight"], self.fmt).float()[0]  # [N8*8, Kp]
         if is_quantized(self.fmt):
             s = _untile(self.tensors["scales"], "fp32").float()[0].repeat_interleave(self.group_size, -1)
-            if self.fmt == "int8":
+            if self.fmt in ("int8", "int8_a8"):
                 q = q * s
             elif self.fmt == "int4":
                 q = (q - 8) * s
@@ -90,8 +92,8 @@ class PackedLinear:
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """Plain torch: x [M, K] -> [M, N] fp32."""
         x = x.float().cpu()
-        if self.fmt.startswith("int4"):
-            kp = self.tensors["weight"].shape[1] * 8
+        if REGISTRY[self.fmt].a8:  # W4A8 / W8A8: the kernel's arithmetic step by step (kernels/w4a8.py)
+            kp = -(-self.in_features // self.group_size) * self.group_size
             xp = torch.nn.functional.pad(x, (0, kp - self.in_features))
             mins = self.tensors["mins"] if self.fmt == "int4_asym" else None
             out = w4a8_tiles(xp, self.tensors["weight"], self.tensors["scales"], mins, self.fmt, self.group_size)

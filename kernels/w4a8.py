@@ -1,10 +1,11 @@
-"""Plain-torch reference of the int4 (W4A8) kernel arithmetic, step by step, to the last bit.
+"""Plain-torch reference of the int4 (W4A8) and int8_a8 (W8A8) kernel arithmetic, step by step, to the last bit.
 
 n = rows (token, slot pairs of one expert), N = output rows, Kp = padded K, G = groups along K.
 Per row and group: q = round_half_even(x / sx) with sx = amax / 127 (int8 activations), the integer
 sum u . q (exact), then fp32 fused multiply-adds in group order: int4 (u = q_w + 8)
 acc = fma(s * sx, sum(u q) - 8 sum(q), acc) (the difference is an integer, exact in fp32); int4_asym
-acc = fma(s * sx, sum(u q), acc); acc = fma(m * sx, sum(q), acc) with m the group min.
+acc = fma(s * sx, sum(u q), acc); acc = fma(m * sx, sum(q), acc) with m the group min; int8_a8 (signed
+weights w) acc = fma(s * sx, sum(w q), acc).
 An fp32 fma is emulated in float64 (the product is exact there; one rounding to float64, one to
 float32 — a double rounding that differs from a true fma with probability ~2^-29 per operation).
 The activation is the kernel's (SiLU in float32, kernels/silu.py; the clamped SwiGLU's sigmoid in float64, rounded
@@ -41,7 +42,7 @@ def w4a8_project(x: torch.Tensor, packed: PackedExperts, name: str, e: int) -> t
 
 def w4a8_tiles(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, fmt: str,
                gs: int) -> torch.Tensor:
-    """x [n, Kp] fp32 times one tiled int4 projection (tiles [N8, Kp/8, R, 8, 4], scales / mins
+    """x [n, Kp] fp32 times one tiled int4 / int8_a8 projection (tiles [N8, Kp/8 (Kp/4), R, 8, 4], scales / mins
     [N8, Kp/G, R, 8]) -> [n, R * N8 * 8] fp32, the kernel's arithmetic step by step."""
     u = _untile(tiles, fmt).double()  # [R, N8*8, Kp]
     s = _untile(scales, "fp32").float()  # [R, N8*8, G]
@@ -50,9 +51,10 @@ def w4a8_tiles(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, mins:
     q, sx, qs = quantize_parts(x, gs)  # [n, G, gs], [n, G], [n, G]
     isum = torch.einsum("tgk,ngk->tgn", q, u.unflatten(-1, (-1, gs))).float()  # [n, G, N'] exact
     acc = torch.zeros(x.shape[0], u.shape[0])  # [n, N']
-    if b is None:  # int4: one fma per group on sum(u q) - 8 sum(q) (integers, exact in fp32)
+    if b is None:  # int4: one fma per group on sum(u q) - 8 sum(q) (integers, exact in fp32); int8_a8: sum(w q)
+        off = 8.0 if fmt == "int4" else 0.0
         for g in range(s.shape[1]):
-            acc = fma32(s[None, :, g] * sx[:, g, None], isum[:, g] - 8.0 * qs[:, g, None], acc)
+            acc = fma32(s[None, :, g] * sx[:, g, None], isum[:, g] - off * qs[:, g, None], acc)
         return acc
     b = b.flatten(0, 1)
     for g in range(s.shape[1]):

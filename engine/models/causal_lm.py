@@ -132,9 +132,10 @@ class MoeForCausalLM(nn.Module):
 
 
 class QuantizedLMHead:
-    """lm_head for exploration: bf16, int8 or int4. On the CPU int8 / int4 run the compiled kernel
-    (kernels.linear.PackedLinear: int8 per row and group of 64 with fp32 activations, int4 W4A8 groups of
-    32); elsewhere bf16 runs as a matmul and int8 as a weight-only matmul with one scale per row."""
+    """lm_head for exploration: bf16, int8, int4 or int8_a8. On the CPU each runs the compiled kernel
+    (kernels.linear.PackedLinear: bf16 weights with fp32 activations, int8 per row and group of 64 with fp32
+    activations, int4 W4A8 and int8_a8 W8A8 groups of 32); elsewhere bf16 runs as a matmul and int8 as a
+    weight-only matmul with one scale per row."""
 
     FORMATS = formats_for("lm_head")
 
@@ -143,14 +144,14 @@ class QuantizedLMHead:
             raise ValueError(f"lm_head format must be one of {', '.join(self.FORMATS)}, got {fmt!r}")
         self.fmt = fmt
         self.packed = None
-        if weight.device.type == "cpu" and fmt in ("int8", "int4"):
+        if weight.device.type == "cpu":  # bf16 too: torch's bf16 GEMV ran at ~0.6x the kernel's bf16 units here
             from kernels.linear import PackedLinear
 
             self.packed = PackedLinear.pack(weight, fmt)
             self.num_threads = torch.get_num_threads()  # the kernel's own pool: torch's may be at 1 in decode
             return
-        if fmt == "int4":
-            raise ValueError("an int4 lm_head runs on the CPU kernel only; use bf16 or int8 on CUDA")
+        if fmt in ("int4", "int8_a8"):
+            raise ValueError(f"an {fmt} lm_head runs on the CPU kernel only; use bf16 or int8 on CUDA")
         w = weight.detach().float()  # [V, H]
         if fmt == "bf16":
             self.weight = w.bfloat16()

@@ -168,12 +168,12 @@ def _transformers(model: str, dtype: torch.dtype, prompt: list[int], decode: int
 
 
 def matched_plan(model: str, dense: str, prompt: list[int], decode: int, pack: str, gguf: dict[str, Path],
-                 threads: int) -> list[tuple]:
+                 threads: int, rows=MATCHED) -> list[tuple]:
     """Each peer file's llama-bench run, then the moegate rows it serves: rows and their peer run side by side."""
     plan = []
-    for peer in dict.fromkeys(r.peer for r in MATCHED):
+    for peer in dict.fromkeys(r.peer for r in rows):
         plan.append((f"llama.cpp-{peer}", llama_cpp.bench_peer, (str(gguf[peer]), len(prompt), decode, threads), {}))
-        for row in (r for r in MATCHED if r.peer == peer):
+        for row in (r for r in rows if r.peer == peer):
             if row.fmt is None:
                 plan.append((row.run, _moegate_execution, (model, dense, prompt, decode), {}))
             else:
@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--llama-cpp", action="store_true",
                     help="the MATCHED rows against llama.cpp's native llama-bench (built and converted once) "
                          "instead of the --formats / --lm-head / --fast-dense / --fast-only plan")
+    ap.add_argument("--peers", help="--llama-cpp: only the rows against these llama.cpp files, e.g. Q8_0,BF16")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--fast-only", action="store_true",
                     help="only the +fast runs (quantized attention and lm_head), not the default profile")
@@ -231,6 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.llama_cpp and any(getattr(args, k) != ap.get_default(k) for k in plan_options):
         ap.error("--llama-cpp runs the MATCHED rows; it does not combine with " +
                  ", ".join("--" + k.replace("_", "-") for k in plan_options))
+    rows = _matched_rows(ap, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.quick:
@@ -242,11 +244,11 @@ def main(argv: list[str] | None = None) -> dict:
     info, peer_info = machine_info(), None
     if args.llama_cpp:
         llama_cpp.build()
-        gguf = llama_cpp.peer_files(Path(model), out / "gguf", list(dict.fromkeys(r.peer for r in MATCHED)))
+        gguf = llama_cpp.peer_files(Path(model), out / "gguf", list(dict.fromkeys(r.peer for r in rows)))
         peer_info = {"source": llama_cpp.source_dir().parents[1].name, "simd": llama_cpp.simd_flags(),
                      "files": {k: str(v) for k, v in gguf.items()}}
         print(f"llama.cpp ({peer_info['source']}): {peer_info['simd']}")
-        plan = matched_plan(model, args.dense, prompt, args.decode, str(out / "pack"), gguf, threads)
+        plan = matched_plan(model, args.dense, prompt, args.decode, str(out / "pack"), gguf, threads, rows)
     else:
         plan = _format_plan(args, model, prompt, str(out / "pack"))
     plan = [(f"{name}#{r}" if args.repeats > 1 else name, fn, fa, kw) for r in range(args.repeats)
@@ -258,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = median_runs(runs)
     ratios, matched = _ratios(summary, args.compare_rev), None
     if args.llama_cpp:
-        matched = pair_rows(summary)
+        matched = pair_rows(summary, rows)
         ratios.update({f"{m['run']}/{m['peer_run']} {phase}": m[f"{phase}_ratio"] for m in matched
                        for phase in ("prefill", "decode") if f"{phase}_ratio" in m})
     from kernels import kernel_variant
@@ -282,6 +284,16 @@ def main(argv: list[str] | None = None) -> dict:
         print(format_matched(matched))
     print(json.dumps(ratios, indent=2))
     return result
+
+
+def _matched_rows(ap: argparse.ArgumentParser, args) -> tuple:
+    """The MATCHED rows --peers keeps (all without it)."""
+    if args.peers is None:
+        return MATCHED
+    rows = tuple(r for r in MATCHED if r.peer in args.peers.split(","))
+    if not args.llama_cpp or {r.peer for r in rows} != set(args.peers.split(",")):
+        ap.error(f"--peers takes --llama-cpp and names among {', '.join(dict.fromkeys(r.peer for r in MATCHED))}")
+    return rows
 
 
 def _format_plan(args, model: str, prompt: list[int], pack: str) -> list[tuple]:

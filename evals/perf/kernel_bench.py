@@ -162,7 +162,8 @@ def torch_moe(kind: str, experts: list, x: torch.Tensor, ids: torch.Tensor, w: t
     return out
 
 
-TORCH_KIND = {"bf16": "bf16", "int8": "int8", "int4": "int4", "int4_asym": "int4", "fp32": "fp32", "bf16_a16": "bf16"}
+TORCH_KIND = {"bf16": "bf16", "int8": "int8", "int4": "int4", "int4_asym": "int4", "fp32": "fp32", "bf16_a16": "bf16",
+              "int8_a8": "int8"}
 
 
 def main(argv: list[str] | None = None) -> int:

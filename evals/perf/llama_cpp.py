@@ -207,8 +207,9 @@ class MatchedRow:
 
 
 # int4 is W4A8: Q4_0's weights (w = (u - 8)·s, fp16 s per 32) and int8 activations per 32 like the Q8_0
-# activations llama.cpp's Q4_0 dot uses. int8 and bf16 weights meet fp32 activations here, where llama.cpp
-# quantizes activations to Q8_0 / rounds them to bf16.
+# activations llama.cpp's Q4_0 dot uses. int8_a8 is W8A8: Q8_0's weights and int8 activations per 32, as
+# llama.cpp's Q8_0 dot. int8 and bf16 weights meet fp32 activations here, where llama.cpp quantizes
+# activations to Q8_0 / rounds them to bf16.
 MATCHED = (
     MatchedRow("int4 experts + int4 attention + int8 lm_head", "Q4_0",
                "experts and attention matched; lm_head int8 vs Q6_K (moegate 1.26x the lm_head bytes)",
@@ -216,6 +217,8 @@ MATCHED = (
     MatchedRow("int4 everything", "Q4_0-pure", "matched (lm_head int4 vs Q4_0 too)", "int4", "int4", "int4"),
     MatchedRow("int8 everything", "Q8_0", "weights int8 per 64 vs Q8_0 per 32; moegate fp32 activations vs int8",
                "int8", "int8", "int8"),
+    MatchedRow("int8_a8 everything (W8A8)", "Q8_0", "matched: int8 weights and int8 activations, both per 32",
+               "int8_a8", "int8_a8", "int8_a8"),
     MatchedRow("bf16 everything", "BF16", "weights matched; moegate fp32 activations vs bf16", "bf16", "bf16", "bf16"),
     MatchedRow("int4 experts, default fp32 attention + lm_head", "Q4_0",
                "moegate higher: fp32 attention and lm_head vs Q4_0 and Q6_K", "int4"),

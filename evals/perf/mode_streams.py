@@ -6,9 +6,11 @@ Three measurements, ratios taken within this one run (run through `python -m eva
    concurrent execution streams and of 1 and 8 exploration streams, for batched execution (execution
    chunks share one forward on the batch-invariant fused path) and, as the baseline, serial execution
    (`batch_invariant_execution=False`: each execution chunk in a forward of its own on torch);
-2. gateway (`moegate serve` in a thread, dev policy): 1 and 8 concurrent json_schema requests (execution)
-   against 8 free-text requests (exploration), tok/s from `usage.completion_tokens` over wall time, and the
-   process's CPU time per token (the work a token costs, steadier than tok/s on a shared machine);
+2. gateway (`moegate serve` in a process of its own, dev policy, `evals/perf/gateway_load.py`): 1 and 8 concurrent
+   json_schema streams (execution) and free-text streams (exploration), each stream a closed loop of `--requests`
+   requests, tok/s from `usage.completion_tokens` over wall time and the server's CPU time per token (the work a
+   token costs, steadier than tok/s on a shared machine); one warm-up round, then `--rounds` interleaved rounds,
+   each ratio taken within a round and reported as median, min and max over the rounds;
 3. with `--bench-model DIR` (`moegate model init-random --preset bench`): decode tok/s of one execution
    and one exploration stream, the bytes one execution token streams and their rate against the STREAM
    triad of this machine.
@@ -19,13 +21,14 @@ Writes mode_streams.json and mode_streams.png to --out.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from evals.perf.common import free_port, machine_info, save_bar_plot, serve_in_thread
+from evals.perf.common import machine_info, save_bar_plot
+from evals.perf.gateway_load import Load, interleaved, served
 
 ORDER_SCHEMA = {
     "type": "object",
@@ -78,34 +81,6 @@ def engine_streams(llm, n: int, mode: str, tokens: int) -> float:
     return n * tokens / min(run(tokens) for _ in range(2))
 
 
-def gateway_streams(url: str, n: int, structured: bool, max_tokens: int, rounds: int = 2) -> tuple[float, float]:
-    """(tok/s, CPU ms per token) of n concurrent chat requests (json_schema or free text), best of `rounds`. The CPU
-    time is the whole process's (server, engine, client, all threads): on a shared machine it measures the work a
-    token costs where tok/s also measures how long the process waited for a core."""
-    import httpx
-
-    async def one(client, i: int) -> int:
-        # a JSON answer ends when its object closes: its budget stays loose (a tight one makes the constraint
-        # plan the shortest way to close at each step, which is not what this measures)
-        body = {"model": "moegate-demo", "max_tokens": 8 * max_tokens if structured else max_tokens,
-                "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]}
-        if structured:
-            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER_SCHEMA}}
-        r = await client.post("/v1/chat/completions", json=body)
-        r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"]
-
-    async def burst() -> tuple[float, float]:
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": "Bearer bench"}, timeout=600) as c:
-            t, cpu = time.perf_counter(), time.process_time()
-            counts = await asyncio.gather(*(one(c, i) for i in range(n)))
-            return sum(counts) / (time.perf_counter() - t), 1e3 * (time.process_time() - cpu) / sum(counts)
-
-    asyncio.run(burst())  # warm-up
-    runs = [asyncio.run(burst()) for _ in range(rounds)]
-    return max(r[0] for r in runs), min(r[1] for r in runs)
-
-
 def engine_section(model: str, tokens: int) -> dict:
     out = {}
     for name, batched in (("batched", True), ("serial", False)):
@@ -119,23 +94,33 @@ def engine_section(model: str, tokens: int) -> dict:
     return out
 
 
-def gateway_section(model: str, max_tokens: int) -> tuple[dict, dict]:
-    """({name: tok/s}, {name: CPU ms per token}) through `moegate serve` in a thread."""
-    from gateway.settings import Settings
+def _chat_body(structured: bool, max_tokens: int) -> Callable[[int, int], dict]:
+    def body(worker: int, k: int) -> dict:
+        # a JSON answer ends when its object closes: its budget stays loose (a tight one makes the constraint
+        # plan the shortest way to close at each step, which is not what this measures)
+        b = {"model": "moegate-demo", "max_tokens": 8 * max_tokens if structured else max_tokens,
+             "messages": [{"role": "user", "content": QUESTIONS[(worker + k) % len(QUESTIONS)]}]}
+        if structured:
+            b["response_format"] = {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER_SCHEMA}}
+        return b
 
-    out, cpu = {}, {}
-    with tempfile.TemporaryDirectory() as tmp:
-        settings = Settings(model=model, port=free_port(), state_dir=Path(tmp), kv_cache_gib=0.25, max_queue=1024)
-        server, thread, _app, url = serve_in_thread(settings)
-        try:
-            for name, structured, n in (("json_schema x1", True, 1), ("json_schema x8", True, 8),
-                                        ("free text x1", False, 1), ("free text x8", False, 8)):
-                out[name], cpu[name] = gateway_streams(url, n, structured, max_tokens)
-                print(f"gateway {name}: {out[name]:.1f} tok/s, {cpu[name]:.2f} CPU ms/token", flush=True)
-        finally:
-            server.should_exit = True
-            thread.join(30)
-    return out, cpu
+    return body
+
+
+GATEWAY_RATIOS = {"json_schema x8 / x1": ("json_schema x8", "json_schema x1"),
+                  "json_schema x8 / free text x8": ("json_schema x8", "free text x8"),
+                  "free text x8 / x1": ("free text x8", "free text x1")}
+
+
+def gateway_section(model: str, max_tokens: int, rounds: int, requests: int) -> dict:
+    """`moegate serve` in a process of its own, dev policy: 1 and 8 concurrent json_schema (execution) and free-text
+    (exploration) streams, closed loop, `requests` requests per stream (x1: 8 x `requests`, the questions the 8
+    streams ask), interleaved over `rounds` rounds; tok/s and server CPU ms per token as median, min and max."""
+    loads = {f"{name} x{n}": Load(n, requests * (8 // n), _chat_body(structured, max_tokens))
+             for name, structured in (("json_schema", True), ("free text", False)) for n in (1, 8)}
+    with tempfile.TemporaryDirectory() as tmp, served(model, Path(tmp)) as (url, pid):
+        return interleaved(url, pid, loads, rounds, GATEWAY_RATIOS, log=lambda line: print(f"gateway {line}",
+                                                                                          flush=True))
 
 
 def execution_bytes_per_token(model) -> int:
@@ -180,6 +165,25 @@ def single_stream_section(model: str, tokens: int) -> dict:
     return out
 
 
+def save_plot(res: dict, path: Path) -> None:
+    groups = {k: res[k] for k in ("engine", "gateway") if k in res}
+    groups.update({k: res[k] for k in ("engine_ratios", "gateway_cpu_ms_per_token") if k in res})
+    if "gateway_ratio_spread" in res:  # each ratio's median, min and max over the interleaved rounds
+        groups["gateway ratios (median / min / max of rounds)"] = {
+            f"{k} {stat}": v[stat] for k, v in res["gateway_ratio_spread"].items() for stat in ("median", "min", "max")}
+        # why a figure moves: the engine thread off its core (step wall vs its CPU) and the other processes' cores
+        groups["gateway engine step ms, wall / thread CPU (median)"] = {
+            f"{n} {label}": v[key]["median"] for n, v in res["gateway_spread"].items()
+            for label, key in (("wall", "step_wall_ms"), ("CPU", "step_thread_cpu_ms"))}
+        groups["other processes, cores (median)"] = {n: v["others_cores"]["median"]
+                                                     for n, v in res["gateway_spread"].items()}
+    if "single_stream" in res:
+        s = res["single_stream"]
+        groups["one stream, bench checkpoint"] = {k: s[k] for k in ("serial_execution_tok_s", "execution_tok_s",
+                                                                     "exploration_tok_s")}
+    save_bar_plot(path, f"execution streams (tok/s, ratios), {res['machine']['cpu_count']} CPUs", groups)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="checkpoint of the engine and gateway sections (demo model)")
@@ -187,6 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, default=64, help="tokens per stream")
     ap.add_argument("--bench-model", help="checkpoint of the single-stream section (`--preset bench`)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: engine, gateway")
+    ap.add_argument("--rounds", type=int, default=9, help="gateway: interleaved rounds (median, min, max)")
+    ap.add_argument("--requests", type=int, default=2, help="gateway: requests per stream per round")
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -201,21 +207,17 @@ def main(argv: list[str] | None = None) -> dict:
             "batched / serial exec x8": e["batched execution x8"] / e["serial execution x8"],
         }
     if "gateway" not in skip:
-        g, res["gateway_cpu_ms_per_token"] = gateway_section(args.model, args.tokens)
-        res["gateway"] = g
-        res["gateway_ratios"] = {"json_schema x8 / x1": g["json_schema x8"] / g["json_schema x1"],
-                                 "json_schema x8 / free text x8": g["json_schema x8"] / g["free text x8"]}
+        g = gateway_section(args.model, args.tokens, args.rounds, args.requests)
+        res["gateway_runs"] = g["runs"]
+        res["gateway"] = {k: v["tok_s"]["median"] for k, v in g["summary"].items()}
+        res["gateway_cpu_ms_per_token"] = {k: v["cpu_ms_per_token"]["median"] for k, v in g["summary"].items()}
+        res["gateway_spread"] = g["summary"]
+        res["gateway_ratios"] = {k: v["median"] for k, v in g["ratios"].items()}
+        res["gateway_ratio_spread"] = g["ratios"]
     if args.bench_model:
         res["single_stream"] = single_stream_section(args.bench_model, min(args.tokens, 32))
     (out_dir / "mode_streams.json").write_text(json.dumps(res, indent=2))
-    groups = {k: res[k] for k in ("engine", "gateway") if k in res}
-    groups.update({k: res[k] for k in ("engine_ratios", "gateway_ratios", "gateway_cpu_ms_per_token") if k in res})
-    if "single_stream" in res:
-        s = res["single_stream"]
-        groups["one stream, bench checkpoint"] = {k: s[k] for k in ("serial_execution_tok_s", "execution_tok_s",
-                                                                     "exploration_tok_s")}
-    save_bar_plot(out_dir / "mode_streams.png", f"execution streams (tok/s, ratios), {res['machine']['cpu_count']} "
-                  f"CPUs", groups)
+    save_plot(res, out_dir / "mode_streams.png")
     print(json.dumps({k: res[k] for k in res if k.endswith("ratios")}, indent=2))
     return res
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import lru_cache
 from typing import Any
 
 import jsonschema
@@ -18,6 +19,21 @@ from .tools import ToolSpec, _choice, parse_tool_calls
 
 
 def _validator(schema: dict | bool) -> jsonschema.protocols.Validator:
+    """The schema's validator, built once per distinct schema: building one checks the schema against each
+    draft's meta-schema (milliseconds), which every request with the same response_format or tools repeated."""
+    try:
+        key = json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError):  # not plain JSON (e.g. a non-string key from YAML): built for this call only
+        return _build_validator(schema)
+    return _validator_of(key)
+
+
+@lru_cache(maxsize=512)
+def _validator_of(key: str) -> jsonschema.protocols.Validator:
+    return _build_validator(json.loads(key))
+
+
+def _build_validator(schema: dict | bool) -> jsonschema.protocols.Validator:
     schema = repair(schema)  # the same meaning-preserving repairs as the compile path
     cls = validator_class(schema)
     schema = normalise(schema)

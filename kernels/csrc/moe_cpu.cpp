@@ -22,8 +22,8 @@
 // token and group to int8 (symmetric, round half to even), integer dot products (maddubs, vpdpbusd)
 // are exact, and the group result is s*sx*(sum(u*q) - 8*sum(q)) (int4; the difference is an exact fp32
 // integer) or s*sx*sum(u*q) + m*sx*sum(q) (int4_asym, m the group min). The int4 down projection is W4A8
-// too (its input quantized the same way); fp32 / bf16 / int8 use fp32 activations with weights
-// dequantized in registers.
+// too (its input quantized the same way); int8_a8 is W8A8 on both projections (w8a8.h); fp32 / bf16 / int8
+// use fp32 activations with weights dequantized in registers.
 
 #include <omp.h>
 
@@ -43,8 +43,8 @@
 
 namespace {
 
-enum Fmt { FP32 = 0, BF16 = 1, INT8 = 2, INT4 = 3, INT4A = 4, BF16A = 5 };  // BF16A: bf16_a16
-inline bool is_quantized(int64_t fmt) { return fmt == INT8 || fmt == INT4 || fmt == INT4A; }
+enum Fmt { FP32 = 0, BF16 = 1, INT8 = 2, INT4 = 3, INT4A = 4, BF16A = 5, I8A8 = 6 };  // bf16_a16, int8_a8
+inline bool is_quantized(int64_t fmt) { return fmt == INT8 || fmt == INT4 || fmt == INT4A || fmt == I8A8; }
 
 // fp32 -> the nearest bf16 value (round half to even; NaN kept), as torch's .to(torch.bfloat16).
 inline float round_bf16(float f) {
@@ -302,6 +302,7 @@ constexpr int kMaxMT = 4;
 #include "w4a8_zmm.h"
 #include "bf16_zmm.h"
 #include "fp_zmm.h"
+#include "w8a8.h"
 
 namespace {
 
@@ -356,7 +357,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   for (int64_t e = 0; e < E; ++e)
     if (count[e + 1] > count[e]) active.push_back(e);
   const int64_t na = (int64_t)active.size();
-  constexpr bool w4a8 = FMT == INT4 || FMT == INT4A;
+  constexpr bool w4a8 = FMT == INT4 || FMT == INT4A || FMT == I8A8;  // int8 activations (W4A8, W8A8)
   const int64_t hp = P.hp, ip = P.ip, hbuf = P.hbuf, ldy = P.h8 * 8;
   const int64_t ngh = w4a8 ? hp / P.gs : 0, ngi = w4a8 ? ip / P.gs : 0;
   // Padded copies: per token X [T, hp], per row H [S, hbuf], Y [S, h8*8]; for W4A8 also the int8
@@ -364,6 +365,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   // same per sorted row, interleaved per expert (xi: expert e's rows from row count[e]; hi likewise).
   // All of it from this thread's scratch (scratch.h); hb's columns past the gate_up tiles are zeroed.
   constexpr bool zmm = w4a8 && kZmm;
+  constexpr bool interleave = zmm && FMT != I8A8;  // w4a8_zmm.h's ZmmActs (w8a8.h reads rows by pointer)
   moegate::Scratch& scratch = moegate::Scratch::local();
   scratch.reset();
   float* xp = scratch.take<float>(T * hp);
@@ -379,7 +381,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   int32_t* xn8 = scratch.take<int32_t>(T * ngh);
   int32_t* hn8 = scratch.take<int32_t>(S * ngi);
   auto interleaved = [&](int64_t kp, int64_t ng) {
-    const int64_t n = zmm ? S : 0;
+    const int64_t n = interleave ? S : 0;
     return ZmmActs{scratch.take<int8_t>(n * kp), scratch.take<float>(n * ng), scratch.take<float>(n * ng),
                    scratch.take<int32_t>(n * ng), kp, ng};
   };
@@ -395,7 +397,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
     if (w4a8) quantize_row(&xp[t * hp], hp, P.gs, &xq[t * hp], &xsx[t * ngh], &xqs[t * ngh], &xn8[t * ngh]);
     if (FMT == BF16A) round_row_bf16(&xp[t * hp], hp, dot16 ? &xbits[t * xbl] : nullptr);
   }
-  if constexpr (zmm)
+  if constexpr (interleave)
     for (int64_t e = 0; e < E; ++e)
       for (int64_t r = count[e]; r < count[e + 1]; ++r) {
         const int64_t t = src_token[r];
@@ -441,6 +443,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       }
       // experts are contiguous runs of tiles: global tile = e * i8 + tile
       if (dot16) zmm_bf16_unit_rows<2>(P.gu, e * P.i8, tile, P.i8, br, orow, n);
+      else if constexpr (FMT == I8A8) w8a8_rows<2>(P.gu, e * P.i8, tile, P.i8, qr, sxr, qsr, orow, n);
       else if constexpr (zmm) zmm_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8, xi.rows(r0), orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 2>(P.gu, e * P.i8 + tile, qr, sxr, qsr, orow, n);
       else if (fpz) zmm_fp_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8, xr, orow, n);
@@ -461,7 +464,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       if constexpr (w4a8)
         for (int64_t r = count[e]; r < count[e + 1]; ++r) {
           quantize_row(&hb[r * hbuf], ip, P.gs, &hq[r * hbuf], &hsx[r * ngi], &hqs[r * ngi], &hn8[r * ngi]);
-          if constexpr (zmm)
+          if constexpr (interleave)
             hi.rows(count[e]).put(r - count[e], count[e + 1] - count[e], &hq[r * hbuf], &hsx[r * ngi],
                                   &hqs[r * ngi], &hn8[r * ngi]);
         }
@@ -495,6 +498,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
         orow[i] = &y[r * ldy + tile * 8];
       }
       if (dot16) zmm_bf16_unit_rows<1>(P.dn, e * P.h8, item, P.h8, br, orow, n);
+      else if constexpr (FMT == I8A8) w8a8_rows<1>(P.dn, e * P.h8, item, P.h8, qr, sxr, qsr, orow, n);
       else if constexpr (zmm) zmm_unit_rows<FMT, 1>(P.dn, e * P.h8, item, P.h8, hi.rows(r0), orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(P.dn, e * P.h8 + tile, qr, sxr, qsr, orow, n);
       else if (fpz) zmm_fp_unit_rows<FMT, 1>(P.dn, e * P.h8, item, P.h8, xr, orow, n);
@@ -532,9 +536,10 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
 // row's arithmetic is the same fixed sequence as in the MoE kernel, whatever M or the thread count.
 template <int FMT>
 void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, int64_t n8, int nthreads) {
-  constexpr bool w4a8 = FMT == INT4 || FMT == INT4A;
+  constexpr bool w4a8 = FMT == INT4 || FMT == INT4A || FMT == I8A8;  // int8 activations (W4A8, W8A8)
   const int64_t kp = A.kp, ng = w4a8 ? kp / A.gs : 0, ldo = n8 * 8;
   constexpr bool zmm = w4a8 && kZmm;  // an item is a unit of two tiles (w4a8_zmm.h, bf16_zmm.h, fp_zmm.h)
+  constexpr bool interleave = zmm && FMT != I8A8;
   // Padded copies, int8 activations and (zmm) their interleaved chunks from this thread's scratch.
   moegate::Scratch& scratch = moegate::Scratch::local();
   scratch.reset();
@@ -551,13 +556,13 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
   float* xsx = scratch.take<float>(M * ng);
   float* xqs = scratch.take<float>(M * ng);
   int32_t* xn8 = scratch.take<int32_t>(M * ng);
-  const int64_t nz = zmm ? M : 0;
+  const int64_t nz = interleave ? M : 0;
   const ZmmActs xl{scratch.take<int8_t>(nz * kp), scratch.take<float>(nz * ng), scratch.take<float>(nz * ng),
                    scratch.take<int32_t>(nz * ng), kp, ng};
   if constexpr (w4a8)
     for (int64_t m = 0; m < M; ++m) {
       quantize_row(&xp[m * kp], kp, A.gs, &xq[m * kp], &xsx[m * ng], &xqs[m * ng], &xn8[m * ng]);
-      if constexpr (zmm) xl.put(m, M, &xq[m * kp], &xsx[m * ng], &xqs[m * ng], &xn8[m * ng]);
+      if constexpr (interleave) xl.put(m, M, &xq[m * kp], &xsx[m * ng], &xqs[m * ng], &xn8[m * ng]);
     }
   const bool dot16 = FMT == BF16A && cpu_has_bf16_dot();
   const int64_t xbl = kp + (kp & 1);
@@ -590,6 +595,7 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
       const int n = (int)std::min<int64_t>(kRows, M - m0);
       for (int i = 0; i < n; ++i) orow[i] = out + (m0 + i) * ldo + tile * 8;
       if (dot16) zmm_bf16_unit_rows<1>(A, 0, item, n8, &br[m0], orow, n);
+      else if constexpr (FMT == I8A8) w8a8_rows<1>(A, 0, item, n8, &qr[m0], &sxr[m0], &qsr[m0], orow, n);
       else if constexpr (zmm) zmm_unit_rows<FMT, 1>(A, 0, item, n8, xl.rows(m0), orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(A, tile, &qr[m0], &sxr[m0], &qsr[m0], orow, n);
       else if (fpz) zmm_fp_unit_rows<FMT, 1>(A, 0, item, n8, &xr[m0], orow, n);
@@ -625,6 +631,7 @@ int moe_dispatch(int64_t fmt, const Problem& P, const float* x, const int64_t* i
     case INT4: return run<INT4>(P, x, ids, wts, out, nthreads);
     case INT4A: return run<INT4A>(P, x, ids, wts, out, nthreads);
     case BF16A: return run<BF16A>(P, x, ids, wts, out, nthreads);
+    case I8A8: return run<I8A8>(P, x, ids, wts, out, nthreads);
     default: return -2;
   }
 }
@@ -638,6 +645,7 @@ int linear_dispatch(int64_t fmt, const Mat& A, const float* x, float* out, int64
     case INT4: run_linear<INT4>(A, x, out, M, K, n8, nthreads); return 0;
     case INT4A: run_linear<INT4A>(A, x, out, M, K, n8, nthreads); return 0;
     case BF16A: run_linear<BF16A>(A, x, out, M, K, n8, nthreads); return 0;
+    case I8A8: run_linear<I8A8>(A, x, out, M, K, n8, nthreads); return 0;
     default: return -2;
   }
 }
@@ -689,13 +697,13 @@ int moegate_has_bf16_dot() { return cpu_has_bf16_dot() ? 1 : 0; }
 const char* moegate_simd_path() {
 #if defined(MOEGATE_ZMM)
   if (cpu_has_bf16_dot())
-    return "avx512: W4A8 zmm vpdpbusd, bf16_a16 zmm vdpbf16ps, fp32/bf16/int8 zmm fma (16 rows x up to 8 tokens "
+    return "avx512: W4A8 / W8A8 zmm vpdpbusd, bf16_a16 zmm vdpbf16ps, fp32/bf16/int8 zmm fma (16 rows x up to 8 tokens "
            "per weight block)";
-  return "avx512: W4A8 zmm vpdpbusd, fp32/bf16/int8/bf16_a16 zmm fma (16 rows x up to 8 tokens per weight block)";
+  return "avx512: W4A8 / W8A8 zmm vpdpbusd, fp32/bf16/int8/bf16_a16 zmm fma (16 rows x up to 8 tokens per weight block)";
 #elif defined(MOEGATE_VNNI)
   return "avx512: W4A8 ymm vpdpbusd";
 #elif defined(MOEGATE_AVX2)
-  return "avx2: W4A8 maddubs";
+  return "avx2: W4A8 / W8A8 maddubs";
 #else
   return "generic: plain loops";
 #endif

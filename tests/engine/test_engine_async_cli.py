@@ -27,6 +27,10 @@ def test_async_streams_match_sync_and_abort_frees(tiny_checkpoint):
         assert out.finished and out.token_ids == tokens and out.text == text
         return tokens, text, chunks
 
+    async def final(rid: str, max_tokens: int) -> list:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return [out async for out in llm.generate(rid, prompt, params, final_only=True)]
+
     async def aborted() -> int:
         n = 0
         async for _ in llm.generate("gone", prompt, SamplingParams(max_tokens=500, ignore_eos=True)):
@@ -36,11 +40,16 @@ def test_async_streams_match_sync_and_abort_frees(tiny_checkpoint):
         return n
 
     async def main():
-        return await asyncio.gather(collect("a", 12), collect("b", 12), aborted())
+        return await asyncio.gather(collect("a", 12), collect("b", 12), aborted(), final("c", 12))
 
     try:
-        (ta, xa, ca), (tb, xb, _), n = asyncio.run(main())
+        (ta, xa, ca), (tb, xb, _), n, outs = asyncio.run(main())
         assert ta == tb and xa == xb and ca == 12 and n == 3
+        # final_only: one output, the finished one, with the whole text and tokens
+        assert len(outs) == 1 and outs[0].finished and outs[0].token_ids == ta and outs[0].text == xa
+        stats = llm.step_stats  # every step counted, final_only ones too (3 x 12 tokens and the aborted 3+)
+        assert stats.steps >= 12 and stats.tokens >= 39 and stats.sequences >= stats.tokens / 2
+        assert 0 < stats.thread_cpu_seconds <= stats.wall_seconds + 0.05
         for _ in range(50):  # the abort is applied on the engine thread
             if engine.blocks.num_free == 64:
                 break

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 
 
@@ -90,6 +92,8 @@ def test_metrics_exposed(gateway_server):
     assert 'moegate_requests_total{route="/v1/chat/completions",status="200"}' in text
     assert "moegate_tokens_total" in text and "moegate_requests_by_mode_total" in text
     assert "moegate_engine_sequences" in text and "moegate_prefix_cache{" in text
+    steps = dict(re.findall(r'^moegate_engine_steps\{counter="(\w+)"\} (\S+)$', text, re.M))
+    assert float(steps["steps"]) >= 2 and float(steps["tokens"]) >= 2 and float(steps["wall_seconds"]) > 0
 
 
 def test_prefix_cache_hit_reports_cached_tokens_and_changes_no_byte(gateway_server):

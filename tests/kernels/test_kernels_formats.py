@@ -11,11 +11,12 @@ from kernels import FORMATS, FormatError, PackedExperts, pack_experts
 # Worst-case |dequantized - original| per weight, as a fraction of the group's max |w| (or range):
 # int8 half a step of amax/127, int4 half a step of amax/7, int4_asym half a step of range/15;
 # plus fp16 rounding of scale/min. bf16 keeps 8 mantissa bits (rel 2^-9).
-QUANT_BOUND = {"int8": 0.5 / 127 + 2e-3, "int4": 0.5 / 7 + 2e-3, "int4_asym": 0.5 / 15 + 4e-3}
+QUANT_BOUND = {"int8": 0.5 / 127 + 2e-3, "int8_a8": 0.5 / 127 + 2e-3, "int4": 0.5 / 7 + 2e-3, "int4_asym": 0.5 / 15 + 4e-3}
 
 
 @pytest.mark.parametrize("fmt,gs", [("fp32", None), ("bf16", None), ("int8", 32), ("int8", 128),
-                                    ("int4", 32), ("int4", 64), ("int4_asym", 32), ("int4_asym", 128)])
+                                    ("int4", 32), ("int4", 64), ("int4_asym", 32), ("int4_asym", 128),
+                                    ("int8_a8", 32), ("int8_a8", 64)])
 @pytest.mark.parametrize("h,i", [(64, 32), (200, 72)])
 def test_dequantize_round_trip(fmt: str, gs: int | None, h: int, i: int) -> None:
     w_gu, w_dn = random_experts(3, h, i)
@@ -67,7 +68,8 @@ def test_state_dict_and_subset(fmt: str) -> None:
 def test_bytes_per_weight() -> None:
     w_gu, w_dn = random_experts(2, 256, 128)
     params = w_gu.numel() + w_dn.numel()
-    expect = {"fp32": 4, "bf16": 2, "int8": 1 + 2 / 64, "int4": 0.5 + 2 / 32, "int4_asym": 0.5 + 4 / 32}
+    expect = {"fp32": 4, "bf16": 2, "int8": 1 + 2 / 64, "int4": 0.5 + 2 / 32, "int4_asym": 0.5 + 4 / 32,
+              "int8_a8": 1 + 2 / 32}
     for fmt, bpw in expect.items():
         assert pack_experts(w_gu, w_dn, fmt, progress=False).nbytes == pytest.approx(params * bpw)
 
@@ -104,8 +106,8 @@ def test_registry_bits_match_packed_bytes_and_parts_drive_every_list() -> None:
         weights = packed.tensors["gate_up"].numel() * packed.tensors["gate_up"].element_size()
         assert weights * 8 == e * 2 * i * h * spec.bits, name  # h, i multiples of 8 and of every group
         assert packed.group_size == spec.group_size, name
-    assert EXPERT_FORMATS == formats_for("experts") == ("fp32", "bf16", "int8", "int4")
-    assert LINEAR_FORMATS == FORMATS and QuantizedLMHead.FORMATS == ("bf16", "int8", "int4")
+    assert EXPERT_FORMATS == formats_for("experts") == ("fp32", "bf16", "int8", "int4", "int8_a8")
+    assert LINEAR_FORMATS == FORMATS and QuantizedLMHead.FORMATS == ("bf16", "int8", "int4", "int8_a8")
     with pytest.raises(ValueError, match="int4_asym"):
         PlacementConfig(fast_format="int4_asym")
     with pytest.raises(ValueError, match="fp32"):

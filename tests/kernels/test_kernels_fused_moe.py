@@ -23,7 +23,7 @@ from kernels.formats import quantize_activations
 from kernels.fused_moe import fused_moe_fake_quant
 
 CONFIGS = [("fp32", None), ("bf16", None), ("int8", 32), ("int8", 128), ("int4", 32), ("int4", 64),
-           ("int4_asym", 32), ("int4_asym", 128)]
+           ("int4_asym", 32), ("int4_asym", 128), ("int8_a8", 32), ("int8_a8", 64)]
 SHAPES = [(64, 32), (96, 48), (200, 72)]
 TOKENS_TOPK = [(1, 1), (2, 8), (3, 2), (8, 4), (17, 3), (64, 8)]
 NUM_EXPERTS = 8
@@ -31,7 +31,7 @@ NUM_EXPERTS = 8
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="C++ kernel could not be built here")
 # Every compiled path this machine can run: plain loops, AVX2 (maddubs), AVX-512 (W4A8 on zmm vpdpbusd).
 VARIANTS = ["generic", "avx2", *(["avx512"] if vnni_capable(detect()) else [])]
-FORMATS = ["fp32", "bf16", "int8", "int4", "int4_asym", "bf16_a16"]
+FORMATS = ["fp32", "bf16", "int8", "int4", "int4_asym", "bf16_a16", "int8_a8"]
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -125,7 +125,7 @@ def test_detect_reads_the_cpu_model_name() -> None:
 
 @pytest.mark.skipif(not (kernel_available("avx2") and vnni_capable(detect())),
                     reason="needs a CPU with AVX-512 VNNI")
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int4_asym"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int4_asym", "int8_a8"])
 def test_avx512_variant_equals_avx2_bitwise(fmt: str) -> None:
     """vpdpbusd replaces maddubs + madd + add in the int4 dot products (the same exact integer sums), and
     the zmm fp32 FMA units (fp_zmm.h: 16 rows x up to 8 tokens) keep each row's fma sequence, so the
@@ -161,7 +161,7 @@ def test_expert_row_order_is_fixed_whatever_its_token_count(variant: str, fmt: s
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int4_asym"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int4_asym", "int8_a8"])
 def test_row_is_bitwise_batch_invariant(fmt: str) -> None:
     """A row's output is the same bits alone, inside any batch of 1..64 rows, for 1 or 2 threads."""
     h, i = 96, 48
@@ -328,6 +328,30 @@ def test_scratch_reused_across_calls_of_other_shapes(variant: str) -> None:
         again = fused_moe(x, ids, w, padded, variant=variant)
         assert torch.equal(again, first), fmt
     assert_close(first, fused_moe_reference(x, ids, w, padded))
+
+
+@needs_kernel
+@pytest.mark.parametrize("gs", [32, 64])
+def test_int8_a8_is_w8a8_and_bit_exact(gs: int) -> None:
+    """int8_a8 on every compiled path (zmm vpdpbusd with the +128 weight offset, avx2 maddubs on |w| and
+    sign(q, w), plain loops) gives the step-by-step reference's bits (up to ~2^-29-rare double roundings
+    of its float64-emulated fma); the weights are int8's, only the activations differ: the reference is
+    close to int8 (W8A16) on the same groups, and not equal to it."""
+    experts = random_experts(NUM_EXPERTS, 200, 72)
+    packed = pack_experts(*experts, "int8_a8", gs, progress=False)
+    w8a16 = pack_experts(*experts, "int8", gs, progress=False)
+    for e in range(NUM_EXPERTS):  # the same weights as int8 at the same group size
+        assert all(torch.equal(a, b) for a, b in zip(packed.dequantize(e), w8a16.dequantize(e), strict=True))
+    x = torch.randn(17, 200, generator=torch.Generator().manual_seed(5))
+    ids, w = random_routing(17, 4, NUM_EXPERTS, seed=5, skip_frac=0.1)
+    ref = fused_moe_reference(x, ids, w, packed)
+    for variant in VARIANTS:
+        out = fused_moe(x, ids, w, packed, variant=variant)
+        assert (out != ref).sum().item() <= ref.numel() // 1000, variant
+    scale = ref.abs().max()
+    assert (ref - fused_moe_fake_quant(x, ids, w, packed)).abs().max() < 1e-2 * scale
+    fp32_act = fused_moe_reference(x, ids, w, w8a16)
+    assert 1e-4 * scale < (ref - fp32_act).abs().max() < 0.03 * scale
 
 
 @needs_kernel

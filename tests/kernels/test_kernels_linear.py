@@ -12,7 +12,8 @@ from kernels.cpu_features import detect, vnni_capable
 from kernels.linear import PackedLinear, exact_format
 
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="C++ kernel could not be built here")
-FORMATS = [("fp32", None), ("bf16", None), ("int8", 64), ("int8", 32), ("int4", 32), ("int4", 64), ("int4_asym", 32)]
+FORMATS = [("fp32", None), ("bf16", None), ("int8", 64), ("int8", 32), ("int4", 32), ("int4", 64), ("int4_asym", 32),
+           ("int8_a8", 32), ("int8_a8", 64)]
 SHAPES = [(8, 64), (13, 200), (300, 96), (1000, 72)]  # (N, K): odd N, K not a multiple of the group
 VARIANTS = ["generic", "avx2", *(["avx512"] if vnni_capable(detect()) else [])]
 
@@ -39,7 +40,7 @@ def test_linear_matches_reference(fmt: str, gs: int | None, n: int, k: int) -> N
         ref = packed.reference(x)
         out = packed(x)
         assert_close(out, ref)
-        if fmt.startswith("int4"):  # W4A8 replayed step by step: equal but for rare double roundings
+        if fmt.startswith("int4") or fmt == "int8_a8":  # W4A8 / W8A8 step by step: equal but for rare double roundings
             assert (out != ref).sum().item() <= max(1, ref.numel() // 1000)
 
 
@@ -63,7 +64,7 @@ def test_linear_reference_is_the_dequantized_weight(fmt: str) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int4_asym", "bf16_a16"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int4_asym", "bf16_a16", "int8_a8"])
 def test_linear_variants(variant: str, fmt: str) -> None:
     packed = PackedLinear.pack(_weight(77, 200), fmt)
     x = torch.randn(19, 200)
@@ -85,7 +86,7 @@ def test_avx512_fp_units_equal_avx2_for_odd_shapes(fmt: str) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int4_asym", "bf16_a16"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int4_asym", "bf16_a16", "int8_a8"])
 def test_linear_row_is_batch_invariant(variant: str, fmt: str) -> None:
     """A row's output bits do not depend on the other rows of the call (M = 1..16 in any order, and 64),
     or on the thread count, on every compiled path. N = 150: an odd number of 8-row tiles."""

@@ -27,7 +27,7 @@ class ScriptedLLM:
         self.tokenizer = SimpleNamespace(decode=tokinfo.decode)
         self.engine = SimpleNamespace(eos_token_ids=set(tokinfo.eos_ids))
 
-    async def generate(self, rid, prompt_ids, params, mode, cache_salt=""):
+    async def generate(self, rid, prompt_ids, params, mode, cache_salt="", final_only=False):  # one output, finished
         self.params.append(params)
         target = self.tokinfo.encode(self.scripts.pop(0)) + [self.tokinfo.eos_ids[0]]
         ids: list[int] = []
