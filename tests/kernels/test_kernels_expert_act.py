@@ -13,6 +13,7 @@ from kernel_cases import random_experts, random_routing
 from kernels import FormatError, PackedExperts, fused_moe, fused_moe_reference, kernel_available, pack_experts
 from kernels.cpu_features import detect, vnni_capable
 from kernels.formats import Activation
+from kernels.silu import silu_f32
 
 VARIANTS = ["generic", "avx2", *(["avx512"] if vnni_capable(detect()) else [])]
 FORMATS = [("fp32", None), ("bf16", None), ("int8", 32), ("int4", 32), ("int4_asym", 32), ("bf16_a16", None)]
@@ -96,8 +97,6 @@ def test_bad_activation_and_biases_are_typed_errors() -> None:
 def test_float_silu_is_within_a_few_ulps_of_float64() -> None:
     """The kernel's float SiLU (kernels/silu.py replays it) against SiLU in float64: within 4e-7 relative
     wherever the result is a normal float, and finite at the clamp's edges and beyond."""
-    from kernels.silu import silu_f32
-
     g = torch.cat([torch.linspace(-100, 100, 200_001), torch.randn(100_000) * 8,
                    torch.tensor([-1e4, -88.5, -87.0, -1e-30, 0.0, 1e-30, 87.0, 88.5, 1e4])])
     out, ref = silu_f32(g), g.double() / (1 + torch.exp(-g.double()))
