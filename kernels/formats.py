@@ -34,6 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kernels.hugepages import to_hugepages
+from kernels.silu import silu_f32
 
 LAYOUT_VERSION = 2
 PARTS = ("experts", "linear", "lm_head")  # what a format may store: routed experts, dense projections, lm_head
@@ -105,10 +106,10 @@ class Activation:
         return ACTIVATIONS.index(self.kind)
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """gate, up [n, I] fp32 -> [n, I] fp32; the sigmoid in float64 rounded once, as the kernel."""
+        """gate, up [n, I] fp32 -> [n, I] fp32, as the kernel: SiLU in float32 (kernels/silu.py), the clamped
+        SwiGLU's sigmoid in float64 rounded once."""
         if self.kind == "silu":
-            g = gate.double()
-            return (g / (1.0 + torch.exp(-g))).float() * up
+            return silu_f32(gate) * up
         gate = gate.clamp(max=self.limit)
         up = up.clamp(-self.limit, self.limit)
         g = gate.double()

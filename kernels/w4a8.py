@@ -8,7 +8,8 @@ acc = fma(s * sx, sum(u q), acc); acc = fma(m * sx, sum(q), acc) with m the grou
 weights w) acc = fma(s * sx, sum(w q), acc).
 An fp32 fma is emulated in float64 (the product is exact there; one rounding to float64, one to
 float32 — a double rounding that differs from a true fma with probability ~2^-29 per operation).
-The activation's sigmoid is computed in float64 and rounded once, as in the kernel; biases are single fp32 adds.
+The activation is the kernel's (SiLU in float32, kernels/silu.py; the clamped SwiGLU's sigmoid in float64, rounded
+once); biases are single fp32 adds.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@
 
 #include <omp.h>
 
+#include "scratch.h"
 #include "simd.h"
 #include "work_pool.h"
 
@@ -311,8 +312,7 @@ constexpr bool kZmm = true;
 constexpr bool kZmm = false;
 // Never called: name the zmm entry points for the `if constexpr` branches of builds without them.
 template <int FMT, int R8>
-void zmm_unit_rows(const Mat&, int64_t, int64_t, int64_t, const int8_t* const*, const float* const*,
-                   const float* const*, const int32_t* const*, float* const*, int) {}
+void zmm_unit_rows(const Mat&, int64_t, int64_t, int64_t, const ZmmActs&, float* const*, int) {}
 template <int R8>
 void zmm_bf16_unit_rows(const Mat&, int64_t, int64_t, int64_t, const uint16_t* const*, float* const*, int) {}
 template <int FMT, int R8>
@@ -320,22 +320,11 @@ void zmm_fp_unit_rows(const Mat&, int64_t, int64_t, int64_t, const float* const*
 inline bool cpu_has_bf16_dot() { return false; }
 #endif
 
-// SiLU in double, rounded once to float (reproducible by the torch reference to the last bit).
-inline float silu(float g) { return (float)((double)g / (1.0 + std::exp(-(double)g))); }
+}  // namespace
 
-enum ActKind { ACT_SILU = 0, ACT_SWIGLU_CLAMPED = 1 };
+#include "activation.h"
 
-// The experts' gated activation (kernels/formats.py Activation), the sigmoid in double rounded once.
-struct Act {
-  int kind = ACT_SILU;
-  float alpha = 1.f, limit = 0.f;
-  float operator()(float g, float u) const {
-    if (kind == ACT_SILU) return silu(g) * u;
-    g = std::min(g, limit);
-    u = std::min(limit, std::max(-limit, u));
-    return (u + 1.f) * (float)((double)g / (1.0 + std::exp(-(double)alpha * (double)g)));
-  }
-};
+namespace {
 
 struct Problem {
   int64_t T, K, E, H, I, gs, h8, i8, hp, ip, hbuf;
@@ -372,11 +361,31 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   const int64_t hp = P.hp, ip = P.ip, hbuf = P.hbuf, ldy = P.h8 * 8;
   const int64_t ngh = w4a8 ? hp / P.gs : 0, ngi = w4a8 ? ip / P.gs : 0;
   // Padded copies: per token X [T, hp], per row H [S, hbuf], Y [S, h8*8]; for W4A8 also the int8
-  // activations with their per-group scales and sums (xq / xsx / xqs, hq / hsx / hqs).
-  std::vector<float> xp(T * hp, 0.f), hb(S * hbuf + 1, 0.f), y(S * ldy + 1);
-  std::vector<int8_t> xq(w4a8 ? T * hp : 1), hq(w4a8 ? S * hbuf : 1);
-  std::vector<float> xsx(T * ngh + 1), xqs(T * ngh + 1), hsx(S * ngi + 1), hqs(S * ngi + 1);
-  std::vector<int32_t> xn8(T * ngh + 1), hn8(S * ngi + 1);
+  // activations with their per-group scales and sums (xq / xsx / xqs, hq / hsx / hqs), and on zmm the
+  // same per sorted row, interleaved per expert (xi: expert e's rows from row count[e]; hi likewise).
+  // All of it from this thread's scratch (scratch.h); hb's columns past the gate_up tiles are zeroed.
+  constexpr bool zmm = w4a8 && kZmm;
+  constexpr bool interleave = zmm && FMT != I8A8;  // w4a8_zmm.h's ZmmActs (w8a8.h reads rows by pointer)
+  moegate::Scratch& scratch = moegate::Scratch::local();
+  scratch.reset();
+  float* xp = scratch.take<float>(T * hp);
+  float* hb = scratch.take<float>(S * hbuf + 1);
+  float* y = scratch.take<float>(S * ldy + 1);
+  for (int64_t r = 0; r < S; ++r) std::fill(hb + r * hbuf + P.i8 * 8, hb + (r + 1) * hbuf, 0.f);
+  int8_t* xq = scratch.take<int8_t>(w4a8 ? T * hp : 1);
+  int8_t* hq = scratch.take<int8_t>(w4a8 ? S * hbuf : 1);
+  float* xsx = scratch.take<float>(T * ngh);
+  float* xqs = scratch.take<float>(T * ngh);
+  float* hsx = scratch.take<float>(S * ngi);
+  float* hqs = scratch.take<float>(S * ngi);
+  int32_t* xn8 = scratch.take<int32_t>(T * ngh);
+  int32_t* hn8 = scratch.take<int32_t>(S * ngi);
+  auto interleaved = [&](int64_t kp, int64_t ng) {
+    const int64_t n = interleave ? S : 0;
+    return ZmmActs{scratch.take<int8_t>(n * kp), scratch.take<float>(n * ng), scratch.take<float>(n * ng),
+                   scratch.take<int32_t>(n * ng), kp, ng};
+  };
+  const ZmmActs xi = interleaved(hp, ngh), hi = interleaved(ip, ngi);
   // bf16_a16: activations rounded to bf16 (both projections' inputs); on vdpbf16ps also as bf16 bits
   // (xbits / hbits, rows of even length).
   const bool dot16 = FMT == BF16A && cpu_has_bf16_dot();
@@ -384,12 +393,19 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   std::vector<uint16_t> xbits(dot16 ? T * xbl : 1), hbits(dot16 ? S * hbl : 1);
   for (int64_t t = 0; t < T; ++t) {
     std::memcpy(&xp[t * hp], x + t * P.H, sizeof(float) * P.H);
+    std::fill(xp + t * hp + P.H, xp + (t + 1) * hp, 0.f);
     if (w4a8) quantize_row(&xp[t * hp], hp, P.gs, &xq[t * hp], &xsx[t * ngh], &xqs[t * ngh], &xn8[t * ngh]);
     if (FMT == BF16A) round_row_bf16(&xp[t * hp], hp, dot16 ? &xbits[t * xbl] : nullptr);
   }
+  if constexpr (interleave)
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t r = count[e]; r < count[e + 1]; ++r) {
+        const int64_t t = src_token[r];
+        xi.rows(count[e]).put(r - count[e], count[e + 1] - count[e], &xq[t * hp], &xsx[t * ngh], &xqs[t * ngh],
+                              &xn8[t * ngh]);
+      }
   // On zmm (W4A8, and bf16_a16 on vdpbf16ps) a down item is a unit of two 8-row tiles (w4a8_zmm.h),
   // a gate_up item one 16-row tile.
-  constexpr bool zmm = w4a8 && kZmm;
   const bool fpz = kZmm && !w4a8 && !dot16;  // fp32 activations on zmm FMA (fp_zmm.h)
   const bool units = zmm || dot16 || fpz;
   const int64_t dn_items = units ? (P.h8 + 1) / 2 : P.h8;
@@ -428,25 +444,30 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       // experts are contiguous runs of tiles: global tile = e * i8 + tile
       if (dot16) zmm_bf16_unit_rows<2>(P.gu, e * P.i8, tile, P.i8, br, orow, n);
       else if constexpr (FMT == I8A8) w8a8_rows<2>(P.gu, e * P.i8, tile, P.i8, qr, sxr, qsr, orow, n);
-      else if constexpr (zmm) zmm_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8, qr, sxr, qsr, n8r, orow, n);
+      else if constexpr (zmm) zmm_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8, xi.rows(r0), orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 2>(P.gu, e * P.i8 + tile, qr, sxr, qsr, orow, n);
       else if (fpz) zmm_fp_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8, xr, orow, n);
       else tile_rows<FMT, 2>(P.gu, e * P.i8 + tile, xr, orow, n);
       const float* gb = P.gu_bias ? P.gu_bias + e * 2 * P.i8 * 8 + tile * 8 : nullptr;  // gate; up at + i8*8
       for (int i = 0; i < n; ++i) {
-        float* hrow = &hb[(r0 + i) * hbuf + tile * 8];
-        if (gb)
-          for (int c = 0; c < 8; ++c) hrow[c] = P.act(tmp[i][c] + gb[c], tmp[i][8 + c] + gb[P.i8 * 8 + c]);
-        else
-          for (int c = 0; c < 8; ++c) hrow[c] = P.act(tmp[i][c], tmp[i][8 + c]);
+        V8 g = v_load(tmp[i]), u = v_load(tmp[i] + 8);
+        if (gb) {
+          g = v_add(g, v_load(gb));
+          u = v_add(u, v_load(gb + P.i8 * 8));
+        }
+        v_store(&hb[(r0 + i) * hbuf + tile * 8], P.act(g, u));
       }
     }
     if (p1_left[a].fetch_sub(1, std::memory_order_acq_rel) == 1) {
       // Last gate_up tile of e: its H rows are complete (padding tiles give silu(0)*0 = 0, columns
       // past i8*8 stay 0). W4A8 down quantizes them once here.
       if constexpr (w4a8)
-        for (int64_t r = count[e]; r < count[e + 1]; ++r)
+        for (int64_t r = count[e]; r < count[e + 1]; ++r) {
           quantize_row(&hb[r * hbuf], ip, P.gs, &hq[r * hbuf], &hsx[r * ngi], &hqs[r * ngi], &hn8[r * ngi]);
+          if constexpr (interleave)
+            hi.rows(count[e]).put(r - count[e], count[e + 1] - count[e], &hq[r * hbuf], &hsx[r * ngi],
+                                  &hqs[r * ngi], &hn8[r * ngi]);
+        }
       if constexpr (FMT == BF16A)
         for (int64_t r = count[e]; r < count[e + 1]; ++r)
           round_row_bf16(&hb[r * hbuf], ip, dot16 ? &hbits[r * hbl] : nullptr);
@@ -478,7 +499,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       }
       if (dot16) zmm_bf16_unit_rows<1>(P.dn, e * P.h8, item, P.h8, br, orow, n);
       else if constexpr (FMT == I8A8) w8a8_rows<1>(P.dn, e * P.h8, item, P.h8, qr, sxr, qsr, orow, n);
-      else if constexpr (zmm) zmm_unit_rows<FMT, 1>(P.dn, e * P.h8, item, P.h8, qr, sxr, qsr, n8r, orow, n);
+      else if constexpr (zmm) zmm_unit_rows<FMT, 1>(P.dn, e * P.h8, item, P.h8, hi.rows(r0), orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(P.dn, e * P.h8 + tile, qr, sxr, qsr, orow, n);
       else if (fpz) zmm_fp_unit_rows<FMT, 1>(P.dn, e * P.h8, item, P.h8, xr, orow, n);
       else tile_rows<FMT, 1>(P.dn, e * P.h8 + tile, xr, orow, n);
@@ -517,19 +538,32 @@ template <int FMT>
 void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, int64_t n8, int nthreads) {
   constexpr bool w4a8 = FMT == INT4 || FMT == INT4A || FMT == I8A8;  // int8 activations (W4A8, W8A8)
   const int64_t kp = A.kp, ng = w4a8 ? kp / A.gs : 0, ldo = n8 * 8;
+  constexpr bool zmm = w4a8 && kZmm;  // an item is a unit of two tiles (w4a8_zmm.h, bf16_zmm.h, fp_zmm.h)
+  constexpr bool interleave = zmm && FMT != I8A8;
+  // Padded copies, int8 activations and (zmm) their interleaved chunks from this thread's scratch.
+  moegate::Scratch& scratch = moegate::Scratch::local();
+  scratch.reset();
   const float* xrows = x;
-  std::vector<float> xp;
+  float* xp = scratch.take<float>(M * kp);
   if (kp != K || w4a8 || FMT == BF16A) {  // padded copies (and int8 or bf16 activations)
-    xp.assign(M * kp, 0.f);
-    for (int64_t m = 0; m < M; ++m) std::memcpy(&xp[m * kp], x + m * K, sizeof(float) * K);
-    xrows = xp.data();
+    for (int64_t m = 0; m < M; ++m) {
+      std::memcpy(&xp[m * kp], x + m * K, sizeof(float) * K);
+      std::fill(xp + m * kp + K, xp + (m + 1) * kp, 0.f);
+    }
+    xrows = xp;
   }
-  std::vector<int8_t> xq(w4a8 ? M * kp : 1);
-  std::vector<float> xsx(M * ng + 1), xqs(M * ng + 1);
-  std::vector<int32_t> xn8(M * ng + 1);
+  int8_t* xq = scratch.take<int8_t>(w4a8 ? M * kp : 1);
+  float* xsx = scratch.take<float>(M * ng);
+  float* xqs = scratch.take<float>(M * ng);
+  int32_t* xn8 = scratch.take<int32_t>(M * ng);
+  const int64_t nz = interleave ? M : 0;
+  const ZmmActs xl{scratch.take<int8_t>(nz * kp), scratch.take<float>(nz * ng), scratch.take<float>(nz * ng),
+                   scratch.take<int32_t>(nz * ng), kp, ng};
   if constexpr (w4a8)
-    for (int64_t m = 0; m < M; ++m)
+    for (int64_t m = 0; m < M; ++m) {
       quantize_row(&xp[m * kp], kp, A.gs, &xq[m * kp], &xsx[m * ng], &xqs[m * ng], &xn8[m * ng]);
+      if constexpr (interleave) xl.put(m, M, &xq[m * kp], &xsx[m * ng], &xqs[m * ng], &xn8[m * ng]);
+    }
   const bool dot16 = FMT == BF16A && cpu_has_bf16_dot();
   const int64_t xbl = kp + (kp & 1);
   std::vector<uint16_t> xbits(dot16 ? M * xbl : 1);
@@ -549,7 +583,6 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
     br[m] = &xbits[dot16 ? m * xbl : 0];
   }
   constexpr int kRows = kMaxMT * 16;
-  constexpr bool zmm = w4a8 && kZmm;  // an item is a unit of two tiles (w4a8_zmm.h, bf16_zmm.h, fp_zmm.h)
   const bool fpz = kZmm && !w4a8 && !dot16;
   const bool units = zmm || dot16 || fpz;
   const int64_t items = units ? (n8 + 1) / 2 : n8;
@@ -563,7 +596,7 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
       for (int i = 0; i < n; ++i) orow[i] = out + (m0 + i) * ldo + tile * 8;
       if (dot16) zmm_bf16_unit_rows<1>(A, 0, item, n8, &br[m0], orow, n);
       else if constexpr (FMT == I8A8) w8a8_rows<1>(A, 0, item, n8, &qr[m0], &sxr[m0], &qsr[m0], orow, n);
-      else if constexpr (zmm) zmm_unit_rows<FMT, 1>(A, 0, item, n8, &qr[m0], &sxr[m0], &qsr[m0], &n8r[m0], orow, n);
+      else if constexpr (zmm) zmm_unit_rows<FMT, 1>(A, 0, item, n8, xl.rows(m0), orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(A, tile, &qr[m0], &sxr[m0], &qsr[m0], orow, n);
       else if (fpz) zmm_fp_unit_rows<FMT, 1>(A, 0, item, n8, &xr[m0], orow, n);
       else tile_rows<FMT, 1>(A, tile, &xr[m0], orow, n);

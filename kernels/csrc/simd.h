@@ -34,6 +34,13 @@ inline V8 v_add(V8 a, V8 b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline V8 v_sub(V8 a, V8 b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline V8 v_fma(V8 a, V8 b, V8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline V8 v_fma_exact(V8 a, V8 b, V8 c) { return v_fma(a, b, c); }  // single rounding
+inline V8 v_div(V8 a, V8 b) { return {_mm256_div_ps(a.v, b.v)}; }
+inline V8 v_min(V8 a, V8 b) { return {_mm256_min_ps(a.v, b.v)}; }
+inline V8 v_max(V8 a, V8 b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline V8 v_round(V8 a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }  // half even
+inline V8 v_pow2(V8 n) {  // 2^n for integer-valued n in [-126, 127], from the exponent bits
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127)), 23))};
+}
 inline V8 load_bf16(const uint16_t* p) {
   __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
@@ -104,6 +111,15 @@ inline V8 v_fma_exact(V8 a, V8 b, V8 c) {  // single rounding, bitwise equal to 
   return r;
 }
 inline float bits_to_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline V8 v_div(V8 a, V8 b) { V8 r; for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] / b.v[i]; return r; }
+inline V8 v_min(V8 a, V8 b) { V8 r; for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] < b.v[i] ? a.v[i] : b.v[i]; return r; }
+inline V8 v_max(V8 a, V8 b) { V8 r; for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return r; }
+inline V8 v_round(V8 a) { V8 r; for (int i = 0; i < 8; ++i) r.v[i] = std::nearbyint(a.v[i]); return r; }  // half even
+inline V8 v_pow2(V8 n) {
+  V8 r;
+  for (int i = 0; i < 8; ++i) r.v[i] = bits_to_f32((uint32_t)((int32_t)n.v[i] + 127) << 23);
+  return r;
+}
 inline float f16_to_f32(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
   if (exp == 0) {  // zero / subnormal: man * 2^-24, exact in fp32

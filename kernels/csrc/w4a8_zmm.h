@@ -7,12 +7,49 @@
 // unpacked once and used by MT activation rows (MT <= 8): at prefill sizes the weights stay in registers
 // instead of being re-read and re-unpacked per row, and one vpdpbusd does 16 rows x 4 k.
 //
+// The int8 activations come interleaved (ZmmActs): a chunk of MT rows stores each k block's 8 bytes of
+// its rows side by side, and each group's scale and sums row after row, so the tile loop reads all MT
+// rows at fixed offsets from one pointer (per-row pointers cost general registers the loop then spilled
+// and reloaded on every block).
+//
 // The arithmetic per row is the avx2 / generic path's, bit for bit: the integer sums are exact whatever
 // the accumulator split, and each group adds fma(s * sx, sum(u q) - 8 sum(q), acc) (int4; the integer
 // accumulator starts at -8 sum(q), so the converted value is the same exact integer) or
 // fma(s * sx, sum(u q), acc) then fma(m * sx, sum(q), acc) (int4_asym), in group order. Nothing depends
 // on MT or on which rows share the call, so a row's result is batch-invariant.
 #pragma once
+
+namespace {
+
+constexpr int kZmmChunk = 8;  // activation rows per interleaved chunk (the tile loop's largest MT)
+
+// int8 activations (with per-group scale sx, sum(q) as float qs and -8 sum(q) n8) of a set of N rows,
+// in chunks of kZmmChunk rows from row 0 (the last chunk n = N mod 8 rows): chunk c holds
+// q [kp / 8][n][8] at q + 8c * kp and sx / qs / n8 [ng][n] at + 8c * ng. rows(i) (i a multiple of 8)
+// is the set from row i on, in the same layout.
+struct ZmmActs {
+  int8_t* q;
+  float* sx;
+  float* qs;
+  int32_t* n8;
+  int64_t kp, ng;
+
+  ZmmActs rows(int64_t i) const { return ZmmActs{q + i * kp, sx + i * ng, qs + i * ng, n8 + i * ng, kp, ng}; }
+
+  // Row i of the N-row set from one row's quantize_row output.
+  void put(int64_t i, int64_t N, const int8_t* qr, const float* sxr, const float* qsr, const int32_t* n8r) const {
+    const int64_t c0 = i / kZmmChunk * kZmmChunk, j = i - c0, n = std::min<int64_t>(kZmmChunk, N - c0);
+    int8_t* cq = q + c0 * kp;
+    for (int64_t kb = 0; kb < kp / 8; ++kb) std::memcpy(cq + (kb * n + j) * 8, qr + kb * 8, 8);
+    for (int64_t g = 0; g < ng; ++g) {
+      sx[c0 * ng + g * n + j] = sxr[g];
+      qs[c0 * ng + g * n + j] = qsr[g];
+      n8[c0 * ng + g * n + j] = n8r[g];
+    }
+  }
+};
+
+}  // namespace
 
 #ifdef MOEGATE_ZMM
 
@@ -65,14 +102,15 @@ inline void pair_prefetch(const T* w0, const T* w1, int64_t off_bytes, int64_t t
   __builtin_prefetch(reinterpret_cast<const char*>(w1) + y, 0, 3);
 }
 
-// out[m][0 .. 16) (kSingle: [0 .. 8)) = unit rows . dequant(q[m]) for MT activation rows. q[m]: int8
-// activations, sx[m] / qs[m]: per-group scale and sum(q) as float, n8[m]: per-group -8 * sum(q) (int32).
+// out[m][0 .. 16) (kSingle: [0 .. 8)) = unit rows . dequant(q row m) for one interleaved chunk of MT
+// activation rows (ZmmActs): q [kb][MT][8] int8, sx / qs [g][MT] per-group scale and sum(q) as float,
+// n8 [g][MT] per-group -8 * sum(q) (int32).
 template <int FMT, int MODE, int MT>
-void zmm_w4a8(const ZmmOperand& A, const int8_t* const* q, const float* const* sx, const float* const* qs,
-              const int32_t* const* n8, float* const* out) {
-  // Independent integer chains per row: lo / hi nibbles and k-block parity when few rows would leave the
-  // vpdpbusd latency exposed (exact integer sums: the split never changes a result).
-  constexpr int NC = MT >= 4 ? 1 : MT >= 2 ? 2 : 4;
+void zmm_w4a8(const ZmmOperand& A, const int8_t* q, const float* sx, const float* qs, const int32_t* n8,
+              float* const* out) {
+  // Independent integer chains per row: lo / hi nibbles, and k-block parity for a single row, so that
+  // the vpdpbusd latency (5 cycles) stays hidden (exact integer sums: the split never changes a result).
+  constexpr int NC = MT >= 2 ? 2 : 4;
   const __m512i m15 = _mm512_set1_epi8(15);
   __m512 acc[MT];
   #pragma GCC unroll 16
@@ -82,7 +120,7 @@ void zmm_w4a8(const ZmmOperand& A, const int8_t* const* q, const float* const* s
     __m512i isum[NC][MT];
     #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
-      isum[0][m] = FMT == INT4 ? _mm512_set1_epi32(n8[m][g]) : _mm512_setzero_si512();
+      isum[0][m] = FMT == INT4 ? _mm512_set1_epi32(n8[g * MT + m]) : _mm512_setzero_si512();
       #pragma GCC unroll 16
       for (int c = 1; c < NC; ++c) isum[c][m] = _mm512_setzero_si512();
     }
@@ -96,11 +134,12 @@ void zmm_w4a8(const ZmmOperand& A, const int8_t* const* q, const float* const* s
       }
       const __m512i w = zmm_weights<MODE>(A, kb);
       const __m512i lo = _mm512_and_si512(w, m15), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m15);
+      const int8_t* qb = q + kb * (MT * 8);
       #pragma GCC unroll 16
       for (int m = 0; m < MT; ++m) {
         int32_t a, b;
-        std::memcpy(&a, q[m] + kb * 8, 4);
-        std::memcpy(&b, q[m] + kb * 8 + 4, 4);
+        std::memcpy(&a, qb + m * 8, 4);
+        std::memcpy(&b, qb + m * 8 + 4, 4);
         isum[clo][m] = _mm512_dpbusd_epi32(isum[clo][m], lo, _mm512_set1_epi32(a));
         isum[chi][m] = _mm512_dpbusd_epi32(isum[chi][m], hi, _mm512_set1_epi32(b));
       }
@@ -113,6 +152,13 @@ void zmm_w4a8(const ZmmOperand& A, const int8_t* const* q, const float* const* s
         block(kb0 + j + 1, std::integral_constant<int, 2>{}, std::integral_constant<int, 3>{});
       }
     }
+    if (bpg == 4 && NC == 2) {  // the default group of 32 k: four blocks, unrolled (no register rotation)
+      block(kb0, std::integral_constant<int, 0>{}, std::integral_constant<int, 1>{});
+      block(kb0 + 1, std::integral_constant<int, 0>{}, std::integral_constant<int, 1>{});
+      block(kb0 + 2, std::integral_constant<int, 0>{}, std::integral_constant<int, 1>{});
+      block(kb0 + 3, std::integral_constant<int, 0>{}, std::integral_constant<int, 1>{});
+      j = bpg;
+    }
     for (; j < bpg; ++j) block(kb0 + j, std::integral_constant<int, 0>{}, std::integral_constant<int, NC >= 2 ? 1 : 0>{});
     #pragma GCC unroll 16
     for (int c = 1; c < NC; ++c)
@@ -122,14 +168,14 @@ void zmm_w4a8(const ZmmOperand& A, const int8_t* const* q, const float* const* s
     if constexpr (FMT == INT4) {
       #pragma GCC unroll 16
       for (int m = 0; m < MT; ++m)
-        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(sx[m][g])), _mm512_cvtepi32_ps(isum[0][m]), acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(sx[g * MT + m])), _mm512_cvtepi32_ps(isum[0][m]), acc[m]);
     } else {
       const __m512 b = zmm_f16<MODE>(A.m0 + g * A.sstride, A.m1 + g * A.sstride);
       #pragma GCC unroll 16
       for (int m = 0; m < MT; ++m) {
-        const __m512 sxv = _mm512_set1_ps(sx[m][g]);
+        const __m512 sxv = _mm512_set1_ps(sx[g * MT + m]);
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(s, sxv), _mm512_cvtepi32_ps(isum[0][m]), acc[m]);
-        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(b, sxv), _mm512_set1_ps(qs[m][g]), acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(b, sxv), _mm512_set1_ps(qs[g * MT + m]), acc[m]);
       }
     }
   }
@@ -140,19 +186,24 @@ void zmm_w4a8(const ZmmOperand& A, const int8_t* const* q, const float* const* s
   }
 }
 
+// Rows [0, n) of an interleaved set (chunks of 8 from row 0) through one unit.
 template <int FMT, int MODE>
-void zmm_rows(const ZmmOperand& A, const int8_t* const* q, const float* const* sx, const float* const* qs,
-              const int32_t* const* n8, float* const* out, int n) {
+void zmm_rows(const ZmmOperand& A, const ZmmActs& X, float* const* out, int n) {
   int i = 0;
-  for (; i + 8 <= n; i += 8) zmm_w4a8<FMT, MODE, 8>(A, q + i, sx + i, qs + i, n8 + i, out + i);
+  auto chunk = [&](auto mt_c) {
+    constexpr int MT = decltype(mt_c)::value;
+    const ZmmActs c = X.rows(i);
+    zmm_w4a8<FMT, MODE, MT>(A, c.q, c.sx, c.qs, c.n8, out + i);
+  };
+  for (; i + 8 <= n; i += 8) chunk(std::integral_constant<int, 8>{});
   switch (n - i) {
-    case 7: zmm_w4a8<FMT, MODE, 7>(A, q + i, sx + i, qs + i, n8 + i, out + i); break;
-    case 6: zmm_w4a8<FMT, MODE, 6>(A, q + i, sx + i, qs + i, n8 + i, out + i); break;
-    case 5: zmm_w4a8<FMT, MODE, 5>(A, q + i, sx + i, qs + i, n8 + i, out + i); break;
-    case 4: zmm_w4a8<FMT, MODE, 4>(A, q + i, sx + i, qs + i, n8 + i, out + i); break;
-    case 3: zmm_w4a8<FMT, MODE, 3>(A, q + i, sx + i, qs + i, n8 + i, out + i); break;
-    case 2: zmm_w4a8<FMT, MODE, 2>(A, q + i, sx + i, qs + i, n8 + i, out + i); break;
-    case 1: zmm_w4a8<FMT, MODE, 1>(A, q + i, sx + i, qs + i, n8 + i, out + i); break;
+    case 7: chunk(std::integral_constant<int, 7>{}); break;
+    case 6: chunk(std::integral_constant<int, 6>{}); break;
+    case 5: chunk(std::integral_constant<int, 5>{}); break;
+    case 4: chunk(std::integral_constant<int, 4>{}); break;
+    case 3: chunk(std::integral_constant<int, 3>{}); break;
+    case 2: chunk(std::integral_constant<int, 2>{}); break;
+    case 1: chunk(std::integral_constant<int, 1>{}); break;
     default: break;
   }
 }
@@ -164,10 +215,9 @@ constexpr int kSequentialRows = 2;
 
 // Unit `u` of a tiled projection: for R8 = 2 the gate_up tile u (16 lanes, contiguous); for R8 = 1 the
 // tiles 2u and 2u + 1 (the second only if it exists: n8 tiles in all, counted from `first` tile).
+// X: the n activation rows, interleaved (ZmmActs).
 template <int FMT, int R8>
-void zmm_unit_rows(const Mat& M, int64_t first, int64_t u, int64_t n8, const int8_t* const* q,
-                   const float* const* sx, const float* const* qs, const int32_t* const* neg8, float* const* out,
-                   int n) {
+void zmm_unit_rows(const Mat& M, int64_t first, int64_t u, int64_t n8, const ZmmActs& X, float* const* out, int n) {
   const int64_t ng = M.kp / M.gs, kb = M.kp / 8;
   const uint8_t* w = static_cast<const uint8_t*>(M.w);
   if constexpr (R8 == 2) {
@@ -175,7 +225,7 @@ void zmm_unit_rows(const Mat& M, int64_t first, int64_t u, int64_t n8, const int
     const uint16_t* mn = FMT == INT4A ? M.mins + t * ng * 16 : nullptr;
     const ZmmOperand A{w + t * kb * 64, nullptr, M.scales + t * ng * 16, nullptr, mn, nullptr, 64, 16, M.kp, M.gs,
                        kb * 64};
-    zmm_rows<FMT, kContig>(A, q, sx, qs, neg8, out, n);
+    zmm_rows<FMT, kContig>(A, X, out, n);
   } else {
     const int64_t t = first + 2 * u;
     const bool pair = 2 * u + 1 < n8;
@@ -183,14 +233,14 @@ void zmm_unit_rows(const Mat& M, int64_t first, int64_t u, int64_t n8, const int
     const ZmmOperand A{w + t * kb * 32, w + (t + 1) * kb * 32, M.scales + t * ng * 8, M.scales + (t + 1) * ng * 8,
                        mn, mn ? mn + ng * 8 : nullptr, 32, 8, M.kp, M.gs, kb * 32};
     if (pair && n > kSequentialRows) {
-      zmm_rows<FMT, kPair>(A, q, sx, qs, neg8, out, n);
+      zmm_rows<FMT, kPair>(A, X, out, n);
     } else {  // one tile after the other: one sequential weight stream (memory-bound few-row calls)
-      zmm_rows<FMT, kSingle>(A, q, sx, qs, neg8, out, n);
+      zmm_rows<FMT, kSingle>(A, X, out, n);
       if (pair) {
         float* out1[kSequentialRows];
         for (int i = 0; i < n; ++i) out1[i] = out[i] + 8;
         const ZmmOperand B{A.w1, nullptr, A.s1, nullptr, A.m1, nullptr, 32, 8, M.kp, M.gs, kb * 32};
-        zmm_rows<FMT, kSingle>(B, q, sx, qs, neg8, out1, n);
+        zmm_rows<FMT, kSingle>(B, X, out1, n);
       }
     }
   }

@@ -312,6 +312,25 @@ def test_int4_is_w4a8_and_bit_exact(fmt: str) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_scratch_reused_across_calls_of_other_shapes(variant: str) -> None:
+    """The kernel's per-thread scratch is not zeroed between calls: a padded int4 problem (H = 200 and
+    I = 72 padded to groups of 32) after larger fp32 and int8 calls of other shapes must still match its
+    reference, and give the bits it gives first."""
+    padded = pack_experts(*random_experts(NUM_EXPERTS, 200, 72), "int4", progress=False)
+    x = torch.randn(17, 200, generator=torch.Generator().manual_seed(3))
+    ids, w = random_routing(17, 4, NUM_EXPERTS, seed=3)
+    first = fused_moe(x, ids, w, padded, variant=variant)
+    for fmt, h, i in (("fp32", 256, 128), ("int8", 96, 160)):
+        other = pack_experts(*random_experts(NUM_EXPERTS, h, i), fmt, progress=False)
+        xo = torch.randn(64, h, generator=torch.Generator().manual_seed(4)) * 1e3
+        fused_moe(xo, *random_routing(64, 8, NUM_EXPERTS, seed=4), other, variant=variant)
+        again = fused_moe(x, ids, w, padded, variant=variant)
+        assert torch.equal(again, first), fmt
+    assert_close(first, fused_moe_reference(x, ids, w, padded))
+
+
+@needs_kernel
 @pytest.mark.parametrize("gs", [32, 64])
 def test_int8_a8_is_w8a8_and_bit_exact(gs: int) -> None:
     """int8_a8 on every compiled path (zmm vpdpbusd with the +128 weight offset, avx2 maddubs on |w| and
