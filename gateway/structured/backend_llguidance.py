@@ -53,7 +53,7 @@ class LLGuidanceMatcher(Matcher):
         return self.llg.get_error()
 
     def allows(self, token_id: int) -> bool | None:
-        if self.llg.compute_ff_bytes():  # forced bytes: the mask allows their canonical tokens only, where
+        if self.forces():  # forced bytes: the mask allows their canonical tokens only, where
             return None  # validate_tokens takes any token that starts them ("sy" as well as "symbol")
         return self.llg.validate_tokens([token_id]) == 1
 
