@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         {
             "prefill tok/s": {f"{f} {k}": v for f, r in fm.items() for k, v in r["median"].items()},
             "kernels / torch": {f: r["ratio_of_medians"] for f, r in fm.items()},
+            "CPU time torch / kernels": {f: r["cpu_torch_over_kernels"] for f, r in fm.items()},
         },
     )
     return result
