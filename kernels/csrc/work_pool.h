@@ -6,8 +6,16 @@
 // processes (a helper descheduled for milliseconds) a call is never slower than running alone.
 // Helpers spin ~200 us for the next job (back-to-back layers) and then sleep on a condition variable.
 // After fork() the child gets a fresh pool (the parent's helper threads do not exist there).
+//
+// How many threads a job gets: a job streaming fewer than kSmallWorkBytes runs on the caller alone (threads_for:
+// waking a helper and the barrier cost more than the work), and no job takes more threads than there are cores
+// not held by other runnable threads (free_threads). On an oversubscribed machine (a server's event loop, other
+// processes) a helper is often descheduled holding a claimed chunk, and the caller then waits for the scheduler
+// to run it again, for milliseconds; alone it would have finished. Neither changes a result's bits: every
+// kernel's arithmetic per output element is the same for any number of threads.
 #pragma once
 
+#include <fcntl.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -15,6 +23,8 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
+#include <cstring>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -34,6 +44,19 @@ inline void moegate_pause() {}
 #endif
 
 namespace moegate {
+
+// Weight (or cache) bytes below which one job runs on the calling thread alone.
+constexpr int64_t kSmallWorkBytes = int64_t(1) << 20;
+
+// Off (moegate_pool_sizing(0)): every job gets the threads it asks for (tests comparing thread counts).
+inline std::atomic<bool>& pool_sizing() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+inline int threads_for(int64_t work_bytes, int threads) {
+  return work_bytes < kSmallWorkBytes && pool_sizing().load(std::memory_order_relaxed) ? 1 : threads;
+}
 
 // Spin with pause, then yield the CPU: for short waits on work another thread is finishing.
 template <class Ready>
@@ -61,6 +84,7 @@ class WorkPool {
   void parallel_for(int64_t total, int64_t chunk, int threads, const std::function<void(int64_t)>& fn) {
     if (total <= 0) return;
     chunk = std::max<int64_t>(chunk, 1);
+    if (threads > 1 && total > chunk && pool_sizing().load(std::memory_order_relaxed)) threads = free_threads(threads);
     if (threads <= 1 || total <= chunk) {
       for (int64_t i = 0; i < total; ++i) fn(i);
       return;
@@ -80,8 +104,46 @@ class WorkPool {
     current_.reset();
   }
 
+  // min(threads, the cores of this process's CPU set that other runnable threads leave free), at least 1. "Other":
+  // the kernel's running count (/proc/loadavg, re-read at most every kLoadPeriod) less the caller and this pool's
+  // awake helpers. Without /proc: threads.
+  int free_threads(int threads) {
+    const int64_t now = std::chrono::duration_cast<std::chrono::microseconds>(
+        std::chrono::steady_clock::now().time_since_epoch()).count();
+    if (now - load_read_us_.load(std::memory_order_relaxed) >= kLoadPeriod.count()) {
+      load_read_us_.store(now, std::memory_order_relaxed);
+      const int running = running_threads();
+      if (running > 0)
+        others_.store(std::max(0, running - 1 - awake_.load(std::memory_order_relaxed)), std::memory_order_relaxed);
+    }
+    return std::max(1, std::min(threads, cpus_ - others_.load(std::memory_order_relaxed)));
+  }
+
  private:
   static constexpr std::chrono::microseconds kSpin{MOEGATE_SPIN_US};
+  static constexpr std::chrono::microseconds kLoadPeriod{1000};
+
+  WorkPool() {
+    cpu_set_t set;
+    cpus_ = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : (int)std::thread::hardware_concurrency();
+    cpus_ = std::max(cpus_, 1);
+    loadavg_ = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+  }
+
+  // Runnable threads of the whole machine now (the 4th field of /proc/loadavg, "running/total"), or -1.
+  int running_threads() const {
+    if (loadavg_ < 0) return -1;
+    char buf[128];
+    const ssize_t n = pread(loadavg_, buf, sizeof(buf) - 1, 0);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    const char* p = buf;
+    for (int field = 0; field < 3 && p; ++field) {
+      p = std::strchr(p, ' ');
+      if (p) ++p;
+    }
+    return p ? std::atoi(p) : -1;
+  }
   struct Job {
     Job(const std::function<void(int64_t)>& f, int64_t t, int64_t c, int h) : fn(f), total(t), chunk(c), max_helpers(h) {}
     std::function<void(int64_t)> fn;  // only called for claimed indices, i.e. while the caller waits
@@ -109,6 +171,7 @@ class WorkPool {
   }
 
   void helper_loop() {
+    awake_.fetch_add(1, std::memory_order_relaxed);
     uint64_t seen = gen_.load(std::memory_order_acquire);
     for (;;) {
       // Spin up to kSpin for the next job before sleeping: back-to-back calls (a decode step's layers) find
@@ -123,7 +186,11 @@ class WorkPool {
       std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
+        if (gen_.load(std::memory_order_acquire) == seen) {  // asleep: not one of the runnable threads
+          awake_.fetch_sub(1, std::memory_order_relaxed);
+          cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
+          awake_.fetch_add(1, std::memory_order_relaxed);
+        }
         seen = gen_.load(std::memory_order_acquire);
         job = current_;
       }
@@ -136,6 +203,9 @@ class WorkPool {
   std::shared_ptr<Job> current_;
   std::atomic<uint64_t> gen_{0};
   size_t helpers_ = 0;
+  int cpus_ = 1, loadavg_ = -1;
+  std::atomic<int> awake_{0}, others_{0};
+  std::atomic<int64_t> load_read_us_{INT64_MIN / 2};
 };
 
 }  // namespace moegate
