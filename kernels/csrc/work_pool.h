@@ -106,15 +106,18 @@ class WorkPool {
 
   // min(threads, the cores of this process's CPU set that other runnable threads leave free), at least 1. "Other":
   // the kernel's running count (/proc/loadavg, re-read at most every kLoadPeriod) less the caller and this pool's
-  // awake helpers. Without /proc: threads.
+  // awake helpers, in the share of the online CPUs this process may run on (a CPU set smaller than the machine
+  // sees the machine's count spread over all its CPUs). Without /proc: threads.
   int free_threads(int threads) {
     const int64_t now = std::chrono::duration_cast<std::chrono::microseconds>(
         std::chrono::steady_clock::now().time_since_epoch()).count();
     if (now - load_read_us_.load(std::memory_order_relaxed) >= kLoadPeriod.count()) {
       load_read_us_.store(now, std::memory_order_relaxed);
       const int running = running_threads();
-      if (running > 0)
-        others_.store(std::max(0, running - 1 - awake_.load(std::memory_order_relaxed)), std::memory_order_relaxed);
+      if (running > 0) {
+        const int others = std::max(0, running - 1 - awake_.load(std::memory_order_relaxed));
+        others_.store((int)((int64_t)others * cpus_ / online_), std::memory_order_relaxed);
+      }
     }
     return std::max(1, std::min(threads, cpus_ - others_.load(std::memory_order_relaxed)));
   }
@@ -127,6 +130,7 @@ class WorkPool {
     cpu_set_t set;
     cpus_ = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : (int)std::thread::hardware_concurrency();
     cpus_ = std::max(cpus_, 1);
+    online_ = std::max<int>(cpus_, (int)sysconf(_SC_NPROCESSORS_ONLN));
     loadavg_ = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
   }
 
@@ -203,7 +207,7 @@ class WorkPool {
   std::shared_ptr<Job> current_;
   std::atomic<uint64_t> gen_{0};
   size_t helpers_ = 0;
-  int cpus_ = 1, loadavg_ = -1;
+  int cpus_ = 1, online_ = 1, loadavg_ = -1;
   std::atomic<int> awake_{0}, others_{0};
   std::atomic<int64_t> load_read_us_{INT64_MIN / 2};
 };

@@ -403,13 +403,13 @@ def test_stale_builds_are_pruned_and_used_ones_kept(tmp_path) -> None:
 
 @needs_kernel
 def test_pool_takes_one_thread_when_other_threads_hold_every_core() -> None:
-    """With a busy process per core, a job asking for every core gets the calling thread alone (its helpers would
-    be descheduled holding claimed work); the results' bits do not depend on it."""
+    """With a busy process per online CPU, a job asking for every core of this process gets the calling thread alone
+    (its helpers would be descheduled holding claimed work); the results' bits do not depend on it."""
     from kernels.fused_moe import kernel_library
 
     lib = kernel_library()
     cores = len(os.sched_getaffinity(0))
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or cores)]
     try:
         time.sleep(0.5)
         seen = []
