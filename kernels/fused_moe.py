@@ -151,7 +151,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     """Routed-expert MoE: x [T, H] fp32/bf16, topk_ids [T, k] (-1 = skip), topk_weights [T, k] -> [T, H] fp32.
 
     ``num_threads`` defaults to torch's thread count: the most the kernel's pool uses (one thread for a job
-    streaming under 1 MiB, fewer where other threads hold the cores: kernels/csrc/work_pool.h).
+    streaming under 1 MiB: kernels/csrc/work_pool.h).
     ``use_cpp=False`` (or MOEGATE_DISABLE_CPP=1) runs the torch reference; so does a failed build
     (after one logged warning) and non-CPU tensors. ``skip_missing`` treats ids the PackedExperts
     does not hold as -1 (for a subset of experts placed on this device).

@@ -724,11 +724,8 @@ int moegate_is_vnni() {
 #endif
 }
 
-// The threads the kernel's pool gives a job that asks for `threads` now: fewer where other runnable threads hold
-// the cores (work_pool.h, WorkPool::free_threads).
-int moegate_pool_threads(int threads) { return moegate::WorkPool::instance().free_threads(threads); }
-
-// Sizing on (1, the default) or off (0: each job gets the threads it asks for); returns the previous setting.
+// The pool's sizing (work_pool.h threads_for) on (1, the default) or off (0: each job gets the threads it asks
+// for); returns the previous setting.
 int moegate_pool_sizing(int on) { return moegate::pool_sizing().exchange(on != 0) ? 1 : 0; }
 
 // STREAM triad a = b + s * c over n floats; returns seconds of the best of `reps` runs.

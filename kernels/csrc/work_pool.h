@@ -7,15 +7,11 @@
 // Helpers spin ~200 us for the next job (back-to-back layers) and then sleep on a condition variable.
 // After fork() the child gets a fresh pool (the parent's helper threads do not exist there).
 //
-// How many threads a job gets: a job streaming fewer than kSmallWorkBytes runs on the caller alone (threads_for:
-// waking a helper and the barrier cost more than the work), and no job takes more threads than there are cores
-// not held by other runnable threads (free_threads). On an oversubscribed machine (a server's event loop, other
-// processes) a helper is often descheduled holding a claimed chunk, and the caller then waits for the scheduler
-// to run it again, for milliseconds; alone it would have finished. Neither changes a result's bits: every
+// A job streaming fewer than kSmallWorkBytes runs on the caller alone (threads_for: waking a helper, and waiting
+// for it when it is descheduled holding a claimed chunk, cost more than the work). That changes no bits: every
 // kernel's arithmetic per output element is the same for any number of threads.
 #pragma once
 
-#include <fcntl.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -23,8 +19,6 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstdlib>
-#include <cstring>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -84,7 +78,6 @@ class WorkPool {
   void parallel_for(int64_t total, int64_t chunk, int threads, const std::function<void(int64_t)>& fn) {
     if (total <= 0) return;
     chunk = std::max<int64_t>(chunk, 1);
-    if (threads > 1 && total > chunk && pool_sizing().load(std::memory_order_relaxed)) threads = free_threads(threads);
     if (threads <= 1 || total <= chunk) {
       for (int64_t i = 0; i < total; ++i) fn(i);
       return;
@@ -104,50 +97,8 @@ class WorkPool {
     current_.reset();
   }
 
-  // min(threads, the cores of this process's CPU set that other runnable threads leave free), at least 1. "Other":
-  // the kernel's running count (/proc/loadavg, re-read at most every kLoadPeriod) less the caller and this pool's
-  // awake helpers, in the share of the online CPUs this process may run on (a CPU set smaller than the machine
-  // sees the machine's count spread over all its CPUs). Without /proc: threads.
-  int free_threads(int threads) {
-    const int64_t now = std::chrono::duration_cast<std::chrono::microseconds>(
-        std::chrono::steady_clock::now().time_since_epoch()).count();
-    if (now - load_read_us_.load(std::memory_order_relaxed) >= kLoadPeriod.count()) {
-      load_read_us_.store(now, std::memory_order_relaxed);
-      const int running = running_threads();
-      if (running > 0) {
-        const int others = std::max(0, running - 1 - awake_.load(std::memory_order_relaxed));
-        others_.store((int)((int64_t)others * cpus_ / online_), std::memory_order_relaxed);
-      }
-    }
-    return std::max(1, std::min(threads, cpus_ - others_.load(std::memory_order_relaxed)));
-  }
-
  private:
   static constexpr std::chrono::microseconds kSpin{MOEGATE_SPIN_US};
-  static constexpr std::chrono::microseconds kLoadPeriod{1000};
-
-  WorkPool() {
-    cpu_set_t set;
-    cpus_ = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : (int)std::thread::hardware_concurrency();
-    cpus_ = std::max(cpus_, 1);
-    online_ = std::max<int>(cpus_, (int)sysconf(_SC_NPROCESSORS_ONLN));
-    loadavg_ = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
-  }
-
-  // Runnable threads of the whole machine now (the 4th field of /proc/loadavg, "running/total"), or -1.
-  int running_threads() const {
-    if (loadavg_ < 0) return -1;
-    char buf[128];
-    const ssize_t n = pread(loadavg_, buf, sizeof(buf) - 1, 0);
-    if (n <= 0) return -1;
-    buf[n] = 0;
-    const char* p = buf;
-    for (int field = 0; field < 3 && p; ++field) {
-      p = std::strchr(p, ' ');
-      if (p) ++p;
-    }
-    return p ? std::atoi(p) : -1;
-  }
   struct Job {
     Job(const std::function<void(int64_t)>& f, int64_t t, int64_t c, int h) : fn(f), total(t), chunk(c), max_helpers(h) {}
     std::function<void(int64_t)> fn;  // only called for claimed indices, i.e. while the caller waits
@@ -175,7 +126,6 @@ class WorkPool {
   }
 
   void helper_loop() {
-    awake_.fetch_add(1, std::memory_order_relaxed);
     uint64_t seen = gen_.load(std::memory_order_acquire);
     for (;;) {
       // Spin up to kSpin for the next job before sleeping: back-to-back calls (a decode step's layers) find
@@ -190,11 +140,7 @@ class WorkPool {
       std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lk(mu_);
-        if (gen_.load(std::memory_order_acquire) == seen) {  // asleep: not one of the runnable threads
-          awake_.fetch_sub(1, std::memory_order_relaxed);
-          cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
-          awake_.fetch_add(1, std::memory_order_relaxed);
-        }
+        cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
         seen = gen_.load(std::memory_order_acquire);
         job = current_;
       }
@@ -207,9 +153,6 @@ class WorkPool {
   std::shared_ptr<Job> current_;
   std::atomic<uint64_t> gen_{0};
   size_t helpers_ = 0;
-  int cpus_ = 1, online_ = 1, loadavg_ = -1;
-  std::atomic<int> awake_{0}, others_{0};
-  std::atomic<int64_t> load_read_us_{INT64_MIN / 2};
 };
 
 }  // namespace moegate
