@@ -50,22 +50,22 @@ class ModelRunner:
             self.expert_worker = self.experts.start_worker()
 
     def build_batch(self, chunks: list[ScheduledChunk], blocks: BlockManager, exact: bool = False) -> ForwardBatch:
-        ids, positions, slot_parts, ctx_slots, rows = [], [], [], [], []
+        bs = blocks.block_size
+        ids, positions, slot_mapping, ctx_slots, rows = [], [], [], [], []
         row = 0
         for c in chunks:
-            end = c.start + c.num_tokens
-            ids.extend(c.seq.token_ids[c.start : end])
-            positions.append(torch.arange(c.start, end))
-            slots = blocks.slots(c.seq.block_table, 0, end)  # [end]
-            slot_parts.append(slots[c.start :])
-            ctx_slots.append(slots)
+            end, table = c.start + c.num_tokens, c.seq.block_table
+            ids.extend(c.seq.tokens(c.start, end))
+            positions.extend(range(c.start, end))
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(c.start, end))
+            ctx_slots.append(blocks.slots(table, 0, end))  # [end], kept between steps
             row += c.num_tokens
             rows.extend(range(row - c.num_logits, row))
-        one = len(chunks) == 1  # a single sequence (decode at batch 1): its tensors as they are, no cat
+        flat = torch.tensor(ids + positions + slot_mapping, dtype=torch.long).view(3, row)  # one tensor: [3, T]
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=positions[0] if one else torch.cat(positions),
-            slot_mapping=slot_parts[0] if one else torch.cat(slot_parts),
+            input_ids=flat[0],
+            positions=flat[1],
+            slot_mapping=flat[2],
             query_lens=[c.num_tokens for c in chunks],
             context_lens=[c.start + c.num_tokens for c in chunks],
             context_slots=ctx_slots,
