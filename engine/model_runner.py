@@ -42,6 +42,11 @@ class ModelRunner:
         self.expert_worker = self.experts.executor
         self.max_threads = torch.get_num_threads()
         self._all_rows = torch.arange(64)  # `_rows`: read-only, sliced
+        self._row_views: dict[int, torch.Tensor] = {}  # its slices by length
+        # `_token_tensors`: the latest batch's ids, positions and KV slots [3, capacity] int64, written through
+        # numpy; the batch's tensors are kept views of it, so a decode step makes no tensor for them
+        self._token_buffer = torch.empty(3, 0, dtype=torch.long)
+        self._token_views: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def set_defer(self, defer: int) -> None:
         """Exploration's deferral for the batches built from now on (between steps)."""
@@ -50,22 +55,22 @@ class ModelRunner:
             self.expert_worker = self.experts.start_worker()
 
     def build_batch(self, chunks: list[ScheduledChunk], blocks: BlockManager, exact: bool = False) -> ForwardBatch:
-        ids, positions, slot_parts, ctx_slots, rows = [], [], [], [], []
+        bs = blocks.block_size
+        ids, positions, slot_mapping, ctx_slots, rows = [], [], [], [], []
         row = 0
         for c in chunks:
-            end = c.start + c.num_tokens
-            ids.extend(c.seq.token_ids[c.start : end])
-            positions.append(torch.arange(c.start, end))
-            slots = blocks.slots(c.seq.block_table, 0, end)  # [end]
-            slot_parts.append(slots[c.start :])
-            ctx_slots.append(slots)
+            end, table = c.start + c.num_tokens, c.seq.block_table
+            ids.extend(c.seq.tokens(c.start, end))
+            positions.extend(range(c.start, end))
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(c.start, end))
+            ctx_slots.append(blocks.slots(table, 0, end))  # [end], kept between steps
             row += c.num_tokens
             rows.extend(range(row - c.num_logits, row))
-        one = len(chunks) == 1  # a single sequence (decode at batch 1): its tensors as they are, no cat
+        input_ids, positions, slot_mapping = self._token_tensors(ids, positions, slot_mapping)
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=positions[0] if one else torch.cat(positions),
-            slot_mapping=slot_parts[0] if one else torch.cat(slot_parts),
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
             query_lens=[c.num_tokens for c in chunks],
             context_lens=[c.start + c.num_tokens for c in chunks],
             context_slots=ctx_slots,
@@ -77,13 +82,30 @@ class ModelRunner:
         )
         return batch.to(self.device) if self.device.type != "cpu" else batch
 
+    def _token_tensors(self, *columns: list[int]) -> tuple[torch.Tensor, ...]:
+        """ids, positions, slots (each [T] int64) as views of the runner's token buffer: valid until the next
+        `build_batch`, which `run` calls only after the previous batch's forward returned."""
+        n = len(columns[0])
+        if self._token_buffer.shape[1] < n:
+            self._token_buffer = torch.empty(3, max(n, 2 * self._token_buffer.shape[1], 64), dtype=torch.long)
+            self._token_views.clear()
+        values = self._token_buffer.numpy()  # the same memory
+        for i, column in enumerate(columns):
+            values[i, :n] = column
+        if (views := self._token_views.get(n)) is None:
+            views = self._token_views[n] = tuple(self._token_buffer[:, :n])  # each row contiguous
+        return views
+
     def _rows(self, rows: list[int], num_tokens: int) -> torch.Tensor:
         """The logits rows [S] as a tensor; every row in order (decode steps) is a slice of one kept arange."""
         if len(rows) != num_tokens:
             return torch.tensor(rows, dtype=torch.long)
         if self._all_rows.numel() < num_tokens:
             self._all_rows = torch.arange(max(num_tokens, 2 * self._all_rows.numel()))
-        return self._all_rows[:num_tokens]
+            self._row_views.clear()
+        if (view := self._row_views.get(num_tokens)) is None:
+            view = self._row_views[num_tokens] = self._all_rows[:num_tokens]
+        return view
 
     def run(self, chunks: list[ScheduledChunk], blocks: BlockManager) -> torch.Tensor:
         """All scheduled chunks -> fp32 logits [S, V]: `num_logits` rows per chunk that samples, in chunk order."""

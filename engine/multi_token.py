@@ -123,8 +123,6 @@ class MultiTokenDecoder:
                ) -> list[list[int] | SamplingError]:
         """logits [sum of 1 + drafts per seq, V] -> the tokens each sequence keeps this step. Drafts are
         verified here: rejected ones leave the sequence and its computed KV is rolled back before them."""
-        if vocab_limit is not None and vocab_limit < logits.shape[-1]:
-            logits[:, vocab_limit:] = float("-inf")
         if not seqs:
             return []
         self.row_width = logits.shape[-1]
@@ -134,12 +132,14 @@ class MultiTokenDecoder:
         picks: list[list[int] | SamplingError] = [[] for _ in seqs]
         if plain:  # without drafts anywhere the rows are the plain rows: no gather copy of [S, V]
             rows = logits if len(plain) == logits.shape[0] else logits[torch.tensor([firsts[i] for i in plain])]
-            for i, token in zip(plain, sample(rows, [seqs[i] for i in plain], None), strict=True):
+            for i, token in zip(plain, sample(rows, [seqs[i] for i in plain], vocab_limit), strict=True):
                 picks[i] = token if isinstance(token, SamplingError) else [token]
         for i, seq in enumerate(seqs):
             if not seq.draft_token_ids:
                 continue
             drafts, seq.draft_token_ids = seq.draft_token_ids, []
+            if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+                logits[firsts[i]:firsts[i] + counts[i], vocab_limit:] = float("-inf")  # not tokens
             try:
                 picks[i] = accept_drafts(logits[firsts[i]:firsts[i] + counts[i]], drafts, seq)
             except SamplingError as e:

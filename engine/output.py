@@ -16,8 +16,6 @@ from engine.sequence import Sequence
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]  # all output tokens so far
-    text: str  # all output text released so far (outside segments)
     new_token_ids: list[int]  # since the previous output of this request
     new_text: str  # precedes this output's segment events
     finished: bool
@@ -28,6 +26,22 @@ class RequestOutput:
     segment_events: list[SegmentStart | SegmentEnd] = field(default_factory=list)  # since the previous output
     open_segment: str | None = None  # the kind of a segment still open when the sequence finished
     segment_error: str | None = None  # a segment's constraint failed (the sequence then only ended)
+    # `token_ids` and `text` are read from these: the sequence's own output list (it only grows) and its text
+    # (a str, never changed in place) up to where this output stood, so a step copies neither.
+    output_ids: list[int] = field(default_factory=list, repr=False)
+    num_output_ids: int = 0
+    all_text: str = field(default="", repr=False)
+    num_chars: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All output tokens so far."""
+        return self.output_ids[: self.num_output_ids]
+
+    @property
+    def text(self) -> str:
+        """All output text released so far (outside segments)."""
+        return self.all_text[: self.num_chars]
 
 
 def stop_holdback(text: str, stops: list[str]) -> int:
@@ -105,8 +119,10 @@ def make_output(seq: Sequence) -> RequestOutput:
     return RequestOutput(
         request_id=seq.request_id,
         prompt_token_ids=seq.prompt_token_ids,
-        token_ids=list(seq.output_token_ids),
-        text=seq.text[: seq.emitted],
+        output_ids=seq.output_token_ids,
+        num_output_ids=seq.num_reported,
+        all_text=seq.text,
+        num_chars=seq.emitted,
         new_token_ids=seq.output_token_ids[prev:],
         new_text=new_text,
         finished=finished,

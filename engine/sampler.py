@@ -55,9 +55,11 @@ def sample(
 ) -> list[int | SamplingError]:
     """logits [S, V] fp32 (one row per sequence) -> a token id per sequence, or the error that
     sequence hit (it fails alone; the other rows are unaffected)."""
+    tokens: list[int | SamplingError | None] = [None] * len(seqs)
+    if _greedy_plain_rows(logits, seqs, tokens, vocab_limit):
+        return tokens  # type: ignore[return-value]  # every row was plain greedy
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         logits[:, vocab_limit:] = float("-inf")  # padded rows of the embedding are not tokens
-    tokens: list[int | SamplingError | None] = [None] * len(seqs)
     noise = _lazy_rows(logits, seqs, tokens)
     groups = _apply_batched_masks(logits, seqs, skip=tokens)
     for i, (row, seq) in enumerate(zip(logits, seqs, strict=True)):
@@ -186,6 +188,31 @@ def greedy(row: torch.Tensor) -> int:
     if row.device.type == "cpu" and row.dtype == torch.float32:
         return int(np.argmax(row.numpy()))
     return int(torch.argmax(row))
+
+
+def _greedy_plain_rows(logits: torch.Tensor, seqs: list[Sequence], tokens: list, vocab_limit: int | None) -> bool:
+    """Sets tokens[i] for the plain greedy rows (no logits processor, temperature below MIN_TEMPERATURE): the first
+    largest of the row's first `vocab_limit` logits, read in place. The same id as `sample_row` on the
+    vocabulary-masked row (the masked ids are -inf there: they win only when every id is -inf, and such a row
+    fails either way), without writing the mask. Returns whether every row was plain greedy."""
+    limit = logits.shape[-1] if vocab_limit is None else min(vocab_limit, logits.shape[-1])
+    on_numpy = logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad
+    values = logits.numpy() if on_numpy else None  # [S, V] the same memory
+    done = 0
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if p.logits_processors or p.temperature >= MIN_TEMPERATURE:
+            continue
+        if values is not None:
+            token = int(values[i, :limit].argmax())  # numpy: see `greedy`
+            best = float(values[i, token])
+        else:
+            token = greedy(logits[i, :limit])
+            best = float(logits[i, token])
+        tokens[i] = token if math.isfinite(best) else SamplingError(
+            f"request {seq.request_id}: no token is allowed at this step")
+        done += 1
+    return done == len(seqs)
 
 
 def sample_row(row: torch.Tensor, seq: Sequence, batched: bool = False, noise: torch.Tensor | None = None) -> int:

@@ -74,6 +74,13 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids + self.draft_token_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end], without joining the whole list when the span lies in the output (a decode)."""
+        at = start - len(self.prompt_token_ids)
+        if at >= 0 and end - start <= len(self.output_token_ids) - at:
+            return self.output_token_ids[at:at + end - start]
+        return self.token_ids[start:end]
+
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED

@@ -39,7 +39,9 @@ class AppState:
         return self.policies.current
 
 
-def get_state(request: Request) -> AppState:
+# Dependencies are `async def`: FastAPI runs a plain `def` one in its thread pool, two thread hand-offs per request
+# for a dictionary lookup (and, under load, a wait for a core each time).
+async def get_state(request: Request) -> AppState:
     return request.app.state.moegate
 
 
@@ -53,7 +55,7 @@ def _bearer(authorization: str | None) -> str:
     return key.strip() if scheme.lower() == "bearer" else ""
 
 
-def get_tenant(request: Request, state: State, authorization: Annotated[str | None, Header()] = None) -> Tenant:
+async def get_tenant(request: Request, state: State, authorization: Annotated[str | None, Header()] = None) -> Tenant:
     """The tenant owning the bearer key (named in the request's audit record); 401 with an OpenAI error body
     otherwise."""
     tenant = _authenticate(state, authorization)

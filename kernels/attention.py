@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import torch
 
-# Below this many (token, head, key) scores one thread is faster than waking the pool.
-_PARALLEL_SCORES = 1 << 14
-
 
 def attention_reference(
     q: torch.Tensor,
@@ -86,8 +83,6 @@ def paged_attention(
             f"start and length need one entry per token: {t_len}, {start.numel()}, {length.numel()}"
         )
     out = torch.empty(t_len, nh, d)  # [T, NH, D]
-    scores = int(length.sum()) * nh if t_len > 1 else 0
-    threads = torch.get_num_threads() if scores >= _PARALLEL_SCORES else 1
     rc = lib.moegate_attention(
         q.data_ptr(),
         q.stride(0),
@@ -104,7 +99,7 @@ def paged_attention(
         window or 0,
         float(scale),
         out.data_ptr(),
-        threads,
+        torch.get_num_threads(),  # the kernel runs a small job on this thread alone
     )
     if rc != 0:
         raise RuntimeError(f"moegate_attention failed with code {rc}")

@@ -195,6 +195,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.moegate_has_bf16_dot.restype = ctypes.c_int
     lib.moegate_apply_bitmask.restype = ctypes.c_int
     lib.moegate_apply_bitmask.argtypes = [p, p, i64, i64, i64, i64]
+    if hasattr(lib, "moegate_pool_sizing"):  # absent from an earlier revision's kernel (benchmarks)
+        lib.moegate_pool_sizing.restype = ctypes.c_int
+        lib.moegate_pool_sizing.argtypes = [ctypes.c_int]
     lib.moegate_stream_triad.restype = ctypes.c_double
     lib.moegate_stream_triad.argtypes = [p, p, p, i64, ctypes.c_int, ctypes.c_int]
     if hasattr(lib, "moegate_decode_layer"):  # absent from an earlier revision's kernel (benchmarks)

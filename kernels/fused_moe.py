@@ -84,15 +84,6 @@ def _local_ids(topk_ids: torch.Tensor, experts: PackedExperts, skip_missing: boo
     return local
 
 
-# Below this many weight bytes per call one thread is faster than waking (and barrier-syncing) more.
-SMALL_WORK_BYTES = 1 << 20
-
-
-def _auto_threads(slots: int, experts: PackedExperts) -> int:
-    work = min(slots, experts.num_experts) * experts.expert_nbytes()  # upper bound on bytes streamed
-    return 1 if work < SMALL_WORK_BYTES else torch.get_num_threads()
-
-
 def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: PackedExperts,
            act: str | None) -> None:
     if act is not None and act != experts.act.kind:
@@ -159,7 +150,8 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
               variant: str | None = None, num_threads: int | None = None) -> torch.Tensor:
     """Routed-expert MoE: x [T, H] fp32/bf16, topk_ids [T, k] (-1 = skip), topk_weights [T, k] -> [T, H] fp32.
 
-    ``num_threads`` defaults to torch's thread count (1 for calls streaming under 1 MiB).
+    ``num_threads`` defaults to torch's thread count: the most the kernel's pool uses (one thread for a job
+    streaming under 1 MiB: kernels/csrc/work_pool.h).
     ``use_cpp=False`` (or MOEGATE_DISABLE_CPP=1) runs the torch reference; so does a failed build
     (after one logged warning) and non-CPU tensors. ``skip_missing`` treats ids the PackedExperts
     does not hold as -1 (for a subset of experts placed on this device).
@@ -190,7 +182,7 @@ def run_kernel(lib, x: torch.Tensor, local_ids: torch.Tensor, topk_weights: torc
     rc = lib.moegate_fused_moe(xf.data_ptr(), ids.data_ptr(), wts.data_ptr(), out.data_ptr(), t, k,
                                FORMAT_CODE[experts.fmt], experts.num_experts, h, experts.intermediate,
                                experts.group_size, ptr[0], ptr[1], ptr[2], ptr[3], ptr[4], ptr[5],
-                               ctypes.c_int(num_threads or _auto_threads(t * k, experts)), ptr[6], ptr[7],
+                               ctypes.c_int(num_threads or torch.get_num_threads()), ptr[6], ptr[7],
                                act.code, ctypes.c_float(act.alpha), ctypes.c_float(act.limit))
     if rc == -1:
         raise ExpertIdError(f"topk_ids must lie in [-1, {experts.num_experts}) for this PackedExperts")

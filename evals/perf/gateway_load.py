@@ -107,10 +107,11 @@ class Load:
 
 
 def closed_loop(url: str, pid: int, load: Load) -> dict[str, float]:
-    """{tok_s, steady_tok_s, cpu_ms_per_token, tokens, wall_s, requests, others_cores, engine step figures
-    (`per_step`)} of one run of `load`. steady_tok_s: the engine's output tokens per second until the first stream
-    has sent its last request and had it answered (before the batch drains: all streams busy); others_cores: the
-    cores that processes other than the server and this client kept busy meanwhile (the load behind the figure)."""
+    """{tok_s, steady_tok_s, cpu_ms_per_token, tokens, wall_s, requests, others_cores, load_average, engine step
+    figures (`per_step`)} of one run of `load`. steady_tok_s: the engine's output tokens per second until the first
+    stream has sent its last request and had it answered (before the batch drains: all streams busy); others_cores:
+    the cores that processes other than the server and this client kept busy meanwhile (the load behind the figure);
+    load_average: the machine's 1-minute load average when the run ended."""
     first_done: list[tuple[float, dict[str, float]]] = []
 
     async def worker(client: httpx.AsyncClient, w: int) -> int:
@@ -139,13 +140,13 @@ def closed_loop(url: str, pid: int, load: Load) -> dict[str, float]:
         steady = (at_steady["tokens"] - start["tokens"]) / (t_steady - t)
         return {"tok_s": tokens / wall, "steady_tok_s": steady, "cpu_ms_per_token": 1e3 * cpu / tokens,
                 "tokens": tokens, "wall_s": wall, "requests": load.workers * load.per_worker,
-                "others_cores": max(others, 0.0) / wall, **steps}
+                "others_cores": max(others, 0.0) / wall, "load_average": os.getloadavg()[0], **steps}
 
     return asyncio.run(run())
 
 
-SUMMARISED = ("tok_s", "steady_tok_s", "cpu_ms_per_token", "others_cores", "step_wall_ms", "step_thread_cpu_ms", "sequences_per_step",
-              "tokens_per_step", "engine_idle_share")
+SUMMARISED = ("tok_s", "steady_tok_s", "cpu_ms_per_token", "others_cores", "load_average", "step_wall_ms",
+              "step_thread_cpu_ms", "sequences_per_step", "tokens_per_step", "engine_idle_share")
 
 
 def spread(xs: list[float]) -> dict[str, float]:
@@ -168,9 +169,9 @@ def interleaved(url: str, pid: int, loads: dict[str, Load], rounds: int,
             log(f"round {r + 1}/{rounds} {name}: {res['tok_s']:.1f} tok/s (steady {res['steady_tok_s']:.1f}), "
                 f"{res['cpu_ms_per_token']:.2f} server CPU "
                 f"ms/token ({res['tokens']} tokens, {res['wall_s']:.2f} s, other processes {res['others_cores']:.2f} "
-                f"cores); engine steps {res['step_wall_ms']:.2f} ms wall / {res['step_thread_cpu_ms']:.2f} ms thread "
-                f"CPU, {res['sequences_per_step']:.2f} sequences and {res['tokens_per_step']:.2f} tokens per step, "
-                f"idle {res['engine_idle_share']:.0%}")
+                f"cores, load average {res['load_average']:.1f}); engine steps {res['step_wall_ms']:.2f} ms wall / "
+                f"{res['step_thread_cpu_ms']:.2f} ms thread CPU, {res['sequences_per_step']:.2f} sequences and "
+                f"{res['tokens_per_step']:.2f} tokens per step, idle {res['engine_idle_share']:.0%}")
     summary = {n: {k: spread([x[k] for x in runs[n]]) for k in SUMMARISED} for n in names}
     per_round = {f"{k}{label}": spread([runs[a][i][fig] / runs[b][i][fig] for i in range(rounds)])
                  for k, (a, b) in ratios.items() for label, fig in (("", "tok_s"), (" (steady)", "steady_tok_s"))}

@@ -1,10 +1,12 @@
 """Where a decode step's time goes: the compiled kernels against everything around them (scheduling, the
 ForwardBatch, the Python between kernel calls, sampling, stop checks, detokenizing, outputs).
 
-One request on the bench checkpoint (int4 experts and attention, int8 lm_head by default); per decode step:
+One request on the bench checkpoint (int4 experts and attention, int8 lm_head by default), or `--rows` requests
+decoding together; per decode step:
   kernel      wall time inside the compiled entry points (`moegate_*`: decoder layers, norms, lm_head)
-  outside     step - kernel: the engine's own cost per token (#26's "step + sampling overhead")
+  outside     step - kernel: the engine's own cost per step (#26's "step + sampling overhead")
   overhead    step - forward - logits: the older split, which counts the Python inside the forward as model time
+  *_per_token those divided by the rows the step decoded (equal to them at one row)
 Writes DIR/step_breakdown.json. Two trees side by side: evals/perf/compare_trees.py, e.g.
     python -m evals.perf.compare_trees --baseline BASE --result step_breakdown.json --out evals/perf/results/NAME \\
         -- python $PWD/evals/perf/step_breakdown.py --model DIR
@@ -25,8 +27,10 @@ KERNEL_ENTRY_POINTS = ("moegate_decode_layer", "moegate_decode_stack", "moegate_
                        "moegate_rope", "moegate_fused_moe", "moegate_apply_bitmask")
 
 
-def decode_step_breakdown(engine, prompt: list[int], params, mode: str = "exploration") -> dict[str, float]:
-    """Median milliseconds per decode step of one request, split into the model's forward (decoder layers),
+def decode_step_breakdown(engine, prompt: list[int], params, mode: str = "exploration", rows: int = 1
+                          ) -> dict[str, float]:
+    """Median milliseconds per decode step of one request (`rows` > 1: that many, their prompts `prompt` rotated,
+    and only the steps where every one of them decodes are counted), split into the model's forward (decoder layers),
     the logits (final norm + lm_head), the time inside the compiled kernels and everything else the step
     does ("overhead" = step - forward - logits; "outside" = step - kernel). "overhead_cpu" / "outside_cpu" are
     the same splits in CPU time of the stepping thread: on a shared machine the wall-clock figures also count
@@ -54,20 +58,22 @@ def decode_step_breakdown(engine, prompt: list[int], params, mode: str = "explor
     patches += [(lib, name, timed("kernel", getattr(lib, name))) for lib in _kernel_libraries()
                 for name in KERNEL_ENTRY_POINTS if hasattr(lib, name)]
     saved = [(obj, name, vars(obj)[name] if name in vars(obj) else _MISSING) for obj, name, _ in patches]
-    rows: list[dict[str, float]] = []
+    steps: list[dict[str, float]] = []
     try:
         for obj, name, new in patches:
             setattr(obj, name, new)
-        engine.add_request("breakdown", prompt, params, mode)
-        first = True
+        for r in range(rows):
+            engine.add_request(f"breakdown-{r}", prompt[r:] + prompt[:r], params, mode)
+        sched = engine.scheduler
         while engine.has_work():
+            decoding = not sched.waiting and len(sched.running) == rows and all(
+                s.num_tokens - s.num_computed == 1 for s in sched.running)  # else a prefill is in the step
             for d in (spent, cpu):
                 d.update(dict.fromkeys(d, 0.0))
             t, c = time.perf_counter(), time.thread_time()
             engine.step()
             total, total_cpu = time.perf_counter() - t, time.thread_time() - c
-            if first:  # the prefill step
-                first = False
+            if not decoding:
                 continue
             row = {k: 1e3 * v for k, v in spent.items()}
             row["step"] = 1e3 * total
@@ -75,14 +81,15 @@ def decode_step_breakdown(engine, prompt: list[int], params, mode: str = "explor
             row["overhead_cpu"] = 1e3 * (total_cpu - cpu["forward"] - cpu["logits"])
             row["outside"] = row["step"] - row["kernel"]
             row["outside_cpu"] = 1e3 * (total_cpu - cpu["kernel"])
-            rows.append(row)
+            row.update({f"{k}_per_token": row[k] / rows for k in ("step", "outside", "outside_cpu", "sample")})
+            steps.append(row)
     finally:
         for obj, name, old in saved:
             if old is _MISSING:
                 delattr(obj, name)
             else:
                 setattr(obj, name, old)
-    return {k: statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {}
+    return {k: statistics.median(r[k] for r in steps) for k in steps[0]} if steps else {}
 
 
 def _kernel_libraries() -> list:
@@ -114,7 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--format", default="int4", help="routed experts")
     ap.add_argument("--lm-head", default="int8")
     ap.add_argument("--fast-dense", default="int4", help="attention projections")
-    ap.add_argument("--requests", type=int, default=3, help="decode requests measured; medians over all their steps")
+    ap.add_argument("--requests", type=int, default=3, help="decode runs measured; medians over all their steps")
+    ap.add_argument("--rows", type=int, default=1, help="requests decoding together in each run (the batch's rows)")
     args = ap.parse_args(argv)
     import torch
 
@@ -125,15 +133,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     load_before = os.getloadavg()[0]
     placement = PlacementConfig(fast_format=args.format, exact_format=args.format)
-    llm = LLM(args.model, dtype="float32", placement=placement, num_kv_blocks=64, prefix_cache=False,
+    blocks = args.rows * -(-(args.prompt_len + args.decode + 1) // 16)  # 16-token blocks
+    llm = LLM(args.model, dtype="float32", placement=placement, num_kv_blocks=max(64, blocks), prefix_cache=False,
               fast_lm_head=args.lm_head, fast_dense=args.fast_dense, progress=False)
     vocab = llm.engine.model_config.vocab_size
     prompt = torch.randint(0, min(vocab, 150000), (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(max_tokens=args.decode + 1, ignore_eos=True)
-    decode_step_breakdown(llm.engine, prompt[:16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    runs = [decode_step_breakdown(llm.engine, prompt, params) for _ in range(args.requests)]
+    decode_step_breakdown(llm.engine, prompt[:16], SamplingParams(max_tokens=4, ignore_eos=True), rows=args.rows)  # warm-up
+    runs = [decode_step_breakdown(llm.engine, prompt, params, rows=args.rows) for _ in range(args.requests)]
     res = {"decode_step_ms": {k: statistics.median(r[k] for r in runs) for k in runs[0]},
-           "config": {k: getattr(args, k) for k in ("prompt_len", "decode", "format", "lm_head", "fast_dense")},
+           "config": {k: getattr(args, k) for k in ("prompt_len", "decode", "format", "lm_head", "fast_dense", "rows")},
            "runs": runs, "machine": machine_info(), "load": {"before": load_before, "after": os.getloadavg()[0]}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

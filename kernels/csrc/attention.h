@@ -69,14 +69,17 @@ void attend_head(const float* q, const float* k_cache, const float* v_cache, int
 // out [T, NH, D] (contiguous): token t's query head h (q + t * qst + h * qsh) attends over the cache rows
 // ctx_slots[ctx_start[t] .. + ctx_len[t]) (k_cache / v_cache [slots, KV, D] fp32; query head h reads KV
 // head h / (NH / KV)), the last `window` of them when window > 0. (token, head) pairs are split over
-// `nthreads` (the pool). Returns -3 for NH not a multiple of KV.
+// `nthreads` (the pool; one thread for a small job: threads_for). Returns -3 for NH not a multiple of KV.
 extern "C" int moegate_attention(const float* q, int64_t qst, int64_t qsh, const float* k_cache,
                                  const float* v_cache, const int64_t* ctx_slots, const int64_t* ctx_start,
                                  const int64_t* ctx_len, int64_t T, int64_t NH, int64_t KV, int64_t D,
                                  int64_t window, double scale, float* out, int nthreads) {
   if (KV <= 0 || NH % KV) return -3;
   const int64_t group = NH / KV;
-  moegate::WorkPool::instance().parallel_for(T * NH, 4, std::max(nthreads, 1), [&](int64_t item) {
+  int64_t cached = 0;  // K and V floats the heads read
+  for (int64_t t = 0; t < T; ++t) cached += 2 * NH * D * (window > 0 ? std::min(ctx_len[t], window) : ctx_len[t]);
+  const int threads = moegate::threads_for(4 * cached, std::max(nthreads, 1));
+  moegate::WorkPool::instance().parallel_for(T * NH, 4, threads, [&](int64_t item) {
     const int64_t t = item / NH, h = item % NH;
     attend_head(q + t * qst + h * qsh, k_cache, v_cache, KV * D, (h / group) * D, ctx_slots + ctx_start[t],
                 ctx_len[t], window, D, (float)scale, out + (t * NH + h) * D);

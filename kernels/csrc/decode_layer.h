@@ -67,7 +67,8 @@ extern "C" int moegate_rope(const float* x, const float* cos, const float* sin, 
                             int64_t D, int64_t xst, int64_t xsh, int nthreads) {
   if (D % 2) return -2;
   const int64_t h2 = D / 2;
-  moegate::WorkPool::instance().parallel_for(T, 8, std::max(nthreads, 1), [&](int64_t t) {
+  moegate::WorkPool::instance().parallel_for(T, 8, moegate::threads_for(8 * T * heads * D, std::max(nthreads, 1)),
+                                             [&](int64_t t) {
     const float* c = cos + t * D;
     const float* s = sin + t * D;
     for (int64_t h = 0; h < heads; ++h) {
@@ -114,7 +115,9 @@ extern "C" int moegate_decode_layer(const DecodeLayerParams* p, float* x, int64_
     attend_head(&q[t * n8_qkv * 8 + h * D], k_cache, v_cache, nkv, (h / group) * D, ctx_slots + ctx_start[t],
                 ctx_len[t], p->window, D, scale, &att[t * nq + h * D]);
   };
-  moegate::WorkPool::instance().parallel_for(T * NH, 4, nthreads, attend);
+  int64_t cached = 0;  // K and V floats the heads read
+  for (int64_t t = 0; t < T; ++t) cached += 2 * NH * D * (p->window > 0 ? std::min(ctx_len[t], p->window) : ctx_len[t]);
+  moegate::WorkPool::instance().parallel_for(T * NH, 4, moegate::threads_for(4 * cached, nthreads), attend);
   rc = linear_dispatch(p->dense_fmt, om, att.data(), o.data(), T, nq, n8_h, nthreads);
   if (rc) return rc;
   for (int64_t t = 0; t < T; ++t)

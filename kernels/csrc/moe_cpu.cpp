@@ -45,6 +45,10 @@ namespace {
 
 enum Fmt { FP32 = 0, BF16 = 1, INT8 = 2, INT4 = 3, INT4A = 4, BF16A = 5, I8A8 = 6 };  // bf16_a16, int8_a8
 inline bool is_quantized(int64_t fmt) { return fmt == INT8 || fmt == INT4 || fmt == INT4A || fmt == I8A8; }
+// Bytes of n weights in a format (scales aside): what a job streams, for WorkPool's threads_for.
+inline int64_t weight_bytes(int64_t fmt, int64_t n) {
+  return fmt == FP32 ? 4 * n : fmt == BF16 || fmt == BF16A ? 2 * n : fmt == INT4 || fmt == INT4A ? n / 2 : n;
+}
 
 // fp32 -> the nearest bf16 value (round half to even; NaN kept), as torch's .to(torch.bfloat16).
 inline float round_bf16(float f) {
@@ -508,13 +512,15 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   auto& pool = moegate::WorkPool::instance();
   // ~16 claims per thread: a claim of a few tiles (~1 us at M = 1) made the shared counter's cache line
   // travel between cores for every few kilobytes of weights; 16 still balance the threads.
-  const int64_t chunk = std::max<int64_t>(1, (n1 + n2) / (16 * std::max(1, nthreads)));
-  pool.parallel_for(n1 + n2, chunk, nthreads, [&](int64_t it) {
+  const int64_t streamed = weight_bytes(FMT, na * (2 * P.i8 * 8 * hp + P.h8 * 8 * ip));
+  const int threads = moegate::threads_for(streamed, nthreads);
+  const int64_t chunk = std::max<int64_t>(1, (n1 + n2) / (16 * std::max(1, threads)));
+  pool.parallel_for(n1 + n2, chunk, threads, [&](int64_t it) {
     if (it < n1) gate_up_item(it);
     else down_item(it - n1);
   });
   // out[t] = sum over slots in slot order of weight * (Y[row(t, slot)] + down bias of its expert).
-  pool.parallel_for(T, 8, nthreads, [&](int64_t t) {
+  pool.parallel_for(T, 8, moegate::threads_for(4 * T * (K + 1) * ldy, nthreads), [&](int64_t t) {
     float* o = out + t * ldy;
     for (int64_t c = 0; c < ldy; c += 8) {
       V8 acc = v_zero();
@@ -587,8 +593,9 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
   const bool units = zmm || dot16 || fpz;
   const int64_t items = units ? (n8 + 1) / 2 : n8;
   // ~16 claims per thread, as in run(): few enough to keep the shared counter quiet, enough to balance
-  const int64_t chunk = std::max<int64_t>(1, items / (16 * std::max(1, nthreads)));
-  moegate::WorkPool::instance().parallel_for(items, chunk, nthreads, [&](int64_t item) {
+  const int threads = moegate::threads_for(weight_bytes(FMT, n8 * 8 * kp), nthreads);
+  const int64_t chunk = std::max<int64_t>(1, items / (16 * std::max(1, threads)));
+  moegate::WorkPool::instance().parallel_for(items, chunk, threads, [&](int64_t item) {
     const int64_t tile = units ? 2 * item : item;
     float* orow[kRows];
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
@@ -718,6 +725,10 @@ int moegate_is_vnni() {
   return 0;
 #endif
 }
+
+// The pool's sizing (work_pool.h threads_for) on (1, the default) or off (0: each job gets the threads it asks
+// for); returns the previous setting.
+int moegate_pool_sizing(int on) { return moegate::pool_sizing().exchange(on != 0) ? 1 : 0; }
 
 // STREAM triad a = b + s * c over n floats; returns seconds of the best of `reps` runs.
 double moegate_stream_triad(float* a, const float* b, const float* c, int64_t n, int reps, int nthreads) {

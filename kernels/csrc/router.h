@@ -58,14 +58,16 @@ void route_row(const float* x, const float* w, const float* bias, int64_t H, int
 }  // namespace
 
 // For T rows of x [T, H]: logits [T, E] (null: not written), top-k weights [T, K] and ids [T, K] of the
-// router w [E, H] fp32 (bias [E] or null) by `route_row`. Rows are split over `nthreads` (the pool).
+// router w [E, H] fp32 (bias [E] or null) by `route_row`. Rows are split over `nthreads` (the pool; one
+// thread for a small job: threads_for).
 // Returns -2 for an unknown kind, -3 for K outside [1, E].
 extern "C" int moegate_router(const float* x, const float* w, const float* bias, int64_t T, int64_t H, int64_t E,
                               int64_t K, int64_t kind, int64_t norm_topk, float* logits, float* wts, int64_t* ids,
                               int nthreads) {
   if (kind != ROUTE_SOFTMAX && kind != ROUTE_TOPK_SOFTMAX) return -2;
   if (K < 1 || K > E) return -3;
-  moegate::WorkPool::instance().parallel_for(T, 4, std::max(nthreads, 1), [&](int64_t t) {
+  const int threads = moegate::threads_for(4 * T * E * H, std::max(nthreads, 1));  // router bytes read
+  moegate::WorkPool::instance().parallel_for(T, 4, threads, [&](int64_t t) {
     thread_local std::vector<float> scratch;
     if ((int64_t)scratch.size() < E) scratch.resize(E);
     route_row(x + t * H, w, bias, H, E, K, kind, norm_topk != 0, logits == nullptr ? nullptr : logits + t * E,

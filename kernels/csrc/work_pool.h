@@ -6,6 +6,10 @@
 // processes (a helper descheduled for milliseconds) a call is never slower than running alone.
 // Helpers spin ~200 us for the next job (back-to-back layers) and then sleep on a condition variable.
 // After fork() the child gets a fresh pool (the parent's helper threads do not exist there).
+//
+// A job streaming fewer than kSmallWorkBytes runs on the caller alone (threads_for: waking a helper, and waiting
+// for it when it is descheduled holding a claimed chunk, cost more than the work). That changes no bits: every
+// kernel's arithmetic per output element is the same for any number of threads.
 #pragma once
 
 #include <sched.h>
@@ -34,6 +38,19 @@ inline void moegate_pause() {}
 #endif
 
 namespace moegate {
+
+// Weight (or cache) bytes below which one job runs on the calling thread alone.
+constexpr int64_t kSmallWorkBytes = int64_t(1) << 20;
+
+// Off (moegate_pool_sizing(0)): every job gets the threads it asks for (tests comparing thread counts).
+inline std::atomic<bool>& pool_sizing() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+inline int threads_for(int64_t work_bytes, int threads) {
+  return work_bytes < kSmallWorkBytes && pool_sizing().load(std::memory_order_relaxed) ? 1 : threads;
+}
 
 // Spin with pause, then yield the CPU: for short waits on work another thread is finishing.
 template <class Ready>

@@ -106,3 +106,56 @@ def test_one_failing_request_does_not_fail_its_batch(hf_checkpoint):
     assert len(final["bad"].token_ids) == 2
     assert final["ok"].finish_reason == "length" and len(final["ok"].token_ids) == 6
     assert engine.blocks.num_free == 64
+
+
+def test_an_output_keeps_what_it_reported_while_the_sequence_goes_on(tiny_checkpoint):
+    """RequestOutput reads token_ids and text from the sequence without copying them each step: an earlier output
+    still reports the tokens and text it stood at, each a prefix of the final ones."""
+    llm = LLM(tiny_checkpoint("qwen3_moe"), num_kv_blocks=64, block_size=8, progress=False)
+    engine = llm.engine
+    engine.add_request("r", llm.tokenizer.encode("Portfolio summary:"), SamplingParams(max_tokens=12, ignore_eos=True))
+    outs = []
+    while engine.has_work():
+        outs.extend(engine.step())
+    final = outs[-1]
+    assert final.finished and len(final.token_ids) == 12
+    ids, text = [], ""
+    for out in outs:
+        ids += out.new_token_ids
+        text += out.new_text
+        assert out.token_ids == ids and out.text == text
+        assert final.token_ids[: len(ids)] == ids and final.text.startswith(text)
+    assert [len(o.token_ids) for o in outs] == list(range(1, 13))
+
+
+def test_a_batch_holds_each_chunk_s_tokens_positions_and_slots(tiny_checkpoint):
+    """ModelRunner.build_batch: a prefill chunk and decodes together, then a decode alone and another mix (the
+    runner's token buffer reused): ids, positions, KV slots and logits rows of every row, as the slot formula
+    gives them."""
+    from engine.scheduler import ScheduledChunk
+    from engine.sequence import Sequence
+
+    engine = LLM(tiny_checkpoint("qwen3_moe"), num_kv_blocks=64, block_size=4, progress=False).engine
+    blocks, runner = engine.blocks, engine.runner
+    seqs = [Sequence(f"s{i}", list(range(1, n + 1)), SamplingParams()) for i, n in enumerate((9, 3, 6))]
+    for s, done in zip(seqs, (0, 3, 6), strict=True):
+        s.output_token_ids = [100 + i for i in range(done)]
+        s.num_computed = s.num_tokens - 1 if done else 4
+        blocks.grow(s.block_table, s.num_tokens)
+
+    def check(chunks):
+        batch = runner.build_batch(chunks, blocks)
+        ids, pos, slots, rows = [], [], [], []
+        for c in chunks:
+            span = range(c.start, c.start + c.num_tokens)
+            ids += [c.seq.token_ids[p] for p in span]
+            pos += list(span)
+            slots += [c.seq.block_table[p // 4] * 4 + p % 4 for p in span]
+            rows += range(len(ids) - c.num_logits, len(ids))
+        assert batch.input_ids.tolist() == ids and batch.positions.tolist() == pos
+        assert batch.slot_mapping.tolist() == slots and batch.logits_rows.tolist() == rows
+        assert batch.context_lens == [c.start + c.num_tokens for c in chunks]
+
+    check([ScheduledChunk.of(seqs[0], 3), ScheduledChunk.of(seqs[1], 1), ScheduledChunk.of(seqs[2], 1)])
+    check([ScheduledChunk.of(seqs[2], 1)])
+    check([ScheduledChunk.of(seqs[0], 5), ScheduledChunk.of(seqs[1], 1)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import SamplingError, apply_top_k_top_p, sample
+from engine.sampler import SamplingError, apply_top_k_top_p, sample, sample_row
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -60,3 +60,49 @@ def test_invalid_params_are_rejected():
     for kw in ({"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2}):
         with pytest.raises(ValueError):
             SamplingParams(**kw)
+
+
+def test_plain_greedy_rows_choose_what_the_masked_row_chooses():
+    """Greedy rows with no logits processor read their token from the logits in place, up to the vocabulary
+    limit: the same id, or the same failure, as `sample_row` on the vocabulary-masked row, and the logits are
+    left as they were."""
+    rows = torch.randn(7, 40, generator=torch.Generator().manual_seed(0))
+    rows[1, 33] = 50.0  # the largest logit is a padded id: never chosen
+    rows[2] = float("-inf")
+    rows[2, 35] = 1.0  # only a padded id is finite: no token
+    rows[3, 4] = rows[3, 9] = 9.0  # a tie: the lower id
+    rows[4, 7] = float("nan")
+    rows[5, 30] = float("inf")
+    rows[6, :32] = float("-inf")
+    limit, seqs = 32, [_seq() for _ in range(7)]
+    got = sample(rows.clone(), seqs, vocab_limit=limit)
+    masked = rows.clone()
+    masked[:, limit:] = float("-inf")
+    for row, seq, token in zip(masked, seqs, got, strict=True):
+        try:
+            want = sample_row(row, seq)
+        except SamplingError as e:
+            assert isinstance(token, SamplingError) and str(token) == str(e)
+        else:
+            assert token == want
+    assert got[1] != 33 and got[3] == 4
+    kept = rows.clone()
+    sample(kept, seqs, vocab_limit=limit)
+    assert torch.equal(kept.nan_to_num(), rows.nan_to_num())
+
+
+def test_plain_greedy_rows_beside_other_rows_choose_as_alone():
+    """A batch mixing plain greedy rows with processor and seeded temperature rows: each row's token is the one it
+    gets alone (the other rows still see the vocabulary mask)."""
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    logits[:, 60:] = 100.0  # padded ids
+
+    def no_even(generated, row):
+        return row.index_fill(0, torch.arange(0, row.shape[0], 2), float("-inf"))
+
+    def seqs():
+        return [_seq(), _seq(logits_processors=[no_even]), _seq(temperature=0.8, seed=3), _seq()]
+
+    together = sample(logits.clone(), seqs(), vocab_limit=60)
+    alone = [sample(logits[i:i + 1].clone(), [s], vocab_limit=60)[0] for i, s in enumerate(seqs())]
+    assert together == alone and all(t < 60 for t in together) and together[1] % 2 == 1

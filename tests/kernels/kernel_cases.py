@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from kernels.fused_moe import kernel_library
 
 
 def random_experts(e: int, h: int, i: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,3 +26,16 @@ def random_routing(t: int, k: int, e: int, seed: int = 0, skip_frac: float = 0.0
     if skip_frac:
         ids[torch.rand(t, k, generator=g) < skip_frac] = -1
     return ids, torch.softmax(torch.randn(t, k, generator=g), dim=-1)
+
+
+@contextlib.contextmanager
+def exact_threads(variant: str | None = None):
+    """The kernel pool's sizing off (kernels/csrc/work_pool.h): each job runs on the threads it asks for, however
+    small and however busy the machine, so a test comparing thread counts runs them."""
+    lib = kernel_library(variant)
+    old = lib.moegate_pool_sizing(0) if lib is not None else None
+    try:
+        yield
+    finally:
+        if old is not None:
+            lib.moegate_pool_sizing(old)

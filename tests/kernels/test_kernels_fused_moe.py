@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import random_experts, random_routing
+from kernel_cases import exact_threads, random_experts, random_routing
 
 from kernels import ExpertIdError, build, fused_moe, fused_moe_reference, kernel_available, pack_experts
 from kernels.cpu_features import detect, select_variant, vnni_capable
@@ -93,11 +93,12 @@ def test_each_variant_row_is_bitwise_batch_invariant(variant: str, fmt: str) -> 
     ids, w = random_routing(16, 3, e, seed=11, skip_frac=0.1)
     alone = torch.cat([fused_moe(x[r:r + 1], ids[r:r + 1], w[r:r + 1], packed, variant=variant, num_threads=1)
                        for r in range(16)])
-    for m in range(1, 17):
-        for trial in range(2):
-            rows = torch.randperm(16, generator=gen)[:m]
-            out = fused_moe(x[rows], ids[rows], w[rows], packed, variant=variant, num_threads=1 + trial)
-            assert torch.equal(out, alone[rows]), (m, trial)
+    with exact_threads(variant):
+        for m in range(1, 17):
+            for trial in range(2):
+                rows = torch.randperm(16, generator=gen)[:m]
+                out = fused_moe(x[rows], ids[rows], w[rows], packed, variant=variant, num_threads=1 + trial)
+                assert torch.equal(out, alone[rows]), (m, trial)
 
 
 def test_variant_selection() -> None:
@@ -154,10 +155,11 @@ def test_expert_row_order_is_fixed_whatever_its_token_count(variant: str, fmt: s
     alone = torch.cat([fused_moe(x[r:r + 1], ids[r:r + 1], w[r:r + 1], packed, variant=variant, num_threads=1)
                        for r in range(16)])
     assert_close(alone, fused_moe_reference(x, ids, w, packed))
-    for m in range(1, 17):
-        rows = torch.randperm(16, generator=gen)[:m]
-        out = fused_moe(x[rows], ids[rows], w[rows], packed, variant=variant, num_threads=1 + m % 2)
-        assert torch.equal(out, alone[rows]), m
+    with exact_threads(variant):
+        for m in range(1, 17):
+            rows = torch.randperm(16, generator=gen)[:m]
+            out = fused_moe(x[rows], ids[rows], w[rows], packed, variant=variant, num_threads=1 + m % 2)
+            assert torch.equal(out, alone[rows]), m
 
 
 @needs_kernel
@@ -170,11 +172,12 @@ def test_row_is_bitwise_batch_invariant(fmt: str) -> None:
     ids, w = random_routing(64, 4, NUM_EXPERTS, seed=1, skip_frac=0.1)
     full = fused_moe(x, ids, w, packed)
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(2))
-    for size in (1, 2, 3, 5, 8, 17, 33, 64):
-        rows = perm[:size]
-        for threads in (1, 2):
-            part = fused_moe(x[rows], ids[rows], w[rows], packed, num_threads=threads)
-            assert torch.equal(part, full[rows]), (size, threads)
+    with exact_threads():
+        for size in (1, 2, 3, 5, 8, 17, 33, 64):
+            rows = perm[:size]
+            for threads in (1, 2):
+                part = fused_moe(x[rows], ids[rows], w[rows], packed, num_threads=threads)
+                assert torch.equal(part, full[rows]), (size, threads)
 
 
 @needs_kernel
@@ -361,8 +364,9 @@ def test_thread_pool_survives_fork_and_many_calls() -> None:
     x = torch.randn(9, 96, generator=torch.Generator().manual_seed(7))
     ids, w = random_routing(9, 3, NUM_EXPERTS, seed=7)
     want = fused_moe(x, ids, w, packed, num_threads=2)
-    for threads in (1, 2, 3, 2, 1, 4):
-        assert torch.equal(fused_moe(x, ids, w, packed, num_threads=threads), want)
+    with exact_threads():
+        for threads in (1, 2, 3, 2, 1, 4):
+            assert torch.equal(fused_moe(x, ids, w, packed, num_threads=threads), want)
     pid = os.fork()
     if pid == 0:  # child: exit code says whether the result matched
         ok = all(torch.equal(fused_moe(x, ids, w, packed, num_threads=2), want) for _ in range(3))
@@ -393,3 +397,4 @@ def test_stale_builds_are_pruned_and_used_ones_kept(tmp_path) -> None:
     os.utime(other, (week_ago, week_ago))
     assert prune(tmp_path, "avx2") == [old]
     assert fresh.exists() and other.exists()  # another variant is pruned when that variant is built
+
