@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.attention import causal_contexts
+
 if TYPE_CHECKING:
     from engine.expert_pipeline import ExpertPipeline
 
@@ -30,6 +32,7 @@ class ForwardBatch:
     expert_pipeline: ExpertPipeline | None = None  # host experts; its thread runs deferred experts during the next attention
     state_slots: list[int] = field(default_factory=list)  # [B] recurrent-state slot per sequence (linear attention)
     rope: dict = field(default_factory=dict, repr=False)  # (head_dim, theta, dtype) -> (cos, sin), once per forward
+    contexts: tuple | None = field(default=None, repr=False)  # token_contexts(), once per forward
 
     @property
     def num_tokens(self) -> int:
@@ -43,6 +46,13 @@ class ForwardBatch:
             acc += n
         return starts
 
+    def token_contexts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(slots, start, length) int64 on the CPU: token t attends over slots[start[t] : start[t] + length[t]],
+        its sequence's context up to and including itself (kernels.attention.causal_contexts)."""
+        if self.contexts is None:
+            self.contexts = causal_contexts(self.query_lens, self.context_lens, self.context_slots)
+        return self.contexts
+
     def to(self, device: torch.device) -> ForwardBatch:
         return replace(
             self,
@@ -52,6 +62,7 @@ class ForwardBatch:
             context_slots=[s.to(device) for s in self.context_slots],
             logits_rows=self.logits_rows.to(device),
             rope={},
+            contexts=None,
         )
 
     @classmethod

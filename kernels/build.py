@@ -181,6 +181,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "moegate_rope"):
         lib.moegate_rope.restype = ctypes.c_int
         lib.moegate_rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int]
+    if hasattr(lib, "moegate_attention"):
+        lib.moegate_attention.restype = ctypes.c_int
+        lib.moegate_attention.argtypes = [p, i64, i64, p, p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_double, p,
+                                          ctypes.c_int]
+    if hasattr(lib, "moegate_router"):
+        lib.moegate_router.restype = ctypes.c_int
+        lib.moegate_router.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, p, p, p, ctypes.c_int]
     lib.moegate_is_avx2.restype = ctypes.c_int
     lib.moegate_is_vnni.restype = ctypes.c_int
     if hasattr(lib, "moegate_simd_path"):  # absent from an earlier revision's kernel (benchmarks)

@@ -15,6 +15,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from kernels.attention import kernel_takes, paged_attention
 
 
 class Attention(nn.Module):
@@ -115,10 +116,14 @@ class Attention(nn.Module):
 
     def _attend_paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                       cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Writes k/v [T, KV, D] to the cache, attends each sequence's q over its context -> [T, NH, D]."""
+        """Writes k/v [T, KV, D] to the cache, attends each sequence's q over its context -> [T, NH, D]: fp32 on
+        CPU in the compiled kernel (kernels.attention: per (token, head), batch-invariant), else `_attend`."""
         k_cache, v_cache = cache
         k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+        if self._attend.__func__ is Attention._attend and kernel_takes(q, k_cache, v_cache):  # not sinks
+            slots, start, length = batch.token_contexts()
+            return paged_attention(q, k_cache, v_cache, slots, start, length, self.scale, self.sliding_window)
         out = torch.empty_like(q)  # [T, NH, D]
         for start, q_len, _ctx, slots in zip(
             batch.query_starts, batch.query_lens, batch.context_lens, batch.context_slots, strict=True

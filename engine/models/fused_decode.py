@@ -150,17 +150,7 @@ class FusedContext:
     def __init__(self, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> None:
         self.cos, self.sin = cos.float().contiguous(), sin.float().contiguous()  # [T, D]
         self.slot_mapping = batch.slot_mapping.contiguous()
-        starts, lengths, offset = [], [], 0
-        for q_len, ctx_len in zip(batch.query_lens, batch.context_lens, strict=True):
-            for i in range(q_len):  # token i of the chunk sees the context up to and including itself
-                starts.append(offset)
-                lengths.append(ctx_len - q_len + i + 1)
-            offset += ctx_len
-        slots = batch.context_slots
-        self.slots = (slots[0] if len(slots) == 1 else torch.cat(slots) if slots
-                      else torch.empty(0, dtype=torch.long)).contiguous()  # [sum of context lens]
-        self.start = torch.tensor(starts, dtype=torch.int64)
-        self.length = torch.tensor(lengths, dtype=torch.int64)
+        self.slots, self.start, self.length = batch.token_contexts()  # token t sees slots[start[t]:][:length[t]]
 
 
 def build_fused_layers(cfg: ModelConfig, layers, exact: bool = False) -> FusedStack | None:

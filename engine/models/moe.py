@@ -14,6 +14,8 @@ from engine.expert_pipeline import Deferred, ExpertPipeline
 from engine.forward_batch import ForwardBatch
 from engine.models.layers import GatedMLP
 from kernels.formats import Activation
+from kernels.router import KINDS as ROUTER_KINDS
+from kernels.router import route
 
 
 class Router(nn.Module):
@@ -36,19 +38,13 @@ class Router(nn.Module):
         self.n_group, self.topk_group, self.scaling = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (router logits [T, E], top-k weights [T, K], top-k ids [T, K]), weights descending."""
-        if self.kind == "topk_softmax":
-            logits = F.linear(x, self.weight, self.bias)  # [T, E]
-            top, ids = torch.topk(logits, self.top_k, dim=-1)  # [T, K] descending
-            return logits, torch.softmax(top, dim=-1, dtype=top.dtype), ids
-        if self.kind != "softmax":
-            return self._grouped(x)
-        logits = F.linear(x, self.weight)  # [T, E]
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return logits, weights.to(logits.dtype), ids
+        """x [T, H] -> (router logits [T, E], top-k weights [T, K], top-k ids [T, K]), weights descending.
+        Softmax and GPT-OSS routing run in kernels.router (the compiled kernel for fp32 on CPU, else its
+        torch reference); the grouped routers here in torch."""
+        if self.kind in ROUTER_KINDS:
+            bias = self.bias if self.kind == "topk_softmax" else None
+            return route(x, self.weight, bias, self.top_k, self.kind, self.norm_topk_prob)
+        return self._grouped(x)
 
     def _grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32

@@ -35,24 +35,6 @@ struct DecodeLayerParams {  // mirrored by kernels/build.py (ctypes): keep in sy
 
 namespace {
 
-// a . b over n floats: two 8-lane accumulators (a scalar fp32 reduction is latency-bound: ~4 cycles
-// per element), then the lanes in a fixed order.
-float dot(const float* a, const float* b, int64_t n) {
-  V8 acc0 = v_zero(), acc1 = v_zero();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = v_fma(v_load(a + i), v_load(b + i), acc0);
-    acc1 = v_fma(v_load(a + i + 8), v_load(b + i + 8), acc1);
-  }
-  for (; i + 8 <= n; i += 8) acc0 = v_fma(v_load(a + i), v_load(b + i), acc0);
-  float lanes[8];
-  v_store(lanes, v_add(acc0, acc1));
-  float s = 0.f;
-  for (int c = 0; c < 8; ++c) s += lanes[c];
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 void rms_norm(const float* x, const float* w, float* out, int64_t n, float eps) {
   const float ss = dot(x, x, n);
   const float r = 1.f / std::sqrt(ss / (float)n + eps);
@@ -128,30 +110,10 @@ extern "C" int moegate_decode_layer(const DecodeLayerParams* p, float* x, int64_
     std::memcpy(k_cache + s * nkv, row + nq, sizeof(float) * nkv);
     std::memcpy(v_cache + s * nkv, row + nq + nkv, sizeof(float) * nkv);
   }
-  auto attend = [&](int64_t item) {  // one (token, head)
-    const int64_t t = item / NH, h = item % NH, g = h / group;
-    int64_t n = ctx_len[t];
-    const int64_t* slots = ctx_slots + ctx_start[t];
-    if (p->window > 0 && n > p->window) {
-      slots += n - p->window;
-      n = p->window;
-    }
-    const float* qv = &q[t * n8_qkv * 8 + h * D];
-    std::vector<float> sc(n);
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) {
-      sc[j] = dot(qv, k_cache + slots[j] * nkv + g * D, D) * scale;
-      mx = std::max(mx, sc[j]);
-    }
-    float sum = 0.f;
-    for (int64_t j = 0; j < n; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
-    float* out = &att[t * nq + h * D];
-    for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
-    for (int64_t j = 0; j < n; ++j) {
-      const float* vv = v_cache + slots[j] * nkv + g * D;
-      const float pj = sc[j] / sum;
-      for (int64_t d = 0; d < D; ++d) out[d] += pj * vv[d];
-    }
+  auto attend = [&](int64_t item) {  // one (token, head): attention.h
+    const int64_t t = item / NH, h = item % NH;
+    attend_head(&q[t * n8_qkv * 8 + h * D], k_cache, v_cache, nkv, (h / group) * D, ctx_slots + ctx_start[t],
+                ctx_len[t], p->window, D, scale, &att[t * nq + h * D]);
   };
   int64_t cached = 0;  // K and V floats the heads read
   for (int64_t t = 0; t < T; ++t) cached += 2 * NH * D * (p->window > 0 ? std::min(ctx_len[t], p->window) : ctx_len[t]);
@@ -164,26 +126,8 @@ extern "C" int moegate_decode_layer(const DecodeLayerParams* p, float* x, int64_
   std::vector<float> wts(T * K), probs(E);
   for (int64_t t = 0; t < T; ++t) {
     rms_norm(x + t * H, p->ln2, &xn[t * H], H, eps);
-    float mx = -INFINITY;
-    for (int64_t e = 0; e < E; ++e) {
-      probs[e] = dot(&xn[t * H], p->router + e * H, H);
-      mx = std::max(mx, probs[e]);
-    }
-    float sum = 0.f;
-    for (int64_t e = 0; e < E; ++e) sum += (probs[e] = std::exp(probs[e] - mx));
-    for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
-    float wsum = 0.f;
-    for (int64_t k = 0; k < K; ++k) {  // top-k by weight, descending; ties -> lower expert id
-      int64_t best = -1;
-      for (int64_t e = 0; e < E; ++e)
-        if (probs[e] >= 0.f && (best < 0 || probs[e] > probs[best])) best = e;
-      topk_ids_out[t * K + k] = best;
-      wts[t * K + k] = probs[best];
-      wsum += probs[best];
-      probs[best] = -1.f;
-    }
-    if (p->norm_topk)
-      for (int64_t k = 0; k < K; ++k) wts[t * K + k] /= wsum;
+    route_row(&xn[t * H], p->router, nullptr, H, E, K, ROUTE_SOFTMAX, p->norm_topk != 0, nullptr, probs.data(),
+              &wts[t * K], &topk_ids_out[t * K]);  // router.h
   }
   const Problem P = make_problem(T, K, p->exp_fmt, E, H, p->I, p->exp_gs, p->gu_w, p->gu_s, p->gu_m, p->dn_w,
                                  p->dn_s, p->dn_m);

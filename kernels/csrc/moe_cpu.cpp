@@ -659,6 +659,8 @@ int linear_dispatch(int64_t fmt, const Mat& A, const float* x, float* out, int64
 
 }  // namespace
 
+#include "attention.h"
+#include "router.h"
 #include "decode_layer.h"
 #include "logits_mask.h"
 

@@ -1,0 +1,88 @@
+// Causal grouped-query attention over a paged fp32 KV cache, one (token, head) at a time: the attention of
+// the one-call decode layer (decode_layer.h) and of the torch modules' CPU fp32 path (kernels/attention.py,
+// prefill included). Each (token, head) is a fixed sequence of operations over its own context only
+// (scores in key order, max, exp and sum in key order, p-weighted values summed in key order), so its
+// bits never depend on the other tokens of the call, on how a prompt is cut into chunks, or on threads.
+// The softmax's exp is activation.h's float `v_exp`, 8 keys at a time (until 2026-11-26 libm's expf, one key
+// at a time; the float exp takes ~16% off a 128-token prefill's attention at D = 64, the value bits change
+// within fp32 rounding). Included by moe_cpu.cpp after activation.h, before decode_layer.h.
+#pragma once
+
+namespace {
+
+// a . b over n floats: two 8-lane accumulators (a scalar fp32 reduction is latency-bound: ~4 cycles
+// per element), then the lanes in a fixed order.
+float dot(const float* a, const float* b, int64_t n) {
+  V8 acc0 = v_zero(), acc1 = v_zero();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = v_fma(v_load(a + i), v_load(b + i), acc0);
+    acc1 = v_fma(v_load(a + i + 8), v_load(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = v_fma(v_load(a + i), v_load(b + i), acc0);
+  float lanes[8];
+  v_store(lanes, v_add(acc0, acc1));
+  float s = 0.f;
+  for (int c = 0; c < 8; ++c) s += lanes[c];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// out [D] = softmax(q . k_j * scale) . v_j over the keys at slots[0..n) (the last `window` of them when
+// window > 0), k_j = k_cache + slot * row + off (and v_j likewise): one query head against its KV head.
+void attend_head(const float* q, const float* k_cache, const float* v_cache, int64_t row, int64_t off,
+                 const int64_t* slots, int64_t n, int64_t window, int64_t D, float scale, float* out) {
+  if (window > 0 && n > window) {
+    slots += n - window;
+    n = window;
+  }
+  thread_local std::vector<float> scores;
+  if ((int64_t)scores.size() < n) scores.resize(n);
+  float* sc = scores.data();
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    sc[j] = dot(q, k_cache + slots[j] * row + off, D) * scale;
+    mx = std::max(mx, sc[j]);
+  }
+  // e^(s_j - max) 8 keys at a time by activation.h's v_exp (the tail padded: every key the same operations)
+  const V8 vmx = v_set1(mx);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) v_store(sc + j, v_exp(v_sub(v_load(sc + j), vmx)));
+  if (j < n) {
+    float tail[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    std::memcpy(tail, sc + j, sizeof(float) * (n - j));
+    v_store(tail, v_exp(v_sub(v_load(tail), vmx)));
+    std::memcpy(sc + j, tail, sizeof(float) * (n - j));
+  }
+  float sum = 0.f;
+  for (j = 0; j < n; ++j) sum += sc[j];
+  for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vv = v_cache + slots[j] * row + off;
+    const float pj = sc[j] / sum;
+    for (int64_t d = 0; d < D; ++d) out[d] += pj * vv[d];
+  }
+}
+
+}  // namespace
+
+// out [T, NH, D] (contiguous): token t's query head h (q + t * qst + h * qsh) attends over the cache rows
+// ctx_slots[ctx_start[t] .. + ctx_len[t]) (k_cache / v_cache [slots, KV, D] fp32; query head h reads KV
+// head h / (NH / KV)), the last `window` of them when window > 0. (token, head) pairs are split over
+// `nthreads` (the pool; one thread for a small job: threads_for). Returns -3 for NH not a multiple of KV.
+extern "C" int moegate_attention(const float* q, int64_t qst, int64_t qsh, const float* k_cache,
+                                 const float* v_cache, const int64_t* ctx_slots, const int64_t* ctx_start,
+                                 const int64_t* ctx_len, int64_t T, int64_t NH, int64_t KV, int64_t D,
+                                 int64_t window, double scale, float* out, int nthreads) {
+  if (KV <= 0 || NH % KV) return -3;
+  const int64_t group = NH / KV;
+  int64_t cached = 0;  // K and V floats the heads read
+  for (int64_t t = 0; t < T; ++t) cached += 2 * NH * D * (window > 0 ? std::min(ctx_len[t], window) : ctx_len[t]);
+  const int threads = moegate::threads_for(4 * cached, std::max(nthreads, 1));
+  moegate::WorkPool::instance().parallel_for(T * NH, 4, threads, [&](int64_t item) {
+    const int64_t t = item / NH, h = item % NH;
+    attend_head(q + t * qst + h * qsh, k_cache, v_cache, KV * D, (h / group) * D, ctx_slots + ctx_start[t],
+                ctx_len[t], window, D, (float)scale, out + (t * NH + h) * D);
+  });
+  return 0;
+}
