@@ -1,12 +1,14 @@
 """The one identity of a checkpoint: a digest of what names its weights, equal on every machine holding a copy.
 
 The numerics fingerprint (`system_fingerprint`), the prefix-cache roots and the gateway's fallback fingerprint
-all read `checkpoint_identity`. The pack cache keys its entries on `kernels.file_identity` instead (path, size,
+all read `checkpoint_identity`; the numerics fingerprint adds `code_identity`, the code that computes a token (a
+release whose kernel or model code changes a bit must not be served KV its predecessor stored on disk or in redis). The pack cache keys its entries on `kernels.file_identity` instead (path, size,
 mtime of each file): a local cache of derived bytes that must not outlive an edit of the file in place.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from pathlib import Path
@@ -18,6 +20,8 @@ _VERSION = b"moegate-checkpoint-v1"
 _GGUF_HEAD = 1 << 24  # metadata, tensor index and the first tensors of a GGUF file
 _HEADER_MAX = 100 * 2**20  # a safetensors header past this is corrupt; read no more
 _DATA_HEAD = 1 << 16  # the first tensor bytes: two checkpoints of one layout differ there
+_ROOT = Path(__file__).resolve().parent.parent
+_CODE = ("engine/**/*.py", "kernels/**/*.py", "kernels/csrc/*")  # what computes a token's bits
 
 
 def checkpoint_identity(model: str | Path) -> str:
@@ -58,3 +62,23 @@ def _safetensors_head(path: Path) -> bytes:
             return head
         (n,) = struct.unpack("<Q", head)
         return head + f.read(min(n, _HEADER_MAX)) + f.read(_DATA_HEAD)
+
+
+def code_identity() -> str:
+    """sha256 (hex) over the engine's and kernels' source files, the torch version and the compiled kernel variant
+    this process runs (its SIMD builds may round differently; "torch" where the kernel is off)."""
+    import torch
+
+    from kernels.fused_moe import cpp_disabled, kernel_variant
+
+    variant = "torch" if cpp_disabled() else kernel_variant()
+    return hashlib.sha256(f"{_sources_digest()}\0{torch.__version__}\0{variant}".encode()).hexdigest()
+
+
+@functools.cache
+def _sources_digest() -> str:
+    h = hashlib.sha256()
+    for path in sorted({p for pattern in _CODE for p in _ROOT.glob(pattern) if p.is_file()}):
+        h.update(path.relative_to(_ROOT).as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import uuid
 from collections.abc import Sequence as Seq
@@ -16,7 +17,7 @@ from engine.engine_config import EngineConfig
 from engine.errors import RequestError
 from engine.gguf_tokenizer import load_model_tokenizer
 from engine.hot_experts import HotSetUpdater
-from engine.identity import checkpoint_identity
+from engine.identity import checkpoint_identity, code_identity
 from engine.kv_cache import BlockManager, KVCacheSpec
 from engine.layerwise_prefill import LayerwisePrefill
 from engine.loader import load_model
@@ -82,7 +83,8 @@ class LLMEngine:
         self.fused_decode = model.fused_layers is not None  # small exploration batches: one call per layer
         self.numerics = numerics.resolved(self.device.type, self.fused_decode,  # what runs, per mode
                                           bool(model.batch_invariant(True)))
-        self._identity = checkpoint_identity(model_dir)[:16]
+        ident = f"{checkpoint_identity(model_dir)}:{code_identity()}"  # the weights and the code computing on them
+        self._identity = hashlib.sha256(ident.encode()).hexdigest()[:16]
         spec = (
             KVCacheSpec(config.num_kv_blocks, config.block_size)
             if config.num_kv_blocks

@@ -216,3 +216,41 @@ def test_shared_prefixes_under_preemption_and_abort_keep_block_accounting_exact(
     assert sum(s.num_preemptions for s in seqs) > 0
     assert sum(s.num_cached_tokens > 0 for s in seqs) > 0
     assert eng.blocks.num_free == 40 and eng.blocks.num_used() == 0
+
+
+def test_disk_entries_of_other_code_are_not_served(hf_checkpoint, tmp_path, monkeypatch):
+    """KV a build with other kernel or model code stored (another release, another SIMD build) is not served:
+    the code is part of the numerics fingerprint that roots every chain."""
+    import engine.llm_engine as llm_engine
+    from engine.identity import code_identity
+
+    path = hf_checkpoint("qwen3_moe")
+    prompt = _prompt(60, 8)
+    disk = dict(ram_cache_gib=0, disk_cache_dir=str(tmp_path))
+    first = _engine(path, **disk)
+    want = _run(first, "a", prompt)[0].token_ids
+    fingerprint = first.numerics_fingerprint("execution")
+    first.close()
+    monkeypatch.setattr(llm_engine, "code_identity", lambda: code_identity() + "-next-release")
+    upgraded = _engine(path, **disk)
+    assert upgraded.numerics_fingerprint("execution") != fingerprint
+    out = _run(upgraded, "b", prompt)[0]
+    assert out.token_ids == want and out.cache_hits.get("disk", 0) == 0 and out.num_cached_tokens == 0
+    upgraded.close()
+    monkeypatch.undo()
+    same = _engine(path, **disk)  # the code that stored them: served
+    assert same.numerics_fingerprint("execution") == fingerprint
+    assert _run(same, "c", prompt)[0].cache_hits == {"disk": 59 // BLOCK}
+
+
+def test_code_identity_names_the_kernel_build(monkeypatch):
+    from engine.identity import code_identity
+
+    monkeypatch.setenv("MOEGATE_DISABLE_CPP", "1")
+    torch_only = code_identity()
+    monkeypatch.delenv("MOEGATE_DISABLE_CPP")
+    monkeypatch.setenv("MOEGATE_KERNEL_VARIANT", "generic")
+    generic = code_identity()
+    monkeypatch.setenv("MOEGATE_KERNEL_VARIANT", "avx2")
+    assert len({torch_only, generic, code_identity()}) == 3
+    assert code_identity() == code_identity()
