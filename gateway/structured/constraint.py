@@ -278,11 +278,8 @@ class Constraint:
             return False
         if (grammar := self.matcher.allows(token)) is not True:
             return grammar
-        if self.guard is not None:
-            row = ids_to_row((token,), self.tok_words)
-            self.guard.filter(row)  # the filter of the full row, on this token alone
-            if not row.any():
-                return False
+        if self.guard is not None and not self.guard.keeps(np.array([token], dtype=np.int64))[0]:
+            return False  # (the full row's filter, run over this token alone)
         piece = self._token_bytes[token] if token < len(self._token_bytes) else None
         if self._ws_run >= self.max_whitespace_run and piece and not piece.strip():
             return None
