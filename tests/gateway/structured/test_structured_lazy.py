@@ -267,3 +267,22 @@ def test_number_guard_keeps_agrees_with_its_filter(tokinfo):
         checked, vetoes = checked + 1, vetoes + int((~want).sum())
         assert c.consume(token)
     assert checked > 10 and vetoes
+
+
+@pytest.mark.parametrize("sql", SQL_FORMS[:3])
+def test_eos_beside_a_guard_is_ruled_on_where_the_row_keeps_a_token(tokinfo, sql):
+    """At the end of a complete SQL statement EOS is answered without the full mask (";" or a space survives the
+    guard, so the row is no dead end) and agrees with it; half way an answer, if any, is the full mask's; once
+    ended, only EOS."""
+    ids = tokinfo.encode(sql)
+    for n in (len(ids) // 2, len(ids)):
+        c, ref = (build_constraint(sql_spec(DB), tokinfo, cache=CACHE) for _ in range(2))
+        c.advance(ids[:n])
+        ref.advance(ids[:n])
+        allowed = set(_allowed(ref, c.tok_words)[0].tolist())
+        for eos in tokinfo.eos_ids:
+            verdict = c.allows_token(eos)
+            assert verdict is (eos in allowed) if n == len(ids) else verdict in (None, eos in allowed)
+            assert (eos in allowed) is (n == len(ids))
+    c.advance([*ids, tokinfo.eos_ids[0]])
+    assert c.is_terminated() and c.allows_token(tokinfo.eos_ids[1]) is True and c.allows_token(ids[0]) is False
