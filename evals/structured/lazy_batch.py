@@ -39,12 +39,19 @@ def measure(model: Path, kind: str, batch: int, repeats: int, boost: float, max_
     masker = BatchMasker(prefetch=False)
     gen = torch.Generator().manual_seed(0)
     steps, hits, fallbacks = [], 0, 0
-    for repeat in range(repeats + 1):  # the first warms the caches a long-running engine has warm (start paths)
-        for group in (specs[:batch], specs[batch:2 * batch]):
-            cons = [build_constraint(s, info, eos_ids=eos, cache=cache, max_tokens=max_tokens, mask_batcher=masker)
-                    for s, _ in group]
-            seqs = [Sequence(f"r{j}", [1], SamplingParams(max_tokens=max_tokens, logits_processors=[c]))
-                    for j, c in enumerate(cons)]
+    # the first repeat warms the caches a long-running engine has warm (start paths); it is not counted
+    for repeat in range(repeats + 1):
+        for group in (specs[:batch], specs[batch : 2 * batch]):
+            cons = [
+                build_constraint(
+                    s, info, eos_ids=eos, cache=cache, max_tokens=max_tokens, mask_batcher=masker
+                )
+                for s, _ in group
+            ]
+            seqs = [
+                Sequence(f"r{j}", [1], SamplingParams(max_tokens=max_tokens, logits_processors=[c]))
+                for j, c in enumerate(cons)
+            ]
             for step in range(max_tokens):
                 if any(s.output_token_ids and s.output_token_ids[-1] in eos for s in seqs):
                     break  # (only steps where every row decodes, as engine_overhead counts them)
@@ -54,15 +61,21 @@ def measure(model: Path, kind: str, batch: int, repeats: int, boost: float, max_
                         logits[j, gold[step]] += boost
                 t0 = time.perf_counter()
                 tokens = sample(logits, seqs, info.vocab_size)
-                if repeat and step:  # (step 0 samples the prefill's token, which engine_overhead leaves out too)
+                # (step 0 samples the prefill's token, which engine_overhead leaves out too)
+                if repeat and step:
                     steps.append(time.perf_counter() - t0)
                 for s, t in zip(seqs, tokens, strict=True):
                     s.output_token_ids.append(t)
             hits += sum(c.lazy_hits for c in cons) if repeat else 0
             fallbacks += sum(c.lazy_fallbacks for c in cons) if repeat else 0
     masker.close()
-    return {"steps": len(steps), "ms_p50": 1e3 * statistics.median(steps), "ms_mean": 1e3 * statistics.fmean(steps),
-            "lazy_hits": hits, "lazy_fallbacks": fallbacks}
+    return {
+        "steps": len(steps),
+        "ms_p50": 1e3 * statistics.median(steps),
+        "ms_mean": 1e3 * statistics.fmean(steps),
+        "lazy_hits": hits,
+        "lazy_fallbacks": fallbacks,
+    }
 
 
 def main() -> int:
