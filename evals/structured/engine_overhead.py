@@ -262,7 +262,8 @@ def _compare(args, argv: list[str]) -> dict:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                 [str(path)] * (path is not None) + [os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-            cmd = [sys.executable, "-m", "evals.structured.engine_overhead", *argv, "--worker-out", f.name]
+            # -P: no working directory ahead of PYTHONPATH (`-m` puts it first, and its gateway/ would shadow REV's)
+            cmd = [sys.executable, "-P", "-m", "evals.structured.engine_overhead", *argv, "--worker-out", f.name]
             print(label, "...", flush=True)
             subprocess.run(cmd, check=True, env=env)
             out[label] = json.loads(Path(f.name).read_text())

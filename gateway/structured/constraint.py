@@ -44,6 +44,13 @@ def _hints(spec) -> tuple[bytes, ...]:
     return completion_hints(spec.source)
 
 
+@functools.lru_cache(maxsize=8)
+def _witness_ids(tokenizer: TokenizerInfo) -> tuple[int, ...]:
+    """The one-byte tokens ";", " " and newline: after almost any text one of them may follow, so one the grammar
+    allows and the guard keeps shows that a row is no dead end (Constraint._guard_leaves_some)."""
+    return tuple(i for i, b in enumerate(tokenizer.token_bytes) if b in (b";", b" ", b"\n"))
+
+
 @functools.lru_cache(maxsize=32)
 def _special_rows(tokenizer: TokenizerInfo, eos_ids: tuple[int, ...], n_words: int):
     """(EOS row, closing tiers, whitespace row) as uint32 [n_words] bitmask rows; shared, read-only."""
@@ -268,27 +275,33 @@ class Constraint:
 
     def allows_token(self, token: int) -> bool | None:
         """Whether `fill_bitmask` would allow `token` now (grammar, guard, EOS, whitespace and completion-plan
-        rules), found without the mask; None where the answer depends on the rest of the row (ended, the
-        closing window, a completion plan, a whitespace token past the run limit, EOS beside a guard)."""
-        if self.is_terminated() or self._closing() or self.plan:
+        rules), found without the mask; None where the answer depends on the rest of the row (the closing window,
+        a completion plan, a whitespace token past the run limit, EOS beside a guard that may leave nothing)."""
+        if self.is_terminated():
+            return token in self.eos_ids  # (the row is EOS alone)
+        if self._closing() or self.plan:
             return None
-        if token in self.eos_ids:  # (a guard's dead end would allow EOS alone: the row decides)
-            return self._matcher_accepts() if self.guard is None else None
+        if token in self.eos_ids:  # (a guard's dead end allows EOS alone: only a row the guard leaves some token
+            # in follows the acceptance rule)
+            return self._matcher_accepts() if self.guard is None or self._guard_leaves_some() else None
         if token >= self.vocab_size:
             return False
         if (grammar := self.matcher.allows(token)) is not True:
             return grammar
-        if self.guard is not None:
-            row = ids_to_row((token,), self.tok_words)
-            self.guard.filter(row)  # the filter of the full row, on this token alone
-            if not row.any():
-                return False
+        if self.guard is not None and not self.guard.keeps(np.array([token], dtype=np.int64))[0]:
+            return False  # (the full row's filter, run over this token alone)
         piece = self._token_bytes[token] if token < len(self._token_bytes) else None
         if self._ws_run >= self.max_whitespace_run and piece and not piece.strip():
             return None
         if not self._matcher_accepts() and self._planned_token() is not None:
             return None  # (the plan's token alone is allowed from here: the full mask says which)
         return True
+
+    def _guard_leaves_some(self) -> bool:
+        """True where a token that nearly every output can go on with (";", " ", a newline) is allowed by the
+        grammar and kept by the guard: the guard leaves this step's row non-empty (False: not known)."""
+        ids = [t for t in _witness_ids(self.compiled.tokenizer) if self.matcher.allows(t) is True]
+        return bool(ids) and bool(self.guard.keeps(np.array(ids, dtype=np.int64)).any())
 
     def may_force(self) -> bool:
         """False where no token can be forced now unless the grammar forces bytes (not ended, no completion

@@ -19,6 +19,7 @@ from .vocab import TokenizerInfo
 
 MAX_DECIMAL_EXPONENT = 308  # 1e308 < DBL_MAX ~ 1.797e308
 MAX_EXPONENT_DIGITS = 3
+NONE = np.zeros(0, dtype=np.int64)
 MEMO_ENTRIES = 20_000  # completion-search states remembered between two consumed tokens
 _DIGITS = frozenset(b"0123456789")
 _STARTS = frozenset(b'"-0123456789')
@@ -176,22 +177,35 @@ class FiniteNumberGuard:
     def allows_end(self) -> bool:
         return True
 
+    def _candidates(self) -> np.ndarray:
+        """The tokens (ascending ids) that could make a number overflow from this state: the only ones fed."""
+        state, tables = self.state, self.tables
+        if not self.active:
+            return NONE
+        if not state.in_number:
+            return tables.risky_ids
+        if state.part in ("int", "frac") and state.int_digits + tables.max_digits <= MAX_DECIMAL_EXPONENT:
+            return tables.exp_digit_ids  # more digits cannot overflow here; an exponent might
+        return tables.digit_ids
+
+    def _overflows(self, token: int) -> bool:
+        try:
+            self.state.feed(self.tables.pieces[token])
+        except _Overflow:
+            return True
+        return False
+
     def filter(self, out: np.ndarray) -> None:
         """Clear, in mask row `out` (uint32 words), the tokens that would make a number overflow."""
-        if not self.active:
-            return
-        state, tables = self.state, self.tables
-        if not state.in_number:
-            candidates = tables.risky_ids
-        elif state.part in ("int", "frac") and state.int_digits + tables.max_digits <= MAX_DECIMAL_EXPONENT:
-            candidates = tables.exp_digit_ids  # more digits cannot overflow here; an exponent might
-        else:
-            candidates = tables.digit_ids
-        if not len(candidates):
-            return
-        allowed = candidates[row_allows(out, candidates)]
-        for t in allowed.tolist():
-            try:
-                self.state.feed(self.tables.pieces[t])
-            except _Overflow:
+        candidates = self._candidates()
+        for t in candidates[row_allows(out, candidates)].tolist():
+            if self._overflows(t):
                 out[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+
+    def keeps(self, tokens: np.ndarray) -> np.ndarray:
+        """Whether `filter` keeps each of `tokens` (int64 ids) in a row that allows it."""
+        candidates = self._candidates()
+        at = np.minimum(np.searchsorted(candidates, tokens), max(len(candidates) - 1, 0))
+        fed = candidates[at] == tokens if len(candidates) else np.zeros(len(tokens), dtype=bool)
+        return np.array([not (f and self._overflows(t)) for t, f in zip(tokens.tolist(), fed.tolist(), strict=True)],
+                        dtype=bool)

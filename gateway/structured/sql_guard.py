@@ -16,6 +16,7 @@ from .sql_scope import _BANNED, _ID, SCHEMA_COMMENT, WORDS_COMMENT, SQLScope, SQ
 from .sql_tokens import (
     NONE,
     RELEVANT,
+    TokenTable,
     extending,
     tail_checks,
     tail_classes,
@@ -94,7 +95,18 @@ class SQLScopeGuard:
 
     def filter(self, out: np.ndarray) -> None:
         """Clear, in mask row `out` (uint32 words), the tokens that would leave a qualifier unbound
-        (or start a word that could only go on as one).
+        (or start a word that could only go on as one)."""
+        self._filter(out, self.table)
+
+    def keeps(self, tokens: np.ndarray) -> np.ndarray:
+        """Whether `filter` keeps each of `tokens` (int64 ids) in a row that allows it: the same rules run over a
+        table of these tokens alone (TokenTable.subset), so a few candidates cost no vocabulary-wide pass."""
+        row = np.full((len(tokens) + 31) // 32, 0xFFFFFFFF, dtype=np.uint32)
+        self._filter(row, self.table.subset(tokens))
+        return np.unpackbits(row.view(np.uint8), bitorder="little")[: len(tokens)].astype(bool)
+
+    def _filter(self, out: np.ndarray, tt: TokenTable) -> None:
+        """`filter` over the tokens of table `tt` (bit j of `out`: tt's token j).
 
         Only tokens that can veto are simulated. While a column name is written: identifier-only
         tokens by a prefix test, the others one by one. Otherwise, with nothing pending: tokens with
@@ -104,7 +116,7 @@ class SQLScopeGuard:
         (SQLScope.word_pool), a prefix test rules on the word being written (identifier-only tokens
         and the leading identifier of the others), and after a simulated head the identifier that
         follows it is tested the same way."""
-        s, tt = self.scope, self.table
+        s = self.scope
         bits = np.unpackbits(out.view(np.uint8), bitorder="little")[: len(tt.texts)].astype(bool)
         drop = np.zeros(len(out) * 32, dtype=bool)  # the vetoed tokens
         keep = bits & tt.delim
@@ -113,7 +125,7 @@ class SQLScopeGuard:
             # with it, the others end it with their leading identifier
             named = np.flatnonzero(keep & ~tt.lead_empty)
             keep &= tt.lead_empty
-            drop[self._any_name_heads(named)] = True
+            drop[self._any_name_heads(named, tt)] = True
         elif s.dot_q is not None:  # identifier-only tokens extend the column name: a prefix test
             drop[: len(bits)] |= bits & ~tt.delim & ~extending(tt, frozenset(columns), s.word)
             if not s.mode:  # (inside quotes every other token is simulated)
@@ -158,7 +170,7 @@ class SQLScopeGuard:
                     numbers = np.flatnonzero(bits & ~tt.delim & tt.digit_start)
                     drop[[t for t in numbers.tolist() if not s.ordinal_ok(s.word + tt.texts[t])]] = True
             if checks is not None:  # the identifier after the head may start a checked word
-                drop[self._safe_tails(np.flatnonzero(checks), sim)] = True
+                drop[self._safe_tails(np.flatnonzero(checks), sim, tt)] = True
             if any(f.func for f in s.stack):  # argument counts: "," and ")" may veto
                 sim |= tt.arg_marks
             elif s.words is not None and (s.word or s.at) in s.words.arity:  # a call opened and closed by one token
@@ -180,30 +192,30 @@ class SQLScopeGuard:
             keep &= sim
         cands = np.flatnonzero(keep)
         fast = (tt.qual[cands] >= 0) & ~tt.tailed[cands]  # `q.` with nothing after the dot
-        drop[self._qualifier_heads(cands, fast)] = True
+        drop[self._qualifier_heads(cands, fast, tt)] = True
         cands = cands[~fast]
         string = s.mode == "'" and s.string == "'"
         canon = tt.canon[1] if string else tt.canon[0] if not s.mode else tt.head
         heads = canon[cands]
         order = np.argsort(heads, kind="stable")
         cands, heads = cands[order], heads[order]
-        starts = np.flatnonzero(np.r_[True, heads[1:] != heads[:-1]])
+        starts = np.flatnonzero(np.concatenate(([True], heads[1:] != heads[:-1])))
         groups = zip(heads[starts].tolist(), np.split(cands, starts[1:]), strict=True) if cands.size else ()
         texts = tt.heads if s.mode and not string else tt.canons
-        self._simulate([(texts[h], members) for h, members in groups], drop)
+        self._simulate([(texts[h], members) for h, members in groups], drop, tt)
         out &= ~np.packbits(drop, bitorder="little").view(np.uint32)
 
-    def _any_name_heads(self, ids: np.ndarray) -> list[int]:
+    def _any_name_heads(self, ids: np.ndarray, tt: TokenTable) -> list[int]:
         """Vetoes among tokens (ids) that end a name any of which may follow `q.` with their leading
         identifier: simulated by what follows it (one stand-in name per group where that is punctuation
         only; one by one where it holds another word)."""
-        tt, drop = self.table, np.zeros(len(self.table.texts), dtype=bool)
+        drop = np.zeros(len(tt.texts), dtype=bool)
         if not ids.size:
             return []
         rests = tt.rest[ids]
         order = np.argsort(rests, kind="stable")
         ids, rests = ids[order], rests[order]
-        starts = np.flatnonzero(np.r_[True, rests[1:] != rests[:-1]])
+        starts = np.flatnonzero(np.concatenate(([True], rests[1:] != rests[:-1])))
         heads: list[tuple[str, np.ndarray]] = []
         for r, members in zip(rests[starts].tolist(), np.split(ids, starts[1:]), strict=True):
             rest = tt.rests[r]
@@ -211,10 +223,10 @@ class SQLScopeGuard:
                 heads += [(tt.texts[t][: len(tt.heads[tt.head[t]])], np.array([t])) for t in members.tolist()]
             else:
                 heads.append(("x" + rest, members))
-        self._simulate(heads, drop)
+        self._simulate(heads, drop, tt)
         return np.flatnonzero(drop).tolist()
 
-    def _simulate(self, heads: list[tuple[str, np.ndarray]], drop: np.ndarray) -> None:
+    def _simulate(self, heads: list[tuple[str, np.ndarray]], drop: np.ndarray, tt: TokenTable) -> None:
         """Feed each head (the text the tokens `members` share up to their last non-identifier byte)
         and set in `drop` the tokens it vetoes, or whose identifier after it cannot start a word there.
         The heads share their common prefixes: a trie of them walked depth first, each character fed
@@ -225,9 +237,9 @@ class SQLScopeGuard:
             for ch in head:
                 node = node.setdefault(ch, {})
             node[""] = np.concatenate((node[""], members)) if "" in node else members
-        self._walk(trie, self.scope.clone(), drop)
+        self._walk(trie, self.scope.clone(), drop, tt)
 
-    def _walk(self, node: dict, state: SQLScope, drop: np.ndarray) -> None:
+    def _walk(self, node: dict, state: SQLScope, drop: np.ndarray, tt: TokenTable) -> None:
         """`state` has read the text to `node`: rule on the heads that end there, then go on into each
         branch (the last one with `state` itself)."""
         if (members := node.get("")) is not None:
@@ -235,7 +247,7 @@ class SQLScopeGuard:
             if state.word and state.banned and not state.mode and state.only_banned(state.word):
                 drop[members] = True
             else:
-                self._after_head(state, members, drop)
+                self._after_head(state, members, drop, tt)
         kids = [ch for ch in node if ch]
         for i, ch in enumerate(kids):
             branch = state if i == len(kids) - 1 else state.clone()
@@ -244,12 +256,11 @@ class SQLScopeGuard:
             except _Veto:
                 drop[_trie_members(node[ch])] = True
                 continue
-            self._walk(node[ch], branch, drop)
+            self._walk(node[ch], branch, drop, tt)
 
-    def _after_head(self, state: SQLScope, members: np.ndarray, drop: np.ndarray) -> None:
+    def _after_head(self, state: SQLScope, members: np.ndarray, drop: np.ndarray, tt: TokenTable) -> None:
         """Set in `drop` the tokens `members` (whose head `state` has read) whose identifier after the
         head cannot start a word there (`state` is left as it was)."""
-        tt = self.table
         if state.in_by_list() and (numbers := members[tt.digit_tail[members]]).size:
             drop[[t for t in numbers.tolist() if not state.ordinal_ok(tt.texts[t][len(tt.heads[tt.head[t]]):])]] = True
         if state.mode and state.mode != state.string:  # the tail starts a quoted name
@@ -272,11 +283,11 @@ class SQLScopeGuard:
                         banned[ids] = True
                 drop[tailed[banned[tailed]]] = True
 
-    def _safe_tails(self, checks: np.ndarray, sim: np.ndarray) -> np.ndarray:
+    def _safe_tails(self, checks: np.ndarray, sim: np.ndarray, tt: TokenTable) -> np.ndarray:
         """Vetoes among tokens (ids `checks`) with an identifier after their head, without simulating
         the heads that change nothing but where a word starts (_SAFE_HEAD), by the byte before that
         identifier (classes with one pool each); sets the other tokens in `sim`."""
-        s, tt = self.scope, self.table
+        s = self.scope
         veto = [NONE]
         if not checks.size:
             return NONE
@@ -301,10 +312,10 @@ class SQLScopeGuard:
         sim[checks] = True
         return np.concatenate(veto)
 
-    def _qualifier_heads(self, cands: np.ndarray, is_qual: np.ndarray) -> list[int]:
+    def _qualifier_heads(self, cands: np.ndarray, is_qual: np.ndarray, tt: TokenTable) -> list[int]:
         """Vetoes among tokens whose head is `<whitespace><identifier>.` (thousands where any name
         may start a qualifier): unbound names, unless a scope before its FROM can still bind them."""
-        tt, s = self.table, self.scope
+        s = self.scope
         cands = cands[is_qual]
         if not cands.size:
             return []

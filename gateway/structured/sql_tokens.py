@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -56,6 +56,19 @@ class TokenTable:
     arg_marks: np.ndarray  # [V] bool: holds "," or ")"
     call_marks: np.ndarray  # [V] bool: holds "(" and after it "," or ")"
     has_digit: np.ndarray  # [V] bool: holds a digit
+    ids: np.ndarray | None = None  # a subset's token ids (index j is token ids[j]); None: the whole vocabulary
+
+    def subset(self, ids: np.ndarray) -> TokenTable:
+        """The table of the tokens `ids` alone, indexed 0..len(ids)-1 (a few candidates filtered without
+        vocabulary-wide arrays); heads, canons and rests stay this table's (head / canon / rest index them)."""
+        picked = ids.tolist()
+        values = _key_dicts([self.texts[i] for i in picked])
+        for name in _FIELDS:
+            v = getattr(self, name)
+            values[name] = (ids if name == "ids" else [v[i] for i in picked] if name in ("texts", "lower")
+                            else tuple(a[ids] for a in v) if name == "canon"
+                            else v[ids] if isinstance(v, np.ndarray) else v)
+        return TokenTable(**values)
 
 
 def _canonical(head: str, in_string: bool) -> str:
@@ -87,9 +100,49 @@ def _canonical(head: str, in_string: bool) -> str:
     return "".join(out) + gap
 
 
+def _per_table(maxsize: int):
+    """lru_cache for a function of (table, ...) on the whole-vocabulary table; a subset's (a few tokens, a new
+    table each time) is computed directly and evicts nothing."""
+    def wrap(fn):
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(tt: TokenTable, *args):
+            return cached(tt, *args) if tt.ids is None else fn(tt, *args)
+        return call
+    return wrap
+
+
+def _keys(t: str) -> tuple[str | None, list[str], str | None, str | None, str | None]:
+    """Token text `t` -> its keys in TokenTable's dicts: (leads, inners, quals, idents, tails), None where absent."""
+    cuts = [k for k, ch in enumerate(t) if ch not in _ID]
+    if not cuts:
+        return None, [], None, t.lower() if t else None, None
+    h = t[: cuts[-1] + 1]
+    inner = [t[a + 1:c].lower() for a, c in zip(cuts, cuts[1:], strict=False) if c > a + 1]
+    qual = m.group(1).lower() if (m := _QUAL_HEAD.match(h)) and "." not in t[len(h):] else None
+    return t[: cuts[0]].lower(), inner, qual, None, t[len(h):].lower() or None
+
+
+_DICTS = ("leads", "inners", "quals", "idents", "tails")
+_FIELDS = tuple(f.name for f in fields(TokenTable) if f.name not in _DICTS)
+
+
+def _key_dicts(texts: list[str]) -> dict[str, dict[str, np.ndarray]]:
+    """TokenTable's dicts over `texts` (key -> the indices of the texts that have it)."""
+    found: dict[str, dict[str, list[int]]] = {name: {} for name in _DICTS}
+    for i, t in enumerate(texts):
+        lead, inner, qual, ident, tail = _keys(t)
+        for name, keys in zip(_DICTS, ([lead], inner, [qual], [ident], [tail]), strict=True):
+            for k in keys:
+                if k is not None:
+                    found[name].setdefault(k, []).append(i)
+    return {name: {k: np.array(v, dtype=np.int64) for k, v in d.items()} for name, d in found.items()}
+
+
 @functools.lru_cache(maxsize=8)
 def token_table(tokenizer: TokenizerInfo) -> TokenTable:
-    texts, index, nindex, rindex, leads, inners, quals, idents, tails = [], {}, {}, {}, {}, {}, {}, {}, {}
+    texts, index, nindex, rindex = [], {}, {}, {}
     n = tokenizer.vocab_size
     delim, dots, hot, tailed, lead_empty, first_dot, digit_start, digit_tail = (
         np.zeros(n, dtype=bool) for _ in range(8))
@@ -103,8 +156,6 @@ def token_table(tokenizer: TokenizerInfo) -> TokenTable:
         digit_start[i] = t[:1].isdigit()
         cuts = [k for k, ch in enumerate(t) if ch not in _ID]
         if not cuts:
-            if t:
-                idents.setdefault(t.lower(), []).append(i)
             continue
         h = t[: cuts[-1] + 1]
         delim[i], dots[i] = True, "." in t
@@ -114,27 +165,20 @@ def token_table(tokenizer: TokenizerInfo) -> TokenTable:
             body = h.rstrip(" \t\r\n")
             tail_at[i] = 0 if not body else 1 if body[-1] in _ID else ord(body[-1])
             safe[i], safe_comma[i] = set(h) <= _SAFE_HEAD, set(h) <= _SAFE_HEAD | {","}
-            tails.setdefault(tail, []).append(i)
         words = [t[a + 1:c].lower() for a, c in zip(cuts, cuts[1:], strict=False) if c > a + 1]
-        for w in words:
-            inners.setdefault(w, []).append(i)
         hot[i] = bool(_HOT_CHARS & set(h)) or any(w in RELEVANT for w in words)
         head[i] = index.setdefault(h, len(index))
         rest[i] = rindex.setdefault(h[cuts[0]:], len(rindex))
         canon_out[i] = nindex.setdefault(_canonical(h, False), len(nindex))
         canon_in[i] = nindex.setdefault(_canonical(h, True), len(nindex))
-        leads.setdefault(t[: cuts[0]].lower(), []).append(i)
-        if (m := _QUAL_HEAD.match(h)) and "." not in t[len(h):]:
+        if _QUAL_HEAD.match(h) and "." not in t[len(h):]:
             qual[i] = 1
-            quals.setdefault(m.group(1).lower(), []).append(i)
-    def arrays(d: dict[str, list[int]]) -> dict[str, np.ndarray]:
-        return {k: np.array(v, dtype=np.int64) for k, v in d.items()}
-
+    d = _key_dicts(texts)
     return TokenTable(texts, [t.lower() for t in texts], delim, dots, hot, head, list(index), (canon_out, canon_in),
                        list(nindex),
                        rest, list(rindex),
-                       arrays(leads),
-                       arrays(inners), qual, arrays(quals), arrays(idents), arrays(tails), tailed, tail_at,
+                       d["leads"],
+                       d["inners"], qual, d["quals"], d["idents"], d["tails"], tailed, tail_at,
                        safe, safe_comma, lead_empty, first_dot, digit_start, digit_tail,
                        np.array([t[:1] in _QUOTE_OPEN for t in texts], dtype=bool),
                        np.array([any(q in t for q in '"`[]') for t in texts], dtype=bool),
@@ -144,15 +188,21 @@ def token_table(tokenizer: TokenizerInfo) -> TokenTable:
                        np.array([any(c.isdigit() for c in t) for t in texts], dtype=bool))
 
 
-@functools.lru_cache(maxsize=64)
+def _byte_set(codes: list[int]) -> np.ndarray:
+    """[256] bool: `codes` set (a lookup by a uint8 array; np.isin sorts, ~0.2 ms on a few tokens)."""
+    found = np.zeros(256, dtype=bool)
+    found[codes] = True
+    return found
+
+
+@_per_table(maxsize=64)
 def tail_checks(tt: TokenTable, before_operand: frozenset[str]) -> np.ndarray:
     """[V] bool: tokens whose identifier after the last non-identifier byte may start a checked word
     (the head ends in punctuation that may precede an operand, or in a word or whitespace)."""
-    codes = [0, 1] + [ord(c) for c in before_operand if len(c) == 1]
-    return tt.tailed & np.isin(tt.tail_at, np.array(codes, dtype=np.uint8))
+    return tt.tailed & _byte_set([0, 1] + [ord(c) for c in before_operand if len(c) == 1])[tt.tail_at]
 
 
-@functools.lru_cache(maxsize=64)
+@_per_table(maxsize=64)
 def tail_classes(tt: TokenTable, before_operand: frozenset[str], after: frozenset[str]) -> dict[str, np.ndarray]:
     """Tokens with an identifier after their head, by the punctuation before it ("" for whitespace),
     one class per pool: the bytes with words of their own (in `after`), and one for the rest."""
@@ -161,37 +211,47 @@ def tail_classes(tt: TokenTable, before_operand: frozenset[str], after: frozense
     classes = {"": tt.tailed & (tt.tail_at == 0)}
     classes |= {c: tt.tailed & (tt.tail_at == ord(c)) for c in own}
     if rest:
-        classes[rest[0]] = tt.tailed & np.isin(tt.tail_at, np.array([ord(c) for c in rest], dtype=np.uint8))
+        classes[rest[0]] = tt.tailed & _byte_set([ord(c) for c in rest])[tt.tail_at]
     return classes
 
 
 NONE = np.zeros(0, dtype=np.int64)
 
 
+@functools.lru_cache(maxsize=256)
+def _pieces(words: frozenset[str], word: str) -> frozenset[str]:
+    """The non-empty texts after which `word` is still a prefix of one of `words`."""
+    n = len(word)
+    return frozenset(w[n:k] for w in words if w.startswith(word) for k in range(n + 1, len(w) + 1))
+
+
+def _lookup(table: dict[str, np.ndarray], keys: frozenset[str]) -> list[np.ndarray]:
+    """The id arrays of `keys` in `table`, walking the smaller of the two (a subset's dicts hold a few keys)."""
+    if len(table) < len(keys):
+        return [ids for k, ids in table.items() if k in keys]
+    return [ids for k in keys if (ids := table.get(k)) is not None]
+
+
 def _word_ids(tt: TokenTable, pool: WordPool, word: str) -> np.ndarray:
     """Tokens that keep `word` a prefix of a word of `pool`: identifier-only ones that extend it, and
     ones whose leading identifier completes it (before a "." only as a qualifier)."""
-    n, ids = len(word), []
-    pieces = {a[n:k] for a in pool.words if a.startswith(word) for k in range(n + 1, len(a) + 1)}
-    ids += [x for p in pieces if (x := tt.idents.get(p)) is not None]
+    n, ids = len(word), _lookup(tt.idents, _pieces(pool.words, word))
     for a in pool.words:
         if len(a) > n and a.startswith(word) and (x := tt.leads.get(a[n:])) is not None:
             ids.append(x if a in pool.ends else x[tt.first_dot[x]])
     return np.concatenate(ids) if ids else NONE
 
 
-@functools.lru_cache(maxsize=256)
+@_per_table(maxsize=256)
 def extending(tt: TokenTable, words: frozenset[str], word: str) -> np.ndarray:
     """[V] bool: identifier-only tokens after which `word` is still a prefix of one of `words`."""
     ok = np.zeros(len(tt.texts), dtype=bool)
-    n = len(word)
-    for piece in {w[n:k] for w in words if w.startswith(word) for k in range(n + 1, len(w) + 1)}:
-        if (ids := tt.idents.get(piece)) is not None:
-            ok[ids] = True
+    for ids in _lookup(tt.idents, _pieces(words, word)):
+        ok[ids] = True
     return ok
 
 
-@functools.lru_cache(maxsize=64)
+@_per_table(maxsize=64)
 def word_mask(tt: TokenTable, pool: WordPool, word: str) -> np.ndarray:
     """[V] bool: the tokens that keep `word` (being written where `pool` applies) within it."""
     ok = np.zeros(len(tt.texts), dtype=bool)
@@ -205,12 +265,11 @@ def word_mask(tt: TokenTable, pool: WordPool, word: str) -> np.ndarray:
     return ok
 
 
-@functools.lru_cache(maxsize=64)
+@_per_table(maxsize=64)
 def tail_mask(tt: TokenTable, pool: WordPool) -> np.ndarray:
     """[V] bool: tokens whose identifier after their last non-identifier byte starts a word of
     `pool` (or a number)."""
     ok = tt.digit_tail.copy()
-    pieces = {a[:k] for a in pool.words for k in range(1, len(a) + 1)}
-    if ids := [x for p in pieces if (x := tt.tails.get(p)) is not None]:
+    if ids := _lookup(tt.tails, _pieces(pool.words, "")):
         ok[np.concatenate(ids)] = True
     return ok

@@ -219,3 +219,70 @@ def test_allows_token_agrees_with_the_full_mask_on_every_token(tokinfo, kind):
             assert verdict is None or verdict == (t in allowed), (tokinfo.decode(ids[:n]), tokinfo.decode([t]), verdict)
             answered += verdict is not None
     assert answered > tokinfo.vocab_size
+
+
+SQL_FORMS = [
+    "SELECT t.symbol, a.name FROM trades AS t JOIN accounts AS a ON t.account_id = a.id WHERE t.qty > 10",
+    "WITH recent AS (SELECT account_id, max(ts) AS last_ts FROM trades GROUP BY account_id) "
+    "SELECT a.name, r.last_ts FROM accounts AS a JOIN recent AS r ON a.id = r.account_id",
+    "SELECT T1.symbol FROM (SELECT symbol, count(*) AS n FROM trades GROUP BY symbol) AS T1 ORDER BY T1.n DESC",
+    "SELECT symbol, sum(qty) AS n FROM trades WHERE name = 'it''s' GROUP BY symbol HAVING n > 10 ORDER BY 2, 1",
+    "SELECT \"symbol\", count(*) FROM trades WHERE ts LIKE '2024%' AND price BETWEEN 1 AND 2 LIMIT 5",
+]
+
+
+@pytest.mark.parametrize("sql", SQL_FORMS)
+def test_guard_keeps_agrees_with_its_filter(tokinfo, sql):
+    """SQLScopeGuard.keeps (the filter's rules over a table of the candidates alone, the lazy check) against the
+    whole-row filter, at every state along SQL that exercises scopes, CTEs, derived tables, strings, quoted
+    names, ordinals and functions: on every grammar-allowed id at once, and one id at a time."""
+    c = build_constraint(sql_spec(DB), tokinfo, cache=CACHE)
+    vetoes = 0
+    for token in tokinfo.encode(sql):
+        grammar = torch.zeros(1, c.tok_words, dtype=torch.int32)
+        c.matcher.fill_bitmask(grammar[0].data_ptr(), c.tok_words)
+        ids = row_ids(grammar[0], c.vocab_size)
+        row = grammar[0].numpy().view(np.uint32).copy()
+        c.guard.filter(row)
+        want = np.isin(ids, row_ids(row))
+        assert np.array_equal(c.guard.keeps(ids), want), (sql, tokinfo.decode([token]))
+        for j in range(0, len(ids), max(1, len(ids) // 50)):
+            assert c.guard.keeps(ids[j:j + 1])[0] == want[j], (tokinfo.decode([int(ids[j])]), sql)
+        vetoes += int((~want).sum())
+        assert c.consume(token)
+    assert vetoes, "the guard vetoed some grammar-allowed token along the way"
+
+
+def test_number_guard_keeps_agrees_with_its_filter(tokinfo):
+    """FiniteNumberGuard.keeps against its whole-row filter inside and outside numbers, near the exponent limit."""
+    spec = json_schema_spec({"type": "object", "properties": {"x": {"type": "number"}, "s": {"type": "string"}}})
+    c = build_constraint(spec, tokinfo, cache=CACHE)
+    every = np.arange(tokinfo.vocab_size, dtype=np.int64)
+    checked = vetoes = 0
+    for token in tokinfo.encode('{"x":123456789012e295,"s":"1e999"}'):
+        row = np.full(c.tok_words, 0xFFFFFFFF, dtype=np.uint32)
+        c.guard.filter(row)
+        want = np.isin(every, row_ids(row))
+        assert np.array_equal(c.guard.keeps(every), want)
+        checked, vetoes = checked + 1, vetoes + int((~want).sum())
+        assert c.consume(token)
+    assert checked > 10 and vetoes
+
+
+@pytest.mark.parametrize("sql", SQL_FORMS[:3])
+def test_eos_beside_a_guard_is_ruled_on_where_the_row_keeps_a_token(tokinfo, sql):
+    """At the end of a complete SQL statement EOS is answered without the full mask (";" or a space survives the
+    guard, so the row is no dead end) and agrees with it; half way an answer, if any, is the full mask's; once
+    ended, only EOS."""
+    ids = tokinfo.encode(sql)
+    for n in (len(ids) // 2, len(ids)):
+        c, ref = (build_constraint(sql_spec(DB), tokinfo, cache=CACHE) for _ in range(2))
+        c.advance(ids[:n])
+        ref.advance(ids[:n])
+        allowed = set(_allowed(ref, c.tok_words)[0].tolist())
+        for eos in tokinfo.eos_ids:
+            verdict = c.allows_token(eos)
+            assert verdict is (eos in allowed) if n == len(ids) else verdict in (None, eos in allowed)
+            assert (eos in allowed) is (n == len(ids))
+    c.advance([*ids, tokinfo.eos_ids[0]])
+    assert c.is_terminated() and c.allows_token(tokinfo.eos_ids[1]) is True and c.allows_token(ids[0]) is False
