@@ -1,13 +1,12 @@
 """Budget closing: the shortest token path from a matcher's state to a complete (accepting) output.
 
-Used by Constraint when the token budget runs low: a breadth-first search over copies of the
-llguidance matcher, one level per token, expanding each state by its allowed one-byte tokens
-(all allowed tokens where the grammar forces a longer one). States at one depth that allow the same
-token set are merged (their futures are the same as far as the next mask can tell), so a level holds
-a handful of states and a depth-d search costs about d x (states x candidates) mask computations.
-Every path it returns was consumed by a real matcher copy, so following it can never break the
-grammar; it is the shortest among the candidate tokens (one-byte tokens), so budget checks that use
-its length are conservative.
+Used by Constraint when the token budget runs low: a depth-first search (`shortest_completion`) over
+copies of the llguidance matcher, one move per token or forced run, trying closers first and expanding
+each state by its allowed one-byte tokens (all allowed tokens where the grammar forces a longer one).
+A child that allows the same token set with the same forced bytes as its parent made no visible
+progress and is tried last; a search stops at its node budget, one mask computation per node. Every path it returns was consumed
+by a real matcher copy, so following it can never break the grammar; moves are one-byte tokens where
+the grammar leaves a choice, so budget checks that use its length are conservative.
 """
 
 from __future__ import annotations
