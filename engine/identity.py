@@ -1,9 +1,10 @@
 """The one identity of a checkpoint: a digest of what names its weights, equal on every machine holding a copy.
 
 The numerics fingerprint (`system_fingerprint`), the prefix-cache roots and the gateway's fallback fingerprint
-all read `checkpoint_identity`; the numerics fingerprint adds `code_identity`, the code that computes a token (a
-release whose kernel or model code changes a bit must not be served KV its predecessor stored on disk or in redis). The pack cache keys its entries on `kernels.file_identity` instead (path, size,
-mtime of each file): a local cache of derived bytes that must not outlive an edit of the file in place.
+all read `checkpoint_identity`; the numerics fingerprint adds `code_identity`, the code that computes a token
+(a release whose kernel or model code changes a bit must not be served KV its predecessor stored on disk or in
+redis). The pack cache keys its entries on `kernels.file_identity` instead (path, size, mtime of each file): a
+local cache of derived bytes that must not outlive an edit of the file in place.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ Used by Constraint when the token budget runs low: a depth-first search (`shorte
 copies of the llguidance matcher, one move per token or forced run, trying closers first and expanding
 each state by its allowed one-byte tokens (all allowed tokens where the grammar forces a longer one).
 A child that allows the same token set with the same forced bytes as its parent made no visible
-progress and is tried last; a search stops at its node budget, one mask computation per node. Every path it returns was consumed
-by a real matcher copy, so following it can never break the grammar; moves are one-byte tokens where
-the grammar leaves a choice, so budget checks that use its length are conservative.
+progress and is tried last; a search stops at its node budget, one mask computation per node. Every
+path it returns was consumed by a real matcher copy, so following it can never break the grammar;
+moves are one-byte tokens where the grammar leaves a choice, so budget checks that use its length
+are conservative.
 """
 
 from __future__ import annotations
