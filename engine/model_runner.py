@@ -5,7 +5,8 @@ Exploration chunks share one batched forward (with expert deferral when configur
 execution path (engine/models/fused_decode.py): each row's arithmetic there is fixed by the row alone,
 so its bytes never depend on what else is in flight or on how its prompt was chunked. Where that path
 is not built (architectures it does not cover, CUDA, non-fp32 dtypes) each execution chunk runs in a
-forward of its own on torch, batch invariant by serialising.
+forward of its own on torch, batch invariant by serialising. A step of decodes only on the fused path runs
+without a ForwardBatch (`FusedDecodeStep`: token ids to logits in two kernel calls, the same bits).
 """
 
 from __future__ import annotations
