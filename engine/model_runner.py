@@ -5,7 +5,8 @@ Exploration chunks share one batched forward (with expert deferral when configur
 execution path (engine/models/fused_decode.py): each row's arithmetic there is fixed by the row alone,
 so its bytes never depend on what else is in flight or on how its prompt was chunked. Where that path
 is not built (architectures it does not cover, CUDA, non-fp32 dtypes) each execution chunk runs in a
-forward of its own on torch, batch invariant by serialising.
+forward of its own on torch, batch invariant by serialising. A step of decodes only on the fused path runs
+without a ForwardBatch (`FusedDecodeStep`: token ids to logits in two kernel calls, the same bits).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from engine.expert_pipeline import ExpertPipeline
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import BlockManager, KVCacheSpec, allocate_kv_cache
 from engine.models.causal_lm import MoeForCausalLM
+from engine.models.fused_decode import SMALL_BATCH_TOKENS, FusedDecodeStep
 from engine.recurrent_state import RecurrentStates, layer_caches
 from engine.scheduler import ScheduledChunk
 
@@ -47,6 +49,7 @@ class ModelRunner:
         # numpy; the batch's tensors are kept views of it, so a decode step makes no tensor for them
         self._token_buffer = torch.empty(3, 0, dtype=torch.long)
         self._token_views: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._decode_steps: dict[bool, FusedDecodeStep] = {}  # per profile (exact): `_decode_step`
 
     def set_defer(self, defer: int) -> None:
         """Exploration's deferral for the batches built from now on (between steps)."""
@@ -110,7 +113,12 @@ class ModelRunner:
         return view
 
     def run(self, chunks: list[ScheduledChunk], blocks: BlockManager) -> torch.Tensor:
-        """All scheduled chunks -> fp32 logits [S, V]: `num_logits` rows per chunk that samples, in chunk order."""
+        """All scheduled chunks -> fp32 logits [S, V]: `num_logits` rows per chunk that samples, in chunk order. A
+        fused decode step's (`_decode_step`) are a view of that step's kept buffer: valid until the next `run`."""
+        if (step := self._decode_step(chunks)) is not None:
+            if torch.get_num_threads() != 1:  # a small forward's rule (`forward`): nothing here runs on torch's
+                torch.set_num_threads(1)
+            return step(chunks, blocks)
         explore = [c for c in chunks if c.seq.mode != "execution"]
         execute = [c for c in chunks if c.seq.mode == "execution"]
         groups = [(explore, False)] if explore else []
@@ -128,6 +136,33 @@ class ModelRunner:
                 logits[id(c)] = rows
         sampled = [logits[id(c)] for c in chunks if c.samples]
         return torch.cat(sampled) if sampled else torch.empty(0, self.model.config.vocab_size)
+
+    def _decode_step(self, chunks: list[ScheduledChunk]) -> FusedDecodeStep | None:
+        """The fused decode step for these chunks (engine/models/fused_decode.py), or None: a step of decodes only
+        (one token and one logits row each: no prefill chunk, no drafts) of one mode, where that mode's forward
+        would run the fused stack and a compiled lm_head anyway (exploration: no deferral, <= SMALL_BATCH_TOKENS)."""
+        if self.device.type != "cpu" or not 0 < len(chunks) <= SMALL_BATCH_TOKENS:
+            return None
+        exact = chunks[0].seq.mode == "execution"
+        for c in chunks:
+            if c.num_tokens != 1 or c.num_logits != 1 or (c.seq.mode == "execution") != exact:
+                return None
+        model = self.model
+        if exact:
+            stack, head = model.exact_layers, model.exact_head
+            threads = stack.num_threads if stack is not None else 0
+        else:
+            lm = model.fast_lm_head
+            stack, head = model.fused_layers, lm.packed if lm is not None and not self.defer else None
+            threads = lm.num_threads if head is not None else 0
+        if stack is None or head is None:
+            return None
+        step = self._decode_steps.get(exact)
+        if step is None or step.stack is not stack or step.head is not head:
+            if not FusedDecodeStep.takes(model):
+                return None
+            step = self._decode_steps[exact] = FusedDecodeStep(model, stack, head, threads, self.layer_caches)
+        return step
 
     @torch.inference_mode()
     def read_block(self, block: int) -> torch.Tensor:

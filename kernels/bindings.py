@@ -1,7 +1,8 @@
 """Typed calls into the compiled kernel library for code outside kernels/ (kernels/build.py declares every
 entry point): the logits mask of constrained decoding (`moegate_apply_bitmask`, csrc/logits_mask.h), the
 one-call decoder layer (`moegate_decode_layer`, csrc/decode_layer.h) and the whole stack of them in one call
-(`moegate_decode_stack`)."""
+(`moegate_decode_stack`); `DecodeStackCall` and `LinearCall`: the stack and a packed projection over buffers kept
+between calls, their arguments checked and converted once (a decode step passes its row count)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import functools
 import torch
 
 from kernels.build import DecodeLayerParams as DecodeLayerParams
+from kernels.formats import FORMAT_CODE
 from kernels.fused_moe import kernel_library
 
 
@@ -78,3 +80,76 @@ def run_decode_stack(lib, layers: ctypes.Array, x: torch.Tensor, cos: torch.Tens
         ctypes.c_int(num_threads))
     if rc != 0:
         raise RuntimeError(f"moegate_decode_stack failed with code {rc}")
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr() if t is not None else None)
+
+
+class DecodeStackCall:
+    """`run_decode_stack` over buffers kept between calls: x [R, H], cos / sin [R, D], slot_mapping, start, length
+    [R] int64, slots [>= the contexts' total] int64, ids [R, K] int64 and the norm's out [R, H] are checked and
+    their pointers converted to ctypes once, so a call passes only its row count T <= R (rows [0, T) of each).
+    The entry point is looked up on the library at each call (a timer wrapped around it sees every call)."""
+
+    def __init__(self, lib, layers: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 k_caches: ctypes.Array, v_caches: ctypes.Array, slot_mapping: torch.Tensor, slots: torch.Tensor,
+                 start: torch.Tensor, length: torch.Tensor, ids: torch.Tensor, counts: ctypes.Array, num_threads: int,
+                 norm: tuple[torch.Tensor, float, torch.Tensor]) -> None:
+        rows, weight, (eps, out) = x.shape[0], norm[0], norm[1:]
+        floats, ints = (x, cos, sin, weight, out), (slot_mapping, slots, start, length, ids)
+        if not all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in floats):
+            raise ValueError("x, cos, sin and the norm's weight and out must be contiguous fp32 on the CPU")
+        if not all(t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu" for t in ints):
+            raise ValueError("slot_mapping, slots, start, length and ids must be contiguous int64 on the CPU")
+        if min(cos.shape[0], sin.shape[0], slot_mapping.shape[0], start.shape[0], length.shape[0], ids.shape[0],
+               out.shape[0]) < rows or weight.shape != x.shape[1:] or out.shape[1:] != x.shape[1:]:
+            raise ValueError(f"every buffer needs the {rows} rows of x; the norm weight [H] and out [R, H]")
+        self.lib, self.rows = lib, rows
+        self._keep = (layers, *floats, k_caches, v_caches, *ints, counts)
+        self._head = (layers, ctypes.c_int64(len(layers)), _ptr(x))
+        self._tail = (_ptr(cos), _ptr(sin), k_caches, v_caches, _ptr(slot_mapping), _ptr(slots), _ptr(start),
+                      _ptr(length), _ptr(ids), counts, _ptr(weight), ctypes.c_double(eps), _ptr(out),
+                      ctypes.c_int(num_threads))
+
+    def __call__(self, rows: int) -> None:
+        if not 0 < rows <= self.rows:
+            raise ValueError(f"rows must be in [1, {self.rows}], got {rows}")
+        rc = self.lib.moegate_decode_stack(*self._head, rows, *self._tail)
+        if rc != 0:
+            raise RuntimeError(f"moegate_decode_stack failed with code {rc}")
+
+
+class LinearCall:
+    """`PackedLinear.__call__`'s kernel call (kernels/linear.py) from the first rows of a kept input x [R, K] into
+    a kept output out [R, N rounded up to 8] fp32, the arguments checked and converted once."""
+
+    def __init__(self, lib, linear, x: torch.Tensor, out: torch.Tensor, num_threads: int) -> None:
+        rows = x.shape[0]
+        if not all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" and t.dim() == 2
+                   for t in (x, out)) or x.shape[1] != linear.in_features or out.shape != (rows, linear.padded_out):
+            raise ValueError(f"x [R, {linear.in_features}] and out [R, {linear.padded_out}] must be contiguous fp32 "
+                             f"on the CPU, got {tuple(x.shape)} and {tuple(out.shape)}")
+        t = linear.tensors
+        self.lib, self.rows, self.linear = lib, rows, linear
+        self._keep = (x, out)
+        self._head = (_ptr(x), _ptr(out))
+        self._tail = (ctypes.c_int64(linear.out_features), ctypes.c_int64(linear.in_features),
+                      ctypes.c_int64(FORMAT_CODE[linear.fmt]), ctypes.c_int64(linear.group_size), _ptr(t["weight"]),
+                      _ptr(t["scales"] if t["scales"].numel() else None), _ptr(t["mins"] if t["mins"].numel() else None),
+                      ctypes.c_int(num_threads))
+
+    def __call__(self, rows: int, out: torch.Tensor | None = None) -> None:
+        """out[:rows] = x[:rows] W^T (padded columns past N included); `out` [>= rows, N8*8] contiguous fp32
+        given: into it instead of the kept one."""
+        if not 0 < rows <= self.rows:
+            raise ValueError(f"rows must be in [1, {self.rows}], got {rows}")
+        head = self._head
+        if out is not None:
+            if not (out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
+                    and out.dim() == 2 and out.shape[0] >= rows and out.shape[1] == self.linear.padded_out):
+                raise ValueError(f"out must be contiguous fp32 [>= {rows}, {self.linear.padded_out}] on the CPU")
+            head = (head[0], out.data_ptr())
+        rc = self.lib.moegate_linear(*head, rows, *self._tail)
+        if rc != 0:
+            raise RuntimeError(f"moegate_linear failed with code {rc} for format {self.linear.fmt}")

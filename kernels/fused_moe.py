@@ -18,6 +18,7 @@ Determinism: a row's output is bitwise identical whatever else is in the batch, 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 
@@ -35,19 +36,33 @@ class ExpertIdError(ValueError):
     """topk_ids names an expert the PackedExperts does not hold."""
 
 
+_NOT_LOADED = object()
+
+
 def cpp_disabled() -> bool:
     return os.environ.get("MOEGATE_DISABLE_CPP", "") not in ("", "0")
 
 
+@functools.cache
+def _detected_variant() -> str:
+    return select_variant(detect())
+
+
 def kernel_variant() -> str:
     """The compiled variant this machine runs ($MOEGATE_KERNEL_VARIANT overrides detection)."""
-    return os.environ.get("MOEGATE_KERNEL_VARIANT") or select_variant(detect())
+    return os.environ.get("MOEGATE_KERNEL_VARIANT") or _detected_variant()
 
 
 def kernel_library(variant: str | None = None):
     """The loaded compiled kernel library (a ctypes.CDLL), or None: MOEGATE_DISABLE_CPP is set or it
-    cannot be built (the caller falls back to its torch reference)."""
-    return None if cpp_disabled() else build.load(variant or kernel_variant())
+    cannot be built (the caller falls back to its torch reference). The environment is read at every call (a
+    variable set later counts), in one lookup each; a loaded library is a dict lookup."""
+    env = os.environ
+    if env.get("MOEGATE_DISABLE_CPP", "") not in ("", "0"):
+        return None
+    variant = variant or env.get("MOEGATE_KERNEL_VARIANT") or _detected_variant()
+    lib = build._loaded.get(variant, _NOT_LOADED)
+    return build.load(variant) if lib is _NOT_LOADED else lib
 
 
 def kernel_available(variant: str | None = None) -> bool:

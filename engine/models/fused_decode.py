@@ -22,11 +22,19 @@ from __future__ import annotations
 import ctypes
 import logging
 
+import numpy as np
 import torch
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from kernels.bindings import DecodeLayerParams, decode_layer_library, run_decode_layer, run_decode_stack
+from kernels.bindings import (
+    DecodeLayerParams,
+    DecodeStackCall,
+    LinearCall,
+    decode_layer_library,
+    run_decode_layer,
+    run_decode_stack,
+)
 from kernels.formats import FORMAT_CODE
 
 log = logging.getLogger(__name__)
@@ -151,6 +159,96 @@ class FusedContext:
         self.cos, self.sin = cos.float().contiguous(), sin.float().contiguous()  # [T, D]
         self.slot_mapping = batch.slot_mapping.contiguous()
         self.slots, self.start, self.length = batch.token_contexts()  # token t sees slots[start[t]:][:length[t]]
+
+
+class FusedDecodeStep:
+    """A decode step of up to SMALL_BATCH_TOKENS rows (one new token per sequence, one logits row each) on a fused
+    stack, token ids to logits: the embedding rows, RoPE rows, KV slots and contexts written through numpy into
+    buffers kept between steps, then one `moegate_decode_stack` call (every layer and the final norm) and one
+    lm_head call (`moegate_linear`). The same kernels on the same inputs as `MoeForCausalLM.forward` and
+    `compute_logits` over a ForwardBatch (the embedding and RoPE rows are copies of the same rows), so the same
+    bits, without the batch's tensors and the ~20 torch ops and module calls around the two kernel calls."""
+
+    def __init__(self, model, stack: FusedStack, head, head_threads: int, kv_caches: list) -> None:
+        cfg, rows = model.config, SMALL_BATCH_TOKENS
+        self.stack, self.head = stack, head  # what the step was built for: the runner checks them each step
+        self.embed = model.model.embed_tokens.weight.detach().numpy()  # [V, H] fp32, the same memory
+        self.rotary = model.model.layers[0].self_attn.rotary  # its position table: `_rope`'s rows
+        self._table: torch.Tensor | None = None
+        self._x = torch.empty(rows, cfg.hidden_size)  # [R, H] the embedding rows, then the stack's hidden
+        self._normed = torch.empty(rows, cfg.hidden_size)  # [R, H] after the final norm: the lm_head's input
+        self._rope = torch.empty(2, rows, cfg.head_dim)  # cos, sin rows [R, D]
+        self._ints = torch.empty(5, rows, dtype=torch.int64)  # ids, positions, new slots, context start, length
+        self._ids = torch.empty(rows, stack.layers[0].top_k, dtype=torch.int64)  # [R, K] scratch
+        self._slots = torch.empty(0, dtype=torch.int64)  # the rows' contexts, concatenated; grown on demand
+        self._x_np, self._rope_np, self._ints_np = self._x.numpy(), self._rope.numpy(), self._ints.numpy()
+        n = len(stack)
+        self._kv = ((ctypes.c_void_p * n)(*(c[0].data_ptr() for c in kv_caches)),
+                    (ctypes.c_void_p * n)(*(c[1].data_ptr() for c in kv_caches)))
+        self._norm = (model.model.norm.weight.detach(), model.model.norm.eps)
+        self._stack_call: DecodeStackCall | None = None
+        # [R, V rounded up to 8]: the logits, kept (valid until the next step, as the runner's token buffer): a fresh
+        # 0.6 MB tensor per step cost ~20 us of page faults here. Not where a row has logits processors: they are
+        # handed rows and may keep them, so those steps' logits are fresh
+        self._logits = torch.empty(rows, head.padded_out)
+        self._logits_views: dict[int, torch.Tensor] = {}  # its first rows [T, V] by T
+        self._head_call = LinearCall(stack.lib, head, self._normed, self._logits, head_threads)
+
+    @staticmethod
+    def takes(model) -> bool:
+        """Whether the model's embedding and final norm are what the step reads directly (fp32 on the CPU)."""
+        e, n = model.model.embed_tokens.weight, model.model.norm
+        return (e.dtype == n.weight.dtype == torch.float32 and e.device.type == n.weight.device.type == "cpu"
+                and e.is_contiguous() and not n.zero_centred)
+
+    def __call__(self, chunks: list, blocks) -> torch.Tensor:
+        """chunks: ScheduledChunks of one token each, every one sampling -> fp32 logits [T, V] in chunk order: a view
+        of a buffer the next call overwrites, unless a row has logits processors (then a tensor of their own)."""
+        n, bs, ints = len(chunks), blocks.block_size, self._ints_np
+        contexts, total, longest = [], 0, 0
+        for i, c in enumerate(chunks):
+            seq, pos = c.seq, c.start
+            table = seq.block_table
+            ints[0, i] = seq.tokens(pos, pos + 1)[0]
+            ints[1, i] = pos
+            ints[2, i] = table[pos // bs] * bs + pos % bs  # `blocks.slots`' rule, as build_batch
+            ints[3, i] = total
+            ints[4, i] = pos + 1
+            contexts.append(blocks.slots(table, 0, pos + 1))  # [pos + 1], kept between steps
+            total += pos + 1
+            longest = max(longest, pos + 1)
+        if self._slots.shape[0] < total or self._stack_call is None:
+            self._grow(total)
+        slots, at = self._slots_np, 0
+        for ctx in contexts:
+            slots[at:at + ctx.shape[0]] = ctx.numpy()
+            at += ctx.shape[0]
+        table = self.rotary._table(longest, torch.float32)  # cos, sin [P, D]
+        if table[0] is not self._table:
+            self._table, self._table_np = table[0], (table[0].numpy(), table[1].numpy())
+        positions = ints[1, :n]
+        np.take(self._table_np[0], positions, axis=0, out=self._rope_np[0, :n])
+        np.take(self._table_np[1], positions, axis=0, out=self._rope_np[1, :n])
+        np.take(self.embed, ints[0, :n], axis=0, out=self._x_np[:n])
+        self._stack_call(n)
+        if any(c.seq.params.logits_processors for c in chunks):
+            logits = torch.empty(n, self.head.padded_out)
+            self._head_call(n, logits)
+            return logits[:, :self.head.out_features]
+        self._head_call(n)
+        if (logits := self._logits_views.get(n)) is None:
+            logits = self._logits_views[n] = self._logits[:n, :self.head.out_features]
+        return logits
+
+    def _grow(self, total: int) -> None:
+        """The contexts' buffer holds `total` slots (doubling), and the stack's call points at it."""
+        if self._slots.shape[0] < total:
+            self._slots = torch.empty(max(total, 2 * self._slots.shape[0], 1024), dtype=torch.int64)
+            self._slots_np = self._slots.numpy()
+        i = self._ints
+        self._stack_call = DecodeStackCall(
+            self.stack.lib, self.stack.params, self._x, self._rope[0], self._rope[1], *self._kv, i[2], self._slots,
+            i[3], i[4], self._ids, self.stack.counts, self.stack.num_threads, (*self._norm, self._normed))
 
 
 def build_fused_layers(cfg: ModelConfig, layers, exact: bool = False) -> FusedStack | None:

@@ -6,6 +6,8 @@ decoding together; per decode step:
   kernel      wall time inside the compiled entry points (`moegate_*`: decoder layers, norms, lm_head)
   outside     step - kernel: the engine's own cost per step (#26's "step + sampling overhead")
   overhead    step - forward - logits: the older split, which counts the Python inside the forward as model time
+  forward     the decoder layers; a fused decode step (`ModelRunner._decode_step`: token ids to logits in two kernel
+              calls, no ForwardBatch) counts whole here, its lm_head included (logits and batch then read 0)
   *_per_token those divided by the rows the step decoded (equal to them at one row)
 Writes DIR/step_breakdown.json. Two trees side by side: evals/perf/compare_trees.py, e.g.
     python -m evals.perf.compare_trees --baseline BASE --result step_breakdown.json --out evals/perf/results/NAME \\
@@ -55,6 +57,12 @@ def decode_step_breakdown(engine, prompt: list[int], params, mode: str = "explor
                (engine.decoder, "choose", timed("sample", engine.decoder.choose)),  # sampling, drafts verified
                (engine.scheduler, "schedule", timed("schedule", engine.scheduler.schedule)),
                (runner, "build_batch", timed("batch", runner.build_batch))]
+    if hasattr(runner, "_decode_step"):  # the fused decode step: its inputs, stack and lm_head timed as the forward
+        def decode_step(chunks, find=runner._decode_step):
+            step = find(chunks)
+            return None if step is None else timed("forward", step)
+
+        patches.append((runner, "_decode_step", decode_step))
     patches += [(lib, name, timed("kernel", getattr(lib, name))) for lib in _kernel_libraries()
                 for name in KERNEL_ENTRY_POINTS if hasattr(lib, name)]
     saved = [(obj, name, vars(obj)[name] if name in vars(obj) else _MISSING) for obj, name, _ in patches]

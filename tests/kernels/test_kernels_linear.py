@@ -127,3 +127,27 @@ def test_linear_rejects_bad_input() -> None:
     if kernel_available():
         with pytest.raises(ValueError, match=r"\[M, 64\]"):
             packed(torch.randn(2, 63))
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt,gs", [("int8", 64), ("int4", 32), ("bf16", None)])
+def test_prepared_call_equals_the_packed_linear(fmt: str, gs: int | None) -> None:
+    """kernels.bindings.LinearCall (a decode step's lm_head over kept buffers): PackedLinear's bits for the first
+    rows of its input, into its kept output or one given."""
+    from kernels.bindings import LinearCall
+    from kernels.fused_moe import kernel_library
+
+    packed = PackedLinear.pack(_weight(13, 200), fmt, gs)  # N = 13: padded to 16 columns
+    x = torch.randn(4, 200, generator=torch.Generator().manual_seed(5))
+    out = torch.full((4, packed.padded_out), float("nan"))
+    call = LinearCall(kernel_library(), packed, x, out, num_threads=2)
+    for rows in (1, 3, 4):
+        call(rows)
+        assert torch.equal(out[:rows, :13], packed(x[:rows], num_threads=2))
+    fresh = torch.empty(2, packed.padded_out)
+    call(2, fresh)
+    assert torch.equal(fresh[:, :13], packed(x[:2], num_threads=2))
+    with pytest.raises(ValueError):
+        call(5)
+    with pytest.raises(ValueError):
+        LinearCall(kernel_library(), packed, x, torch.empty(4, 13), num_threads=2)  # out not padded to 8
