@@ -121,8 +121,7 @@ class ModelRunner:
         if (step := self._decode_step(chunks)) is not None:
             if torch.get_num_threads() != 1:  # a small forward's rule (`forward`): nothing here runs on torch's
                 torch.set_num_threads(1)
-            logits = step(chunks, blocks)
-            self.first_max = step.first_max  # the plain greedy rows' picks, from the lm_head's own call
+            logits, self.first_max = step(chunks, blocks)  # and the greedy picks from the lm_head's own call
             return logits
         explore = [c for c in chunks if c.seq.mode != "execution"]
         execute = [c for c in chunks if c.seq.mode == "execution"]

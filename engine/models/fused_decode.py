@@ -200,7 +200,6 @@ class FusedDecodeStep:
         # stepping thread would read the row back from the other core's cache: ~240 us for 152k logits at 1 row)
         self._first_max = torch.empty(rows, dtype=torch.int64)
         self._first_max_np = self._first_max.numpy()
-        self.first_max: np.ndarray | None = None  # the last call's picks [T] where a row is plain greedy, else None
 
     @staticmethod
     def takes(model) -> bool:
@@ -209,9 +208,11 @@ class FusedDecodeStep:
         return (e.dtype == n.weight.dtype == torch.float32 and e.device.type == n.weight.device.type == "cpu"
                 and e.is_contiguous() and not n.zero_centred)
 
-    def __call__(self, chunks: list, blocks) -> torch.Tensor:
+    def __call__(self, chunks: list, blocks) -> tuple[torch.Tensor, np.ndarray | None]:
         """chunks: ScheduledChunks of one token each, every one sampling -> fp32 logits [T, V] in chunk order: a view
-        of a buffer the next call overwrites, unless a row has logits processors (then a tensor of their own)."""
+        of a buffer the next call overwrites, unless a row has logits processors (then a tensor of their own); and
+        where a row is plain greedy (`pick_in_kernel`), each row's first largest logit [T] int64 found by the
+        lm_head's call (a view of a buffer the next call overwrites), else None."""
         n, bs, ints = len(chunks), blocks.block_size, self._ints_np
         contexts, total, longest = [], 0, 0
         for i, c in enumerate(chunks):
@@ -241,15 +242,15 @@ class FusedDecodeStep:
         self._stack_call(n)
         pick = self.pick_in_kernel and any(_plain_greedy(c.seq.params) for c in chunks)
         first_max = self._first_max if pick else None
-        self.first_max = self._first_max_np[:n] if pick else None
+        picks = self._first_max_np[:n] if pick else None
         if any(c.seq.params.logits_processors for c in chunks):
             logits = torch.empty(n, self.head.padded_out)
             self._head_call(n, logits, first_max)
-            return logits[:, :self.head.out_features]
+            return logits[:, :self.head.out_features], picks
         self._head_call(n, None, first_max)
         if (logits := self._logits_views.get(n)) is None:
             logits = self._logits_views[n] = self._logits[:n, :self.head.out_features]
-        return logits
+        return logits, picks
 
     def _grow(self, total: int) -> None:
         """The contexts' buffer holds `total` slots (doubling), and the stack's call points at it."""
