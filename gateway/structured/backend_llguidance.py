@@ -57,12 +57,16 @@ class LLGuidanceMatcher(Matcher):
         # where validate_tokens takes any token that starts them ("sy" as well); where they tokenize to no whole
         # token (a tail the next token must start with) the full row says which
         if self.forces():
-            forced = self.llg.compute_ff_tokens()  # (kept by llguidance for the mask of this state)
-            return token_id == forced[0] if forced else None
+            forced = self.forced_token()
+            return token_id == forced if forced is not None else None
         return self.llg.validate_tokens([token_id]) == 1
 
     def forces(self) -> bool:
         return bool(self.llg.compute_ff_bytes())
+
+    def forced_token(self) -> int | None:
+        forced = self.llg.compute_ff_tokens()  # (kept by llguidance for the mask of this state)
+        return forced[0] if forced else None
 
 
 class LLGuidanceCompiled(CompiledConstraint):

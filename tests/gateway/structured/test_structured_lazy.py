@@ -311,3 +311,23 @@ def test_forced_bytes_are_answered_by_their_first_canonical_token(tokinfo, kind)
         assert None not in answered, tokinfo.decode(ids[:n])
         assert {t for t, v in enumerate(verdicts) if v} == allowed == {first[0]}, tokinfo.decode(ids[:n])
     assert forced_states >= 3
+
+
+@pytest.mark.parametrize("kind", ["json", "tools", "sql"])
+def test_jump_forward_finds_the_full_mask_forced_token_without_it(tokinfo, kind):
+    """BatchMasker.forced_tokens with lazy verification gives the forced token of every-step full masks at each
+    state along an output, or None where only the guard forces one (it is then sampled), and finds the grammar's
+    whole forced tokens without filling a mask."""
+    spec, ids = _specs(tokinfo)[kind], tokinfo.encode(TEXTS[kind])
+    lazy, full = (BatchMasker(num_threads=1, prefetch=False, lazy_candidates=k) for k in (8, 0))
+    without_mask = 0
+    for n in range(len(ids)):
+        c = build_constraint(spec, tokinfo, max_tokens=256, cache=CACHE, mask_batcher=lazy)
+        ref = build_constraint(spec, tokinfo, max_tokens=256, cache=CACHE, mask_batcher=full)
+        token = lazy.forced_tokens([(c, ids[:n])])[0]
+        expected = full.forced_tokens([(ref, ids[:n])])[0]
+        assert token == expected or (token is None and not c.may_force()), tokinfo.decode(ids[:n])
+        without_mask += token is not None and id(c) not in lazy._pending
+    lazy.close()
+    full.close()
+    assert without_mask >= (3 if kind != "sql" else 0)
