@@ -172,9 +172,11 @@ void zmm_fp_chunk(const FpOperand<T>& A, const float* xc, float* const* out) {
   const T* p0 = A.w0;
   const T* p1 = A.w1;
   const int64_t st = A.stride;
-  // one prefetch per pair of k, kPrefetch bytes ahead in each stream (a line holds 1-4 pairs)
+  // kPrefetch bytes ahead in each stream, per pair of k (a line holds 1-4 pairs; fp32 kContig: two lines a pair)
+  constexpr bool two_lines = FMT == FP32 && MODE == kContig;
   auto pair = [&](__m512* e, __m512* o) {
     __builtin_prefetch(reinterpret_cast<const char*>(p0) + kPrefetch, 0, 3);
+    if constexpr (two_lines) __builtin_prefetch(reinterpret_cast<const char*>(p0) + kPrefetch + 64, 0, 3);
     if constexpr (MODE == kPair) __builtin_prefetch(reinterpret_cast<const char*>(p1) + kPrefetch, 0, 3);
     fp_fma_rows<MT>(fp_weights_at<FMT, MODE>(p0, p1), xc, e);
     fp_fma_rows<MT>(fp_weights_at<FMT, MODE>(p0 + st, MODE == kPair ? p1 + st : p1), xc + MT, o);
