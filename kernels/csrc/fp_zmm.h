@@ -9,7 +9,33 @@
 // tail k into the even one) and add them at the end; int8 sums each group's even and odd k in two
 // chains from zero and adds fma(scale, even + odd, acc) in group order. Nothing depends on MT or on
 // which rows share the call, so a row's result is batch-invariant and equals the avx2 build's.
+//
+// More than kSequentialRows rows read their activations interleaved (FpActs, as ZmmActs for W4A8): a chunk
+// of MT rows stores each k's MT floats side by side, so every broadcast fma addresses one pointer plus a
+// constant and the loop bumps two pointers. Per-row pointers with an index register cost each fma a
+// second front-end uop (an indexed memory operand is unlaminated) and the loop reloaded spilled pointers
+// from the stack: the loop was issue-bound, not fma-bound (perf, bf16 M = 128).
 #pragma once
+
+namespace {
+
+// fp32 activations of a set of N rows in chunks of kZmmChunk rows from row 0 (the last chunk N mod 8
+// rows): chunk c holds x [kp][n] at x + 8c * kp. rows(i) (i a multiple of 8) is the set from row i on.
+struct FpActs {
+  float* x;
+  int64_t kp;
+
+  FpActs rows(int64_t i) const { return FpActs{x + i * kp, kp}; }
+
+  // Row i of the N-row set from a row of kp floats.
+  void put(int64_t i, int64_t N, const float* row) const {
+    const int64_t c0 = i / kZmmChunk * kZmmChunk, j = i - c0, n = std::min<int64_t>(kZmmChunk, N - c0);
+    float* c = x + c0 * kp + j;
+    for (int64_t k = 0; k < kp; ++k) c[k * n] = row[k];
+  }
+};
+
+}  // namespace
 
 #ifdef MOEGATE_ZMM
 
@@ -120,6 +146,105 @@ void zmm_fp_rows(const FpOperand<T>& A, const float* const* x, float* const* out
     case 2: zmm_fp<FMT, MODE, 2>(A, x + i, out + i); break;
     case 1: zmm_fp<FMT, MODE, 1>(A, x + i, out + i); break;
     default: break;
+  }
+}
+
+// The unit's 16 weights at p0 (lanes 0-7, kContig all 16) and p1 (lanes 8-15, kPair) as fp32.
+template <int FMT, int MODE, class T>
+inline __m512 fp_weights_at(const T* p0, const T* p1) {
+  return fp_weights<FMT, MODE>(FpOperand<T>{p0, p1, nullptr, nullptr, 0, 0, 0, 0}, 0);
+}
+
+// acc[m] = fma(w, x[m], acc[m]) for the MT floats of one k of an interleaved chunk.
+template <int MT>
+inline void fp_fma_rows(__m512 w, const float* xk, __m512* a) {
+  #pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) a[m] = _mm512_fmadd_ps(w, _mm512_set1_ps(xk[m]), a[m]);
+}
+
+// zmm_fp for one interleaved chunk xc [kp][MT] (FpActs): the same fma sequence per lane, the weights and
+// the activations each read through one pointer bumped per pair of k.
+template <int FMT, int MODE, int MT, class T>
+void zmm_fp_chunk(const FpOperand<T>& A, const float* xc, float* const* out) {
+  __m512 acc[MT], even[MT], odd[MT];
+  #pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) acc[m] = even[m] = odd[m] = _mm512_setzero_ps();
+  const T* p0 = A.w0;
+  const T* p1 = A.w1;
+  const int64_t st = A.stride;
+  // kPrefetch bytes ahead in each stream, per pair of k (a line holds 1-4 pairs; fp32 kContig: two lines a pair)
+  constexpr bool two_lines = FMT == FP32 && MODE == kContig;
+  auto pair = [&](__m512* e, __m512* o) {
+    __builtin_prefetch(reinterpret_cast<const char*>(p0) + kPrefetch, 0, 3);
+    if constexpr (two_lines) __builtin_prefetch(reinterpret_cast<const char*>(p0) + kPrefetch + 64, 0, 3);
+    if constexpr (MODE == kPair) __builtin_prefetch(reinterpret_cast<const char*>(p1) + kPrefetch, 0, 3);
+    fp_fma_rows<MT>(fp_weights_at<FMT, MODE>(p0, p1), xc, e);
+    fp_fma_rows<MT>(fp_weights_at<FMT, MODE>(p0 + st, MODE == kPair ? p1 + st : p1), xc + MT, o);
+    p0 += 2 * st;
+    if constexpr (MODE == kPair) p1 += 2 * st;
+    xc += 2 * MT;
+  };
+  if constexpr (FMT == INT8) {
+    for (int64_t g = 0; g < A.kp / A.gs; ++g) {
+      #pragma GCC unroll 16
+      for (int m = 0; m < MT; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < A.gs; j += 2) pair(even, odd);  // gs is even
+      const __m512 s = zmm_f16<MODE>(A.s0 + g * A.sstride, A.s1 + g * A.sstride);
+      #pragma GCC unroll 16
+      for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(s, _mm512_add_ps(even[m], odd[m]), acc[m]);
+    }
+  } else {
+    for (int64_t j = 0; j + 2 <= A.kp; j += 2) pair(even, odd);
+    if (A.kp & 1) fp_fma_rows<MT>(fp_weights_at<FMT, MODE>(p0, p1), xc, even);
+    #pragma GCC unroll 16
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_add_ps(even[m], odd[m]);
+  }
+  #pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) {
+    if constexpr (MODE == kSingle) _mm256_storeu_ps(out[m], _mm512_castps512_ps256(acc[m]));
+    else _mm512_storeu_ps(out[m], acc[m]);
+  }
+}
+
+// Rows [0, n) of an interleaved set (chunks of 8 from row 0) through one unit.
+template <int FMT, int MODE, class T>
+void zmm_fp_chunks(const FpOperand<T>& A, const FpActs& X, float* const* out, int n) {
+  int i = 0;
+  auto chunk = [&](auto mt_c) {
+    constexpr int MT = decltype(mt_c)::value;
+    zmm_fp_chunk<FMT, MODE, MT>(A, X.rows(i).x, out + i);
+  };
+  for (; i + 8 <= n; i += 8) chunk(std::integral_constant<int, 8>{});
+  switch (n - i) {
+    case 7: chunk(std::integral_constant<int, 7>{}); break;
+    case 6: chunk(std::integral_constant<int, 6>{}); break;
+    case 5: chunk(std::integral_constant<int, 5>{}); break;
+    case 4: chunk(std::integral_constant<int, 4>{}); break;
+    case 3: chunk(std::integral_constant<int, 3>{}); break;
+    case 2: chunk(std::integral_constant<int, 2>{}); break;
+    case 1: chunk(std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
+// Many rows (n > kSequentialRows) of unit `u` from interleaved activations: R8 = 2 the gate_up tile
+// first + u, R8 = 1 the pair of tiles first + 2u, first + 2u + 1 (or the last single one).
+template <int FMT, int R8>
+void zmm_fp_unit_chunks(const Mat& M, int64_t first, int64_t u, int64_t n8, const FpActs& X, float* const* out,
+                        int n) {
+  using T = std::conditional_t<FMT == FP32, float, std::conditional_t<FMT == INT8, int8_t, uint16_t>>;
+  const T* w = static_cast<const T*>(M.w);
+  const int64_t ng = FMT == INT8 ? M.kp / M.gs : 0;
+  if constexpr (R8 == 2) {
+    const int64_t t = first + u;
+    const uint16_t* s = FMT == INT8 ? M.scales + t * ng * 16 : nullptr;
+    zmm_fp_chunks<FMT, kContig>(FpOperand<T>{w + t * M.kp * 16, nullptr, s, nullptr, 16, 16, M.kp, M.gs}, X, out, n);
+  } else {
+    const int64_t t = first + 2 * u;
+    const uint16_t* s = FMT == INT8 ? M.scales + t * ng * 8 : nullptr;
+    const FpOperand<T> A{w + t * M.kp * 8, w + (t + 1) * M.kp * 8, s, s ? s + ng * 8 : nullptr, 8, 8, M.kp, M.gs};
+    if (2 * u + 1 < n8) zmm_fp_chunks<FMT, kPair>(A, X, out, n);
+    else zmm_fp_chunks<FMT, kSingle>(A, X, out, n);
   }
 }
 

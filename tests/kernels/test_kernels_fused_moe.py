@@ -162,6 +162,29 @@ def test_expert_row_order_is_fixed_whatever_its_token_count(variant: str, fmt: s
             assert torch.equal(out, alone[rows]), m
 
 
+@pytest.mark.skipif(not (kernel_available("avx2") and vnni_capable(detect())),
+                    reason="needs a CPU with AVX-512 VNNI")
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "bf16_a16"])
+def test_interleaved_fp_chunks_equal_avx2_and_rows_alone(fmt: str) -> None:
+    """Experts with more than two rows run fp_zmm.h's interleaved chunks (FpActs), fewer the per-row
+    pointer units: with every row on the same experts and odd K (fp32 / bf16: an odd k tail), each
+    batch of M = 1..19 rows equals the avx2 build bitwise and each row its bits alone."""
+    h, i, e = 135, 37, 4
+    packed = pack_experts(*random_experts(e, h, i, seed=7), fmt, progress=False)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(19, h, generator=gen)
+    ids = torch.tensor([[1, 3]]).repeat(19, 1)  # [19, 2]
+    w = torch.softmax(torch.randn(19, 2, generator=gen), dim=-1)
+    alone = torch.cat([fused_moe(x[r:r + 1], ids[r:r + 1], w[r:r + 1], packed, variant="avx512", num_threads=1)
+                       for r in range(19)])
+    for m in (1, 2, 3, 7, 8, 9, 16, 17, 19):
+        rows = torch.randperm(19, generator=gen)[:m]
+        out = fused_moe(x[rows], ids[rows], w[rows], packed, variant="avx512", num_threads=1)
+        assert torch.equal(out, alone[rows]), m
+        assert torch.equal(out, fused_moe(x[rows], ids[rows], w[rows], packed, variant="avx2", num_threads=1)), m
+    assert_close(alone, fused_moe_reference(x, ids, w, packed))
+
+
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int4_asym", "int8_a8"])
 def test_row_is_bitwise_batch_invariant(fmt: str) -> None:
