@@ -25,7 +25,9 @@ from tqdm.auto import tqdm
 from evals.perf.common import cpu_busy_fraction
 from kernels import build, kernel_variant, pack_experts
 from kernels.cpu_features import detect
+from kernels.formats import FORMAT_CODE
 from kernels.fused_moe import run_kernel
+from kernels.linear import LINEAR_FORMATS, PackedLinear
 
 H, I, E, TOPK = 1024, 512, 64, 8  # noqa: E741 (the DESIGN.md notation)
 WORKING_SET = 768 << 20  # bytes per format: >> 32 MiB L3
@@ -178,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch baselines run beside the formats they match ('' for none)")
     ap.add_argument("--compare-rev", default=None,
                     help="git revision whose kernel (kernels/csrc) runs beside this one, e.g. 65f89cb")
+    ap.add_argument("--dense", default="",
+                    help="dense projections N:K (e.g. 151936:1024 the bench checkpoint's lm_head, 2048:1024 its q_proj) "
+                         "timed per format through moegate_linear (kernels.linear) beside the experts; '' for none")
+    ap.add_argument("--dense-only", action="store_true", help="only the --dense projections, no routed experts")
     ap.add_argument("--quick", action="store_true", help="short run: 0.3 s per point, M=1,8")
     ap.add_argument("--idle-triad", type=float, default=16.0,
                     help="STREAM triad GB/s of this machine when idle (DESIGN.md: 15.6-16.5), a second yardstick "
@@ -207,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     formats = [f for f in args.formats.split(",") if f]
     extra = [b for b in baselines if b not in {TORCH_KIND[f] for f in formats}]  # baselines with no format
     results, ratios = [], []
-    bar = tqdm(total=(len(formats) + len(extra)) * len(ms), desc="kernel bench", unit="point")
-    for fmt in formats + extra:
+    expert_formats = [] if args.dense_only else formats + extra
+    bar = tqdm(total=len(expert_formats) * len(ms), desc="kernel bench", unit="point")
+    for fmt in expert_formats:
         layers, torch_ls, per_expert, torch_pe = None, None, 0, 0
         if fmt in formats:
             base = pack_experts(w_gu, w_dn, fmt, progress=False)
@@ -261,6 +268,20 @@ def main(argv: list[str] | None = None) -> int:
             bar.update()
         del layers, torch_ls
     bar.close()
+    for shape in [d for d in args.dense.split(",") if d]:
+        n, k = (int(v) for v in shape.split(":"))
+        for fmt in [f for f in formats if f in LINEAR_FORMATS]:
+            for m in ms:
+                point = dense_point(lib, old if fmt in old_formats else None, args.compare_rev, fmt, n, k, m, args, g)
+                for res in point.values():
+                    res["pct_stream"] = 100 * res["gbps_median"] / triad
+                    res["pct_idle_triad_best"] = 100 * res["gbps_best"] / args.idle_triad
+                    results.append(res)
+                ours_name = f"moegate {fmt}"
+                for other, res in point.items():
+                    if other != ours_name:
+                        ratios.append({"M": m, "fmt": fmt, "dense": f"{n}x{k}", "vs": other,
+                                       "speedup": res["ms_median"] / point[ours_name]["ms_median"]})
     report.update(results=results, ratios=ratios, loadavg_after=os.getloadavg(), busy_after=cpu_busy_fraction(),
                   stream_after=stream_triad(args.threads), idle_triad=args.idle_triad)
     (out_dir / "kernel_bench.json").write_text(json.dumps(report, indent=2))
@@ -268,14 +289,42 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{report['cpu_model']}: {report['cpu']}; kernel {variant} ({report['simd_path']}); "
           f"STREAM triad {triad:.1f} GB/s ({args.threads} threads); loadavg before {report['loadavg_before']}")
     for r in results:
-        print(f"{r['impl']:16s} {r['fmt']:9s} M={r['M']:3d}  {r['gbps_median']:6.2f} GB/s median "
+        print(f"{r['impl']:16s} {r['fmt']:9s} {r.get('dense', 'experts'):12s} M={r['M']:3d}  {r['gbps_median']:6.2f} GB/s median "
               f"({r['gbps_best']:6.2f} best)  {r['pct_stream']:5.1f}% of this run's triad (median), "
               f"{r['pct_idle_triad_best']:5.1f}% of idle triad (best)  {r['ms_median']:.3f} ms/call")
     for r in ratios:
-        print(f"moegate {r['fmt']:9s} M={r['M']:3d}  {r['speedup']:5.2f}x vs {r['vs']} (median ms per call)")
+        print(f"moegate {r['fmt']:9s} {r.get('dense', 'experts'):12s} M={r['M']:3d}  {r['speedup']:5.2f}x vs {r['vs']} "
+              "(median ms per call)")
     print(f"STREAM triad after: {report['stream_after']}; loadavg after {report['loadavg_after']}; "
           f"busy {report['busy_before']:.2f} before / {report['busy_after']:.2f} after")
     return 0
+
+
+def dense_point(lib, old, rev: str | None, fmt: str, n: int, k: int, m: int, args, g: torch.Generator) -> dict:
+    """One dense projection W [n, k] in ``fmt`` at M = m through moegate_linear (this kernel and, with
+    ``old``, revision ``rev``'s), alternating; copies of W cycled so every call streams from DRAM. Bytes per
+    call: the packed weights and scales."""
+    base = PackedLinear.pack(torch.randn(n, k, generator=g) * 0.02, fmt)
+    copies = [base] + [PackedLinear(fmt, n, k, base.group_size, {key: t.clone() for key, t in base.tensors.items()})
+                       for _ in range(max(1, WORKING_SET // base.nbytes) - 1)]
+    x = torch.randn(m, k, generator=g)
+    out = torch.empty(m, base.padded_out)
+
+    def call(i: int, kl=lib) -> None:
+        t = copies[i % len(copies)].tensors
+        rc = kl.moegate_linear(x.data_ptr(), out.data_ptr(), m, n, k, FORMAT_CODE[fmt], base.group_size,
+                               t["weight"].data_ptr(), t["scales"].data_ptr() if t["scales"].numel() else None,
+                               t["mins"].data_ptr() if t["mins"].numel() else None, ctypes.c_int(args.threads))
+        if rc != 0:
+            raise RuntimeError(f"moegate_linear failed with code {rc}")
+
+    contenders = {f"moegate {fmt}": call}
+    if old is not None:
+        contenders[f"moegate@{rev} {fmt}"] = functools.partial(call, kl=old)
+    seconds = args.seconds * len(contenders)
+    timed = interleaved(contenders, lambda i: base.nbytes, seconds, args.rounds)
+    return {name: dict(res, impl=name.split(" ")[0], fmt=fmt, M=m, dense=f"{n}x{k}", bytes_per_call=base.nbytes)
+            for name, res in timed.items()}
 
 
 def formats_at(rev: str) -> tuple[str, ...]:
@@ -317,7 +366,8 @@ def plot(report: dict, path: Path) -> None:
     triad = report["stream"][f"triad_gbps_{report['threads']}t"]
     series: dict[tuple[str, str], list] = {}
     for r in report["results"]:
-        series.setdefault((r["impl"], r["fmt"]), []).append((r["M"], r["gbps_median"]))
+        series.setdefault((r["impl"], r["fmt"] + (f" {r['dense']}" if "dense" in r else "")), []).append(
+            (r["M"], r["gbps_median"]))
     for (impl, fmt), pts in series.items():
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="-" if impl == "moegate" else "--",
                 label=f"{impl} {fmt}")
