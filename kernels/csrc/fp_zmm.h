@@ -125,9 +125,10 @@ void zmm_fp_rows(const FpOperand<T>& A, const float* const* x, float* const* out
 
 // int8 weights, few activation rows (n <= kSequentialRows): the per-row order is tile_dot's (each group's
 // even-k and odd-k chains from zero, then fma(scale, even + odd, acc) in group order), but one row's two
-// chains on one tile leave the fma latency exposed (the ymm tiles ran ~8 GB/s per core). Groups are
-// independent until they reach acc, so G groups run side by side, each with its own chains, and are added
-// to acc in group order: the same bits with 2G (R8 = 2) or T x G (R8 = 1) chains per row.
+// chains on one tile leave the fma latency exposed (the ymm tiles: ~10 GB/s per core with the weights in
+// cache). Groups are independent until they reach acc, so G groups run side by side, each with its own
+// chains, and are added to acc in group order: the same bits with 2G (R8 = 2) or T x G (R8 = 1) chains per
+// row. G = 2 (~16 GB/s per core in cache, as W8A8); G = 4 at M = 1 measured no faster.
 //
 // R8 = 1: T adjacent 8-row tiles (T = 2: a unit). A tile's 16 bytes of a k pair ([k: r0..7][k+1: r0..7],
 // contiguous) convert to 16 fp32 lanes at once and multiply [x[k] x 8 | x[k+1] x 8]: lanes 0-7 run the
