@@ -248,23 +248,160 @@ void zmm_fp_unit_chunks(const Mat& M, int64_t first, int64_t u, int64_t n8, cons
   }
 }
 
+// int8 weights, few activation rows (n <= kSequentialRows): the per-row order is tile_dot's (each group's
+// even-k and odd-k chains from zero, then fma(scale, even + odd, acc) in group order), but one row's two
+// chains on one tile leave the fma latency exposed (the ymm tiles: ~10 GB/s per core with the weights in
+// cache). Groups are independent until they reach acc, so G groups run side by side, each with its own
+// chains, and are added to acc in group order: the same bits with 2G (R8 = 2) or T x G (R8 = 1) chains per
+// row. G = 2 (~16 GB/s per core in cache, as W8A8); G = 4 at M = 1 measured no faster.
+//
+// R8 = 1: T adjacent 8-row tiles (T = 2: a unit). A tile's 16 bytes of a k pair ([k: r0..7][k+1: r0..7],
+// contiguous) convert to 16 fp32 lanes at once and multiply [x[k] x 8 | x[k+1] x 8]: lanes 0-7 run the
+// even-k chain, lanes 8-15 the odd-k chain; one convert and one fma per 16 weights.
+template <int T, int G, int MT>
+inline void zmm_i8_kpair_groups(const int8_t* w, const uint16_t* s, int64_t kp, int64_t gs, int64_t g0,
+                                const float* const* x, __m256 (*acc)[T]) {
+  const int64_t tw = kp * 8, ts = kp / gs * 8;  // one tile's weight bytes, scales
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 c[G][MT][T];
+  #pragma GCC unroll 4
+  for (int h = 0; h < G; ++h)
+    #pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m)
+      #pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) c[h][m][t] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < gs; j += 2) {  // gs is even
+    #pragma GCC unroll 4
+    for (int h = 0; h < G; ++h) {
+      const int64_t k = (g0 + h) * gs + j;
+      if ((k & 7) == 0)  // one prefetch per 64-byte line (8 k) of each tile
+        #pragma GCC unroll 4
+        for (int t = 0; t < T; ++t) __builtin_prefetch(w + t * tw + k * 8 + kPrefetch, 0, 3);
+      __m512 wv[T];
+      #pragma GCC unroll 4
+      for (int t = 0; t < T; ++t)
+        wv[t] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + t * tw + k * 8))));
+      #pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) {
+        const __m512 xv = _mm512_permutexvar_ps(
+            halves, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x[m] + k)))));
+        #pragma GCC unroll 4
+        for (int t = 0; t < T; ++t) c[h][m][t] = _mm512_fmadd_ps(wv[t], xv, c[h][m][t]);
+      }
+    }
+  }
+  #pragma GCC unroll 4
+  for (int h = 0; h < G; ++h)
+    #pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) {
+      const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + t * ts + (g0 + h) * 8)));
+      #pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) {
+        const __m256 even = _mm512_castps512_ps256(c[h][m][t]);
+        const __m256 odd = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c[h][m][t]), 1));
+        acc[m][t] = _mm256_fmadd_ps(sc, _mm256_add_ps(even, odd), acc[m][t]);
+      }
+    }
+}
+
+// out[m][0 .. 8T) = the T tiles at w (scales s) . x[m] for MT (<= kSequentialRows) rows.
+template <int T, int MT>
+void zmm_i8_kpairs(const int8_t* w, const uint16_t* s, int64_t kp, int64_t gs, const float* const* x,
+                   float* const* out) {
+  constexpr int G = 2;
+  __m256 acc[MT][T];
+  #pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m)
+    #pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) acc[m][t] = _mm256_setzero_ps();
+  const int64_t ng = kp / gs;
+  int64_t g = 0;
+  for (; g + G <= ng; g += G) zmm_i8_kpair_groups<T, G, MT>(w, s, kp, gs, g, x, acc);
+  for (; g < ng; ++g) zmm_i8_kpair_groups<T, 1, MT>(w, s, kp, gs, g, x, acc);
+  #pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m)
+    #pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) _mm256_storeu_ps(out[m] + 8 * t, acc[m][t]);
+}
+
+// R8 = 2: one gate_up tile ([k: gate r0..7, up r0..7], 16 contiguous bytes per k): even and odd k each one
+// 16-lane chain, as zmm_fp's kContig, for G groups side by side.
+template <int G, int MT>
+inline void zmm_i8_gate_up_groups(const int8_t* w, const uint16_t* s, int64_t gs, int64_t g0, const float* const* x,
+                                  __m512* acc) {
+  __m512 even[G][MT], odd[G][MT];
+  #pragma GCC unroll 4
+  for (int h = 0; h < G; ++h)
+    #pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m) even[h][m] = odd[h][m] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < gs; j += 2) {  // gs is even
+    #pragma GCC unroll 4
+    for (int h = 0; h < G; ++h) {
+      const int64_t k = (g0 + h) * gs + j;
+      if ((k & 3) == 0) __builtin_prefetch(w + k * 16 + kPrefetch, 0, 3);  // one per 64-byte line (4 k)
+      const __m512 we = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 16))));
+      const __m512 wo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 16 + 16))));
+      #pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) {
+        even[h][m] = _mm512_fmadd_ps(we, _mm512_set1_ps(x[m][k]), even[h][m]);
+        odd[h][m] = _mm512_fmadd_ps(wo, _mm512_set1_ps(x[m][k + 1]), odd[h][m]);
+      }
+    }
+  }
+  #pragma GCC unroll 4
+  for (int h = 0; h < G; ++h) {
+    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + (g0 + h) * 16)));
+    #pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(sc, _mm512_add_ps(even[h][m], odd[h][m]), acc[m]);
+  }
+}
+
+template <int MT>
+void zmm_i8_gate_up(const int8_t* w, const uint16_t* s, int64_t kp, int64_t gs, const float* const* x,
+                    float* const* out) {
+  constexpr int G = 2;
+  __m512 acc[MT];
+  #pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t ng = kp / gs;
+  int64_t g = 0;
+  for (; g + G <= ng; g += G) zmm_i8_gate_up_groups<G, MT>(w, s, gs, g, x, acc);
+  for (; g < ng; ++g) zmm_i8_gate_up_groups<1, MT>(w, s, gs, g, x, acc);
+  #pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out[m], acc[m]);
+}
+
+// Few-row int8 unit `u` (as zmm_fp_unit_rows) for n <= kSequentialRows rows.
+template <int R8>
+void zmm_i8_few_rows(const Mat& M, int64_t first, int64_t u, int64_t n8, const float* const* x, float* const* out,
+                     int n) {
+  static_assert(kSequentialRows == 2, "one case per row count up to kSequentialRows");
+  const int64_t ng = M.kp / M.gs;
+  const int8_t* w = static_cast<const int8_t*>(M.w);
+  if constexpr (R8 == 2) {
+    const int64_t t = first + u;
+    const int8_t* wt = w + t * M.kp * 16;
+    const uint16_t* s = M.scales + t * ng * 16;
+    if (n == 2) zmm_i8_gate_up<2>(wt, s, M.kp, M.gs, x, out);
+    else zmm_i8_gate_up<1>(wt, s, M.kp, M.gs, x, out);
+  } else {
+    const int64_t t = first + 2 * u;
+    const int8_t* wt = w + t * M.kp * 8;
+    const uint16_t* s = M.scales + t * ng * 8;
+    const bool pair = 2 * u + 1 < n8;
+    if (n == 2) pair ? zmm_i8_kpairs<2, 2>(wt, s, M.kp, M.gs, x, out) : zmm_i8_kpairs<1, 2>(wt, s, M.kp, M.gs, x, out);
+    else pair ? zmm_i8_kpairs<2, 1>(wt, s, M.kp, M.gs, x, out) : zmm_i8_kpairs<1, 1>(wt, s, M.kp, M.gs, x, out);
+  }
+}
+
 // Unit `u` of a tiled fp32-activation projection (as zmm_unit_rows): R8 = 2 the gate_up tile first + u,
-// R8 = 1 the tiles first + 2u and first + 2u + 1 (if 2u + 1 < n8; few int8 rows run them one after the other).
+// R8 = 1 the tiles first + 2u and first + 2u + 1 (if 2u + 1 < n8; few int8 rows: zmm_i8_few_rows).
 template <int FMT, int R8>
 void zmm_fp_unit_rows(const Mat& M, int64_t first, int64_t u, int64_t n8, const float* const* x, float* const* out,
                       int n) {
   using T = std::conditional_t<FMT == FP32, float, std::conditional_t<FMT == INT8, int8_t, uint16_t>>;
   if constexpr (FMT == INT8) {
-    if (n <= kSequentialRows) {  // memory-bound: the ymm tiles (int8 M = 1 on zmm measured ~1.9x slower)
-      const int64_t t = R8 == 2 ? first + u : first + 2 * u;
-      tile_rows<FMT, R8>(M, t, x, out, n);
-      if (R8 == 1 && 2 * u + 1 < n8) {
-        float* out1[kSequentialRows];
-        for (int i = 0; i < n; ++i) out1[i] = out[i] + 8;
-        tile_rows<FMT, R8>(M, t + 1, x, out1, n);
-      }
-      return;
-    }
+    if (n <= kSequentialRows) return zmm_i8_few_rows<R8>(M, first, u, n8, x, out, n);  // memory-bound calls
   }
   const T* w = static_cast<const T*>(M.w);
   const int64_t ng = FMT == INT8 ? M.kp / M.gs : 0;
@@ -279,16 +416,8 @@ void zmm_fp_unit_rows(const Mat& M, int64_t first, int64_t u, int64_t n8, const 
     const FpOperand<T> A{w + t * M.kp * 8, w + (t + 1) * M.kp * 8, s, s ? s + ng * 8 : nullptr, 8, 8, M.kp, M.gs};
     // fp32 / bf16 weights: a pair at any row count. One row's fma chains are latency-bound on one 8-lane
     // tile (bf16 M = 1 in L2: 11.5 GB/s on one core), 16 lanes double the work per fma (17.2 GB/s).
-    if (pair && (n > kSequentialRows || FMT != INT8)) {
-      zmm_fp_rows<FMT, kPair>(A, x, out, n);
-    } else {  // int8: one tile after the other, one sequential weight stream (memory-bound few-row calls)
-      zmm_fp_rows<FMT, kSingle>(A, x, out, n);
-      if (pair) {
-        float* out1[kSequentialRows];
-        for (int i = 0; i < n; ++i) out1[i] = out[i] + 8;
-        zmm_fp_rows<FMT, kSingle>(FpOperand<T>{A.w1, nullptr, A.s1, nullptr, 8, 8, M.kp, M.gs}, x, out1, n);
-      }
-    }
+    if (pair) zmm_fp_rows<FMT, kPair>(A, x, out, n);
+    else zmm_fp_rows<FMT, kSingle>(A, x, out, n);
   }
 }
 

@@ -126,12 +126,14 @@ def test_detect_reads_the_cpu_model_name() -> None:
 
 @pytest.mark.skipif(not (kernel_available("avx2") and vnni_capable(detect())),
                     reason="needs a CPU with AVX-512 VNNI")
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int4_asym", "int8_a8"])
-def test_avx512_variant_equals_avx2_bitwise(fmt: str) -> None:
+@pytest.mark.parametrize(("fmt", "gs"), [("fp32", None), ("bf16", None), ("int8", None), ("int8", 32), ("int4", None),
+                                        ("int4_asym", None), ("int8_a8", None)])
+def test_avx512_variant_equals_avx2_bitwise(fmt: str, gs: int | None) -> None:
     """vpdpbusd replaces maddubs + madd + add in the int4 dot products (the same exact integer sums), and
-    the zmm fp32 FMA units (fp_zmm.h: 16 rows x up to 8 tokens) keep each row's fma sequence, so the
-    avx512 build gives the avx2 build's bits for every format, batch size and top-k."""
-    packed = pack_experts(*random_experts(NUM_EXPERTS, 200, 72), fmt, progress=False)
+    the zmm fp32 FMA units (fp_zmm.h: 16 rows x up to 8 tokens; few int8 rows with groups side by side,
+    int8 group 32: odd group counts 7 and 3) keep each row's fma sequence, so the avx512 build gives the
+    avx2 build's bits for every format, batch size and top-k."""
+    packed = pack_experts(*random_experts(NUM_EXPERTS, 200, 72), fmt, group_size=gs, progress=False)
     for n, (t, k) in enumerate(TOKENS_TOPK):
         x = torch.randn(t, 200, generator=torch.Generator().manual_seed(n))
         ids, w = random_routing(t, k, NUM_EXPERTS, seed=n, skip_frac=0.2)
