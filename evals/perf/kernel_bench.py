@@ -25,10 +25,12 @@ from tqdm.auto import tqdm
 from evals.perf.common import cpu_busy_fraction
 from kernels import build, kernel_variant, pack_experts
 from kernels.cpu_features import detect
+from kernels.formats import FORMAT_CODE
 from kernels.fused_moe import run_kernel
+from kernels.linear import LINEAR_FORMATS, PackedLinear
 
 H, I, E, TOPK = 1024, 512, 64, 8  # noqa: E741 (the DESIGN.md notation)
-WORKING_SET = 768 << 20  # bytes per format: >> 32 MiB L3
+WORKING_SET_MIB = 768  # per format (default): >> 32 MiB L3
 
 
 def stream_triad(threads: int, n: int = 1 << 26) -> dict[str, float]:
@@ -53,19 +55,24 @@ def routings(m: int, count: int, seed: int) -> list[torch.Tensor]:
     return [torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(m)]) for _ in range(count)]
 
 
-def time_calls(fn: Callable[[int], None], seconds: float, start: int = 0) -> tuple[list[float], int]:
-    """Call fn(i) for i = start, start + 1, ... until ``seconds`` pass (at least 3 calls): seconds per call."""
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}  # --clock
+
+
+def time_calls(fn: Callable[[int], None], seconds: float, start: int = 0,
+               clock: Callable[[], float] = time.perf_counter) -> tuple[list[float], int]:
+    """Call fn(i) for i = start, start + 1, ... until ``seconds`` pass (at least 3 calls): seconds per call
+    (by ``clock``)."""
     times, i, t0 = [], start, time.perf_counter()
     while i - start < 3 or time.perf_counter() - t0 < seconds:
-        t = time.perf_counter()
+        t = clock()
         fn(i)
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
         i += 1
     return times, i
 
 
 def interleaved(contenders: dict[str, Callable[[int], None]], bytes_of: Callable[[int], int], seconds: float,
-                rounds: int) -> dict[str, dict[str, float]]:
+                rounds: int, clock: Callable[[], float] = time.perf_counter) -> dict[str, dict[str, float]]:
     """Time every contender in ``rounds`` alternating slices of seconds / rounds each (so load from other
     processes falls on all of them alike); per contender the median and best GB/s over all its calls."""
     calls: dict[str, list[tuple[float, int]]] = {name: [] for name in contenders}
@@ -75,7 +82,7 @@ def interleaved(contenders: dict[str, Callable[[int], None]], bytes_of: Callable
     for r in range(rounds):
         order = list(contenders) if r % 2 == 0 else list(contenders)[::-1]
         for name in order:
-            times, end = time_calls(contenders[name], seconds / rounds, nxt[name])
+            times, end = time_calls(contenders[name], seconds / rounds, nxt[name], clock)
             calls[name] += [(dt, i) for dt, i in zip(times, range(nxt[name], end), strict=True)]
             nxt[name] = end
     out = {}
@@ -178,6 +185,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch baselines run beside the formats they match ('' for none)")
     ap.add_argument("--compare-rev", default=None,
                     help="git revision whose kernel (kernels/csrc) runs beside this one, e.g. 65f89cb")
+    ap.add_argument("--dense", default="",
+                    help="dense projections N:K (e.g. 151936:1024 the bench checkpoint's lm_head, 2048:1024 its q_proj) "
+                         "timed per format through moegate_linear (kernels.linear) beside the experts; '' for none")
+    ap.add_argument("--dense-only", action="store_true", help="only the --dense projections, no routed experts")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="thread: the calling thread's CPU time per call, with --threads 1 the kernel's own time "
+                         "(time descheduled by other processes on a shared machine left out)")
+    ap.add_argument("--working-set", type=int, default=WORKING_SET_MIB,
+                    help="MiB of weight copies cycled per format (1: one copy, in cache when it fits: the kernel's "
+                         "compute ceiling)")
     ap.add_argument("--quick", action="store_true", help="short run: 0.3 s per point, M=1,8")
     ap.add_argument("--idle-triad", type=float, default=16.0,
                     help="STREAM triad GB/s of this machine when idle (DESIGN.md: 15.6-16.5), a second yardstick "
@@ -187,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         args.seconds, args.ms = 0.3, "1,8"
     torch.set_num_threads(args.threads)
     ms = [int(m) for m in args.ms.split(",")]
+    working_set = args.working_set << 20
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     variant = kernel_variant()
@@ -197,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cpu": detect().summary(), "cpu_model": detect().model, "machine": platform.node(),
                     "variant": variant, "simd_path": simd_path(lib),
                     "compare_rev": args.compare_rev,
-                    "compare_simd_path": simd_path(old), "torch": torch.__version__,
+                    "compare_simd_path": simd_path(old), "torch": torch.__version__, "clock": args.clock,
                     "loadavg_before": os.getloadavg(), "busy_before": cpu_busy_fraction()}
     report["stream"] = stream_triad(args.threads)
     triad = report["stream"][f"triad_gbps_{args.threads}t"]
@@ -207,19 +225,20 @@ def main(argv: list[str] | None = None) -> int:
     formats = [f for f in args.formats.split(",") if f]
     extra = [b for b in baselines if b not in {TORCH_KIND[f] for f in formats}]  # baselines with no format
     results, ratios = [], []
-    bar = tqdm(total=(len(formats) + len(extra)) * len(ms), desc="kernel bench", unit="point")
-    for fmt in formats + extra:
+    expert_formats = [] if args.dense_only else formats + extra
+    bar = tqdm(total=len(expert_formats) * len(ms), desc="kernel bench", unit="point")
+    for fmt in expert_formats:
         layers, torch_ls, per_expert, torch_pe = None, None, 0, 0
         if fmt in formats:
             base = pack_experts(w_gu, w_dn, fmt, progress=False)
             per_expert = base.expert_nbytes()
             layers = [base] + [type(base)(base.fmt, H, I, base.group_size, base.expert_ids,
                                           {k: v.clone() for k, v in base.tensors.items()})
-                               for _ in range(max(1, WORKING_SET // base.nbytes) - 1)]
+                               for _ in range(max(1, working_set // base.nbytes) - 1)]
         kind = TORCH_KIND.get(fmt, fmt)
         if kind in baselines and (fmt in extra or fmt == next(f for f in formats if TORCH_KIND[f] == kind)):
             experts, torch_pe = torch_layers(w_gu, w_dn, kind)
-            torch_ls = [experts] + [clone_tree(experts) for _ in range(max(1, WORKING_SET // (torch_pe * E)) - 1)]
+            torch_ls = [experts] + [clone_tree(experts) for _ in range(max(1, working_set // (torch_pe * E)) - 1)]
         for m in ms:
             ids_list = routings(m, 16, seed=m)
             x = torch.randn(m, H, generator=g)
@@ -241,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 contenders[f"torch {kind}"], pe[f"torch {kind}"] = theirs, torch_pe
             timed = interleaved(contenders, lambda i, uniq=uniq: uniq[i % len(uniq)], args.seconds * len(contenders),
-                                args.rounds)
+                                args.rounds, CLOCKS[args.clock])
             point = {}
             for name, res in timed.items():
                 impl, f = name.split(" ")
@@ -261,6 +280,20 @@ def main(argv: list[str] | None = None) -> int:
             bar.update()
         del layers, torch_ls
     bar.close()
+    for shape in [d for d in args.dense.split(",") if d]:
+        n, k = (int(v) for v in shape.split(":"))
+        for fmt in [f for f in formats if f in LINEAR_FORMATS]:
+            for m in ms:
+                point = dense_point(lib, old if fmt in old_formats else None, args.compare_rev, fmt, n, k, m, args, g)
+                for res in point.values():
+                    res["pct_stream"] = 100 * res["gbps_median"] / triad
+                    res["pct_idle_triad_best"] = 100 * res["gbps_best"] / args.idle_triad
+                    results.append(res)
+                ours_name = f"moegate {fmt}"
+                for other, res in point.items():
+                    if other != ours_name:
+                        ratios.append({"M": m, "fmt": fmt, "dense": f"{n}x{k}", "vs": other,
+                                       "speedup": res["ms_median"] / point[ours_name]["ms_median"]})
     report.update(results=results, ratios=ratios, loadavg_after=os.getloadavg(), busy_after=cpu_busy_fraction(),
                   stream_after=stream_triad(args.threads), idle_triad=args.idle_triad)
     (out_dir / "kernel_bench.json").write_text(json.dumps(report, indent=2))
@@ -268,14 +301,42 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{report['cpu_model']}: {report['cpu']}; kernel {variant} ({report['simd_path']}); "
           f"STREAM triad {triad:.1f} GB/s ({args.threads} threads); loadavg before {report['loadavg_before']}")
     for r in results:
-        print(f"{r['impl']:16s} {r['fmt']:9s} M={r['M']:3d}  {r['gbps_median']:6.2f} GB/s median "
+        print(f"{r['impl']:16s} {r['fmt']:9s} {r.get('dense', 'experts'):12s} M={r['M']:3d}  {r['gbps_median']:6.2f} GB/s median "
               f"({r['gbps_best']:6.2f} best)  {r['pct_stream']:5.1f}% of this run's triad (median), "
               f"{r['pct_idle_triad_best']:5.1f}% of idle triad (best)  {r['ms_median']:.3f} ms/call")
     for r in ratios:
-        print(f"moegate {r['fmt']:9s} M={r['M']:3d}  {r['speedup']:5.2f}x vs {r['vs']} (median ms per call)")
+        print(f"moegate {r['fmt']:9s} {r.get('dense', 'experts'):12s} M={r['M']:3d}  {r['speedup']:5.2f}x vs {r['vs']} "
+              "(median ms per call)")
     print(f"STREAM triad after: {report['stream_after']}; loadavg after {report['loadavg_after']}; "
           f"busy {report['busy_before']:.2f} before / {report['busy_after']:.2f} after")
     return 0
+
+
+def dense_point(lib, old, rev: str | None, fmt: str, n: int, k: int, m: int, args, g: torch.Generator) -> dict:
+    """One dense projection W [n, k] in ``fmt`` at M = m through moegate_linear (this kernel and, with
+    ``old``, revision ``rev``'s), alternating; copies of W cycled (--working-set) so every call streams from
+    DRAM. Bytes per call: the packed weights and scales."""
+    base = PackedLinear.pack(torch.randn(n, k, generator=g) * 0.02, fmt)
+    copies = [base] + [PackedLinear(fmt, n, k, base.group_size, {key: t.clone() for key, t in base.tensors.items()})
+                       for _ in range(max(1, (args.working_set << 20) // base.nbytes) - 1)]
+    x = torch.randn(m, k, generator=g)
+    out = torch.empty(m, base.padded_out)
+
+    def call(i: int, kl=lib) -> None:
+        t = copies[i % len(copies)].tensors
+        rc = kl.moegate_linear(x.data_ptr(), out.data_ptr(), m, n, k, FORMAT_CODE[fmt], base.group_size,
+                               t["weight"].data_ptr(), t["scales"].data_ptr() if t["scales"].numel() else None,
+                               t["mins"].data_ptr() if t["mins"].numel() else None, ctypes.c_int(args.threads))
+        if rc != 0:
+            raise RuntimeError(f"moegate_linear failed with code {rc}")
+
+    contenders = {f"moegate {fmt}": call}
+    if old is not None:
+        contenders[f"moegate@{rev} {fmt}"] = functools.partial(call, kl=old)
+    seconds = args.seconds * len(contenders)
+    timed = interleaved(contenders, lambda i: base.nbytes, seconds, args.rounds, CLOCKS[args.clock])
+    return {name: dict(res, impl=name.split(" ")[0], fmt=fmt, M=m, dense=f"{n}x{k}", bytes_per_call=base.nbytes)
+            for name, res in timed.items()}
 
 
 def formats_at(rev: str) -> tuple[str, ...]:
@@ -317,7 +378,8 @@ def plot(report: dict, path: Path) -> None:
     triad = report["stream"][f"triad_gbps_{report['threads']}t"]
     series: dict[tuple[str, str], list] = {}
     for r in report["results"]:
-        series.setdefault((r["impl"], r["fmt"]), []).append((r["M"], r["gbps_median"]))
+        series.setdefault((r["impl"], r["fmt"] + (f" {r['dense']}" if "dense" in r else "")), []).append(
+            (r["M"], r["gbps_median"]))
     for (impl, fmt), pts in series.items():
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="-" if impl == "moegate" else "--",
                 label=f"{impl} {fmt}")

@@ -53,12 +53,20 @@ class LLGuidanceMatcher(Matcher):
         return self.llg.get_error()
 
     def allows(self, token_id: int) -> bool | None:
-        if self.forces():  # forced bytes: the mask allows their canonical tokens only, where
-            return None  # validate_tokens takes any token that starts them ("sy" as well as "symbol")
+        # forced bytes: llguidance's mask is then the first of their canonical tokens alone ("symbol" after `{"`),
+        # where validate_tokens takes any token that starts them ("sy" as well); where they tokenize to no whole
+        # token (a tail the next token must start with) the full row says which
+        if self.forces():
+            forced = self.forced_token()
+            return token_id == forced if forced is not None else None
         return self.llg.validate_tokens([token_id]) == 1
 
     def forces(self) -> bool:
         return bool(self.llg.compute_ff_bytes())
+
+    def forced_token(self) -> int | None:
+        forced = self.llg.compute_ff_tokens()  # (kept by llguidance for the mask of this state)
+        return forced[0] if forced else None
 
 
 class LLGuidanceCompiled(CompiledConstraint):

@@ -67,6 +67,11 @@ class Matcher(ABC):
         """Whether the grammar forces the next bytes now; None where only the mask tells."""
         return None
 
+    def forced_token(self) -> int | None:
+        """The id the mask allows alone where the grammar forces bytes that start with a whole token; None where it
+        does not, or only the mask tells."""
+        return None
+
     # The native llguidance.LLMatcher when the backend is llguidance (parallel batched masks).
     llg = None
 

@@ -110,17 +110,23 @@ class BatchMasker:
         not already current are filled in one batched call and kept for the step that samples from them.
         With `lazy_candidates`, only the masks of constraints that may force a token (Constraint.may_force:
         the grammar forces bytes, a completion plan, ...): the others report None without a mask (their next
-        token is sampled: the same token, jump-forward only saves a step)."""
+        token is sampled: the same token, jump-forward only saves a step); and where the grammar forces a whole
+        token that the other rules leave (Constraint.forced_by_grammar), that token without a mask."""
         self.wait()  # no prefetch reads these constraints, nor uses the executor beside this fill
         for constraint, token_ids in items:
             constraint.advance(token_ids)
         forcing = [not self.lazy_candidates or c.may_force() for c, _ in items]
+        # where the grammar forces a whole token that every other rule leaves, that token is the whole row
+        known = [c.forced_by_grammar() if f and self.lazy_candidates else None
+                 for (c, _), f in zip(items, forcing, strict=True)]
+        forcing = [f and k is None for f, k in zip(forcing, known, strict=True)]
         words = self._words or items[0][0].tok_words
         stale = [c for (c, _), f in zip(items, forcing, strict=True) if f and not self._current(c, words)]
         if stale:
             self._keep(stale, words)
         rows = [self._pending[id(c)] if f else None for (c, _), f in zip(items, forcing, strict=True)]
-        return [only_id(r[3][r[4]]) if r is not None else None for r in rows]
+        return [k if k is not None else only_id(r[3][r[4]]) if r is not None else None
+                for r, k in zip(rows, known, strict=True)]
 
     def _current(self, constraint: Constraint, words: int) -> bool:
         """Whether the kept mask of `constraint` is its current state's (at this row width)."""

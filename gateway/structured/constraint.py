@@ -303,6 +303,14 @@ class Constraint:
         ids = [t for t in _witness_ids(self.compiled.tokenizer) if self.matcher.allows(t) is True]
         return bool(ids) and bool(self.guard.keeps(np.array(ids, dtype=np.int64)).any())
 
+    def forced_by_grammar(self) -> int | None:
+        """The one id this step's full mask allows, found without it, where the grammar forces bytes that start with
+        a whole token and the other rules leave that token (`allows_token`); None where the mask must tell."""
+        if self.is_terminated() or not self.matcher.forces():
+            return None
+        token = self.matcher.forced_token()
+        return token if token is not None and self.allows_token(token) is True else None
+
     def may_force(self) -> bool:
         """False where no token can be forced now unless the grammar forces bytes (not ended, no completion
         plan, outside the closing window): jump-forward skips the mask then."""

@@ -9,7 +9,33 @@
 // tail k into the even one) and add them at the end; int8 sums each group's even and odd k in two
 // chains from zero and adds fma(scale, even + odd, acc) in group order. Nothing depends on MT or on
 // which rows share the call, so a row's result is batch-invariant and equals the avx2 build's.
+//
+// More than kSequentialRows rows read their activations interleaved (FpActs, as ZmmActs for W4A8): a chunk
+// of MT rows stores each k's MT floats side by side, so every broadcast fma addresses one pointer plus a
+// constant and the loop bumps two pointers. Per-row pointers with an index register cost each fma a
+// second front-end uop (an indexed memory operand is unlaminated) and the loop reloaded spilled pointers
+// from the stack: the loop was issue-bound, not fma-bound (perf, bf16 M = 128).
 #pragma once
+
+namespace {
+
+// fp32 activations of a set of N rows in chunks of kZmmChunk rows from row 0 (the last chunk N mod 8
+// rows): chunk c holds x [kp][n] at x + 8c * kp. rows(i) (i a multiple of 8) is the set from row i on.
+struct FpActs {
+  float* x;
+  int64_t kp;
+
+  FpActs rows(int64_t i) const { return FpActs{x + i * kp, kp}; }
+
+  // Row i of the N-row set from a row of kp floats.
+  void put(int64_t i, int64_t N, const float* row) const {
+    const int64_t c0 = i / kZmmChunk * kZmmChunk, j = i - c0, n = std::min<int64_t>(kZmmChunk, N - c0);
+    float* c = x + c0 * kp + j;
+    for (int64_t k = 0; k < kp; ++k) c[k * n] = row[k];
+  }
+};
+
+}  // namespace
 
 #ifdef MOEGATE_ZMM
 
@@ -123,23 +149,259 @@ void zmm_fp_rows(const FpOperand<T>& A, const float* const* x, float* const* out
   }
 }
 
+// The unit's 16 weights at p0 (lanes 0-7, kContig all 16) and p1 (lanes 8-15, kPair) as fp32.
+template <int FMT, int MODE, class T>
+inline __m512 fp_weights_at(const T* p0, const T* p1) {
+  return fp_weights<FMT, MODE>(FpOperand<T>{p0, p1, nullptr, nullptr, 0, 0, 0, 0}, 0);
+}
+
+// acc[m] = fma(w, x[m], acc[m]) for the MT floats of one k of an interleaved chunk.
+template <int MT>
+inline void fp_fma_rows(__m512 w, const float* xk, __m512* a) {
+  #pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) a[m] = _mm512_fmadd_ps(w, _mm512_set1_ps(xk[m]), a[m]);
+}
+
+// zmm_fp for one interleaved chunk xc [kp][MT] (FpActs): the same fma sequence per lane, the weights and
+// the activations each read through one pointer bumped per pair of k.
+template <int FMT, int MODE, int MT, class T>
+void zmm_fp_chunk(const FpOperand<T>& A, const float* xc, float* const* out) {
+  __m512 acc[MT], even[MT], odd[MT];
+  #pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) acc[m] = even[m] = odd[m] = _mm512_setzero_ps();
+  const T* p0 = A.w0;
+  const T* p1 = A.w1;
+  const int64_t st = A.stride;
+  // kPrefetch bytes ahead in each stream, per pair of k (a line holds 1-4 pairs; fp32 kContig: two lines a pair)
+  constexpr bool two_lines = FMT == FP32 && MODE == kContig;
+  auto pair = [&](__m512* e, __m512* o) {
+    __builtin_prefetch(reinterpret_cast<const char*>(p0) + kPrefetch, 0, 3);
+    if constexpr (two_lines) __builtin_prefetch(reinterpret_cast<const char*>(p0) + kPrefetch + 64, 0, 3);
+    if constexpr (MODE == kPair) __builtin_prefetch(reinterpret_cast<const char*>(p1) + kPrefetch, 0, 3);
+    fp_fma_rows<MT>(fp_weights_at<FMT, MODE>(p0, p1), xc, e);
+    fp_fma_rows<MT>(fp_weights_at<FMT, MODE>(p0 + st, MODE == kPair ? p1 + st : p1), xc + MT, o);
+    p0 += 2 * st;
+    if constexpr (MODE == kPair) p1 += 2 * st;
+    xc += 2 * MT;
+  };
+  if constexpr (FMT == INT8) {
+    for (int64_t g = 0; g < A.kp / A.gs; ++g) {
+      #pragma GCC unroll 16
+      for (int m = 0; m < MT; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < A.gs; j += 2) pair(even, odd);  // gs is even
+      const __m512 s = zmm_f16<MODE>(A.s0 + g * A.sstride, A.s1 + g * A.sstride);
+      #pragma GCC unroll 16
+      for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(s, _mm512_add_ps(even[m], odd[m]), acc[m]);
+    }
+  } else {
+    for (int64_t j = 0; j + 2 <= A.kp; j += 2) pair(even, odd);
+    if (A.kp & 1) fp_fma_rows<MT>(fp_weights_at<FMT, MODE>(p0, p1), xc, even);
+    #pragma GCC unroll 16
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_add_ps(even[m], odd[m]);
+  }
+  #pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) {
+    if constexpr (MODE == kSingle) _mm256_storeu_ps(out[m], _mm512_castps512_ps256(acc[m]));
+    else _mm512_storeu_ps(out[m], acc[m]);
+  }
+}
+
+// Rows [0, n) of an interleaved set (chunks of 8 from row 0) through one unit.
+template <int FMT, int MODE, class T>
+void zmm_fp_chunks(const FpOperand<T>& A, const FpActs& X, float* const* out, int n) {
+  int i = 0;
+  auto chunk = [&](auto mt_c) {
+    constexpr int MT = decltype(mt_c)::value;
+    zmm_fp_chunk<FMT, MODE, MT>(A, X.rows(i).x, out + i);
+  };
+  for (; i + 8 <= n; i += 8) chunk(std::integral_constant<int, 8>{});
+  switch (n - i) {
+    case 7: chunk(std::integral_constant<int, 7>{}); break;
+    case 6: chunk(std::integral_constant<int, 6>{}); break;
+    case 5: chunk(std::integral_constant<int, 5>{}); break;
+    case 4: chunk(std::integral_constant<int, 4>{}); break;
+    case 3: chunk(std::integral_constant<int, 3>{}); break;
+    case 2: chunk(std::integral_constant<int, 2>{}); break;
+    case 1: chunk(std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
+// Many rows (n > kSequentialRows) of unit `u` from interleaved activations: R8 = 2 the gate_up tile
+// first + u, R8 = 1 the pair of tiles first + 2u, first + 2u + 1 (or the last single one).
+template <int FMT, int R8>
+void zmm_fp_unit_chunks(const Mat& M, int64_t first, int64_t u, int64_t n8, const FpActs& X, float* const* out,
+                        int n) {
+  using T = std::conditional_t<FMT == FP32, float, std::conditional_t<FMT == INT8, int8_t, uint16_t>>;
+  const T* w = static_cast<const T*>(M.w);
+  const int64_t ng = FMT == INT8 ? M.kp / M.gs : 0;
+  if constexpr (R8 == 2) {
+    const int64_t t = first + u;
+    const uint16_t* s = FMT == INT8 ? M.scales + t * ng * 16 : nullptr;
+    zmm_fp_chunks<FMT, kContig>(FpOperand<T>{w + t * M.kp * 16, nullptr, s, nullptr, 16, 16, M.kp, M.gs}, X, out, n);
+  } else {
+    const int64_t t = first + 2 * u;
+    const uint16_t* s = FMT == INT8 ? M.scales + t * ng * 8 : nullptr;
+    const FpOperand<T> A{w + t * M.kp * 8, w + (t + 1) * M.kp * 8, s, s ? s + ng * 8 : nullptr, 8, 8, M.kp, M.gs};
+    if (2 * u + 1 < n8) zmm_fp_chunks<FMT, kPair>(A, X, out, n);
+    else zmm_fp_chunks<FMT, kSingle>(A, X, out, n);
+  }
+}
+
+// int8 weights, few activation rows (n <= kSequentialRows): the per-row order is tile_dot's (each group's
+// even-k and odd-k chains from zero, then fma(scale, even + odd, acc) in group order), but one row's two
+// chains on one tile leave the fma latency exposed (the ymm tiles: ~10 GB/s per core with the weights in
+// cache). Groups are independent until they reach acc, so G groups run side by side, each with its own
+// chains, and are added to acc in group order: the same bits with 2G (R8 = 2) or T x G (R8 = 1) chains per
+// row. G = 2 (~16 GB/s per core in cache, as W8A8); G = 4 at M = 1 measured no faster.
+//
+// R8 = 1: T adjacent 8-row tiles (T = 2: a unit). A tile's 16 bytes of a k pair ([k: r0..7][k+1: r0..7],
+// contiguous) convert to 16 fp32 lanes at once and multiply [x[k] x 8 | x[k+1] x 8]: lanes 0-7 run the
+// even-k chain, lanes 8-15 the odd-k chain; one convert and one fma per 16 weights.
+template <int T, int G, int MT>
+inline void zmm_i8_kpair_groups(const int8_t* w, const uint16_t* s, int64_t kp, int64_t gs, int64_t g0,
+                                const float* const* x, __m256 (*acc)[T]) {
+  const int64_t tw = kp * 8, ts = kp / gs * 8;  // one tile's weight bytes, scales
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 c[G][MT][T];
+  #pragma GCC unroll 4
+  for (int h = 0; h < G; ++h)
+    #pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m)
+      #pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) c[h][m][t] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < gs; j += 2) {  // gs is even
+    #pragma GCC unroll 4
+    for (int h = 0; h < G; ++h) {
+      const int64_t k = (g0 + h) * gs + j;
+      if ((k & 7) == 0)  // one prefetch per 64-byte line (8 k) of each tile
+        #pragma GCC unroll 4
+        for (int t = 0; t < T; ++t) __builtin_prefetch(w + t * tw + k * 8 + kPrefetch, 0, 3);
+      __m512 wv[T];
+      #pragma GCC unroll 4
+      for (int t = 0; t < T; ++t)
+        wv[t] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + t * tw + k * 8))));
+      #pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) {
+        const __m512 xv = _mm512_permutexvar_ps(
+            halves, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x[m] + k)))));
+        #pragma GCC unroll 4
+        for (int t = 0; t < T; ++t) c[h][m][t] = _mm512_fmadd_ps(wv[t], xv, c[h][m][t]);
+      }
+    }
+  }
+  #pragma GCC unroll 4
+  for (int h = 0; h < G; ++h)
+    #pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) {
+      const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + t * ts + (g0 + h) * 8)));
+      #pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) {
+        const __m256 even = _mm512_castps512_ps256(c[h][m][t]);
+        const __m256 odd = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c[h][m][t]), 1));
+        acc[m][t] = _mm256_fmadd_ps(sc, _mm256_add_ps(even, odd), acc[m][t]);
+      }
+    }
+}
+
+// out[m][0 .. 8T) = the T tiles at w (scales s) . x[m] for MT (<= kSequentialRows) rows.
+template <int T, int MT>
+void zmm_i8_kpairs(const int8_t* w, const uint16_t* s, int64_t kp, int64_t gs, const float* const* x,
+                   float* const* out) {
+  constexpr int G = 2;
+  __m256 acc[MT][T];
+  #pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m)
+    #pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) acc[m][t] = _mm256_setzero_ps();
+  const int64_t ng = kp / gs;
+  int64_t g = 0;
+  for (; g + G <= ng; g += G) zmm_i8_kpair_groups<T, G, MT>(w, s, kp, gs, g, x, acc);
+  for (; g < ng; ++g) zmm_i8_kpair_groups<T, 1, MT>(w, s, kp, gs, g, x, acc);
+  #pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m)
+    #pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) _mm256_storeu_ps(out[m] + 8 * t, acc[m][t]);
+}
+
+// R8 = 2: one gate_up tile ([k: gate r0..7, up r0..7], 16 contiguous bytes per k): even and odd k each one
+// 16-lane chain, as zmm_fp's kContig, for G groups side by side.
+template <int G, int MT>
+inline void zmm_i8_gate_up_groups(const int8_t* w, const uint16_t* s, int64_t gs, int64_t g0, const float* const* x,
+                                  __m512* acc) {
+  __m512 even[G][MT], odd[G][MT];
+  #pragma GCC unroll 4
+  for (int h = 0; h < G; ++h)
+    #pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m) even[h][m] = odd[h][m] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < gs; j += 2) {  // gs is even
+    #pragma GCC unroll 4
+    for (int h = 0; h < G; ++h) {
+      const int64_t k = (g0 + h) * gs + j;
+      if ((k & 3) == 0) __builtin_prefetch(w + k * 16 + kPrefetch, 0, 3);  // one per 64-byte line (4 k)
+      const __m512 we = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 16))));
+      const __m512 wo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 16 + 16))));
+      #pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) {
+        even[h][m] = _mm512_fmadd_ps(we, _mm512_set1_ps(x[m][k]), even[h][m]);
+        odd[h][m] = _mm512_fmadd_ps(wo, _mm512_set1_ps(x[m][k + 1]), odd[h][m]);
+      }
+    }
+  }
+  #pragma GCC unroll 4
+  for (int h = 0; h < G; ++h) {
+    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + (g0 + h) * 16)));
+    #pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(sc, _mm512_add_ps(even[h][m], odd[h][m]), acc[m]);
+  }
+}
+
+template <int MT>
+void zmm_i8_gate_up(const int8_t* w, const uint16_t* s, int64_t kp, int64_t gs, const float* const* x,
+                    float* const* out) {
+  constexpr int G = 2;
+  __m512 acc[MT];
+  #pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t ng = kp / gs;
+  int64_t g = 0;
+  for (; g + G <= ng; g += G) zmm_i8_gate_up_groups<G, MT>(w, s, gs, g, x, acc);
+  for (; g < ng; ++g) zmm_i8_gate_up_groups<1, MT>(w, s, gs, g, x, acc);
+  #pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out[m], acc[m]);
+}
+
+// Few-row int8 unit `u` (as zmm_fp_unit_rows) for n <= kSequentialRows rows.
+template <int R8>
+void zmm_i8_few_rows(const Mat& M, int64_t first, int64_t u, int64_t n8, const float* const* x, float* const* out,
+                     int n) {
+  static_assert(kSequentialRows == 2, "one case per row count up to kSequentialRows");
+  const int64_t ng = M.kp / M.gs;
+  const int8_t* w = static_cast<const int8_t*>(M.w);
+  if constexpr (R8 == 2) {
+    const int64_t t = first + u;
+    const int8_t* wt = w + t * M.kp * 16;
+    const uint16_t* s = M.scales + t * ng * 16;
+    if (n == 2) zmm_i8_gate_up<2>(wt, s, M.kp, M.gs, x, out);
+    else zmm_i8_gate_up<1>(wt, s, M.kp, M.gs, x, out);
+  } else {
+    const int64_t t = first + 2 * u;
+    const int8_t* wt = w + t * M.kp * 8;
+    const uint16_t* s = M.scales + t * ng * 8;
+    const bool pair = 2 * u + 1 < n8;
+    if (n == 2) pair ? zmm_i8_kpairs<2, 2>(wt, s, M.kp, M.gs, x, out) : zmm_i8_kpairs<1, 2>(wt, s, M.kp, M.gs, x, out);
+    else pair ? zmm_i8_kpairs<2, 1>(wt, s, M.kp, M.gs, x, out) : zmm_i8_kpairs<1, 1>(wt, s, M.kp, M.gs, x, out);
+  }
+}
+
 // Unit `u` of a tiled fp32-activation projection (as zmm_unit_rows): R8 = 2 the gate_up tile first + u,
-// R8 = 1 the tiles first + 2u and first + 2u + 1 (if 2u + 1 < n8; few int8 rows run them one after the other).
+// R8 = 1 the tiles first + 2u and first + 2u + 1 (if 2u + 1 < n8; few int8 rows: zmm_i8_few_rows).
 template <int FMT, int R8>
 void zmm_fp_unit_rows(const Mat& M, int64_t first, int64_t u, int64_t n8, const float* const* x, float* const* out,
                       int n) {
   using T = std::conditional_t<FMT == FP32, float, std::conditional_t<FMT == INT8, int8_t, uint16_t>>;
   if constexpr (FMT == INT8) {
-    if (n <= kSequentialRows) {  // memory-bound: the ymm tiles (int8 M = 1 on zmm measured ~1.9x slower)
-      const int64_t t = R8 == 2 ? first + u : first + 2 * u;
-      tile_rows<FMT, R8>(M, t, x, out, n);
-      if (R8 == 1 && 2 * u + 1 < n8) {
-        float* out1[kSequentialRows];
-        for (int i = 0; i < n; ++i) out1[i] = out[i] + 8;
-        tile_rows<FMT, R8>(M, t + 1, x, out1, n);
-      }
-      return;
-    }
+    if (n <= kSequentialRows) return zmm_i8_few_rows<R8>(M, first, u, n8, x, out, n);  // memory-bound calls
   }
   const T* w = static_cast<const T*>(M.w);
   const int64_t ng = FMT == INT8 ? M.kp / M.gs : 0;
@@ -154,16 +416,8 @@ void zmm_fp_unit_rows(const Mat& M, int64_t first, int64_t u, int64_t n8, const 
     const FpOperand<T> A{w + t * M.kp * 8, w + (t + 1) * M.kp * 8, s, s ? s + ng * 8 : nullptr, 8, 8, M.kp, M.gs};
     // fp32 / bf16 weights: a pair at any row count. One row's fma chains are latency-bound on one 8-lane
     // tile (bf16 M = 1 in L2: 11.5 GB/s on one core), 16 lanes double the work per fma (17.2 GB/s).
-    if (pair && (n > kSequentialRows || FMT != INT8)) {
-      zmm_fp_rows<FMT, kPair>(A, x, out, n);
-    } else {  // int8: one tile after the other, one sequential weight stream (memory-bound few-row calls)
-      zmm_fp_rows<FMT, kSingle>(A, x, out, n);
-      if (pair) {
-        float* out1[kSequentialRows];
-        for (int i = 0; i < n; ++i) out1[i] = out[i] + 8;
-        zmm_fp_rows<FMT, kSingle>(FpOperand<T>{A.w1, nullptr, A.s1, nullptr, 8, 8, M.kp, M.gs}, x, out1, n);
-      }
-    }
+    if (pair) zmm_fp_rows<FMT, kPair>(A, x, out, n);
+    else zmm_fp_rows<FMT, kSingle>(A, x, out, n);
   }
 }
 

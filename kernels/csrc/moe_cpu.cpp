@@ -321,6 +321,8 @@ template <int R8>
 void zmm_bf16_unit_rows(const Mat&, int64_t, int64_t, int64_t, const uint16_t* const*, float* const*, int) {}
 template <int FMT, int R8>
 void zmm_fp_unit_rows(const Mat&, int64_t, int64_t, int64_t, const float* const*, float* const*, int) {}
+template <int FMT, int R8>
+void zmm_fp_unit_chunks(const Mat&, int64_t, int64_t, int64_t, const FpActs&, float* const*, int) {}
 inline bool cpu_has_bf16_dot() { return false; }
 #endif
 
@@ -393,6 +395,11 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   // bf16_a16: activations rounded to bf16 (both projections' inputs); on vdpbf16ps also as bf16 bits
   // (xbits / hbits, rows of even length).
   const bool dot16 = FMT == BF16A && cpu_has_bf16_dot();
+  // fp32 activations on zmm FMA (fp_zmm.h); experts with more than kSequentialRows rows read theirs
+  // interleaved (FpActs: xf per sorted row from row count[e], hf likewise).
+  const bool fpz = kZmm && !w4a8 && !dot16;
+  const FpActs xf{scratch.take<float>(fpz ? S * hp : 0), hp}, hf{scratch.take<float>(fpz ? S * ip : 0), ip};
+  auto many = [&](int64_t e) { return fpz && count[e + 1] - count[e] > kSequentialRows; };
   const int64_t xbl = hp + (hp & 1), hbl = hbuf + 1;
   std::vector<uint16_t> xbits(dot16 ? T * xbl : 1), hbits(dot16 ? S * hbl : 1);
   for (int64_t t = 0; t < T; ++t) {
@@ -408,9 +415,12 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
         xi.rows(count[e]).put(r - count[e], count[e + 1] - count[e], &xq[t * hp], &xsx[t * ngh], &xqs[t * ngh],
                               &xn8[t * ngh]);
       }
+  for (int64_t e = 0; e < E; ++e)
+    if (many(e))
+      for (int64_t r = count[e]; r < count[e + 1]; ++r)
+        xf.rows(count[e]).put(r - count[e], count[e + 1] - count[e], &xp[src_token[r] * hp]);
   // On zmm (W4A8, and bf16_a16 on vdpbf16ps) a down item is a unit of two 8-row tiles (w4a8_zmm.h),
   // a gate_up item one 16-row tile.
-  const bool fpz = kZmm && !w4a8 && !dot16;  // fp32 activations on zmm FMA (fp_zmm.h)
   const bool units = zmm || dot16 || fpz;
   const int64_t dn_items = units ? (P.h8 + 1) / 2 : P.h8;
   const int64_t n1 = na * P.i8, n2 = na * dn_items;
@@ -450,6 +460,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       else if constexpr (FMT == I8A8) w8a8_rows<2>(P.gu, e * P.i8, tile, P.i8, qr, sxr, qsr, orow, n);
       else if constexpr (zmm) zmm_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8, xi.rows(r0), orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 2>(P.gu, e * P.i8 + tile, qr, sxr, qsr, orow, n);
+      else if (many(e)) zmm_fp_unit_chunks<FMT, 2>(P.gu, e * P.i8, tile, P.i8, xf.rows(r0), orow, n);
       else if (fpz) zmm_fp_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8, xr, orow, n);
       else tile_rows<FMT, 2>(P.gu, e * P.i8 + tile, xr, orow, n);
       const float* gb = P.gu_bias ? P.gu_bias + e * 2 * P.i8 * 8 + tile * 8 : nullptr;  // gate; up at + i8*8
@@ -475,6 +486,9 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       if constexpr (FMT == BF16A)
         for (int64_t r = count[e]; r < count[e + 1]; ++r)
           round_row_bf16(&hb[r * hbuf], ip, dot16 ? &hbits[r * hbl] : nullptr);
+      if (many(e))
+        for (int64_t r = count[e]; r < count[e + 1]; ++r)
+          hf.rows(count[e]).put(r - count[e], count[e + 1] - count[e], &hb[r * hbuf]);
       ready[a].store(1, std::memory_order_release);
     }
   };
@@ -505,6 +519,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       else if constexpr (FMT == I8A8) w8a8_rows<1>(P.dn, e * P.h8, item, P.h8, qr, sxr, qsr, orow, n);
       else if constexpr (zmm) zmm_unit_rows<FMT, 1>(P.dn, e * P.h8, item, P.h8, hi.rows(r0), orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(P.dn, e * P.h8 + tile, qr, sxr, qsr, orow, n);
+      else if (many(e)) zmm_fp_unit_chunks<FMT, 1>(P.dn, e * P.h8, item, P.h8, hf.rows(r0), orow, n);
       else if (fpz) zmm_fp_unit_rows<FMT, 1>(P.dn, e * P.h8, item, P.h8, xr, orow, n);
       else tile_rows<FMT, 1>(P.dn, e * P.h8 + tile, xr, orow, n);
     }
@@ -609,10 +624,15 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
       if constexpr (interleave) xl.put(m, M, &xq[m * kp], &xsx[m * ng], &xqs[m * ng], &xn8[m * ng]);
     }
   const bool dot16 = FMT == BF16A && cpu_has_bf16_dot();
+  // fp32 activations on zmm FMA (fp_zmm.h): more than kSequentialRows rows interleaved (FpActs)
+  const bool fpz = kZmm && !w4a8 && !dot16, many = fpz && M > kSequentialRows;
   const int64_t xbl = kp + (kp & 1);
   std::vector<uint16_t> xbits(dot16 ? M * xbl : 1);
   if constexpr (FMT == BF16A)
     for (int64_t m = 0; m < M; ++m) round_row_bf16(&xp[m * kp], kp, dot16 ? &xbits[m * xbl] : nullptr);
+  const FpActs xf{scratch.take<float>(many ? M * kp : 0), kp};
+  if (many)
+    for (int64_t m = 0; m < M; ++m) xf.put(m, M, xrows + m * kp);
   std::vector<const float*> xr(M);
   std::vector<const int8_t*> qr(M);
   std::vector<const float*> sxr(M), qsr(M);
@@ -627,7 +647,6 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
     br[m] = &xbits[dot16 ? m * xbl : 0];
   }
   constexpr int kRows = kMaxMT * 16;
-  const bool fpz = kZmm && !w4a8 && !dot16;
   const bool units = zmm || dot16 || fpz;
   const int64_t items = units ? (n8 + 1) / 2 : n8;
   // ~16 claims per thread, as in run(): few enough to keep the shared counter quiet, enough to balance
@@ -664,6 +683,7 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
       else if constexpr (FMT == I8A8) w8a8_rows<1>(A, 0, item, n8, &qr[m0], &sxr[m0], &qsr[m0], orow, n);
       else if constexpr (zmm) zmm_unit_rows<FMT, 1>(A, 0, item, n8, xl.rows(m0), orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(A, tile, &qr[m0], &sxr[m0], &qsr[m0], orow, n);
+      else if (many) zmm_fp_unit_chunks<FMT, 1>(A, 0, item, n8, xf.rows(m0), orow, n);
       else if (fpz) zmm_fp_unit_rows<FMT, 1>(A, 0, item, n8, &xr[m0], orow, n);
       else tile_rows<FMT, 1>(A, tile, &xr[m0], orow, n);
     }

@@ -23,6 +23,11 @@ namespace {
 
 constexpr int kZmmChunk = 8;  // activation rows per interleaved chunk (the tile loop's largest MT)
 
+// Up to this many activation rows a pair of 8-row tiles runs as two single tiles in sequence: the
+// weights then stream from one address range (two interleaved streams measured ~3% slower at M = 1),
+// and the idle upper lanes cost nothing while the call waits on memory.
+constexpr int kSequentialRows = 2;
+
 // int8 activations (with per-group scale sx, sum(q) as float qs and -8 sum(q) n8) of a set of N rows,
 // in chunks of kZmmChunk rows from row 0 (the last chunk n = N mod 8 rows): chunk c holds
 // q [kp / 8][n][8] at q + 8c * kp and sx / qs / n8 [ng][n] at + 8c * ng. rows(i) (i a multiple of 8)
@@ -207,11 +212,6 @@ void zmm_rows(const ZmmOperand& A, const ZmmActs& X, float* const* out, int n) {
     default: break;
   }
 }
-
-// Up to this many activation rows a pair of 8-row tiles runs as two single tiles in sequence: the
-// weights then stream from one address range (two interleaved streams measured ~3% slower at M = 1),
-// and the idle upper lanes cost nothing while the call waits on memory.
-constexpr int kSequentialRows = 2;
 
 // Unit `u` of a tiled projection: for R8 = 2 the gate_up tile u (16 lanes, contiguous); for R8 = 1 the
 // tiles 2u and 2u + 1 (the second only if it exists: n8 tiles in all, counted from `first` tile).

@@ -77,10 +77,11 @@ def test_linear_variants(variant: str, fmt: str) -> None:
 @pytest.mark.skipif(not (kernel_available("avx2") and vnni_capable(detect())), reason="needs AVX-512 VNNI")
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
 def test_avx512_fp_units_equal_avx2_for_odd_shapes(fmt: str) -> None:
-    """The zmm fp32 FMA units (fp_zmm.h) with an odd K (the even chain takes the last k), an odd tile
-    count (a single last unit) and 1..19 rows give the avx2 build's bits."""
-    packed = PackedLinear.pack(_weight(77, 201), fmt)
-    x = torch.randn(19, 201)
+    """The zmm fp32 FMA units (fp_zmm.h) with an odd K (the even chain takes the last k; int8: an odd group
+    count, the last group alone in the few-row units), an odd tile count (a single last unit) and 1..19 rows
+    give the avx2 build's bits."""
+    packed = PackedLinear.pack(_weight(69, 301), fmt)
+    x = torch.randn(19, 301)
     for m in (1, 2, 3, 8, 9, 19):
         assert torch.equal(packed(x[:m], variant="avx512"), packed(x[:m], variant="avx2"))
 

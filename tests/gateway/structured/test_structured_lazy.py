@@ -203,8 +203,7 @@ TEXTS = {"json": '{"symbol":"AAPL","side":"buy","quantity":100,"price":1.5}',
 @pytest.mark.parametrize("kind", ["json", "tools", "sql"])
 def test_allows_token_agrees_with_the_full_mask_on_every_token(tokinfo, kind):
     """Along an output, every id of the vocabulary: allows_token True only for ids the full mask allows, False
-    only for ids it forbids (forced bytes, where llguidance's mask keeps only their canonical tokens while
-    validate_tokens takes any prefix of them, answer None)."""
+    only for ids it forbids (forced bytes that tokenize to no whole token answer None)."""
     spec, ids = _specs(tokinfo)[kind], tokinfo.encode(TEXTS[kind])
     answered = 0
     for n in range(0, len(ids), 2):
@@ -286,3 +285,49 @@ def test_eos_beside_a_guard_is_ruled_on_where_the_row_keeps_a_token(tokinfo, sql
             assert (eos in allowed) is (n == len(ids))
     c.advance([*ids, tokinfo.eos_ids[0]])
     assert c.is_terminated() and c.allows_token(tokinfo.eos_ids[1]) is True and c.allows_token(ids[0]) is False
+
+
+@pytest.mark.parametrize("kind", ["json", "tools"])
+def test_forced_bytes_are_answered_by_their_first_canonical_token(tokinfo, kind):
+    """Where the grammar forces bytes that tokenize to whole tokens (keys, enum values), allows_token answers for
+    every id without the mask: the first forced token alone, as llguidance's mask has it (not the prefixes of it
+    that validate_tokens takes)."""
+    spec, ids = _specs(tokinfo)[kind], tokinfo.encode(TEXTS[kind])
+    forced_states = 0
+    for n in range(len(ids)):
+        c, ref = (build_constraint(spec, tokinfo, max_tokens=256, cache=CACHE) for _ in range(2))
+        c.advance(ids[:n])
+        ref.advance(ids[:n])
+        if c.error or not c.matcher.forces():
+            continue
+        first = c.matcher.llg.deep_copy().compute_ff_tokens()
+        if not first:
+            continue
+        forced_states += 1
+        allowed = set(_allowed(ref, c.tok_words)[0].tolist())
+        verdicts = [c.allows_token(t) for t in range(tokinfo.vocab_size)]
+        # (EOS: the guard's own rule)
+        answered = [v for t, v in enumerate(verdicts) if t not in tokinfo.eos_ids]
+        assert None not in answered, tokinfo.decode(ids[:n])
+        assert {t for t, v in enumerate(verdicts) if v} == allowed == {first[0]}, tokinfo.decode(ids[:n])
+    assert forced_states >= 3
+
+
+@pytest.mark.parametrize("kind", ["json", "tools", "sql"])
+def test_jump_forward_finds_the_full_mask_forced_token_without_it(tokinfo, kind):
+    """BatchMasker.forced_tokens with lazy verification gives the forced token of every-step full masks at each
+    state along an output, or None where only the guard forces one (it is then sampled), and finds the grammar's
+    whole forced tokens without filling a mask."""
+    spec, ids = _specs(tokinfo)[kind], tokinfo.encode(TEXTS[kind])
+    lazy, full = (BatchMasker(num_threads=1, prefetch=False, lazy_candidates=k) for k in (8, 0))
+    without_mask = 0
+    for n in range(len(ids)):
+        c = build_constraint(spec, tokinfo, max_tokens=256, cache=CACHE, mask_batcher=lazy)
+        ref = build_constraint(spec, tokinfo, max_tokens=256, cache=CACHE, mask_batcher=full)
+        token = lazy.forced_tokens([(c, ids[:n])])[0]
+        expected = full.forced_tokens([(ref, ids[:n])])[0]
+        assert token == expected or (token is None and not c.may_force()), tokinfo.decode(ids[:n])
+        without_mask += token is not None and id(c) not in lazy._pending
+    lazy.close()
+    full.close()
+    assert without_mask >= (3 if kind != "sql" else 0)
