@@ -297,7 +297,8 @@ class LLMEngine:
         for c in chunks:
             c.seq.num_computed = c.start + c.num_tokens
         sampling = [c for c in chunks if c.samples]
-        picks = self.decoder.choose(logits, [c.seq for c in sampling], self.vocab_limit)  # drafts verified
+        picks = self.decoder.choose(logits, [c.seq for c in sampling], self.vocab_limit,  # drafts verified
+                                    self.runner.first_max)
         alone = len(chunks) == 1
         for c in chunks:
             if not c.samples:

@@ -11,6 +11,7 @@ without a ForwardBatch (`FusedDecodeStep`: token ids to logits in two kernel cal
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.expert_pipeline import ExpertPipeline
@@ -50,6 +51,7 @@ class ModelRunner:
         self._token_buffer = torch.empty(3, 0, dtype=torch.long)
         self._token_views: dict[int, tuple[torch.Tensor, ...]] = {}
         self._decode_steps: dict[bool, FusedDecodeStep] = {}  # per profile (exact): `_decode_step`
+        self.first_max: np.ndarray | None = None  # the last `run`'s in-kernel greedy picks, one per row (or None)
 
     def set_defer(self, defer: int) -> None:
         """Exploration's deferral for the batches built from now on (between steps)."""
@@ -115,10 +117,12 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk], blocks: BlockManager) -> torch.Tensor:
         """All scheduled chunks -> fp32 logits [S, V]: `num_logits` rows per chunk that samples, in chunk order. A
         fused decode step's (`_decode_step`) are a view of that step's kept buffer: valid until the next `run`."""
+        self.first_max = None
         if (step := self._decode_step(chunks)) is not None:
             if torch.get_num_threads() != 1:  # a small forward's rule (`forward`): nothing here runs on torch's
                 torch.set_num_threads(1)
-            return step(chunks, blocks)
+            logits, self.first_max = step(chunks, blocks)  # and the greedy picks from the lm_head's own call
+            return logits
         explore = [c for c in chunks if c.seq.mode != "execution"]
         execute = [c for c in chunks if c.seq.mode == "execution"]
         groups = [(explore, False)] if explore else []

@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.mode import Mode
@@ -119,10 +120,11 @@ class MultiTokenDecoder:
         self.stats = MultiTokenStats()
         self.row_width = 0  # logits width (V): what a skipped sampling draw covers
 
-    def choose(self, logits: torch.Tensor, seqs: list[Sequence], vocab_limit: int | None
-               ) -> list[list[int] | SamplingError]:
+    def choose(self, logits: torch.Tensor, seqs: list[Sequence], vocab_limit: int | None,
+               first_max: np.ndarray | None = None) -> list[list[int] | SamplingError]:
         """logits [sum of 1 + drafts per seq, V] -> the tokens each sequence keeps this step. Drafts are
-        verified here: rejected ones leave the sequence and its computed KV is rolled back before them."""
+        verified here: rejected ones leave the sequence and its computed KV is rolled back before them.
+        first_max [rows]: each row's first largest logit, where the forward found it (`sampler.sample`)."""
         if not seqs:
             return []
         self.row_width = logits.shape[-1]
@@ -131,8 +133,10 @@ class MultiTokenDecoder:
         plain = [i for i, s in enumerate(seqs) if not s.draft_token_ids]
         picks: list[list[int] | SamplingError] = [[] for _ in seqs]
         if plain:  # without drafts anywhere the rows are the plain rows: no gather copy of [S, V]
-            rows = logits if len(plain) == logits.shape[0] else logits[torch.tensor([firsts[i] for i in plain])]
-            for i, token in zip(plain, sample(rows, [seqs[i] for i in plain], vocab_limit), strict=True):
+            every = len(plain) == logits.shape[0]
+            rows = logits if every else logits[torch.tensor([firsts[i] for i in plain])]
+            picked = sample(rows, [seqs[i] for i in plain], vocab_limit, first_max if every else None)
+            for i, token in zip(plain, picked, strict=True):
                 picks[i] = token if isinstance(token, SamplingError) else [token]
         for i, seq in enumerate(seqs):
             if not seq.draft_token_ids:

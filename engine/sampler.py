@@ -51,12 +51,13 @@ def race_noise(width: int, generator: torch.Generator | None) -> torch.Tensor:
 
 
 def sample(
-    logits: torch.Tensor, seqs: list[Sequence], vocab_limit: int | None = None
+    logits: torch.Tensor, seqs: list[Sequence], vocab_limit: int | None = None, first_max: np.ndarray | None = None
 ) -> list[int | SamplingError]:
     """logits [S, V] fp32 (one row per sequence) -> a token id per sequence, or the error that
-    sequence hit (it fails alone; the other rows are unaffected)."""
+    sequence hit (it fails alone; the other rows are unaffected). first_max [S] int64: each row's first largest
+    logit where the lm_head's call found it (engine/models/fused_decode.py), for the plain greedy rows."""
     tokens: list[int | SamplingError | None] = [None] * len(seqs)
-    if _greedy_plain_rows(logits, seqs, tokens, vocab_limit):
+    if _greedy_plain_rows(logits, seqs, tokens, vocab_limit, first_max):
         return tokens  # type: ignore[return-value]  # every row was plain greedy
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         logits[:, vocab_limit:] = float("-inf")  # padded rows of the embedding are not tokens
@@ -190,11 +191,14 @@ def greedy(row: torch.Tensor) -> int:
     return int(torch.argmax(row))
 
 
-def _greedy_plain_rows(logits: torch.Tensor, seqs: list[Sequence], tokens: list, vocab_limit: int | None) -> bool:
+def _greedy_plain_rows(logits: torch.Tensor, seqs: list[Sequence], tokens: list, vocab_limit: int | None,
+                       first_max: np.ndarray | None = None) -> bool:
     """Sets tokens[i] for the plain greedy rows (no logits processor, temperature below MIN_TEMPERATURE): the first
     largest of the row's first `vocab_limit` logits, read in place. The same id as `sample_row` on the
     vocabulary-masked row (the masked ids are -inf there: they win only when every id is -inf, and such a row
-    fails either way), without writing the mask. Returns whether every row was plain greedy."""
+    fails either way), without writing the mask. first_max[i] given (the whole row's first largest): taken where
+    it lies below the limit (then it is the limited row's first largest too), else the row is read. Returns
+    whether every row was plain greedy."""
     limit = logits.shape[-1] if vocab_limit is None else min(vocab_limit, logits.shape[-1])
     on_numpy = logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad
     # [S, V] the same memory, one view for the batch: per row, a torch slice and index (`greedy`, `sample_row`)
@@ -205,7 +209,10 @@ def _greedy_plain_rows(logits: torch.Tensor, seqs: list[Sequence], tokens: list,
         p = seq.params
         if p.logits_processors or p.temperature >= MIN_TEMPERATURE:
             continue
-        if values is not None:
+        if first_max is not None and (at := int(first_max[i])) < limit:
+            token = at
+            best = float(values[i, token]) if values is not None else float(logits[i, token])
+        elif values is not None:
             token = int(values[i, :limit].argmax())  # numpy: see `greedy`
             best = float(values[i, token])
         else:

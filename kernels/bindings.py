@@ -139,9 +139,11 @@ class LinearCall:
                       _ptr(t["scales"] if t["scales"].numel() else None), _ptr(t["mins"] if t["mins"].numel() else None),
                       ctypes.c_int(num_threads))
 
-    def __call__(self, rows: int, out: torch.Tensor | None = None) -> None:
+    def __call__(self, rows: int, out: torch.Tensor | None = None, first_max: torch.Tensor | None = None) -> None:
         """out[:rows] = x[:rows] W^T (padded columns past N included); `out` [>= rows, N8*8] contiguous fp32
-        given: into it instead of the kept one."""
+        given: into it instead of the kept one. `first_max` [>= rows] contiguous int64 given: first_max[m] = the
+        index of row m's first largest of its N outputs (numpy's argmax: a NaN counts as the largest, the first
+        wins), found in the same call by each thread over the columns it wrote."""
         if not 0 < rows <= self.rows:
             raise ValueError(f"rows must be in [1, {self.rows}], got {rows}")
         head = self._head
@@ -150,6 +152,12 @@ class LinearCall:
                     and out.dim() == 2 and out.shape[0] >= rows and out.shape[1] == self.linear.padded_out):
                 raise ValueError(f"out must be contiguous fp32 [>= {rows}, {self.linear.padded_out}] on the CPU")
             head = (head[0], out.data_ptr())
-        rc = self.lib.moegate_linear(*head, rows, *self._tail)
+        if first_max is None:
+            rc = self.lib.moegate_linear(*head, rows, *self._tail)
+        else:
+            if not (first_max.dtype == torch.int64 and first_max.is_contiguous() and first_max.device.type == "cpu"
+                    and first_max.dim() == 1 and first_max.shape[0] >= rows):
+                raise ValueError(f"first_max must be contiguous int64 [>= {rows}] on the CPU")
+            rc = self.lib.moegate_linear_first_max(*head, rows, *self._tail, first_max.data_ptr())
         if rc != 0:
             raise RuntimeError(f"moegate_linear failed with code {rc} for format {self.linear.fmt}")

@@ -27,6 +27,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
+from engine.sampling_params import MIN_TEMPERATURE
 from kernels.bindings import (
     DecodeLayerParams,
     DecodeStackCall,
@@ -169,6 +170,8 @@ class FusedDecodeStep:
     `compute_logits` over a ForwardBatch (the embedding and RoPE rows are copies of the same rows), so the same
     bits, without the batch's tensors and the ~20 torch ops and module calls around the two kernel calls."""
 
+    pick_in_kernel = True  # the lm_head's call finds the plain greedy rows' picks (off: the sampler reads the logits)
+
     def __init__(self, model, stack: FusedStack, head, head_threads: int, kv_caches: list) -> None:
         cfg, rows = model.config, SMALL_BATCH_TOKENS
         self.stack, self.head = stack, head  # what the step was built for: the runner checks them each step
@@ -193,6 +196,10 @@ class FusedDecodeStep:
         self._logits = torch.empty(rows, head.padded_out)
         self._logits_views: dict[int, torch.Tensor] = {}  # its first rows [T, V] by T
         self._head_call = LinearCall(stack.lib, head, self._normed, self._logits, head_threads)
+        # [R]: each row's first largest logit, found in the lm_head's call by the threads that wrote the columns (the
+        # stepping thread would read the row back from the other core's cache: ~240 us for 152k logits at 1 row)
+        self._first_max = torch.empty(rows, dtype=torch.int64)
+        self._first_max_np = self._first_max.numpy()
 
     @staticmethod
     def takes(model) -> bool:
@@ -201,9 +208,11 @@ class FusedDecodeStep:
         return (e.dtype == n.weight.dtype == torch.float32 and e.device.type == n.weight.device.type == "cpu"
                 and e.is_contiguous() and not n.zero_centred)
 
-    def __call__(self, chunks: list, blocks) -> torch.Tensor:
+    def __call__(self, chunks: list, blocks) -> tuple[torch.Tensor, np.ndarray | None]:
         """chunks: ScheduledChunks of one token each, every one sampling -> fp32 logits [T, V] in chunk order: a view
-        of a buffer the next call overwrites, unless a row has logits processors (then a tensor of their own)."""
+        of a buffer the next call overwrites, unless a row has logits processors (then a tensor of their own); and
+        where a row is plain greedy (`pick_in_kernel`), each row's first largest logit [T] int64 found by the
+        lm_head's call (a view of a buffer the next call overwrites), else None."""
         n, bs, ints = len(chunks), blocks.block_size, self._ints_np
         contexts, total, longest = [], 0, 0
         for i, c in enumerate(chunks):
@@ -231,14 +240,17 @@ class FusedDecodeStep:
         np.take(self._table_np[1], positions, axis=0, out=self._rope_np[1, :n])
         np.take(self.embed, ints[0, :n], axis=0, out=self._x_np[:n])
         self._stack_call(n)
+        pick = self.pick_in_kernel and any(_plain_greedy(c.seq.params) for c in chunks)
+        first_max = self._first_max if pick else None
+        picks = self._first_max_np[:n] if pick else None
         if any(c.seq.params.logits_processors for c in chunks):
             logits = torch.empty(n, self.head.padded_out)
-            self._head_call(n, logits)
-            return logits[:, :self.head.out_features]
-        self._head_call(n)
+            self._head_call(n, logits, first_max)
+            return logits[:, :self.head.out_features], picks
+        self._head_call(n, None, first_max)
         if (logits := self._logits_views.get(n)) is None:
             logits = self._logits_views[n] = self._logits[:n, :self.head.out_features]
-        return logits
+        return logits, picks
 
     def _grow(self, total: int) -> None:
         """The contexts' buffer holds `total` slots (doubling), and the stack's call points at it."""
@@ -249,6 +261,11 @@ class FusedDecodeStep:
         self._stack_call = DecodeStackCall(
             self.stack.lib, self.stack.params, self._x, self._rope[0], self._rope[1], *self._kv, i[2], self._slots,
             i[3], i[4], self._ids, self.stack.counts, self.stack.num_threads, (*self._norm, self._normed))
+
+
+def _plain_greedy(params) -> bool:
+    """Whether the sampler picks the row's first largest logit as it stands (`sampler._greedy_plain_rows`)."""
+    return not params.logits_processors and params.temperature < MIN_TEMPERATURE
 
 
 def build_fused_layers(cfg: ModelConfig, layers, exact: bool = False) -> FusedStack | None:

@@ -552,11 +552,49 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   return 0;
 }
 
+// The first largest of a row's values so far: the candidate (best, at) after the next n values, from column col.
+// numpy's argmax: the first index of the max, a NaN counting as the max (the first NaN wins); at < 0: none yet.
+// Whether any of v[0, n) is greater than best or NaN (not <= best): the block needs a look.
+inline bool any_beats(const float* v, int64_t n, float best) {
+#if defined(__AVX2__)
+  if (n == 8 || n == 16) {  // a tile or a unit of two: one compare per 8 columns (NLE_UQ: true for NaN)
+    const __m256 b = _mm256_set1_ps(best);
+    int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v), b, _CMP_NLE_UQ));
+    if (n == 16) mask |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + 8), b, _CMP_NLE_UQ));
+    return mask != 0;
+  }
+#endif
+  int beats = 0;
+  for (int64_t i = 0; i < n; ++i) beats |= !(v[i] <= best);
+  return beats != 0;
+}
+
+inline void first_max_update(const float* v, int64_t n, int64_t col, float& best, int64_t& at) {
+  if (n <= 0 || (at >= 0 && best != best)) return;  // nothing to read, or a NaN already won
+  if (at >= 0 && !any_beats(v, n, best)) return;
+  for (int64_t i = 0; i < n; ++i) {
+    const float f = v[i];
+    if (f != f) {
+      best = f;
+      at = col + i;
+      return;
+    }
+    if (at < 0 || f > best) {
+      best = f;
+      at = col + i;
+    }
+  }
+}
+
 // Dense y[M, N] = x[M, K] . W^T for one tiled projection (R8 = 1): the quantized dense layers of the
 // exploration profile (attention projections, lm_head). Output tiles are claimed by the pool; each
 // row's arithmetic is the same fixed sequence as in the MoE kernel, whatever M or the thread count.
+// first_max (nullable, [M] int64): each row's first largest of its N real columns, as numpy's argmax of out[m, :N].
+// Each claimed chunk of output tiles gets its own candidate per row, read from the columns its thread just wrote
+// (hot in that core's cache); the caller combines the chunks' candidates in column order.
 template <int FMT>
-void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, int64_t n8, int nthreads) {
+void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, int64_t n8, int nthreads,
+                int64_t N = 0, int64_t* first_max = nullptr) {
   constexpr bool w4a8 = FMT == INT4 || FMT == INT4A || FMT == I8A8;  // int8 activations (W4A8, W8A8)
   const int64_t kp = A.kp, ng = w4a8 ? kp / A.gs : 0, ldo = n8 * 8;
   constexpr bool zmm = w4a8 && kZmm;  // an item is a unit of two tiles (w4a8_zmm.h, bf16_zmm.h, fp_zmm.h)
@@ -614,6 +652,27 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
   // ~16 claims per thread, as in run(): few enough to keep the shared counter quiet, enough to balance
   const int threads = moegate::threads_for(weight_bytes(FMT, n8 * 8 * kp), nthreads);
   const int64_t chunk = std::max<int64_t>(1, items / (16 * std::max(1, threads)));
+  // [chunks, M]: each chunk's candidate per row, a chunk's on cache lines of its own (no line shared by two threads)
+  struct Cand {
+    float best;
+    int64_t at;
+  };
+  struct alignas(64) Line {
+    Cand c[4];
+  };
+  const int64_t chunks = first_max ? (items + chunk - 1) / chunk : 0, lines = (M + 3) / 4;
+  std::vector<Line> cands(chunks * lines);
+  auto cand = [&](int64_t c, int64_t m) -> Cand& { return cands[c * lines + m / 4].c[m % 4]; };
+  // A thread's place in its claimed chunk (the pool runs a chunk's items in order on one thread): the chunk's index
+  // found by one division at its first item, not at every item; `call` tells this call's items from an earlier one's.
+  // The chunk's columns are read once it is written: read right behind each item's stores, the loads waited on them.
+  struct Place {
+    uint64_t call;
+    int64_t next, chunk, end;  // the next item expected, the chunk's index and its end
+  };
+  static std::atomic<uint64_t> calls{0};
+  static thread_local Place place{0, -1, 0, 0};
+  const uint64_t call = first_max ? calls.fetch_add(1, std::memory_order_relaxed) + 1 : 0;
   moegate::WorkPool::instance().parallel_for(items, chunk, threads, [&](int64_t item) {
     const int64_t tile = units ? 2 * item : item;
     float* orow[kRows];
@@ -628,7 +687,32 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
       else if (fpz) zmm_fp_unit_rows<FMT, 1>(A, 0, item, n8, &xr[m0], orow, n);
       else tile_rows<FMT, 1>(A, tile, &xr[m0], orow, n);
     }
+    if (first_max) {  // after a chunk's last item, its columns of each row (still in this core's cache)
+      if (place.call != call || place.next != item || item == place.end) {
+        const int64_t c = item / chunk;
+        place = Place{call, item, c, std::min(items, (c + 1) * chunk)};
+      }
+      ++place.next;
+      const int64_t c = place.chunk, end = place.end;
+      if (item + 1 == end) {
+        const int64_t w = units ? 16 : 8, col0 = c * chunk * w, col1 = std::min(end * w, N);
+        for (int64_t m = 0; m < M; ++m) {
+          Cand& k = cand(c, m);
+          k = Cand{0.f, -1};
+          const float* row = out + m * ldo;
+          for (int64_t col = col0; col < col1; col += 16)
+            first_max_update(row + col, std::min<int64_t>(16, col1 - col), col, k.best, k.at);
+        }
+      }
+    }
   });
+  for (int64_t m = 0; m < M && first_max; ++m) {  // the chunks' candidates in column order
+    float best = 0.f;
+    int64_t at = -1;
+    for (int64_t c = 0; c < chunks; ++c)
+      if (cand(c, m).at >= 0) first_max_update(&cand(c, m).best, 1, cand(c, m).at, best, at);
+    first_max[m] = at;
+  }
 }
 
 // Group-padded K of a projection (quantized formats pad K to a multiple of the group size).
@@ -664,15 +748,15 @@ int moe_dispatch(int64_t fmt, const Problem& P, const float* x, const int64_t* i
 }
 
 int linear_dispatch(int64_t fmt, const Mat& A, const float* x, float* out, int64_t M, int64_t K, int64_t n8,
-                    int nthreads) {
+                    int nthreads, int64_t N = 0, int64_t* first_max = nullptr) {
   switch (fmt) {
-    case FP32: run_linear<FP32>(A, x, out, M, K, n8, nthreads); return 0;
-    case BF16: run_linear<BF16>(A, x, out, M, K, n8, nthreads); return 0;
-    case INT8: run_linear<INT8>(A, x, out, M, K, n8, nthreads); return 0;
-    case INT4: run_linear<INT4>(A, x, out, M, K, n8, nthreads); return 0;
-    case INT4A: run_linear<INT4A>(A, x, out, M, K, n8, nthreads); return 0;
-    case BF16A: run_linear<BF16A>(A, x, out, M, K, n8, nthreads); return 0;
-    case I8A8: run_linear<I8A8>(A, x, out, M, K, n8, nthreads); return 0;
+    case FP32: run_linear<FP32>(A, x, out, M, K, n8, nthreads, N, first_max); return 0;
+    case BF16: run_linear<BF16>(A, x, out, M, K, n8, nthreads, N, first_max); return 0;
+    case INT8: run_linear<INT8>(A, x, out, M, K, n8, nthreads, N, first_max); return 0;
+    case INT4: run_linear<INT4>(A, x, out, M, K, n8, nthreads, N, first_max); return 0;
+    case INT4A: run_linear<INT4A>(A, x, out, M, K, n8, nthreads, N, first_max); return 0;
+    case BF16A: run_linear<BF16A>(A, x, out, M, K, n8, nthreads, N, first_max); return 0;
+    case I8A8: run_linear<I8A8>(A, x, out, M, K, n8, nthreads, N, first_max); return 0;
     default: return -2;
   }
 }
@@ -709,6 +793,15 @@ int moegate_linear(const float* x, float* out, int64_t M, int64_t N, int64_t K, 
                    const void* w, const uint16_t* s, const uint16_t* mins, int nthreads) {
   const Mat A{w, s, mins, padded_k(K, fmt, gs), gs};
   return linear_dispatch(fmt, A, x, out, M, K, (N + 7) / 8, std::max(nthreads, 1));
+}
+
+// moegate_linear, and first_max [M] int64: each row's first largest logit among its N columns (numpy's argmax of
+// out[m, :N]: a NaN counts as the largest, the first one wins), found by each thread over the columns it wrote.
+int moegate_linear_first_max(const float* x, float* out, int64_t M, int64_t N, int64_t K, int64_t fmt, int64_t gs,
+                             const void* w, const uint16_t* s, const uint16_t* mins, int nthreads,
+                             int64_t* first_max) {
+  const Mat A{w, s, mins, padded_k(K, fmt, gs), gs};
+  return linear_dispatch(fmt, A, x, out, M, K, (N + 7) / 8, std::max(nthreads, 1), N, first_max);
 }
 
 int moegate_is_avx2() {

@@ -50,10 +50,11 @@ def test_step_logits_equal_the_forward_over_a_batch(engine, mode, monkeypatch):
         taken.append(len(chunks))
 
         def both(chunks, blocks):
-            got = step(chunks, blocks).clone()
+            got, first_max = step(chunks, blocks)
+            got = got.clone()
             ref = runner.forward(runner.build_batch(chunks, blocks, exact=mode == "execution"))
             compared.append(torch.equal(got, ref))
-            return got
+            return got, first_max
 
         return both
 
@@ -106,3 +107,29 @@ def test_declines_what_the_batch_forward_must_run(engine):
         assert runner._decode_step([decode]) is None
     finally:
         runner.defer = 0
+
+
+@pytest.mark.parametrize("mode", ["exploration", "execution"])
+@pytest.mark.parametrize("limit", [None, 300])
+def test_tokens_equal_with_the_in_kernel_pick_off(engine, mode, limit, monkeypatch):
+    """The plain greedy rows' picks from the lm_head's call (`first_max`) give the tokens the sampler reads from
+    the logits, batched with seeded rows, over the whole row and under a vocabulary limit (then a pick past the
+    limit sends the row back to the logits)."""
+    runner, used = engine.runner, []
+    run = runner.run
+
+    def counted(chunks, blocks):
+        logits = run(chunks, blocks)
+        used.append(runner.first_max is not None)
+        return logits
+
+    monkeypatch.setattr(runner, "run", counted)
+    monkeypatch.setattr(engine, "vocab_limit", limit)
+    on = run_requests(engine, _requests(mode, "pick-on"))
+    assert any(used)
+    used.clear()
+    with monkeypatch.context() as m:
+        m.setattr(FusedDecodeStep, "pick_in_kernel", False)
+        off = run_requests(engine, _requests(mode, "pick-off"))
+    assert not any(used)
+    assert [on[f"pick-on-{i}"] for i in range(4)] == [off[f"pick-off-{i}"] for i in range(4)]

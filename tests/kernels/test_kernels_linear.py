@@ -152,3 +152,53 @@ def test_prepared_call_equals_the_packed_linear(fmt: str, gs: int | None) -> Non
         call(5)
     with pytest.raises(ValueError):
         LinearCall(kernel_library(), packed, x, torch.empty(4, 13), num_threads=2)  # out not padded to 8
+
+
+def _argmax_rows(m: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, 64] > 0 and fp32 W [N, 64] whose outputs hold exact ties at the max (zero rows over negative ones),
+    -inf (a -inf weight), NaN (a NaN weight) and rows of them only, per row of x at seeded places."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(m, 64, generator=g) + 0.1
+    w = -torch.rand(n, 64, generator=g)
+    kind = seed % 4
+    if kind == 0:  # ties: several all-zero rows are the max, the first wins
+        w[torch.randperm(n, generator=g)[:5]] = 0.0
+    elif kind == 1:  # -inf everywhere but in a few (tied) places
+        w[:, 3] = float("-inf")
+        w[torch.randperm(n, generator=g)[:3]] = 0.0
+    elif kind == 2:  # NaNs: the first one wins over a larger finite logit and the later NaNs
+        w[torch.randperm(n, generator=g)[:4], 7] = float("nan")
+        w[torch.randint(n, (1,), generator=g)] = 1.0
+    else:  # every logit -inf: index 0
+        w[:, 0] = float("-inf")
+    return x, w
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt,n", [("fp32", 4099), ("fp32", 13), ("bf16", 2051), ("int8", 1001)])
+def test_prepared_call_first_max_is_numpys_argmax(variant: str, fmt: str, n: int) -> None:
+    """LinearCall's first_max (each thread's pick over the columns it wrote, chunks combined in column order) is
+    np.argmax of the row it wrote, for M = 1..16, one and two threads, ties, -inf, NaN, rows of -inf."""
+    import numpy as np
+
+    from kernels.bindings import LinearCall
+    from kernels.fused_moe import kernel_library
+
+    lib = kernel_library(variant)
+    for seed in range(8):
+        x, w = _argmax_rows(16, n, seed)
+        packed = PackedLinear.pack(w, fmt, 64 if fmt == "int8" else None)
+        out = torch.empty(16, packed.padded_out)
+        first = torch.full((16,), -7, dtype=torch.int64)
+        for threads in (1, 2):
+            call = LinearCall(lib, packed, x, out, num_threads=threads)
+            for m in range(1, 17):
+                with exact_threads(variant):
+                    call(m, first_max=first)
+                want = np.argmax(out[:m, :n].numpy(), axis=1)
+                assert first[:m].tolist() == want.tolist(), (seed, threads, m)
+                if seed % 4 == 3:
+                    assert want.tolist() == [0] * m  # the all -inf rows were -inf indeed
+    with pytest.raises(ValueError):
+        call(2, first_max=torch.empty(1, dtype=torch.int64))
