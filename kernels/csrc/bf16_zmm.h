@@ -97,18 +97,7 @@ MOEGATE_BF16_TARGET void zmm_bf16(const uint16_t* w0, const uint16_t* w1, int64_
 template <int MODE>
 void zmm_bf16_rows(const uint16_t* w0, const uint16_t* w1, int64_t stride, int64_t kp, const uint16_t* const* xb,
                    float* const* out, int n) {
-  int i = 0;
-  for (; i + 8 <= n; i += 8) zmm_bf16<MODE, 8>(w0, w1, stride, kp, xb + i, out + i);
-  switch (n - i) {
-    case 7: zmm_bf16<MODE, 7>(w0, w1, stride, kp, xb + i, out + i); break;
-    case 6: zmm_bf16<MODE, 6>(w0, w1, stride, kp, xb + i, out + i); break;
-    case 5: zmm_bf16<MODE, 5>(w0, w1, stride, kp, xb + i, out + i); break;
-    case 4: zmm_bf16<MODE, 4>(w0, w1, stride, kp, xb + i, out + i); break;
-    case 3: zmm_bf16<MODE, 3>(w0, w1, stride, kp, xb + i, out + i); break;
-    case 2: zmm_bf16<MODE, 2>(w0, w1, stride, kp, xb + i, out + i); break;
-    case 1: zmm_bf16<MODE, 1>(w0, w1, stride, kp, xb + i, out + i); break;
-    default: break;
-  }
+  for_row_chunks(n, [&](auto mt, int i) { zmm_bf16<MODE, decltype(mt)::value>(w0, w1, stride, kp, xb + i, out + i); });
 }
 
 // Unit `u` of a tiled bf16 projection (as zmm_unit_rows): R8 = 2 the gate_up tile first + u, R8 = 1 the

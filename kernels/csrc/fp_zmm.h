@@ -126,27 +126,12 @@ void zmm_fp(const FpOperand<T>& A, const float* const* x, float* const* out) {
     #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_add_ps(even[m], odd[m]);
   }
-  #pragma GCC unroll 16
-  for (int m = 0; m < MT; ++m) {
-    if constexpr (MODE == kSingle) _mm256_storeu_ps(out[m], _mm512_castps512_ps256(acc[m]));
-    else _mm512_storeu_ps(out[m], acc[m]);
-  }
+  store_unit_rows<MODE, MT>(acc, out);
 }
 
 template <int FMT, int MODE, class T>
 void zmm_fp_rows(const FpOperand<T>& A, const float* const* x, float* const* out, int n) {
-  int i = 0;
-  for (; i + 8 <= n; i += 8) zmm_fp<FMT, MODE, 8>(A, x + i, out + i);
-  switch (n - i) {
-    case 7: zmm_fp<FMT, MODE, 7>(A, x + i, out + i); break;
-    case 6: zmm_fp<FMT, MODE, 6>(A, x + i, out + i); break;
-    case 5: zmm_fp<FMT, MODE, 5>(A, x + i, out + i); break;
-    case 4: zmm_fp<FMT, MODE, 4>(A, x + i, out + i); break;
-    case 3: zmm_fp<FMT, MODE, 3>(A, x + i, out + i); break;
-    case 2: zmm_fp<FMT, MODE, 2>(A, x + i, out + i); break;
-    case 1: zmm_fp<FMT, MODE, 1>(A, x + i, out + i); break;
-    default: break;
-  }
+  for_row_chunks(n, [&](auto mt, int i) { zmm_fp<FMT, MODE, decltype(mt)::value>(A, x + i, out + i); });
 }
 
 // The unit's 16 weights at p0 (lanes 0-7, kContig all 16) and p1 (lanes 8-15, kPair) as fp32.
@@ -199,32 +184,13 @@ void zmm_fp_chunk(const FpOperand<T>& A, const float* xc, float* const* out) {
     #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_add_ps(even[m], odd[m]);
   }
-  #pragma GCC unroll 16
-  for (int m = 0; m < MT; ++m) {
-    if constexpr (MODE == kSingle) _mm256_storeu_ps(out[m], _mm512_castps512_ps256(acc[m]));
-    else _mm512_storeu_ps(out[m], acc[m]);
-  }
+  store_unit_rows<MODE, MT>(acc, out);
 }
 
 // Rows [0, n) of an interleaved set (chunks of 8 from row 0) through one unit.
 template <int FMT, int MODE, class T>
 void zmm_fp_chunks(const FpOperand<T>& A, const FpActs& X, float* const* out, int n) {
-  int i = 0;
-  auto chunk = [&](auto mt_c) {
-    constexpr int MT = decltype(mt_c)::value;
-    zmm_fp_chunk<FMT, MODE, MT>(A, X.rows(i).x, out + i);
-  };
-  for (; i + 8 <= n; i += 8) chunk(std::integral_constant<int, 8>{});
-  switch (n - i) {
-    case 7: chunk(std::integral_constant<int, 7>{}); break;
-    case 6: chunk(std::integral_constant<int, 6>{}); break;
-    case 5: chunk(std::integral_constant<int, 5>{}); break;
-    case 4: chunk(std::integral_constant<int, 4>{}); break;
-    case 3: chunk(std::integral_constant<int, 3>{}); break;
-    case 2: chunk(std::integral_constant<int, 2>{}); break;
-    case 1: chunk(std::integral_constant<int, 1>{}); break;
-    default: break;
-  }
+  for_row_chunks(n, [&](auto mt, int i) { zmm_fp_chunk<FMT, MODE, decltype(mt)::value>(A, X.rows(i).x, out + i); });
 }
 
 // Many rows (n > kSequentialRows) of unit `u` from interleaved activations: R8 = 2 the gate_up tile

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -19,6 +20,24 @@
 #endif
 
 namespace {
+
+// Rows [0, n) in chunks of up to 8 for kernels unrolled per row count: f(std::integral_constant<int, MT>{}, i)
+// for rows [i, i + MT), chunks of 8 from row 0, then the rest as one chunk.
+template <class F>
+inline void for_row_chunks(int n, F&& f) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) f(std::integral_constant<int, 8>{}, i);
+  switch (n - i) {
+    case 7: f(std::integral_constant<int, 7>{}, i); break;
+    case 6: f(std::integral_constant<int, 6>{}, i); break;
+    case 5: f(std::integral_constant<int, 5>{}, i); break;
+    case 4: f(std::integral_constant<int, 4>{}, i); break;
+    case 3: f(std::integral_constant<int, 3>{}, i); break;
+    case 2: f(std::integral_constant<int, 2>{}, i); break;
+    case 1: f(std::integral_constant<int, 1>{}, i); break;
+    default: break;
+  }
+}
 
 #ifdef MOEGATE_AVX2
 struct V8 {

@@ -62,6 +62,16 @@ namespace {
 
 enum ZmmUnit { kContig = 0, kPair = 1, kSingle = 2 };
 
+// out[m][0 .. 16) = acc[m] for MT rows of a unit (kSingle: the low 8 lanes).
+template <int MODE, int MT>
+inline void store_unit_rows(const __m512* acc, float* const* out) {
+  #pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) {
+    if constexpr (MODE == kSingle) _mm256_storeu_ps(out[m], _mm512_castps512_ps256(acc[m]));
+    else _mm512_storeu_ps(out[m], acc[m]);
+  }
+}
+
 struct ZmmOperand {  // one 16-lane unit of a tiled int4 projection
   const uint8_t* w0;  // lanes 0-7 (kContig: all 16) weight blocks, wstride bytes apart per k block
   const uint8_t* w1;  // lanes 8-15 (kPair)
@@ -184,33 +194,16 @@ void zmm_w4a8(const ZmmOperand& A, const int8_t* q, const float* sx, const float
       }
     }
   }
-  #pragma GCC unroll 16
-  for (int m = 0; m < MT; ++m) {
-    if constexpr (MODE == kSingle) _mm256_storeu_ps(out[m], _mm512_castps512_ps256(acc[m]));
-    else _mm512_storeu_ps(out[m], acc[m]);
-  }
+  store_unit_rows<MODE, MT>(acc, out);
 }
 
 // Rows [0, n) of an interleaved set (chunks of 8 from row 0) through one unit.
 template <int FMT, int MODE>
 void zmm_rows(const ZmmOperand& A, const ZmmActs& X, float* const* out, int n) {
-  int i = 0;
-  auto chunk = [&](auto mt_c) {
-    constexpr int MT = decltype(mt_c)::value;
+  for_row_chunks(n, [&](auto mt, int i) {
     const ZmmActs c = X.rows(i);
-    zmm_w4a8<FMT, MODE, MT>(A, c.q, c.sx, c.qs, c.n8, out + i);
-  };
-  for (; i + 8 <= n; i += 8) chunk(std::integral_constant<int, 8>{});
-  switch (n - i) {
-    case 7: chunk(std::integral_constant<int, 7>{}); break;
-    case 6: chunk(std::integral_constant<int, 6>{}); break;
-    case 5: chunk(std::integral_constant<int, 5>{}); break;
-    case 4: chunk(std::integral_constant<int, 4>{}); break;
-    case 3: chunk(std::integral_constant<int, 3>{}); break;
-    case 2: chunk(std::integral_constant<int, 2>{}); break;
-    case 1: chunk(std::integral_constant<int, 1>{}); break;
-    default: break;
-  }
+    zmm_w4a8<FMT, MODE, decltype(mt)::value>(A, c.q, c.sx, c.qs, c.n8, out + i);
+  });
 }
 
 // Unit `u` of a tiled projection: for R8 = 2 the gate_up tile u (16 lanes, contiguous); for R8 = 1 the

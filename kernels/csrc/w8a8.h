@@ -155,28 +155,13 @@ void zmm_w8a8(const ZmmOperand& A, const int8_t* const* q, const float* const* s
     for (int m = 0; m < MT; ++m)
       acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(sx[m][g])), _mm512_cvtepi32_ps(isum[0][m]), acc[m]);
   }
-  #pragma GCC unroll 16
-  for (int m = 0; m < MT; ++m) {
-    if constexpr (MODE == kSingle) _mm256_storeu_ps(out[m], _mm512_castps512_ps256(acc[m]));
-    else _mm512_storeu_ps(out[m], acc[m]);
-  }
+  store_unit_rows<MODE, MT>(acc, out);
 }
 
 template <int MODE>
 void zmm_rows_w8a8(const ZmmOperand& A, const int8_t* const* q, const float* const* sx, const float* const* qs,
                    float* const* out, int n) {
-  int i = 0;
-  for (; i + 8 <= n; i += 8) zmm_w8a8<MODE, 8>(A, q + i, sx + i, qs + i, out + i);
-  switch (n - i) {
-    case 7: zmm_w8a8<MODE, 7>(A, q + i, sx + i, qs + i, out + i); break;
-    case 6: zmm_w8a8<MODE, 6>(A, q + i, sx + i, qs + i, out + i); break;
-    case 5: zmm_w8a8<MODE, 5>(A, q + i, sx + i, qs + i, out + i); break;
-    case 4: zmm_w8a8<MODE, 4>(A, q + i, sx + i, qs + i, out + i); break;
-    case 3: zmm_w8a8<MODE, 3>(A, q + i, sx + i, qs + i, out + i); break;
-    case 2: zmm_w8a8<MODE, 2>(A, q + i, sx + i, qs + i, out + i); break;
-    case 1: zmm_w8a8<MODE, 1>(A, q + i, sx + i, qs + i, out + i); break;
-    default: break;
-  }
+  for_row_chunks(n, [&](auto mt, int i) { zmm_w8a8<MODE, decltype(mt)::value>(A, q + i, sx + i, qs + i, out + i); });
 }
 
 #endif  // MOEGATE_ZMM
