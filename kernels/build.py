@@ -31,6 +31,7 @@ VARIANT_FLAGS = {
 _P = ctypes.c_void_p
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
+_MISSING = object()
 
 
 class DecodeLayerParams(ctypes.Structure):
@@ -148,6 +149,9 @@ def load(variant: str) -> ctypes.CDLL | None:
     """The loaded kernel library for ``variant``, or None (with one logged warning) if it cannot be built.
 
     An avx512 build that fails (a compiler without AVX-512 VNNI support) falls back to the avx2 build."""
+    lib = _loaded.get(variant, _MISSING)  # loaded (or failed) already: no lock for the per-call lookup
+    if lib is not _MISSING:
+        return lib
     with _lock:
         if variant in _loaded:
             return _loaded[variant]

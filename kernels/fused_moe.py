@@ -36,9 +36,6 @@ class ExpertIdError(ValueError):
     """topk_ids names an expert the PackedExperts does not hold."""
 
 
-_NOT_LOADED = object()
-
-
 def cpp_disabled() -> bool:
     return os.environ.get("MOEGATE_DISABLE_CPP", "") not in ("", "0")
 
@@ -56,13 +53,8 @@ def kernel_variant() -> str:
 def kernel_library(variant: str | None = None):
     """The loaded compiled kernel library (a ctypes.CDLL), or None: MOEGATE_DISABLE_CPP is set or it
     cannot be built (the caller falls back to its torch reference). The environment is read at every call (a
-    variable set later counts), in one lookup each; a loaded library is a dict lookup."""
-    env = os.environ
-    if env.get("MOEGATE_DISABLE_CPP", "") not in ("", "0"):
-        return None
-    variant = variant or env.get("MOEGATE_KERNEL_VARIANT") or _detected_variant()
-    lib = build._loaded.get(variant, _NOT_LOADED)
-    return build.load(variant) if lib is _NOT_LOADED else lib
+    variable set later counts); the machine's detection is cached, and a loaded library is one dict lookup."""
+    return None if cpp_disabled() else build.load(variant or kernel_variant())
 
 
 def kernel_available(variant: str | None = None) -> bool:
