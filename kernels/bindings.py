@@ -12,7 +12,6 @@ import functools
 import torch
 
 from kernels.build import DecodeLayerParams as DecodeLayerParams
-from kernels.formats import FORMAT_CODE
 from kernels.fused_moe import kernel_library
 
 
@@ -130,14 +129,10 @@ class LinearCall:
                    for t in (x, out)) or x.shape[1] != linear.in_features or out.shape != (rows, linear.padded_out):
             raise ValueError(f"x [R, {linear.in_features}] and out [R, {linear.padded_out}] must be contiguous fp32 "
                              f"on the CPU, got {tuple(x.shape)} and {tuple(out.shape)}")
-        t = linear.tensors
         self.lib, self.rows, self.linear = lib, rows, linear
         self._keep = (x, out)
         self._head = (_ptr(x), _ptr(out))
-        self._tail = (ctypes.c_int64(linear.out_features), ctypes.c_int64(linear.in_features),
-                      ctypes.c_int64(FORMAT_CODE[linear.fmt]), ctypes.c_int64(linear.group_size), _ptr(t["weight"]),
-                      _ptr(t["scales"] if t["scales"].numel() else None), _ptr(t["mins"] if t["mins"].numel() else None),
-                      ctypes.c_int(num_threads))
+        self._tail = linear.kernel_args(num_threads)
 
     def __call__(self, rows: int, out: torch.Tensor | None = None, first_max: torch.Tensor | None = None) -> None:
         """out[:rows] = x[:rows] W^T (padded columns past N included); `out` [>= rows, N8*8] contiguous fp32

@@ -100,6 +100,14 @@ class PackedLinear:
             return out[:, : self.out_features]
         return round_activations(x, self.fmt) @ self.dequantize().T
 
+    def kernel_args(self, num_threads: int) -> tuple:
+        """`moegate_linear`'s arguments after (x, out, M) as ctypes values: N, K, format, group size, the weight,
+        scales and mins pointers, threads (kernels/bindings.py `LinearCall` keeps them between calls)."""
+        weight, scales, mins = (ctypes.c_void_p(t.data_ptr() if t.numel() else None)
+                                for t in (self.tensors[n] for n in ("weight", "scales", "mins")))
+        sizes = (self.out_features, self.in_features, FORMAT_CODE[self.fmt], self.group_size)
+        return (*map(ctypes.c_int64, sizes), weight, scales, mins, ctypes.c_int(num_threads))
+
     def __call__(self, x: torch.Tensor, num_threads: int | None = None, variant: str | None = None) -> torch.Tensor:
         """x [M, K] (CPU, any float dtype) -> [M, N] fp32 through the compiled kernel (the reference if
         it is unavailable)."""
@@ -113,12 +121,8 @@ class PackedLinear:
         xf = x.float().contiguous()
         m = xf.shape[0]
         out = torch.empty(m, self.padded_out, dtype=torch.float32)  # [M, N8*8]
-        t = self.tensors
-        rc = lib.moegate_linear(xf.data_ptr(), out.data_ptr(), m, self.out_features, self.in_features,
-                                FORMAT_CODE[self.fmt], self.group_size, t["weight"].data_ptr(),
-                                t["scales"].data_ptr() if t["scales"].numel() else None,
-                                t["mins"].data_ptr() if t["mins"].numel() else None,
-                                ctypes.c_int(num_threads or torch.get_num_threads()))
+        threads = num_threads or torch.get_num_threads()
+        rc = lib.moegate_linear(xf.data_ptr(), out.data_ptr(), m, *self.kernel_args(threads))
         if rc != 0:
             raise RuntimeError(f"moegate_linear failed with code {rc} for format {self.fmt}")
         return out if self.padded_out == self.out_features else out[:, : self.out_features]
