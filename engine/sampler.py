@@ -206,18 +206,15 @@ def _greedy_plain_rows(logits: torch.Tensor, seqs: list[Sequence], tokens: list,
     values = logits.numpy() if on_numpy else None
     done = 0
     for i, seq in enumerate(seqs):
-        p = seq.params
-        if p.logits_processors or p.temperature >= MIN_TEMPERATURE:
+        if not seq.params.plain_greedy:
             continue
         if first_max is not None and (at := int(first_max[i])) < limit:
             token = at
-            best = float(values[i, token]) if values is not None else float(logits[i, token])
         elif values is not None:
             token = int(values[i, :limit].argmax())  # numpy: see `greedy`
-            best = float(values[i, token])
         else:
             token = greedy(logits[i, :limit])
-            best = float(logits[i, token])
+        best = float(values[i, token]) if values is not None else float(logits[i, token])
         tokens[i] = token if math.isfinite(best) else SamplingError(
             f"request {seq.request_id}: no token is allowed at this step")
         done += 1

@@ -110,3 +110,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The sampler takes the row's first largest logit as it stands: no logits processor, temperature below
+        MIN_TEMPERATURE (`sampler._greedy_plain_rows`; the fused decode step's in-kernel pick)."""
+        return not self.logits_processors and self.temperature < MIN_TEMPERATURE

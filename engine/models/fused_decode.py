@@ -27,7 +27,6 @@ import torch
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from engine.sampling_params import MIN_TEMPERATURE
 from kernels.bindings import (
     DecodeLayerParams,
     DecodeStackCall,
@@ -240,7 +239,7 @@ class FusedDecodeStep:
         np.take(self._table_np[1], positions, axis=0, out=self._rope_np[1, :n])
         np.take(self.embed, ints[0, :n], axis=0, out=self._x_np[:n])
         self._stack_call(n)
-        pick = self.pick_in_kernel and any(_plain_greedy(c.seq.params) for c in chunks)
+        pick = self.pick_in_kernel and any(c.seq.params.plain_greedy for c in chunks)
         first_max = self._first_max if pick else None
         picks = self._first_max_np[:n] if pick else None
         if any(c.seq.params.logits_processors for c in chunks):
@@ -261,11 +260,6 @@ class FusedDecodeStep:
         self._stack_call = DecodeStackCall(
             self.stack.lib, self.stack.params, self._x, self._rope[0], self._rope[1], *self._kv, i[2], self._slots,
             i[3], i[4], self._ids, self.stack.counts, self.stack.num_threads, (*self._norm, self._normed))
-
-
-def _plain_greedy(params) -> bool:
-    """Whether the sampler picks the row's first largest logit as it stands (`sampler._greedy_plain_rows`)."""
-    return not params.logits_processors and params.temperature < MIN_TEMPERATURE
 
 
 def build_fused_layers(cfg: ModelConfig, layers, exact: bool = False) -> FusedStack | None:
