@@ -663,16 +663,8 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
   const int64_t chunks = first_max ? (items + chunk - 1) / chunk : 0, lines = (M + 3) / 4;
   std::vector<Line> cands(chunks * lines);
   auto cand = [&](int64_t c, int64_t m) -> Cand& { return cands[c * lines + m / 4].c[m % 4]; };
-  // A thread's place in its claimed chunk (the pool runs a chunk's items in order on one thread): the chunk's index
-  // found by one division at its first item, not at every item; `call` tells this call's items from an earlier one's.
-  // The chunk's columns are read once it is written: read right behind each item's stores, the loads waited on them.
-  struct Place {
-    uint64_t call;
-    int64_t next, chunk, end;  // the next item expected, the chunk's index and its end
-  };
-  static std::atomic<uint64_t> calls{0};
-  static thread_local Place place{0, -1, 0, 0};
-  const uint64_t call = first_max ? calls.fetch_add(1, std::memory_order_relaxed) + 1 : 0;
+  // The pool runs a claimed chunk's items in order on one thread: its columns are read once its last item is written
+  // (read right behind each item's stores, the loads waited on them).
   moegate::WorkPool::instance().parallel_for(items, chunk, threads, [&](int64_t item) {
     const int64_t tile = units ? 2 * item : item;
     float* orow[kRows];
@@ -688,12 +680,7 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
       else tile_rows<FMT, 1>(A, tile, &xr[m0], orow, n);
     }
     if (first_max) {  // after a chunk's last item, its columns of each row (still in this core's cache)
-      if (place.call != call || place.next != item || item == place.end) {
-        const int64_t c = item / chunk;
-        place = Place{call, item, c, std::min(items, (c + 1) * chunk)};
-      }
-      ++place.next;
-      const int64_t c = place.chunk, end = place.end;
+      const int64_t c = item / chunk, end = std::min(items, (c + 1) * chunk);
       if (item + 1 == end) {
         const int64_t w = units ? 16 : 8, col0 = c * chunk * w, col1 = std::min(end * w, N);
         for (int64_t m = 0; m < M; ++m) {
