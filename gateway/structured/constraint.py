@@ -306,9 +306,9 @@ class Constraint:
     def forced_by_grammar(self) -> int | None:
         """The one id this step's full mask allows, found without it, where the grammar forces bytes that start with
         a whole token and the other rules leave that token (`allows_token`); None where the mask must tell."""
-        if self.is_terminated() or not self.matcher.forces():
+        if self.is_terminated():
             return None
-        token = self.matcher.forced_token()
+        token = self.matcher.forced_token()  # None where no bytes are forced
         return token if token is not None and self.allows_token(token) is True else None
 
     def may_force(self) -> bool:
