@@ -184,28 +184,40 @@ class AuditLog:
 
     def append(self, event: str, data: Mapping[str, Any], trace_id: str | None = None) -> AuditRecord:
         with self._lock:
-            if self._file.closed:
-                raise AuditLogError(f"{self.path}: the audit log is closed")
-            record = {"v": self._v, "seq": self._seq, "ts": self._clock().isoformat(timespec="microseconds"),
-                      "trace_id": trace_id, "prev": self._prev, "event": event}
-            try:  # hashed as it will read back (JSON types; escaped surrogates re-pair as json.loads does)
-                record["data"] = json.loads(canonical_json(dict(data)))
-                record["hash"] = record_hash(record, self.key)
-            except (ValueError, TypeError) as exc:
-                raise AuditLogError(f"audit data must be finite JSON: {exc}") from None
-            line = canonical_json(record) + b"\n"
-            self._file.write(line)
-            self._file.flush()
-            self._seq, self._prev = self._seq + 1, record["hash"]
-            if self.fsync == "always" or (self.fsync == "interval"
-                                          and time.monotonic() - self._last_sync >= self.fsync_interval_s):
-                self._sync_locked()
-            elif self.fsync == "never":
-                self._overwrite_head()  # no durability promised, but a cut tail stays detectable
-            return AuditRecord(record["seq"], record["hash"], record["prev"], trace_id, line)
+            return self._append_locked(event, data, trace_id)
+
+    def _append_locked(self, event: str, data: Mapping[str, Any], trace_id: str | None,
+                       sync_due: bool = True) -> AuditRecord:
+        """`sync_due` False: an `interval` record is left to the background syncer (within the interval)."""
+        if self._file.closed:
+            raise AuditLogError(f"{self.path}: the audit log is closed")
+        record = {"v": self._v, "seq": self._seq, "ts": self._clock().isoformat(timespec="microseconds"),
+                  "trace_id": trace_id, "prev": self._prev, "event": event}
+        try:  # hashed as it will read back (JSON types; escaped surrogates re-pair as json.loads does)
+            record["data"] = json.loads(canonical_json(dict(data)))
+            record["hash"] = record_hash(record, self.key)
+        except (ValueError, TypeError) as exc:
+            raise AuditLogError(f"audit data must be finite JSON: {exc}") from None
+        line = canonical_json(record) + b"\n"
+        self._file.write(line)
+        self._file.flush()
+        self._seq, self._prev = self._seq + 1, record["hash"]
+        if self.fsync == "always" or (self.fsync == "interval" and sync_due
+                                      and time.monotonic() - self._last_sync >= self.fsync_interval_s):
+            self._sync_locked()
+        elif self.fsync == "never":
+            self._overwrite_head()  # no durability promised, but a cut tail stays detectable
+        return AuditRecord(record["seq"], record["hash"], record["prev"], trace_id, line)
 
     async def aappend(self, event: str, data: Mapping[str, Any], trace_id: str | None = None) -> AuditRecord:
-        """`append` off the event loop (fsync can take milliseconds)."""
+        """`append` for asyncio: on the event loop where nothing can wait on the disk (not `always`, the lock free:
+        the record goes to the page cache, an `interval` sync is left to the syncer thread), else in a thread
+        (fsync can take milliseconds). A thread hop costs the loop GIL hand-offs with the engine thread."""
+        if self.fsync != "always" and self._lock.acquire(blocking=False):
+            try:
+                return self._append_locked(event, data, trace_id, sync_due=False)
+            finally:
+                self._lock.release()
         return await asyncio.to_thread(self.append, event, data, trace_id)
 
     def _sync_locked(self, durable: bool = True) -> None:

@@ -3,7 +3,8 @@
 `served(...)` starts the gateway as a user would (`python -m gateway.cli serve`), so the client's Python never
 shares the server's interpreter lock; `closed_loop` keeps `workers` requests in flight, each worker sending its
 next request when its last one answered, and reports completion tokens over wall time and the server process's
-CPU time per token (/proc: every thread of the server, not the client); `interleaved` runs several named loads
+CPU time per token (/proc: every thread of the server, not the client; and of its event loop, the main thread, and of
+the engine thread inside its steps, from /metrics); `interleaved` runs several named loads
 round after round (the order rotated each round, one warm-up round first) and summarises each figure and each
 ratio of two loads as median, min and max over the rounds, every ratio taken within one round.
 """
@@ -61,9 +62,11 @@ def served(model: str, state_dir: Path, timeout_s: float = 300.0) -> Iterator[tu
         log.close()
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of every thread of process `pid` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def process_cpu_s(pid: int, tid: int | None = None) -> float:
+    """User + system CPU seconds of every thread of process `pid` so far (of its thread `tid` only, if given: the
+    main thread's id is the process id)."""
+    stat = Path(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
 
 
@@ -107,8 +110,10 @@ class Load:
 
 
 def closed_loop(url: str, pid: int, load: Load) -> dict[str, float]:
-    """{tok_s, steady_tok_s, cpu_ms_per_token, tokens, wall_s, requests, others_cores, load_average, engine step
-    figures (`per_step`)} of one run of `load`. steady_tok_s: the engine's output tokens per second until the first
+    """{tok_s, steady_tok_s, cpu_ms_per_token, loop_cpu_ms_per_token, engine_cpu_ms_per_token, tokens, wall_s,
+    requests, others_cores, load_average, engine step figures (`per_step`)} of one run of `load`. loop_cpu_ms_per_token:
+    the server's main thread (its event loop) per token; engine_cpu_ms_per_token: the engine thread inside its steps
+    (the rest of cpu_ms_per_token: the kernels' pool threads, worker threads, the engine loop between steps). steady_tok_s: the engine's output tokens per second until the first
     stream has sent its last request and had it answered (before the batch drains: all streams busy); others_cores:
     the cores that processes other than the server and this client kept busy meanwhile (the load behind the figure);
     load_average: the machine's 1-minute load average when the run ended."""
@@ -132,20 +137,25 @@ def closed_loop(url: str, pid: int, load: Load) -> dict[str, float]:
                                      limits=limits) as client:
             steps = await engine_steps(client)
             t, cpu, mine, busy = time.perf_counter(), process_cpu_s(pid), time.process_time(), machine_busy_s()
+            loop = process_cpu_s(pid, pid)
             tokens = sum(await asyncio.gather(*(worker(client, w) for w in range(load.workers))))
             wall, cpu = time.perf_counter() - t, process_cpu_s(pid) - cpu
+            loop = process_cpu_s(pid, pid) - loop
             others = machine_busy_s() - busy - cpu - (time.process_time() - mine)
             (t_steady, at_steady), start = first_done[0], steps
             steps = per_step(steps, await engine_steps(client))
         steady = (at_steady["tokens"] - start["tokens"]) / (t_steady - t)
+        engine = steps["step_thread_cpu_ms"] * steps["steps"] / 1e3
         return {"tok_s": tokens / wall, "steady_tok_s": steady, "cpu_ms_per_token": 1e3 * cpu / tokens,
+                "loop_cpu_ms_per_token": 1e3 * loop / tokens, "engine_cpu_ms_per_token": 1e3 * engine / tokens,
                 "tokens": tokens, "wall_s": wall, "requests": load.workers * load.per_worker,
                 "others_cores": max(others, 0.0) / wall, "load_average": os.getloadavg()[0], **steps}
 
     return asyncio.run(run())
 
 
-SUMMARISED = ("tok_s", "steady_tok_s", "cpu_ms_per_token", "others_cores", "load_average", "step_wall_ms",
+SUMMARISED = ("tok_s", "steady_tok_s", "cpu_ms_per_token", "loop_cpu_ms_per_token", "engine_cpu_ms_per_token",
+              "others_cores", "load_average", "step_wall_ms",
               "step_thread_cpu_ms", "sequences_per_step", "tokens_per_step", "engine_idle_share")
 
 
@@ -168,7 +178,8 @@ def interleaved(url: str, pid: int, loads: dict[str, Load], rounds: int,
             runs[name].append(res)
             log(f"round {r + 1}/{rounds} {name}: {res['tok_s']:.1f} tok/s (steady {res['steady_tok_s']:.1f}), "
                 f"{res['cpu_ms_per_token']:.2f} server CPU "
-                f"ms/token ({res['tokens']} tokens, {res['wall_s']:.2f} s, other processes {res['others_cores']:.2f} "
+                f"ms/token (event loop {res['loop_cpu_ms_per_token']:.2f}, engine steps {res['engine_cpu_ms_per_token']:.2f}; "
+                f"{res['tokens']} tokens, {res['wall_s']:.2f} s, other processes {res['others_cores']:.2f} "
                 f"cores, load average {res['load_average']:.1f}); engine steps {res['step_wall_ms']:.2f} ms wall / "
                 f"{res['step_thread_cpu_ms']:.2f} ms thread CPU, {res['sequences_per_step']:.2f} sequences and "
                 f"{res['tokens_per_step']:.2f} tokens per step, idle {res['engine_idle_share']:.0%}")

@@ -9,7 +9,8 @@ Three measurements, ratios taken within this one run (run through `python -m eva
 2. gateway (`moegate serve` in a process of its own, dev policy, `evals/perf/gateway_load.py`): 1 and 8 concurrent
    json_schema streams (execution) and free-text streams (exploration), each stream a closed loop of `--requests`
    requests, tok/s from `usage.completion_tokens` over wall time and the server's CPU time per token (the work a
-   token costs, steadier than tok/s on a shared machine); one warm-up round, then `--rounds` interleaved rounds,
+   token costs, steadier than tok/s on a shared machine), and the part of it on the event loop and on the engine
+   thread inside its steps; one warm-up round, then `--rounds` interleaved rounds,
    each ratio taken within a round and reported as median, min and max over the rounds;
 3. with `--bench-model DIR` (`moegate model init-random --preset bench`): decode tok/s of one execution
    and one exploration stream, the bytes one execution token streams and their rate against the STREAM
@@ -167,7 +168,8 @@ def single_stream_section(model: str, tokens: int) -> dict:
 
 def save_plot(res: dict, path: Path) -> None:
     groups = {k: res[k] for k in ("engine", "gateway") if k in res}
-    groups.update({k: res[k] for k in ("engine_ratios", "gateway_cpu_ms_per_token") if k in res})
+    groups.update({k: res[k] for k in ("engine_ratios", "gateway_cpu_ms_per_token", "gateway_cpu_split_ms_per_token")
+                   if k in res})
     if "gateway_ratio_spread" in res:  # each ratio's median, min and max over the interleaved rounds
         groups["gateway ratios (median / min / max of rounds)"] = {
             f"{k} {stat}": v[stat] for k, v in res["gateway_ratio_spread"].items() for stat in ("median", "min", "max")}
@@ -211,6 +213,9 @@ def main(argv: list[str] | None = None) -> dict:
         res["gateway_runs"] = g["runs"]
         res["gateway"] = {k: v["tok_s"]["median"] for k, v in g["summary"].items()}
         res["gateway_cpu_ms_per_token"] = {k: v["cpu_ms_per_token"]["median"] for k, v in g["summary"].items()}
+        # of which the event loop (the server's main thread) and the engine thread inside its steps
+        res["gateway_cpu_split_ms_per_token"] = {f"{k} {part}": v[f"{part}_cpu_ms_per_token"]["median"]
+                                                 for k, v in g["summary"].items() for part in ("loop", "engine")}
         res["gateway_spread"] = g["summary"]
         res["gateway_ratios"] = {k: v["median"] for k, v in g["ratios"].items()}
         res["gateway_ratio_spread"] = g["ratios"]

@@ -42,6 +42,15 @@ class ConstraintCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def compiled(
+        self, spec: ConstraintSpec, tokenizer: TokenizerInfo, backend: str | None = None
+    ) -> CompiledConstraint | None:
+        """The cached compile of `spec`, or None; compiles nothing, counts nothing (a caller that must not wait for
+        a compile checks first)."""
+        key = (get_backend(spec.kind, backend).name, spec.digest, tokenizer.hash)
+        with self._lock:
+            return self._entries.get(key)
+
     def get_or_compile(
         self, spec: ConstraintSpec, tokenizer: TokenizerInfo, backend: str | None = None
     ) -> CompiledConstraint:

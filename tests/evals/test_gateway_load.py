@@ -23,6 +23,9 @@ def test_closed_loops_report_tokens_cpu_and_engine_steps(tiny_checkpoint, tmp_pa
             assert r["requests"] == 2 and r["tokens"] > 0 and r["tok_s"] > 0 and r["steady_tok_s"] > 0
             assert r["cpu_ms_per_token"] > 0 and r["others_cores"] >= 0 and r["load_average"] >= 0
             assert r["steps"] >= r["tokens"] / 2 and r["tokens_per_step"] > 0  # engine counters seen over /metrics
+            # the event loop's and the engine thread's parts of the server's CPU (clock ticks: the loop may read 0)
+            assert 0 <= r["loop_cpu_ms_per_token"] and 0 < r["engine_cpu_ms_per_token"]
+            assert r["loop_cpu_ms_per_token"] + r["engine_cpu_ms_per_token"] <= r["cpu_ms_per_token"] + 20 / r["tokens"]  # two ticks
     for key in ("x2 / x1", "x2 / x1 (steady)"):
         s = res["ratios"][key]
         assert s["min"] <= s["median"] <= s["max"]

@@ -298,3 +298,41 @@ def test_fsync_never_still_detects_a_cut_tail(tmp_path):
     result = verify(path)
     assert not result.ok and "seq 5" in result.reason and result.reason.startswith("truncated")
     log._file.close()
+
+
+@pytest.mark.parametrize(("policy", "in_thread"), [("always", True), ("interval", False), ("never", False)])
+def test_aappend_runs_on_the_loop_unless_it_may_wait_on_the_disk(tmp_path, monkeypatch, policy, in_thread):
+    """`aappend` appends on the event loop where it cannot fsync (`interval` leaves the sync to its thread), in a
+    worker thread for `always` and while another append or a sync holds the lock; the chain is the same."""
+    import asyncio
+    import threading
+
+    synced_on = []  # the thread of each fsync of the log file
+    real = os.fsync
+    log = AuditLog(tmp_path / "a.jsonl", fsync=policy, fsync_interval_s=0.01)
+    fd, appended_on = log._file.fileno(), []
+    monkeypatch.setattr(os, "fsync", lambda f: (synced_on.append(threading.current_thread()) if f == fd else None,
+                                                real(f)))
+    append = log._append_locked
+    monkeypatch.setattr(log, "_append_locked", lambda *a, **k: (appended_on.append(threading.current_thread()),
+                                                                append(*a, **k))[1])
+
+    async def main():
+        recs = []
+        for i in range(3):
+            recs.append(await log.aappend("x", {"i": i}))
+            await asyncio.sleep(0.02)  # interval: each append is past its interval
+        with log._lock:  # held (a sync in progress): the record waits in a thread, not on the loop
+            pending = asyncio.ensure_future(log.aappend("x", {"i": 3}))
+            await asyncio.sleep(0.05)
+            assert not pending.done()
+        return [*recs, await pending]
+
+    recs = asyncio.run(main())
+    assert [r.seq for r in recs] == [0, 1, 2, 3]
+    main_thread = threading.main_thread()
+    assert [t is main_thread for t in appended_on] == [not in_thread] * 3 + [False]
+    assert main_thread not in synced_on  # nothing on the loop waits on the disk
+    assert len(synced_on) >= (4 if policy == "always" else 1 if policy == "interval" else 0)
+    log.close()
+    assert verify(tmp_path / "a.jsonl").ok
