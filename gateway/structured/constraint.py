@@ -79,12 +79,12 @@ class Constraint:
     Whitespace is bounded: after `max_whitespace_run` consecutive whitespace bytes, whitespace-only
     tokens are masked out (so a grammar with free whitespace cannot loop on it). With `max_tokens`,
     the last `closing_window` steps prefer closing tokens (CLOSING_TIERS) and EOS as soon as the
-    output is complete. Throughout (llguidance), the Constraint measures a completion path
-    (closing.shortest_completion) at adaptive intervals (a quarter of the way to the step where it
-    must start)
-    and, once the budget left is no more than the path plus EOS plus `closing_margin` (or at the
-    first path found inside the closing window), forces that path token by token, so output that
-    can close inside the budget does.
+    output is complete. Throughout (llguidance), the Constraint measures a completion path at adaptive
+    intervals (a quarter of the way to the step where it must start): a suffix of the last path found
+    where one still closes the output and leaves room, else closing.shortest_completion (shared by
+    equal states: closing.shared_path), and, once the budget left is no more than the path plus EOS
+    plus `closing_margin` (or at the first path found inside the closing window), forces that path
+    token by token, so output that can close inside the budget does.
     """
 
     def __init__(
