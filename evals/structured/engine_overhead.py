@@ -166,6 +166,10 @@ def _summary(none: list[float], steps: list[float], masks: list[float], constrai
             "lazy_hits": hits, "lazy_fallbacks": fallbacks,
             "lazy_candidates_checked": sum(getattr(c, "lazy_checked", 0) for c in constraints),
             "lazy_hit_rate": hits / (hits + fallbacks) if hits + fallbacks else None,
+            # the closing planner over every step: completion searches, checks answered by the last path, seconds
+            "plan_searches": sum(getattr(c, "plan_searches", 0) for c in constraints),
+            "plan_reuses": sum(getattr(c, "plan_reuses", 0) for c in constraints),
+            "plan_search_s": sum(getattr(c, "plan_search_s", 0.0) for c in constraints),
             "accepted": sum(c.is_accepting() for c in constraints), "requests": len(constraints)}
 
 
@@ -185,6 +189,7 @@ def measure(model: Path, kinds: tuple[str, ...], requests: int, batch_sizes: tup
     from engine.llm_engine import LLM
     from engine.sampling_params import SamplingParams
     from evals.structured.gold_replay import boosted
+    from gateway.structured import closing as closing_mod
     from gateway.structured.build import build_constraint
     from gateway.structured.cache import ConstraintCache
     from gateway.structured.vocab import TokenizerInfo
@@ -225,6 +230,8 @@ def measure(model: Path, kinds: tuple[str, ...], requests: int, batch_sizes: tup
                             made[proxy, masking] += cons
                             reqs = [(f"{name}-{j}", prompt, SamplingParams(max_tokens=max_tokens, logits_processors=[c]))
                                     for j, c in enumerate(cons)]
+                        if hasattr(closing_mod, "drop_shared_paths"):  # (every run finds its own completion
+                            closing_mod.drop_shared_paths()  # paths, the start states' aside)
                         gold = {f"{name}-{j}": ids for j, (_, ids) in enumerate(batch)} if proxy == "competent" else {}
                         with boosted(gold, boost):
                             times, spent, done = _decode_steps(engine, reqs, mode, timed=masker is not None)

@@ -75,12 +75,14 @@ def boosted(gold: dict[str, list[int]], boost: float) -> Iterator[None]:
 
     original = multi_token.sample
 
-    def sample(rows, seqs, vocab_limit=None):
+    def sample(rows, seqs, vocab_limit=None, first_max=None):
+        moved = False  # (first_max, the lm_head's pick of each row, is stale once a row is boosted)
         for row, seq in zip(rows, seqs, strict=True):
             ids = gold.get(seq.request_id)
             if ids is not None and len(seq.output_token_ids) < len(ids):
                 row[ids[len(seq.output_token_ids)]] += boost
-        return original(rows, seqs, vocab_limit)
+                moved = True
+        return original(rows, seqs, vocab_limit, None if moved else first_max)
 
     multi_token.sample = sample
     try:

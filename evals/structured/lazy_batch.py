@@ -26,6 +26,7 @@ def measure(model: Path, kind: str, batch: int, repeats: int, boost: float, max_
     from engine.sampler import sample
     from engine.sampling_params import SamplingParams
     from engine.sequence import Sequence
+    from gateway.structured import closing as closing_mod
     from gateway.structured.batch import BatchMasker
     from gateway.structured.build import build_constraint
     from gateway.structured.cache import ConstraintCache
@@ -39,9 +40,12 @@ def measure(model: Path, kind: str, batch: int, repeats: int, boost: float, max_
     masker = BatchMasker(prefetch=False)
     gen = torch.Generator().manual_seed(0)
     steps, hits, fallbacks = [], 0, 0
+    plan = {"plan_searches": 0, "plan_reuses": 0, "plan_search_s": 0.0}
     # the first repeat warms the caches a long-running engine has warm (start paths); it is not counted
     for repeat in range(repeats + 1):
         for group in (specs[:batch], specs[batch : 2 * batch]):
+            if hasattr(closing_mod, "drop_shared_paths"):  # (start paths stay warm; this output's are new)
+                closing_mod.drop_shared_paths()
             cons = [
                 build_constraint(
                     s, info, eos_ids=eos, cache=cache, max_tokens=max_tokens, mask_batcher=masker
@@ -68,6 +72,8 @@ def measure(model: Path, kind: str, batch: int, repeats: int, boost: float, max_
                     s.output_token_ids.append(t)
             hits += sum(c.lazy_hits for c in cons) if repeat else 0
             fallbacks += sum(c.lazy_fallbacks for c in cons) if repeat else 0
+            for name in plan:  # (every step of the counted repeats, where all rows decode or not)
+                plan[name] += sum(getattr(c, name, 0) for c in cons) if repeat else 0
     masker.close()
     return {
         "steps": len(steps),
@@ -75,6 +81,8 @@ def measure(model: Path, kind: str, batch: int, repeats: int, boost: float, max_
         "ms_mean": 1e3 * statistics.fmean(steps),
         "lazy_hits": hits,
         "lazy_fallbacks": fallbacks,
+        # the closing planner: completion searches run, checks answered by the last path found, seconds searching
+        **plan,
     }
 
 

@@ -16,7 +16,8 @@ import functools
 import hashlib
 import json
 import re
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -260,3 +261,49 @@ def shortest_completion(
         else:
             stack.append(expand(*item))
     return None
+
+
+# (compiled constraint, max depth, digest of the ids consumed) -> the completion path from that state
+# (Constraint._completion_path), least recently used dropped past the bound; masks are filled on the engine thread
+# and the mask-prefetch thread
+_PATHS: dict[tuple[object, int, bytes], tuple[int, ...] | None] = {}
+_PATHS_MAX = 256
+# The closing planner tries at most this many suffixes of the last path found before it searches (Constraint._known_path)
+KNOWN_SUFFIXES = 256
+_PATHS_LOCK = threading.Lock()
+
+
+def digest(ids: Sequence[int]) -> bytes:
+    return hashlib.blake2b(np.asarray(ids, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+START = digest(())  # the key part of a start state (nothing consumed)
+
+
+def drop_shared_paths() -> None:
+    """Forget the shared completion paths of every state but the start states: a benchmark that decodes the same
+    outputs again (repeats, full and lazy masking) would otherwise find all of them shared."""
+    with _PATHS_LOCK:
+        for key in [k for k in _PATHS if k[2] != START]:
+            del _PATHS[key]
+
+
+def shared_path(key: tuple[object, int, bytes], search: Callable[[], list[int] | None]
+                ) -> tuple[tuple[int, ...] | None, bool]:
+    """(the completion path of `key`'s state, whether `search` ran for it). The path depends only on the compiled
+    constraint, the ids consumed (matcher and guard are functions of them) and the depth: searched once per key
+    and shared by the requests that reach that state (every request's start state; rows of one schema that wrote
+    the same output)."""
+    with _PATHS_LOCK:
+        hit = key in _PATHS
+        if hit:
+            _PATHS[key] = path = _PATHS.pop(key)  # (now the most recently used)
+    if hit:
+        return path, False
+    found = search()
+    path = tuple(found) if found is not None else None
+    with _PATHS_LOCK:
+        if len(_PATHS) >= _PATHS_MAX:
+            del _PATHS[next(iter(_PATHS))]  # the least recently used
+        _PATHS[key] = path
+    return path, True

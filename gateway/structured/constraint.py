@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import functools
-import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from .base import CompiledConstraint, ConstraintKind
 from .bitmask import apply_bitmask_, bitmask_words, ids_to_row, only_id
-from .closing import completion_hints, shortest_completion
+from .closing import KNOWN_SUFFIXES, completion_hints, digest, shared_path, shortest_completion
 from .json_numbers import FiniteNumberGuard
 from .sql_guard import SQLScopeGuard
 from .vocab import TokenizerInfo
@@ -72,31 +72,6 @@ def _sql_closer_rows(tokenizer: TokenizerInfo, mode: str, n_words: int) -> tuple
     return rows
 
 
-# (compiled constraint, max depth) -> the completion path from its start state (Constraint._completion_path),
-# the oldest entry dropped past the bound; masks are filled on the engine thread and the mask-prefetch thread
-_START_PATHS: dict[tuple[CompiledConstraint, int], tuple[int, ...] | None] = {}
-_START_PATHS_MAX = 64
-_START_PATHS_LOCK = threading.Lock()
-
-
-def _start_path(compiled: CompiledConstraint, max_depth: int, search: Callable[[], list[int] | None]
-                ) -> list[int] | None:
-    """The completion path from a constraint's start state (nothing consumed: its matcher and guard are as
-    `compiled` makes them), which depends only on `compiled` and `max_depth`: searched once per pair and shared
-    by the requests that start there."""
-    key = (compiled, max_depth)
-    with _START_PATHS_LOCK:
-        hit, path = key in _START_PATHS, _START_PATHS.get(key)
-    if not hit:
-        found = search()
-        path = tuple(found) if found is not None else None
-        with _START_PATHS_LOCK:
-            if len(_START_PATHS) >= _START_PATHS_MAX:
-                del _START_PATHS[next(iter(_START_PATHS))]  # the oldest entry
-            _START_PATHS[key] = path
-    return list(path) if path is not None else None
-
-
 class Constraint:
     """Per-sequence constraint state. Callable as an engine logits processor.
 
@@ -104,12 +79,12 @@ class Constraint:
     Whitespace is bounded: after `max_whitespace_run` consecutive whitespace bytes, whitespace-only
     tokens are masked out (so a grammar with free whitespace cannot loop on it). With `max_tokens`,
     the last `closing_window` steps prefer closing tokens (CLOSING_TIERS) and EOS as soon as the
-    output is complete. Throughout (llguidance), the Constraint measures a completion path
-    (closing.shortest_completion) at adaptive intervals (a quarter of the way to the step where it
-    must start)
-    and, once the budget left is no more than the path plus EOS plus `closing_margin` (or at the
-    first path found inside the closing window), forces that path token by token, so output that
-    can close inside the budget does.
+    output is complete. Throughout (llguidance), the Constraint measures a completion path at adaptive
+    intervals (a quarter of the way to the step where it must start): a suffix of the last path found
+    where one still closes the output and leaves room, else closing.shortest_completion (shared by
+    equal states: closing.shared_path), and, once the budget left is no more than the path plus EOS
+    plus `closing_margin` (or at the first path found inside the closing window), forces that path
+    token by token, so output that can close inside the budget does.
     """
 
     def __init__(
@@ -142,6 +117,11 @@ class Constraint:
                       else None)
         self.plan: list[int] | None = None  # the forced completion path, once committed
         self._next_plan_check = 0  # consumed count at which the completion path is measured again
+        self._output: list[int] = []  # the ids the matcher consumed (the completion search's state)
+        self._last_path: tuple[tuple[int, ...], int] | None = None  # (the path last found, ids consumed then)
+        # the closing planner: searches run, checks answered by the last path, seconds in searches
+        self.plan_searches = self.plan_reuses = 0
+        self.plan_search_s = 0.0
         self._token_bytes = tok.token_bytes
         self._ws_run = 0  # trailing whitespace bytes of the output so far
         self.vocab_size = tok.vocab_size
@@ -176,6 +156,7 @@ class Constraint:
         if not self.matcher.consume(token):
             self.error = self.matcher.error() or f"token {token} not allowed"
             return False
+        self._output.append(token)
         if self.guard is not None:
             self.guard.consume(token)
         piece = self._token_bytes[token] if token < len(self._token_bytes) else None
@@ -336,14 +317,53 @@ class Constraint:
         return self.plan[0] if self.plan else None
 
     def _completion_path(self, llg, max_depth: int) -> list[int] | None:
-        """closing.shortest_completion from the current state (from the start state: shared, `_start_path`)."""
-        guard = self.guard
+        """A completion path of at most `max_depth` ids from the current state: the last path found where it still
+        completes the output (`_known_path`) and the budget cannot bind before the next check (or, in the closing
+        window, at all); else closing.shortest_completion (shared by the states of equal key: closing.shared_path),
+        or the known path where it is the shorter."""
+        known = self._known_path(llg, max_depth)
+        if known is not None and (self._closing() or len(known) + 1 + self.closing_margin <= max_depth):
+            self.plan_reuses += 1
+            path = known
+        else:
+            guard = self.guard
 
-        def search() -> list[int] | None:
-            return shortest_completion(llg, self.compiled.tokenizer, max_depth, _hints(self.compiled.spec),
-                                       allow=guard.allows if guard is not None else None,
-                                       first=guard.closing_moves if isinstance(guard, SQLScopeGuard) else None)
-        return _start_path(self.compiled, max_depth, search) if self.consumed == 0 else search()
+            def search() -> list[int] | None:
+                return shortest_completion(llg, self.compiled.tokenizer, max_depth, _hints(self.compiled.spec),
+                                           allow=guard.allows if guard is not None else None,
+                                           first=guard.closing_moves if isinstance(guard, SQLScopeGuard) else None)
+            t0 = time.perf_counter()
+            path, searched = shared_path((self.compiled, max_depth, digest(self._output)), search)
+            self.plan_searches += searched
+            self.plan_search_s += time.perf_counter() - t0
+            if path is None or (known is not None and len(known) < len(path)):
+                path = known
+        self._last_path = (path, len(self._output)) if path is not None else None
+        return list(path) if path is not None else None
+
+    def _known_path(self, llg, max_depth: int) -> tuple[int, ...] | None:
+        """The shortest suffix (of the `KNOWN_SUFFIXES` shortest, at most `max_depth` ids) of the last path found
+        that takes the output from here to an accepting state the guard keeps: the output wrote, its own way, what
+        the path's head closes (a string's rest, a required member) or followed it; None where none does. SQL: only
+        the rest of a path the output followed (the text of a path found, which bound names for the scopes of its
+        own state: a FROM item's alias in another's would be taken twice)."""
+        if self._last_path is None:
+            return None
+        path, at = self._last_path
+        if isinstance(self.guard, SQLScopeGuard):
+            taken = tuple(self._output[at:])
+            starts: Sequence[int] = (len(taken),) if path[:len(taken)] == taken else ()
+        else:
+            starts = range(len(path) - 1, max(-1, len(path) - 1 - KNOWN_SUFFIXES, len(path) - 1 - max_depth), -1)
+        for start in starts:
+            rest = list(path[start:])
+            if not rest or len(rest) > max_depth or llg.validate_tokens(rest) != len(rest):
+                continue
+            copy = llg.deep_copy()
+            if (copy.try_consume_tokens(rest) == len(rest) and copy.is_accepting()
+                    and (self.guard is None or self.guard.allows(rest, True))):
+                return path[start:]
+        return None
 
     def forced_token(self, token_ids: Sequence[int]) -> int | None:
         """The one id the mask allows after `token_ids` (jump-forward: sampling could pick nothing else), or None.

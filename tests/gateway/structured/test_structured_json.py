@@ -183,21 +183,60 @@ def test_keywords_are_enforced_not_dropped(schema, good, bad, tokinfo):
 
 
 
-def test_start_completion_path_shared_by_requests(tokinfo, monkeypatch):
-    """The completion path from the start state is searched once per compiled constraint and budget; a request
-    that reuses it decodes the same ids as the one that searched it, and only its later searches run."""
+def test_completion_paths_shared_by_requests(tokinfo, monkeypatch):
+    """A completion path is searched once per compiled constraint, budget and output so far: a request that writes the
+    same ids as an earlier one searches nothing and decodes the same ids; with only the start states' paths kept
+    (drop_shared_paths), every search but the start's runs again."""
+    import gateway.structured.closing as closing_mod
     import gateway.structured.constraint as constraint_mod
 
     calls = []
     real = constraint_mod.shortest_completion
     monkeypatch.setattr(constraint_mod, "shortest_completion", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
-    monkeypatch.setattr(constraint_mod, "_START_PATHS", {})
+    monkeypatch.setattr(closing_mod, "_PATHS", {})
     cache, spec, outs, searches = ConstraintCache(), json_schema_spec(ORDER), [], []
-    for _ in range(2):
-        calls.clear()
-        c = build_constraint(spec, tokinfo, max_tokens=60, cache=cache)
-        outs.append(decode(c, random_logits(tokinfo.vocab_size, 7), max_tokens=60).ids)
-        searches.append(list(calls))
-    assert outs[0] == outs[1]
-    assert searches[0][0] == 59 and searches[1] == searches[0][1:]  # the start search (depth 59) ran once
-    assert list(constraint_mod._START_PATHS) == [(c.compiled, 59)]
+    for run in ("unshared", 0, 1, 2):
+        if run == 2:
+            closing_mod.drop_shared_paths()
+        with monkeypatch.context() as m:
+            if run == "unshared":  # every search runs, nothing is kept
+                m.setattr(constraint_mod, "shared_path", lambda key, search: (search(), True))
+            calls.clear()
+            c = build_constraint(spec, tokinfo, max_tokens=60, cache=cache)
+            outs.append(decode(c, random_logits(tokinfo.vocab_size, 9), max_tokens=60).ids)  # (a seed whose output
+            searches.append(list(calls))  # leaves its last path: searched again)
+            assert c.plan_searches == len(calls)
+    assert outs[0] == outs[1] == outs[2] == outs[3]
+    unshared, searches = searches[0], searches[1:]
+    assert unshared == searches[0]
+    assert searches[0][0] == 59 and len(searches[0]) > 1  # the start search (depth 59), then the output's own
+    assert searches[1] == [] and searches[2] == searches[0][1:]
+    assert list(closing_mod._PATHS)[0] == (c.compiled, 59, closing_mod.START)
+
+
+@pytest.mark.parametrize("schema", [ORDER, POSITIONS])
+def test_closing_planner_answers_are_completions_inside_the_budget(schema, tokinfo, monkeypatch):
+    """Every path the closing planner answers a check with (a suffix of the last path found, or a search's) takes a
+    copy of the matcher to an accepting state the guard keeps, in no more ids than the budget leaves; the suffixes
+    answer most checks; the outputs close inside the budget and validate."""
+    import gateway.structured.constraint as constraint_mod
+
+    real, answered_by_suffix = constraint_mod.Constraint._completion_path, []
+
+    def checked(self, llg, max_depth):
+        reuses = self.plan_reuses
+        path = real(self, llg, max_depth)
+        if path is not None:
+            copy = llg.deep_copy()
+            assert len(path) <= max_depth and copy.try_consume_tokens(path) == len(path) and copy.is_accepting()
+            assert self.guard is None or self.guard.allows(path, True)
+        answered_by_suffix.append(self.plan_reuses > reuses)
+        return path
+
+    monkeypatch.setattr(constraint_mod.Constraint, "_completion_path", checked)
+    for seed in range(4):
+        c = build_constraint(json_schema_spec(schema), tokinfo, max_tokens=64, cache=ConstraintCache())
+        out = decode(c, random_logits(tokinfo.vocab_size, seed), max_tokens=64)
+        assert out.finished and len(out.ids) <= 64
+        validate_json(tokinfo.decode(out.ids[:-1]), schema)
+    assert sum(answered_by_suffix) > len(answered_by_suffix) // 2
