@@ -28,6 +28,34 @@ float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// dot(a, b_j, n) for the four rows b_j, each by dot's own operations in dot's order: four independent
+// chains (one dot alone waits on its fma latency and its lane sum), the same bits as four dot calls.
+void dot4(const float* a, const float* const* b, int64_t n, float* s) {
+  V8 acc0[4], acc1[4];
+  for (int j = 0; j < 4; ++j) acc0[j] = acc1[j] = v_zero();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const V8 a0 = v_load(a + i), a1 = v_load(a + i + 8);
+    for (int j = 0; j < 4; ++j) {
+      acc0[j] = v_fma(a0, v_load(b[j] + i), acc0[j]);
+      acc1[j] = v_fma(a1, v_load(b[j] + i + 8), acc1[j]);
+    }
+  }
+  for (; i + 8 <= n; i += 8) {
+    const V8 a0 = v_load(a + i);
+    for (int j = 0; j < 4; ++j) acc0[j] = v_fma(a0, v_load(b[j] + i), acc0[j]);
+  }
+  float lanes[4][8];
+  for (int j = 0; j < 4; ++j) {
+    v_store(lanes[j], v_add(acc0[j], acc1[j]));
+    s[j] = 0.f;
+  }
+  for (int c = 0; c < 8; ++c)
+    for (int j = 0; j < 4; ++j) s[j] += lanes[j][c];
+  for (; i < n; ++i)
+    for (int j = 0; j < 4; ++j) s[j] += a[i] * b[j][i];
+}
+
 // out [D] = softmax(q . k_j * scale) . v_j over the keys at slots[0..n) (the last `window` of them when
 // window > 0), k_j = k_cache + slot * row + off (and v_j likewise): one query head against its KV head.
 void attend_head(const float* q, const float* k_cache, const float* v_cache, int64_t row, int64_t off,
@@ -40,14 +68,24 @@ void attend_head(const float* q, const float* k_cache, const float* v_cache, int
   if ((int64_t)scores.size() < n) scores.resize(n);
   float* sc = scores.data();
   float mx = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {  // four keys at a time (dot4: each score's bits are dot's)
+    const float* kj[4];
+    for (int c = 0; c < 4; ++c) kj[c] = k_cache + slots[j + c] * row + off;
+    float d4[4];
+    dot4(q, kj, D, d4);
+    for (int c = 0; c < 4; ++c) {
+      sc[j + c] = d4[c] * scale;
+      mx = std::max(mx, sc[j + c]);
+    }
+  }
+  for (; j < n; ++j) {
     sc[j] = dot(q, k_cache + slots[j] * row + off, D) * scale;
     mx = std::max(mx, sc[j]);
   }
   // e^(s_j - max) 8 keys at a time by activation.h's v_exp (the tail padded: every key the same operations)
   const V8 vmx = v_set1(mx);
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) v_store(sc + j, v_exp(v_sub(v_load(sc + j), vmx)));
+  for (j = 0; j + 8 <= n; j += 8) v_store(sc + j, v_exp(v_sub(v_load(sc + j), vmx)));
   if (j < n) {
     float tail[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     std::memcpy(tail, sc + j, sizeof(float) * (n - j));
@@ -56,11 +94,28 @@ void attend_head(const float* q, const float* k_cache, const float* v_cache, int
   }
   float sum = 0.f;
   for (j = 0; j < n; ++j) sum += sc[j];
-  for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
-  for (int64_t j = 0; j < n; ++j) {
-    const float* vv = v_cache + slots[j] * row + off;
-    const float pj = sc[j] / sum;
-    for (int64_t d = 0; d < D; ++d) out[d] += pj * vv[d];
+  for (j = 0; j < n; ++j) sc[j] /= sum;  // p_j
+  // out[d] = sum over keys in key order of p_j * v_j[d] (a product, then a sum: -ffp-contract=off), 32 lanes
+  // of out held in registers across all keys, then 8, then one at a time.
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    V8 o[4] = {v_zero(), v_zero(), v_zero(), v_zero()};
+    for (j = 0; j < n; ++j) {
+      const float* vv = v_cache + slots[j] * row + off + d;
+      const V8 p = v_set1(sc[j]);
+      for (int c = 0; c < 4; ++c) o[c] = v_add(o[c], v_mul(p, v_load(vv + 8 * c)));
+    }
+    for (int c = 0; c < 4; ++c) v_store(out + d + 8 * c, o[c]);
+  }
+  for (; d + 8 <= D; d += 8) {
+    V8 o = v_zero();
+    for (j = 0; j < n; ++j) o = v_add(o, v_mul(v_set1(sc[j]), v_load(v_cache + slots[j] * row + off + d)));
+    v_store(out + d, o);
+  }
+  for (; d < D; ++d) {
+    float o = 0.f;
+    for (j = 0; j < n; ++j) o += sc[j] * v_cache[slots[j] * row + off + d];
+    out[d] = o;
   }
 }
 
