@@ -5,7 +5,10 @@
 // bits never depend on the other tokens of the call, on how a prompt is cut into chunks, or on threads.
 // The softmax's exp is activation.h's float `v_exp`, 8 keys at a time (until 2026-11-26 libm's expf, one key
 // at a time; the float exp takes ~16% off a 128-token prefill's attention at D = 64, the value bits change
-// within fp32 rounding). Included by moe_cpu.cpp after activation.h, before decode_layer.h.
+// within fp32 rounding). Scores are computed eight keys at a time (dot8) and the weighted values 64 lanes at a
+// time held in registers across the keys, each score and each output lane by the same operations in the same
+// order as one dot() per key and one running sum per lane: the bits are those of the one-key-at-a-time loop.
+// Included by moe_cpu.cpp after activation.h, before decode_layer.h.
 #pragma once
 
 namespace {
