@@ -22,8 +22,6 @@
 namespace {
 
 constexpr int kZmmChunk = 8;  // activation rows per interleaved chunk (the tile loop's largest MT)
-// Rows from which one integer accumulator per row keeps vpdpbusd busy (5-cycle latency, one per cycle).
-constexpr int kZmmChains = 6;
 
 // Up to this many activation rows a pair of 8-row tiles runs as two single tiles in sequence: the
 // weights then stream from one address range (two interleaved streams measured ~3% slower at M = 1),
@@ -127,8 +125,7 @@ void zmm_w4a8(const ZmmOperand& A, const int8_t* q, const float* sx, const float
               float* const* out) {
   // Independent integer chains per row: lo / hi nibbles, and k-block parity for a single row, so that
   // the vpdpbusd latency (5 cycles) stays hidden (exact integer sums: the split never changes a result).
-  // From kZmmChains rows on the rows alone are enough chains (lo and hi nibbles share one).
-  constexpr int NC = MT >= kZmmChains ? 1 : MT >= 2 ? 2 : 4;
+  constexpr int NC = MT >= 2 ? 2 : 4;
   const __m512i m15 = _mm512_set1_epi8(15);
   __m512 acc[MT];
   #pragma GCC unroll 16
@@ -170,12 +167,11 @@ void zmm_w4a8(const ZmmOperand& A, const int8_t* q, const float* sx, const float
         block(kb0 + j + 1, std::integral_constant<int, 2>{}, std::integral_constant<int, 3>{});
       }
     }
-    if (bpg == 4 && NC <= 2) {  // the default group of 32 k: four blocks, unrolled (no register rotation)
-      constexpr int hi = NC - 1;
-      block(kb0, std::integral_constant<int, 0>{}, std::integral_constant<int, hi>{});
-      block(kb0 + 1, std::integral_constant<int, 0>{}, std::integral_constant<int, hi>{});
-      block(kb0 + 2, std::integral_constant<int, 0>{}, std::integral_constant<int, hi>{});
-      block(kb0 + 3, std::integral_constant<int, 0>{}, std::integral_constant<int, hi>{});
+    if (bpg == 4 && NC == 2) {  // the default group of 32 k: four blocks, unrolled (no register rotation)
+      block(kb0, std::integral_constant<int, 0>{}, std::integral_constant<int, 1>{});
+      block(kb0 + 1, std::integral_constant<int, 0>{}, std::integral_constant<int, 1>{});
+      block(kb0 + 2, std::integral_constant<int, 0>{}, std::integral_constant<int, 1>{});
+      block(kb0 + 3, std::integral_constant<int, 0>{}, std::integral_constant<int, 1>{});
       j = bpg;
     }
     for (; j < bpg; ++j) block(kb0 + j, std::integral_constant<int, 0>{}, std::integral_constant<int, NC >= 2 ? 1 : 0>{});
