@@ -298,18 +298,14 @@ def main(argv: list[str] | None = None) -> int:
                         ratios.append({"M": m, "fmt": fmt, "dense": f"{n}x{k}", "vs": other,
                                        "speedup": res["ms_median"] / point[ours_name]["ms_median"]})
     for shape in [a for a in args.attention.split(",") if a]:
-        nh, kv, d = (int(v) for v in shape.split(":"))
         for m in ms:
-            point = attention_point(lib, old, args.compare_rev, nh, kv, d, m, args, g)
+            point = attention_point(lib, old, args.compare_rev, *(int(v) for v in shape.split(":")), m, args, g)
             for res in point.values():
-                res["pct_stream"] = 100 * res["gbps_median"] / triad
-                res["pct_idle_triad_best"] = 100 * res["gbps_best"] / args.idle_triad
-                results.append(res)
-            ours_name = "moegate fp32"
-            for other, res in point.items():
-                if other != ours_name:
-                    ratios.append({"M": m, "fmt": "fp32", "dense": res["dense"], "vs": other,
-                                   "speedup": res["ms_median"] / point[ours_name]["ms_median"]})
+                results.append(dict(res, pct_stream=100 * res["gbps_median"] / triad,
+                                    pct_idle_triad_best=100 * res["gbps_best"] / args.idle_triad))
+            ratios += [{"M": m, "fmt": "fp32", "dense": res["dense"], "vs": other,
+                        "speedup": res["ms_median"] / point["moegate fp32"]["ms_median"]}
+                       for other, res in point.items() if other != "moegate fp32"]
     report.update(results=results, ratios=ratios, loadavg_after=os.getloadavg(), busy_after=cpu_busy_fraction(),
                   stream_after=stream_triad(args.threads), idle_triad=args.idle_triad)
     (out_dir / "kernel_bench.json").write_text(json.dumps(report, indent=2))
