@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="dense projections N:K (e.g. 151936:1024 the bench checkpoint's lm_head, 2048:1024 its q_proj) "
                          "timed per format through moegate_linear (kernels.linear) beside the experts; '' for none")
     ap.add_argument("--dense-only", action="store_true", help="only the --dense projections, no routed experts")
+    ap.add_argument("--attention", default="",
+                    help="prefill attention NH:KV:D (e.g. 16:4:64 the bench checkpoint's) at each M of --ms: M tokens "
+                         "of one sequence over their causal context through moegate_attention, beside --compare-rev's")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                     help="thread: the calling thread's CPU time per call, with --threads 1 the kernel's own time "
                          "(time descheduled by other processes on a shared machine left out)")
@@ -294,6 +297,15 @@ def main(argv: list[str] | None = None) -> int:
                     if other != ours_name:
                         ratios.append({"M": m, "fmt": fmt, "dense": f"{n}x{k}", "vs": other,
                                        "speedup": res["ms_median"] / point[ours_name]["ms_median"]})
+    for shape in [a for a in args.attention.split(",") if a]:
+        for m in ms:
+            point = attention_point(lib, old, args.compare_rev, *(int(v) for v in shape.split(":")), m, args, g)
+            for res in point.values():
+                results.append(dict(res, pct_stream=100 * res["gbps_median"] / triad,
+                                    pct_idle_triad_best=100 * res["gbps_best"] / args.idle_triad))
+            ratios += [{"M": m, "fmt": "fp32", "dense": res["dense"], "vs": other,
+                        "speedup": res["ms_median"] / point["moegate fp32"]["ms_median"]}
+                       for other, res in point.items() if other != "moegate fp32"]
     report.update(results=results, ratios=ratios, loadavg_after=os.getloadavg(), busy_after=cpu_busy_fraction(),
                   stream_after=stream_triad(args.threads), idle_triad=args.idle_triad)
     (out_dir / "kernel_bench.json").write_text(json.dumps(report, indent=2))
@@ -337,6 +349,34 @@ def dense_point(lib, old, rev: str | None, fmt: str, n: int, k: int, m: int, arg
     timed = interleaved(contenders, lambda i: base.nbytes, seconds, args.rounds, CLOCKS[args.clock])
     return {name: dict(res, impl=name.split(" ")[0], fmt=fmt, M=m, dense=f"{n}x{k}", bytes_per_call=base.nbytes)
             for name, res in timed.items()}
+
+
+def attention_point(lib, old, rev: str | None, nh: int, kv: int, d: int, m: int, args, g: torch.Generator) -> dict:
+    """Prefill attention of m tokens (one sequence, each over its causal context in a paged fp32 cache) through
+    moegate_attention (this kernel and, with ``old``, revision ``rev``'s), alternating. Bytes per call: the K and
+    V rows the (token, head) pairs read."""
+    from kernels.attention import causal_contexts
+
+    k_cache, v_cache = torch.randn(m + 8, kv, d, generator=g), torch.randn(m + 8, kv, d, generator=g)
+    q = torch.randn(m, nh, d, generator=g)
+    slots, start, length = (a.to(torch.int64).contiguous()
+                            for a in causal_contexts([m], [m], [torch.randperm(m + 8, generator=g)[:m]]))
+    out = torch.empty(m, nh, d)
+
+    def call(i: int, kl=lib) -> None:
+        rc = kl.moegate_attention(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                                  slots.data_ptr(), start.data_ptr(), length.data_ptr(), m, nh, kv, d, 0,
+                                  ctypes.c_double(d**-0.5), out.data_ptr(), ctypes.c_int(args.threads))
+        if rc != 0:
+            raise RuntimeError(f"moegate_attention failed with code {rc}")
+
+    contenders = {"moegate fp32": call}
+    if old is not None and hasattr(old, "moegate_attention"):
+        contenders[f"moegate@{rev} fp32"] = functools.partial(call, kl=old)
+    nbytes = 4 * 2 * nh * d * int(length.sum())
+    timed = interleaved(contenders, lambda i: nbytes, args.seconds * len(contenders), args.rounds, CLOCKS[args.clock])
+    return {name: dict(res, impl=name.split(" ")[0], fmt="fp32", M=m, dense=f"attention {nh}x{kv}x{d}",
+                       bytes_per_call=nbytes) for name, res in timed.items()}
 
 
 def formats_at(rev: str) -> tuple[str, ...]:

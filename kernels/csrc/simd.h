@@ -51,6 +51,24 @@ inline V8 v_set1(float f) { return {_mm256_set1_ps(f)}; }
 inline V8 v_mul(V8 a, V8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline V8 v_add(V8 a, V8 b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline V8 v_sub(V8 a, V8 b) { return {_mm256_sub_ps(a.v, b.v)}; }
+// r[i].v[j] <- r[j].v[i] (an 8 x 8 transpose: moves only)
+inline void v_transpose8(V8* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i].v, r[i + 1].v);
+    t[i + 1] = _mm256_unpackhi_ps(r[i].v, r[i + 1].v);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i].v = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4].v = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
 inline V8 v_fma(V8 a, V8 b, V8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline V8 v_fma_exact(V8 a, V8 b, V8 c) { return v_fma(a, b, c); }  // single rounding
 inline V8 v_div(V8 a, V8 b) { return {_mm256_div_ps(a.v, b.v)}; }
@@ -119,6 +137,10 @@ inline V8 v_bcast(const float* p) { return v_set1(*p); }
 inline V8 v_mul(V8 a, V8 b) { V8 r; for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] * b.v[i]; return r; }
 inline V8 v_add(V8 a, V8 b) { V8 r; for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] + b.v[i]; return r; }
 inline V8 v_sub(V8 a, V8 b) { V8 r; for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] - b.v[i]; return r; }
+inline void v_transpose8(V8* r) {  // r[i].v[j] <- r[j].v[i]
+  for (int i = 0; i < 8; ++i)
+    for (int j = i + 1; j < 8; ++j) std::swap(r[i].v[j], r[j].v[i]);
+}
 inline V8 v_fma(V8 a, V8 b, V8 c) {
   V8 r;
   for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];  // not contracted: -ffp-contract=off

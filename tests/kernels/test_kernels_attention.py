@@ -72,6 +72,21 @@ def test_token_rows_are_bitwise_batch_invariant() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("d", [64, 72, 80, 7])
+def test_prefill_token_rows_equal_tokens_alone(variant: str, d: int) -> None:
+    """A 130-token prefill (eight-key score blocks and a ragged tail; value lanes in blocks of 64, 32, 8 and
+    one, head dims with and without a tail past the last 8 lanes) equals each token computed alone, bitwise."""
+    q, k_cache, v_cache, (slots, start, length) = _case(8, 2, d, [130], [130], seed=d)
+    full = paged_attention(q, k_cache, v_cache, slots, start, length, d**-0.5, variant=variant)
+    for t in range(130):
+        one = paged_attention(q[t:t + 1], k_cache, v_cache, slots, start[t:t + 1], length[t:t + 1], d**-0.5,
+                              variant=variant)
+        assert torch.equal(one, full[t:t + 1]), t
+    assert_close(full, attention_reference(q, k_cache, v_cache, slots, start, length, d**-0.5))
+
+
+@needs_kernel
 def test_strided_query_heads_and_fallbacks() -> None:
     q, k_cache, v_cache, ctx = _case(4, 2, 32, [5], [9], seed=3)
     wide = torch.randn(5, 6, 32)

@@ -164,6 +164,26 @@ def test_expert_row_order_is_fixed_whatever_its_token_count(variant: str, fmt: s
             assert torch.equal(out, alone[rows]), m
 
 
+@needs_kernel
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", ["int4", "int4_asym", "int8_a8"])
+def test_prefill_sized_batches_rows_equal_rows_alone(variant: str, fmt: str) -> None:
+    """128 rows, a prefill's worth: every row on the same experts (each expert's GEMM 16 full chunks of 8 rows)
+    and top-4 of 16 experts (~32 rows each, ragged chunk tails); each row's bits equal its bits alone."""
+    h, i, e = 136, 40, 16
+    packed = pack_experts(*random_experts(e, h, i, seed=9), fmt, progress=False)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(128, h, generator=gen)
+    routed, _ = random_routing(128, 4, e, seed=13)
+    for ids in (torch.tensor([[5, 1, 12, 7]]).repeat(128, 1), routed):
+        w = torch.softmax(torch.randn(128, 4, generator=gen), dim=-1)
+        alone = torch.cat([fused_moe(x[r:r + 1], ids[r:r + 1], w[r:r + 1], packed, variant=variant, num_threads=1)
+                           for r in range(128)])
+        with exact_threads(variant):
+            assert torch.equal(fused_moe(x, ids, w, packed, variant=variant, num_threads=2), alone)
+        assert_close(alone, fused_moe_reference(x, ids, w, packed))
+
+
 @pytest.mark.skipif(not (kernel_available("avx2") and vnni_capable(detect())),
                     reason="needs a CPU with AVX-512 VNNI")
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "bf16_a16"])
