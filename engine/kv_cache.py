@@ -68,6 +68,7 @@ class BlockManager:
         self._block_of: dict[str, int] = {}
         self.on_evict: Callable[[int, str], None] | None = None
         self.evictions = 0
+        self.frees = 0  # tables freed so far: a table only grows in between, so slots read from it stay its slots
 
     @property
     def num_free(self) -> int:
@@ -138,6 +139,7 @@ class BlockManager:
                     self._free.append(block)
         block_table.clear()
         self._slot_rows.pop(id(block_table), None)
+        self.frees += 1
 
     # -- device cache tier ---------------------------------------------------------------------
     def register(self, block: int, key: str) -> bool:

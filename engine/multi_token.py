@@ -128,6 +128,10 @@ class MultiTokenDecoder:
         if not seqs:
             return []
         self.row_width = logits.shape[-1]
+        if len(seqs) == logits.shape[0]:  # one row per sequence: no drafts anywhere, every row samples as it is
+            picks = [t if isinstance(t, SamplingError) else [t] for t in sample(logits, seqs, vocab_limit, first_max)]
+            self.stats.sampled_tokens += len(seqs) - sum(isinstance(t, SamplingError) for t in picks)
+            return picks
         counts = [1 + len(s.draft_token_ids) for s in seqs]
         firsts = list(itertools.accumulate(counts, initial=0))[:-1]  # each sequence's first row
         plain = [i for i, s in enumerate(seqs) if not s.draft_token_ids]

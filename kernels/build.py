@@ -205,6 +205,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "moegate_pool_sizing"):  # absent from an earlier revision's kernel (benchmarks)
         lib.moegate_pool_sizing.restype = ctypes.c_int
         lib.moegate_pool_sizing.argtypes = [ctypes.c_int]
+    if hasattr(lib, "moegate_pool_spin"):
+        lib.moegate_pool_spin.restype = ctypes.c_int64
+        lib.moegate_pool_spin.argtypes = [ctypes.c_int64]
+        lib.moegate_pool_rest.restype = None
+        lib.moegate_pool_rest.argtypes = []
     lib.moegate_stream_triad.restype = ctypes.c_double
     lib.moegate_stream_triad.argtypes = [p, p, p, i64, ctypes.c_int, ctypes.c_int]
     if hasattr(lib, "moegate_decode_layer"):  # absent from an earlier revision's kernel (benchmarks)

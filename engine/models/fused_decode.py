@@ -182,7 +182,11 @@ class FusedDecodeStep:
         self._rope = torch.empty(2, rows, cfg.head_dim)  # cos, sin rows [R, D]
         self._ints = torch.empty(5, rows, dtype=torch.int64)  # ids, positions, new slots, context start, length
         self._ids = torch.empty(rows, stack.layers[0].top_k, dtype=torch.int64)  # [R, K] scratch
-        self._slots = torch.empty(0, dtype=torch.int64)  # the rows' contexts, concatenated; grown on demand
+        # the rows' contexts: row i's slots at [i * region, i * region + its length); grown on demand (`_grow`). What
+        # each row held at the last step (sequence, table, length): a row that goes on writes its new slot only
+        self._slots, self._region = torch.empty(0, dtype=torch.int64), 0
+        self._kept: list[tuple] = []
+        self._frees, self._blocks = -1, None
         self._x_np, self._rope_np, self._ints_np = self._x.numpy(), self._rope.numpy(), self._ints.numpy()
         n = len(stack)
         self._kv = ((ctypes.c_void_p * n)(*(c[0].data_ptr() for c in kv_caches)),
@@ -199,6 +203,9 @@ class FusedDecodeStep:
         # stepping thread would read the row back from the other core's cache: ~240 us for 152k logits at 1 row)
         self._first_max = torch.empty(rows, dtype=torch.int64)
         self._first_max_np = self._first_max.numpy()
+        # the lm_head is the step's last kernel call: the pool's helpers sleep now instead of spinning ~200 us for a job
+        # that comes only with the next step, on a core the stepping thread (and anything else) could use
+        self._rest = getattr(stack.lib, "moegate_pool_rest", lambda: None)
 
     @staticmethod
     def takes(model) -> bool:
@@ -213,49 +220,70 @@ class FusedDecodeStep:
         where a row is plain greedy (`pick_in_kernel`), each row's first largest logit [T] int64 found by the
         lm_head's call (a view of a buffer the next call overwrites), else None."""
         n, bs, ints = len(chunks), blocks.block_size, self._ints_np
-        contexts, total, longest = [], 0, 0
+        rows, longest, greedy, processors = [], 0, False, False
         for i, c in enumerate(chunks):
             seq, pos = c.seq, c.start
-            table = seq.block_table
+            table, params = seq.block_table, seq.params
+            greedy = greedy or params.plain_greedy
+            processors = processors or bool(params.logits_processors)
+            slot = table[pos // bs] * bs + pos % bs  # `blocks.slots`' rule, as build_batch
             ints[0, i] = seq.tokens(pos, pos + 1)[0]
             ints[1, i] = pos
-            ints[2, i] = table[pos // bs] * bs + pos % bs  # `blocks.slots`' rule, as build_batch
-            ints[3, i] = total
-            ints[4, i] = pos + 1
-            contexts.append(blocks.slots(table, 0, pos + 1))  # [pos + 1], kept between steps
-            total += pos + 1
+            ints[2, i] = slot
+            rows.append((seq, table, pos, slot))
             longest = max(longest, pos + 1)
-        if self._slots.shape[0] < total or self._stack_call is None:
-            self._grow(total)
-        slots, at = self._slots_np, 0
-        for ctx in contexts:
-            slots[at:at + ctx.shape[0]] = ctx.numpy()
-            at += ctx.shape[0]
+        if longest > self._region or n * self._region > self._slots.shape[0] or self._stack_call is None:
+            self._grow(n, longest)
+        self._write_contexts(rows, blocks)
         table = self.rotary._table(longest, torch.float32)  # cos, sin [P, D]
         if table[0] is not self._table:
             self._table, self._table_np = table[0], (table[0].numpy(), table[1].numpy())
-        positions = ints[1, :n]
-        np.take(self._table_np[0], positions, axis=0, out=self._rope_np[0, :n])
-        np.take(self._table_np[1], positions, axis=0, out=self._rope_np[1, :n])
-        np.take(self.embed, ints[0, :n], axis=0, out=self._x_np[:n])
+        positions, cos, sin = ints[1, :n], *self._rope_np[:, :n]
+        self._table_np[0].take(positions, axis=0, out=cos)
+        self._table_np[1].take(positions, axis=0, out=sin)
+        self.embed.take(ints[0, :n], axis=0, out=self._x_np[:n])
         self._stack_call(n)
-        pick = self.pick_in_kernel and any(c.seq.params.plain_greedy for c in chunks)
+        pick = self.pick_in_kernel and greedy
         first_max = self._first_max if pick else None
         picks = self._first_max_np[:n] if pick else None
-        if any(c.seq.params.logits_processors for c in chunks):
+        if processors:
             logits = torch.empty(n, self.head.padded_out)
             self._head_call(n, logits, first_max)
+            self._rest()
             return logits[:, :self.head.out_features], picks
         self._head_call(n, None, first_max)
+        self._rest()
         if (logits := self._logits_views.get(n)) is None:
             logits = self._logits_views[n] = self._logits[:n, :self.head.out_features]
         return logits, picks
 
-    def _grow(self, total: int) -> None:
-        """The contexts' buffer holds `total` slots (doubling), and the stack's call points at it."""
-        if self._slots.shape[0] < total:
-            self._slots = torch.empty(max(total, 2 * self._slots.shape[0], 1024), dtype=torch.int64)
+    def _write_contexts(self, rows: list, blocks) -> None:
+        """Row i's context slots (its positions 0..pos) at the start of its region of the contexts' buffer. A row that
+        holds the same sequence and table one position further than the last step, with no table freed since (a
+        running sequence's table only grows), gets its new slot only; any other row its whole context."""
+        ints, slots, kept, region = self._ints_np, self._slots_np, self._kept, self._region
+        if blocks.frees != self._frees or blocks is not self._blocks:
+            kept.clear()
+            self._frees, self._blocks = blocks.frees, blocks
+        for i, (seq, table, pos, slot) in enumerate(rows):
+            at = i * region
+            if i < len(kept) and (k := kept[i])[0] is seq and k[1] is table and k[2] == pos:
+                slots[at + pos] = slot
+            else:
+                slots[at:at + pos + 1] = blocks.slots(table, 0, pos + 1).numpy()
+                ints[3, i] = at
+            ints[4, i] = pos + 1
+        kept[:] = [(seq, table, pos + 1) for seq, table, pos, _ in rows]
+
+    def _grow(self, n: int, longest: int) -> None:
+        """The contexts' buffer holds `n` rows' regions of at least `longest` slots (doubling), and the stack's call
+        points at it; every row's context is written again."""
+        if longest > self._region:
+            self._region = max(longest, 2 * self._region, 256)
+        if self._slots.shape[0] < n * self._region:
+            self._slots = torch.empty(max(n, 4) * self._region, dtype=torch.int64)
             self._slots_np = self._slots.numpy()
+        self._kept.clear()
         i = self._ints
         self._stack_call = DecodeStackCall(
             self.stack.lib, self.stack.params, self._x, self._rope[0], self._rope[1], *self._kv, i[2], self._slots,

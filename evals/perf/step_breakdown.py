@@ -6,6 +6,10 @@ decoding together; per decode step:
   kernel      wall time inside the compiled entry points (`moegate_*`: decoder layers, norms, lm_head)
   outside     step - kernel: the engine's own cost per step (#26's "step + sampling overhead")
   overhead    step - forward - logits: the older split, which counts the Python inside the forward as model time
+  sample      `MultiTokenDecoder.choose` (sampling, drafts verified); schedule, batch (the ForwardBatch), advance
+              (text, stop checks, mode switches per token), extend (forced tokens / drafts), output (RequestOutput)
+  forward_python  forward + logits - kernel: the Python of the forward around its kernel calls
+  unsplit     outside minus all of the above: the step's own lines between them
   forward     the decoder layers; a fused decode step (`ModelRunner._decode_step`: token ids to logits in two kernel
               calls, no ForwardBatch) counts whole here, its lm_head included (logits and batch then read 0)
   *_per_token those divided by the rows the step decoded (equal to them at one row)
@@ -38,8 +42,10 @@ def decode_step_breakdown(engine, prompt: list[int], params, mode: str = "explor
     does ("overhead" = step - forward - logits; "outside" = step - kernel). "overhead_cpu" / "outside_cpu" are
     the same splits in CPU time of the stepping thread: on a shared machine the wall-clock figures also count
     the time the thread waited for a core."""
+    import engine.llm_engine as llm_engine
+
     runner, spent = engine.runner, {"forward": 0.0, "logits": 0.0, "sample": 0.0, "schedule": 0.0, "batch": 0.0,
-                                    "kernel": 0.0}
+                                    "kernel": 0.0, "advance": 0.0, "extend": 0.0, "output": 0.0}
     cpu = {"forward": 0.0, "logits": 0.0, "kernel": 0.0}
 
     def timed(key: str, fn):
@@ -57,7 +63,10 @@ def decode_step_breakdown(engine, prompt: list[int], params, mode: str = "explor
     patches = [(runner, "model", _TimedModel(model, timed)), (model, "compute_logits", timed("logits", model.compute_logits)),
                (engine.decoder, "choose", timed("sample", engine.decoder.choose)),  # sampling, drafts verified
                (engine.scheduler, "schedule", timed("schedule", engine.scheduler.schedule)),
-               (runner, "build_batch", timed("batch", runner.build_batch))]
+               (runner, "build_batch", timed("batch", runner.build_batch)),
+               (engine, "_advance", timed("advance", engine._advance)),  # text, stop checks, mode switches per token
+               (engine.decoder, "extend", timed("extend", engine.decoder.extend)),  # forced tokens / drafts
+               (llm_engine, "make_output", timed("output", llm_engine.make_output))]
     if hasattr(runner, "_decode_step"):  # the fused decode step: its inputs, stack and lm_head timed as the forward
         def decode_step(chunks, find=runner._decode_step):
             step = find(chunks)
@@ -90,6 +99,10 @@ def decode_step_breakdown(engine, prompt: list[int], params, mode: str = "explor
             row["overhead_cpu"] = 1e3 * (total_cpu - cpu["forward"] - cpu["logits"])
             row["outside"] = row["step"] - row["kernel"]
             row["outside_cpu"] = 1e3 * (total_cpu - cpu["kernel"])
+            # the forward's own Python (a fused decode step's inputs and calls) and what no timer covers
+            row["forward_python"] = row["forward"] + row["logits"] - row["kernel"]
+            row["unsplit"] = row["outside"] - row["forward_python"] - sum(
+                row[k] for k in ("sample", "schedule", "batch", "advance", "extend", "output"))
             row.update({f"{k}_per_token": row[k] / rows for k in ("step", "outside", "outside_cpu", "sample")})
             steps.append(row)
     finally:

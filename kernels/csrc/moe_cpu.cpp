@@ -830,6 +830,11 @@ int moegate_is_vnni() {
 // for); returns the previous setting.
 int moegate_pool_sizing(int on) { return moegate::pool_sizing().exchange(on != 0) ? 1 : 0; }
 
+// How long the pool's helpers spin for the next job before sleeping, in microseconds (>= 0: set it; < 0: leave
+// it); returns the previous setting. moegate_pool_rest: the helpers sleep now (no kernel call is coming soon).
+int64_t moegate_pool_spin(int64_t us) { return us >= 0 ? moegate::spin_us().exchange(us) : moegate::spin_us().load(); }
+void moegate_pool_rest() { moegate::WorkPool::instance().rest(); }
+
 // STREAM triad a = b + s * c over n floats; returns seconds of the best of `reps` runs.
 double moegate_stream_triad(float* a, const float* b, const float* c, int64_t n, int reps, int nthreads) {
   double best = 1e30;

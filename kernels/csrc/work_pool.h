@@ -4,7 +4,9 @@
 // to threads - 1 helpers claim chunks from one atomic counter. The caller waits only for chunks a
 // helper has actually claimed, never for a helper to wake up, so on a machine shared with other
 // processes (a helper descheduled for milliseconds) a call is never slower than running alone.
-// Helpers spin ~200 us for the next job (back-to-back layers) and then sleep on a condition variable.
+// Helpers spin ~200 us for the next job (back-to-back layers; spin_us(): MOEGATE_SPIN_US at start, the
+// MOEGATE_SPIN_US environment variable or moegate_pool_spin), then sleep on a condition variable; rest() sends
+// them to sleep now (the caller has no job coming soon: a decode step's last kernel call).
 // After fork() the child gets a fresh pool (the parent's helper threads do not exist there).
 //
 // A job streaming fewer than kSmallWorkBytes runs on the caller alone (threads_for: waking a helper, and waiting
@@ -20,6 +22,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -46,6 +49,15 @@ constexpr int64_t kSmallWorkBytes = int64_t(1) << 20;
 inline std::atomic<bool>& pool_sizing() {
   static std::atomic<bool> on{true};
   return on;
+}
+
+// Microseconds a helper spins for the next job before it sleeps (moegate_pool_spin sets it).
+inline std::atomic<int64_t>& spin_us() {
+  static std::atomic<int64_t> us{[] {
+    const char* env = std::getenv("MOEGATE_SPIN_US");
+    return env != nullptr && *env != '\0' ? std::max<int64_t>(0, std::atoll(env)) : int64_t(MOEGATE_SPIN_US);
+  }()};
+  return us;
 }
 
 inline int threads_for(int64_t work_bytes, int threads) {
@@ -85,6 +97,7 @@ class WorkPool {
     std::lock_guard<std::mutex> one_job_at_a_time(run_mu_);
     ensure_helpers(threads - 1);
     auto job = std::make_shared<Job>(fn, total, chunk, threads - 1);
+    resting_.store(false, std::memory_order_relaxed);
     {
       std::lock_guard<std::mutex> g(mu_);
       current_ = job;
@@ -97,8 +110,11 @@ class WorkPool {
     current_.reset();
   }
 
+  // Helpers waiting for a job stop spinning and sleep until the next one (a spinning helper would take a core
+  // from the caller's own work between calls and from other processes). The next parallel_for wakes them.
+  void rest() { resting_.store(true, std::memory_order_relaxed); }
+
  private:
-  static constexpr std::chrono::microseconds kSpin{MOEGATE_SPIN_US};
   struct Job {
     Job(const std::function<void(int64_t)>& f, int64_t t, int64_t c, int h) : fn(f), total(t), chunk(c), max_helpers(h) {}
     std::function<void(int64_t)> fn;  // only called for claimed indices, i.e. while the caller waits
@@ -132,10 +148,12 @@ class WorkPool {
       // the helper awake; waking a sleeping thread costs tens of microseconds, more on a virtual machine
       // whose idle vCPU has halted. Longer spins take a core from torch's own threads between kernel calls
       // (reference model, 2 threads: 50-300 us best; 2 ms cost prefill 20% and decode 12%).
-      const auto until = std::chrono::steady_clock::now() + kSpin;
+      const auto until = std::chrono::steady_clock::now() +
+                         std::chrono::microseconds(spin_us().load(std::memory_order_relaxed));
       for (int i = 0; gen_.load(std::memory_order_acquire) == seen; ++i) {
         moegate_pause();
-        if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) break;
+        if ((i & 63) == 63 && (resting_.load(std::memory_order_relaxed) || std::chrono::steady_clock::now() > until))
+          break;
       }
       std::shared_ptr<Job> job;
       {
@@ -152,6 +170,7 @@ class WorkPool {
   std::condition_variable cv_;
   std::shared_ptr<Job> current_;
   std::atomic<uint64_t> gen_{0};
+  std::atomic<bool> resting_{false};
   size_t helpers_ = 0;
 };
 

@@ -133,3 +133,39 @@ def test_tokens_equal_with_the_in_kernel_pick_off(engine, mode, limit, monkeypat
         off = run_requests(engine, _requests(mode, "pick-off"))
     assert not any(used)
     assert [on[f"pick-on-{i}"] for i in range(4)] == [off[f"pick-off-{i}"] for i in range(4)]
+
+
+def test_kept_contexts_follow_every_table_change(engine):
+    """A row that goes on from the last step writes only its new slot; a row whose sequence, table or position
+    differs, or any row after a table was freed (a freed table is refilled with other blocks), its whole context.
+    The contexts' buffer then holds what `blocks.slots` reads, row by row."""
+    from engine.kv_cache import BlockManager
+
+    model = engine.runner.model
+    step = FusedDecodeStep(model, model.fused_layers, model.fast_lm_head.packed, 1, engine.runner.layer_caches)
+    blocks = BlockManager(64, 8)
+    a, b = object(), object()  # two sequences: only their identity counts
+    ta, tb = [], []
+    blocks.grow(ta, 40)
+    blocks.grow(tb, 40)
+
+    def write(rows):  # [(seq, table, pos)] -> each row's context as the stack reads it
+        out = [(s, t, p, t[p // 8] * 8 + p % 8) for s, t, p in rows]
+        longest = max(p for _, _, p in rows) + 1
+        if longest > step._region or len(rows) * step._region > step._slots.shape[0] or step._stack_call is None:
+            step._grow(len(rows), longest)
+        step._write_contexts(out, blocks)
+        ints = step._ints_np
+        return [step._slots_np[ints[3, i]:ints[3, i] + ints[4, i]].tolist() for i in range(len(rows))]
+
+    def want(rows):
+        return [blocks.slots(t, 0, p + 1).tolist() for _, t, p in rows]
+
+    for rows in ([(a, ta, 10)], [(a, ta, 11)], [(a, ta, 12), (b, tb, 3)], [(a, ta, 13), (b, tb, 4)],
+                 [(b, tb, 5), (a, ta, 14)]):
+        assert write(rows) == want(rows)
+    blocks.free(ta)  # `a` recomputed into other blocks: its table is the same list, refilled
+    blocks.grow(tb, 302)
+    blocks.grow(ta, 40)
+    for rows in ([(b, tb, 6), (a, ta, 15)], [(b, tb, 7), (a, ta, 16)], [(b, tb, 8)], [(b, tb, 300)], [(b, tb, 301)]):
+        assert write(rows) == want(rows)

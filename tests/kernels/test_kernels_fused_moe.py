@@ -20,7 +20,7 @@ from kernel_cases import exact_threads, random_experts, random_routing
 from kernels import ExpertIdError, build, fused_moe, fused_moe_reference, kernel_available, pack_experts
 from kernels.cpu_features import detect, select_variant, vnni_capable
 from kernels.formats import quantize_activations
-from kernels.fused_moe import fused_moe_fake_quant
+from kernels.fused_moe import fused_moe_fake_quant, kernel_library
 
 CONFIGS = [("fp32", None), ("bf16", None), ("int8", 32), ("int8", 128), ("int4", 32), ("int4", 64),
            ("int4_asym", 32), ("int4_asym", 128), ("int8_a8", 32), ("int8_a8", 64)]
@@ -424,6 +424,30 @@ def test_thread_pool_survives_fork_and_many_calls() -> None:
         os.waitpid(pid, 0)
         pytest.fail("forked child hung in fused_moe")
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+@needs_kernel
+def test_pool_spin_and_rest_change_no_bytes() -> None:
+    """The helpers' spin (moegate_pool_spin) and sending them to sleep between calls (moegate_pool_rest, as the
+    fused decode step does after its lm_head) change when a helper picks up work, never the bytes."""
+    lib = kernel_library()
+    packed = pack_experts(*random_experts(NUM_EXPERTS, 96, 48), "int8", progress=False)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(8))
+    ids, w = random_routing(9, 3, NUM_EXPERTS, seed=8)
+    want = fused_moe(x, ids, w, packed, num_threads=2)
+    old = lib.moegate_pool_spin(-1)  # < 0: read only
+    try:
+        with exact_threads():
+            for spin in (0, 1, 50, old):
+                assert lib.moegate_pool_spin(spin) >= 0
+                assert lib.moegate_pool_spin(-1) == spin
+                for _ in range(5):
+                    assert torch.equal(fused_moe(x, ids, w, packed, num_threads=2), want)
+                    lib.moegate_pool_rest()
+                    time.sleep(0.001)  # a helper asleep on the condition variable when the next job comes
+                    assert torch.equal(fused_moe(x, ids, w, packed, num_threads=2), want)
+    finally:
+        lib.moegate_pool_spin(old)
 
 
 def test_stale_builds_are_pruned_and_used_ones_kept(tmp_path) -> None:
