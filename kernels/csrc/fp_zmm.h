@@ -240,9 +240,10 @@ inline void zmm_i8_kpair_groups(const int8_t* w, const uint16_t* s, int64_t kp, 
     #pragma GCC unroll 4
     for (int h = 0; h < G; ++h) {
       const int64_t k = (g0 + h) * gs + j;
-      if ((k & 7) == 0)  // one prefetch per 64-byte line (8 k) of each tile
-        #pragma GCC unroll 4
-        for (int t = 0; t < T; ++t) __builtin_prefetch(w + t * tw + k * 8 + kPrefetch, 0, 3);
+      if ((k & 7) == 0) {  // one prefetch per 64-byte line (8 k) of each tile
+        if constexpr (T == 2) pair_prefetch(w, w + tw, k * 8, tw);
+        else __builtin_prefetch(w + k * 8 + kPrefetch, 0, 3);
+      }
       __m512 wv[T];
       #pragma GCC unroll 4
       for (int t = 0; t < T; ++t)
