@@ -23,10 +23,10 @@ namespace {
 
 constexpr int kZmmChunk = 8;  // activation rows per interleaved chunk (the tile loop's largest MT)
 
-// Up to this many activation rows the W8A8 and bf16 units run a pair of 8-row tiles as two single tiles in
-// sequence (the weights then stream from one address range) and the fp32-activation units take their
-// few-row loops. W4A8 runs a pair side by side at every row count: one tile alone left half of each
-// vpdpbusd idle and made one row compute-bound (zmm_unit_rows).
+// Up to this many activation rows the bf16 units run a pair of 8-row tiles as two single tiles in sequence
+// (the weights then stream from one address range) and the fp32-activation units take their few-row loops.
+// W4A8 and W8A8 run a pair side by side at every row count: one tile alone left half of each vpdpbusd idle
+// and made one row compute-bound (zmm_unit_rows).
 constexpr int kSequentialRows = 2;
 
 // int8 activations (with per-group scale sx, sum(q) as float qs and -8 sum(q) n8) of a set of N rows,
