@@ -247,6 +247,8 @@ class SQLScope:
             if src in f.pending:
                 raise _Veto(f"table {src} is used as a qualifier: it cannot take an alias")
             del f.declared[src]
+        if alias in f.declared:  # (sqlglot: "Alias already used"; a table's own name counts as its alias)
+            raise _Veto(f"alias {alias} is already used in this FROM")
         if alias in f.pending and not f.pending[alias] <= self._cols(src):
             raise _Veto(f"alias {alias} is used with columns that {src} does not have")
         f.declared[alias] = src

@@ -173,9 +173,12 @@ def test_alias_guard_binds_qualifiers(tokinfo):
 
     grammar = sql_spec(DB).source
     ok = ["SELECT T1.id FROM trades AS T1", "SELECT trades.id FROM trades",
-          "SELECT a.id FROM trades AS a WHERE a.id > 1"]
+          "SELECT a.id FROM trades AS a WHERE a.id > 1",
+          "SELECT t1.id FROM trades AS t1 JOIN trades AS t2 ON t1.id = t2.id"]
     bad = ["SELECT x.id FROM trades AS y", "SELECT trades.id FROM positions",
-           "SELECT id FROM trades AS y WHERE x.id = 1", "SELECT T1.nosuch FROM trades AS T1"]
+           "SELECT id FROM trades AS y WHERE x.id = 1", "SELECT T1.nosuch FROM trades AS T1",
+           "SELECT a.id FROM trades AS a JOIN accounts AS a ON a.id = a.id",  # an alias used twice in one FROM
+           "SELECT trades.id FROM trades JOIN accounts AS trades ON trades.id = 1"]  # a table's own name taken
     for sql, want in [(s, True) for s in ok] + [(s, False) for s in bad]:
         guard = SQLScopeGuard.from_grammar(grammar, tokinfo)
         assert guard.allows(tokinfo.encode(sql), final=True) is want, sql

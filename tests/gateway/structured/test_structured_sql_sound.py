@@ -71,6 +71,7 @@ def test_random_walks_always_parse_and_validate(tokinfo, dialect):
     "INNER JOIN accounts AS T2 ON T1.account_id = T2.id WHERE STRFTIME('%Y', T1.ts) = '2012'",
     "SELECT symbol, qty FROM trades ORDER BY 2 DESC, 1",
     "SELECT qty - -1, -qty, qty-1 FROM trades",
+    "SELECT t1.qty, t2.qty FROM trades AS t1 JOIN trades AS t2 ON t1.id = t2.id",  # a self-join, two aliases
 ])
 def test_sqlite_real_world_forms_admitted(tokinfo, sql):
     assert _admitted(tokinfo, sql, SQLPolicy(dialect="sqlite", max_limit=None)), sql
@@ -101,6 +102,8 @@ def test_postgres_forms_admitted(tokinfo, sql):
     "SELECT - -qty FROM trades",
     "SELECT t.*",  # a qualifier nothing declares
     "SELECT 1 AS t ORDER BY t, rpad\t ()",  # too few arguments, `(` and `)` in one token
+    "SELECT a.qty FROM trades AS a JOIN accounts AS a ON a.id = a.id",  # an alias used twice in one FROM
+    "SELECT trades.qty FROM trades JOIN accounts AS trades ON trades.id = trades.account_id",  # a table's own name
 ])
 def test_unsound_forms_refused(tokinfo, sql):
     assert not _admitted(tokinfo, sql, SQLPolicy(dialect="sqlite", max_limit=None)), sql
