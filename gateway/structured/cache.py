@@ -42,20 +42,25 @@ class ConstraintCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @staticmethod
+    def _key(spec: ConstraintSpec, tokenizer: TokenizerInfo, backend: str | None):
+        """(the backend that compiles `spec`, the cache key of its compile: backend, spec digest, tokenizer hash)."""
+        impl = get_backend(spec.kind, backend)
+        return impl, (impl.name, spec.digest, tokenizer.hash)
+
     def compiled(
         self, spec: ConstraintSpec, tokenizer: TokenizerInfo, backend: str | None = None
     ) -> CompiledConstraint | None:
         """The cached compile of `spec`, or None; compiles nothing, counts nothing (a caller that must not wait for
         a compile checks first)."""
-        key = (get_backend(spec.kind, backend).name, spec.digest, tokenizer.hash)
+        _, key = self._key(spec, tokenizer, backend)
         with self._lock:
             return self._entries.get(key)
 
     def get_or_compile(
         self, spec: ConstraintSpec, tokenizer: TokenizerInfo, backend: str | None = None
     ) -> CompiledConstraint:
-        impl = get_backend(spec.kind, backend)
-        key = (impl.name, spec.digest, tokenizer.hash)
+        impl, key = self._key(spec, tokenizer, backend)
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
