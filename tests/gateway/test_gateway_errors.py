@@ -146,11 +146,15 @@ def test_non_streaming_disconnect_aborts(gateway_server):
         httpx.post(gateway_server.url + "/v1/chat/completions", json=body,
                    timeout=httpx.Timeout(5.0, read=0.02),
                    headers={"Authorization": f"Bearer {gateway_server.key_alpha}"})
+    aborts = state.metrics.aborts.labels("disconnect")._value.get
     deadline = time.monotonic() + 10
-    while (state.in_flight or state.llm.num_active or state.llm.engine.has_work()) and time.monotonic() < deadline:
+    # the client may give up before the server has even taken the request in: wait for the abort itself,
+    # then for the engine to be idle
+    while (aborts() == before or state.in_flight or state.llm.num_active or state.llm.engine.has_work()) \
+            and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert aborts() == before + 1
     assert state.in_flight == 0 and state.llm.num_active == 0
-    assert state.metrics.aborts.labels("disconnect")._value.get() == before + 1
 
 
 def test_policy_rate_limit_is_429_with_retry_after(gateway_server):
