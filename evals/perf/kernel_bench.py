@@ -87,10 +87,16 @@ def interleaved(contenders: dict[str, Callable[[int], None]], bytes_of: Callable
             nxt[name] = end
     out = {}
     for name, rows in calls.items():
-        rates = sorted(bytes_of(i) / dt / 1e9 for dt, i in rows)
+        # a thread clock reads 0 for a call shorter than its tick (or one the pool's other threads did): such
+        # calls carry no rate and are counted, not divided by
+        timed = [(dt, i) for dt, i in rows if dt > 0]
+        if not timed:
+            raise ValueError(f"{name}: every call read 0 s on this clock; time it with --clock wall")
+        rates = sorted(bytes_of(i) / dt / 1e9 for dt, i in timed)
         times = sorted(dt for dt, _ in rows)
         out[name] = {"gbps_median": rates[len(rates) // 2], "gbps_best": rates[-1],
-                     "ms_median": 1e3 * times[len(times) // 2], "calls": len(rows)}
+                     "ms_median": 1e3 * times[len(times) // 2], "calls": len(rows),
+                     "zero_time_calls": len(rows) - len(timed)}
     return out
 
 
