@@ -162,10 +162,11 @@ class FusedContext:
 
 
 class FusedDecodeStep:
-    """A decode step of up to SMALL_BATCH_TOKENS rows (one new token per sequence, one logits row each) on a fused
-    stack, token ids to logits: the embedding rows, RoPE rows, KV slots and contexts written through numpy into
-    buffers kept between steps, then one `moegate_decode_stack` call (every layer and the final norm) and one
-    lm_head call (`moegate_linear`). The same kernels on the same inputs as `MoeForCausalLM.forward` and
+    """A step of up to SMALL_BATCH_TOKENS tokens on a fused stack, token ids to logits: decodes (one token, one logits
+    row), jump-forward chunks (several tokens, the last samples), a token and its drafts (every row samples) and short
+    prefill chunks, each token a row of the stack's call. The embedding rows, RoPE rows, KV slots and contexts are
+    written through numpy into buffers kept between steps, then one `moegate_decode_stack` call (every layer and the
+    final norm) and one lm_head call (`moegate_linear`) over the rows that sample. The same kernels on the same inputs as `MoeForCausalLM.forward` and
     `compute_logits` over a ForwardBatch (the embedding and RoPE rows are copies of the same rows), so the same
     bits, without the batch's tensors and the ~20 torch ops and module calls around the two kernel calls."""
 
@@ -182,8 +183,8 @@ class FusedDecodeStep:
         self._rope = torch.empty(2, rows, cfg.head_dim)  # cos, sin rows [R, D]
         self._ints = torch.empty(5, rows, dtype=torch.int64)  # ids, positions, new slots, context start, length
         self._ids = torch.empty(rows, stack.layers[0].top_k, dtype=torch.int64)  # [R, K] scratch
-        # the rows' contexts: row i's slots at [i * region, i * region + its length); grown on demand (`_grow`). What
-        # each row held at the last step (sequence, table, length): a row that goes on writes its new slot only
+        # the chunks' contexts: chunk i's slots at [i * region, i * region + its end); grown on demand (`_grow`). What
+        # each chunk held at the last step (sequence, table, end): a chunk that goes on writes its new slots only
         self._slots, self._region = torch.empty(0, dtype=torch.int64), 0
         self._kept: list[tuple] = []
         self._frees, self._blocks = -1, None
@@ -302,8 +303,8 @@ class FusedDecodeStep:
         kept[:] = [(seq, table, end) for seq, table, _, end, _ in spans]
 
     def _grow(self, n: int, longest: int) -> None:
-        """The contexts' buffer holds `n` rows' regions of at least `longest` slots (doubling), and the stack's call
-        points at it; every row's context is written again."""
+        """The contexts' buffer holds `n` chunks' regions of at least `longest` slots (doubling), and the stack's call
+        points at it; every chunk's context is written again."""
         if longest > self._region:
             self._region = max(longest, 2 * self._region, 256)
         if self._slots.shape[0] < n * self._region:
