@@ -271,3 +271,46 @@ def test_kept_contexts_follow_every_table_change(engine):
     for chunks in ([(b, tb, 10, 11), (a, ta, 8, 16)], [(b, tb, 11, 12), (a, ta, 16, 17)], [(b, tb, 12, 13)],
                    [(b, tb, 300, 301)], [(b, tb, 301, 302)]):
         assert write(chunks) == want(chunks)
+
+
+def test_jump_forward_steps_take_the_one_call_step():
+    """JSON Schema output of the demo model with jump-forward, greedy and seeded together: the steps whose chunks carry
+    forced tokens run the one-call step, with the logits bits of the batch forward over the same chunks."""
+    from pathlib import Path
+
+    from gateway.structured.build import build_constraint, json_schema_spec
+    from gateway.structured.vocab import TokenizerInfo
+
+    demo = Path(__file__).parents[2] / "engine" / "assets" / "demo-moe"
+    engine = LLM(demo, progress=False, placement=PlacementConfig(fast_format="int4", exact_format="bf16"),
+                 num_kv_blocks=128, jump_forward_tokens=32, prefix_cache=False).engine
+    schema = {"type": "object", "properties": {"symbol": {"type": "string", "maxLength": 5},
+                                               "side": {"enum": ["buy", "sell"]}, "quantity": {"type": "integer"}},
+              "required": ["symbol", "side", "quantity"], "additionalProperties": False}
+    tok = TokenizerInfo.from_file(demo / "tokenizer.json", sorted(engine.eos_token_ids))
+    prompt = engine.tokenizer.encode("Buy 100 AAPL at market. Answer with the order:")
+    runner, multi, compared = engine.runner, [], []
+    decode_step = runner._decode_step
+
+    def checked(chunks):
+        step = decode_step(chunks)
+        if step is None:
+            return None
+
+        def both(chunks, blocks):
+            got, first_max = step(chunks, blocks)
+            got = got.clone()
+            ref = runner.forward(runner.build_batch(chunks, blocks, exact=True))
+            compared.append(torch.equal(got, ref))
+            multi.append(any(c.num_tokens > 1 for c in chunks))
+            return got, first_max
+
+        return both
+
+    runner._decode_step = checked
+    run_requests(engine, [(f"j{t}", prompt, SamplingParams(
+        max_tokens=48, temperature=t, seed=3, logits_processors=[build_constraint(json_schema_spec(schema), tok,
+                                                                                  max_tokens=48)]), "execution")
+        for t in (0.0, 0.7)])
+    assert engine.decoder.stats.forced_tokens > 0 and any(multi)
+    assert compared and all(compared)
