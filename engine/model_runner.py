@@ -6,7 +6,8 @@ execution path (engine/models/fused_decode.py): each row's arithmetic there is f
 so its bytes never depend on what else is in flight or on how its prompt was chunked. Where that path
 is not built (architectures it does not cover, CUDA, non-fp32 dtypes) each execution chunk runs in a
 forward of its own on torch, batch invariant by serialising. A step of decodes only on the fused path runs
-without a ForwardBatch (`FusedDecodeStep`: token ids to logits in two kernel calls, the same bits).
+without a ForwardBatch (`FusedDecodeStep`: token ids to logits in two kernel calls, the same bits), a step of
+small chunks too (jump-forward's forced tokens, drafts).
 """
 
 from __future__ import annotations
@@ -142,15 +143,19 @@ class ModelRunner:
         return torch.cat(sampled) if sampled else torch.empty(0, self.model.config.vocab_size)
 
     def _decode_step(self, chunks: list[ScheduledChunk]) -> FusedDecodeStep | None:
-        """The fused decode step for these chunks (engine/models/fused_decode.py), or None: a step of decodes only
-        (one token and one logits row each: no prefill chunk, no drafts) of one mode, where that mode's forward
-        would run the fused stack and a compiled lm_head anyway (exploration: no deferral, <= SMALL_BATCH_TOKENS)."""
+        """The fused one-call step for these chunks (engine/models/fused_decode.py), or None: a step of at most
+        SMALL_BATCH_TOKENS tokens in all (decodes, jump-forward chunks, drafts, short prefill chunks) of one mode,
+        where that mode's forward would run the fused stack and a compiled lm_head anyway (exploration: no
+        deferral)."""
         if self.device.type != "cpu" or not 0 < len(chunks) <= SMALL_BATCH_TOKENS:
             return None
-        exact = chunks[0].seq.mode == "execution"
+        exact, tokens = chunks[0].seq.mode == "execution", 0
         for c in chunks:
-            if c.num_tokens != 1 or c.num_logits != 1 or (c.seq.mode == "execution") != exact:
+            tokens += c.num_tokens
+            if (c.seq.mode == "execution") != exact:
                 return None
+        if tokens > SMALL_BATCH_TOKENS:
+            return None
         model = self.model
         if exact:
             stack, head = model.exact_layers, model.exact_head

@@ -162,10 +162,11 @@ class FusedContext:
 
 
 class FusedDecodeStep:
-    """A decode step of up to SMALL_BATCH_TOKENS rows (one new token per sequence, one logits row each) on a fused
-    stack, token ids to logits: the embedding rows, RoPE rows, KV slots and contexts written through numpy into
-    buffers kept between steps, then one `moegate_decode_stack` call (every layer and the final norm) and one
-    lm_head call (`moegate_linear`). The same kernels on the same inputs as `MoeForCausalLM.forward` and
+    """A step of up to SMALL_BATCH_TOKENS tokens on a fused stack, token ids to logits: decodes (one token, one logits
+    row), jump-forward chunks (several tokens, the last samples), a token and its drafts (every row samples) and short
+    prefill chunks, each token a row of the stack's call. The embedding rows, RoPE rows, KV slots and contexts are
+    written through numpy into buffers kept between steps, then one `moegate_decode_stack` call (every layer and the
+    final norm) and one lm_head call (`moegate_linear`) over the rows that sample. The same kernels on the same inputs as `MoeForCausalLM.forward` and
     `compute_logits` over a ForwardBatch (the embedding and RoPE rows are copies of the same rows), so the same
     bits, without the batch's tensors and the ~20 torch ops and module calls around the two kernel calls."""
 
@@ -182,12 +183,13 @@ class FusedDecodeStep:
         self._rope = torch.empty(2, rows, cfg.head_dim)  # cos, sin rows [R, D]
         self._ints = torch.empty(5, rows, dtype=torch.int64)  # ids, positions, new slots, context start, length
         self._ids = torch.empty(rows, stack.layers[0].top_k, dtype=torch.int64)  # [R, K] scratch
-        # the rows' contexts: row i's slots at [i * region, i * region + its length); grown on demand (`_grow`). What
-        # each row held at the last step (sequence, table, length): a row that goes on writes its new slot only
+        # the chunks' contexts: chunk i's slots at [i * region, i * region + its end); grown on demand (`_grow`). What
+        # each chunk held at the last step (sequence, table, end): a chunk that goes on writes its new slots only
         self._slots, self._region = torch.empty(0, dtype=torch.int64), 0
         self._kept: list[tuple] = []
         self._frees, self._blocks = -1, None
         self._x_np, self._rope_np, self._ints_np = self._x.numpy(), self._rope.numpy(), self._ints.numpy()
+        self._normed_np = self._normed.numpy()
         n = len(stack)
         self._kv = ((ctypes.c_void_p * n)(*(c[0].data_ptr() for c in kv_caches)),
                     (ctypes.c_void_p * n)(*(c[1].data_ptr() for c in kv_caches)))
@@ -215,34 +217,46 @@ class FusedDecodeStep:
                 and e.is_contiguous() and not n.zero_centred)
 
     def __call__(self, chunks: list, blocks) -> tuple[torch.Tensor, np.ndarray | None]:
-        """chunks: ScheduledChunks of one token each, every one sampling -> fp32 logits [T, V] in chunk order: a view
-        of a buffer the next call overwrites, unless a row has logits processors (then a tensor of their own); and
-        where a row is plain greedy (`pick_in_kernel`), each row's first largest logit [T] int64 found by the
-        lm_head's call (a view of a buffer the next call overwrites), else None."""
-        n, bs, ints = len(chunks), blocks.block_size, self._ints_np
-        rows, longest, greedy, processors = [], 0, False, False
-        for i, c in enumerate(chunks):
-            seq, pos = c.seq, c.start
+        """chunks: ScheduledChunks of at most SMALL_BATCH_TOKENS tokens in all -> fp32 logits [S, V]: the `num_logits`
+        last rows of each chunk, in chunk order (as `ModelRunner.run`), a view of a buffer the next call overwrites
+        unless a row has logits processors (then a tensor of their own); and where a row is plain greedy
+        (`pick_in_kernel`), each logits row's first largest logit [S] int64 found by the lm_head's call (a view of a
+        buffer the next call overwrites), else None. Every token is a row of the stack's call over its own context:
+        its sequence's positions 0..its own, the chunk's earlier tokens included (the kernel writes all rows' K/V
+        before any row attends), as the batch forward's fused layers compute a chunk."""
+        bs, ints = blocks.block_size, self._ints_np
+        spans, longest, t, greedy, processors, every = [], 0, 0, False, False, True
+        for c in chunks:
+            seq, pos, k = c.seq, c.start, c.num_tokens
             table, params = seq.block_table, seq.params
             greedy = greedy or params.plain_greedy
             processors = processors or bool(params.logits_processors)
-            slot = table[pos // bs] * bs + pos % bs  # `blocks.slots`' rule, as build_batch
-            ints[0, i] = seq.tokens(pos, pos + 1)[0]
-            ints[1, i] = pos
-            ints[2, i] = slot
-            rows.append((seq, table, pos, slot))
-            longest = max(longest, pos + 1)
-        if longest > self._region or n * self._region > self._slots.shape[0] or self._stack_call is None:
-            self._grow(n, longest)
-        self._write_contexts(rows, blocks)
+            every = every and c.num_logits == k
+            if k == 1:  # a decode row
+                ints[0, t] = seq.tokens(pos, pos + 1)[0]
+                ints[1, t] = pos
+                ints[2, t] = table[pos // bs] * bs + pos % bs  # `blocks.slots`' rule, as build_batch
+            else:  # several tokens: jump-forward's forced ones, a token and its drafts, a short prefill chunk
+                ints[0, t:t + k] = seq.tokens(pos, pos + k)
+                ints[1, t:t + k] = range(pos, pos + k)
+                ints[2, t:t + k] = [table[p // bs] * bs + p % bs for p in range(pos, pos + k)]
+            spans.append((seq, table, pos, pos + k, t))
+            longest = max(longest, pos + k)
+            t += k
+        if longest > self._region or len(chunks) * self._region > self._slots.shape[0] or self._stack_call is None:
+            self._grow(len(chunks), longest)
+        self._write_contexts(spans, t, blocks)
         table = self.rotary._table(longest, torch.float32)  # cos, sin [P, D]
         if table[0] is not self._table:
             self._table, self._table_np = table[0], (table[0].numpy(), table[1].numpy())
-        positions, cos, sin = ints[1, :n], *self._rope_np[:, :n]
+        positions, cos, sin = ints[1, :t], *self._rope_np[:, :t]
         self._table_np[0].take(positions, axis=0, out=cos)
         self._table_np[1].take(positions, axis=0, out=sin)
-        self.embed.take(ints[0, :n], axis=0, out=self._x_np[:n])
-        self._stack_call(n)
+        self.embed.take(ints[0, :t], axis=0, out=self._x_np[:t])
+        self._stack_call(t)
+        n = t if every else self._compact(chunks)
+        if n == 0:
+            return torch.empty(0, self.head.out_features), None
         pick = self.pick_in_kernel and greedy
         first_max = self._first_max if pick else None
         picks = self._first_max_np[:n] if pick else None
@@ -257,27 +271,40 @@ class FusedDecodeStep:
             logits = self._logits_views[n] = self._logits[:n, :self.head.out_features]
         return logits, picks
 
-    def _write_contexts(self, rows: list, blocks) -> None:
-        """Row i's context slots (its positions 0..pos) at the start of its region of the contexts' buffer. A row that
-        holds the same sequence and table one position further than the last step, with no table freed since (a
-        running sequence's table only grows), gets its new slot only; any other row its whole context."""
+    def _compact(self, chunks: list) -> int:
+        """The rows that sample (each chunk's `num_logits` last), moved in order to the top of the lm_head's input
+        -> their number. The batch forward's lm_head gets the same rows (`hidden[logits_rows]`)."""
+        rows, t = [], 0
+        for c in chunks:
+            t += c.num_tokens
+            rows.extend(range(t - c.num_logits, t))
+        if rows:
+            self._normed_np[:len(rows)] = self._normed_np[rows]  # a gather: the source is read before it is written
+        return len(rows)
+
+    def _write_contexts(self, spans: list, t: int, blocks) -> None:
+        """spans [(sequence, table, start, end, first token row)] per chunk: chunk i's context slots (its sequence's
+        positions 0..end-1) at the start of region i of the contexts' buffer, and each of the t token rows' context
+        (that region, its position + 1 slots). A chunk that holds the same sequence and table as the last step's chunk
+        i, starting at or before where that one ended, with no table freed since (a running sequence's table only
+        grows; rejected drafts move the start back), gets its new tokens' slots only; any other its whole context."""
         ints, slots, kept, region = self._ints_np, self._slots_np, self._kept, self._region
         if blocks.frees != self._frees or blocks is not self._blocks:
             kept.clear()
             self._frees, self._blocks = blocks.frees, blocks
-        for i, (seq, table, pos, slot) in enumerate(rows):
+        for i, (seq, table, start, end, row) in enumerate(spans):
             at = i * region
-            if i < len(kept) and (k := kept[i])[0] is seq and k[1] is table and k[2] == pos:
-                slots[at + pos] = slot
+            if i < len(kept) and (k := kept[i])[0] is seq and k[1] is table and start <= k[2]:
+                slots[at + start:at + end] = ints[2, row:row + end - start]  # the new tokens' slots
             else:
-                slots[at:at + pos + 1] = blocks.slots(table, 0, pos + 1).numpy()
-                ints[3, i] = at
-            ints[4, i] = pos + 1
-        kept[:] = [(seq, table, pos + 1) for seq, table, pos, _ in rows]
+                slots[at:at + end] = blocks.slots(table, 0, end).numpy()
+            ints[3, row:row + end - start] = at
+        np.add(ints[1, :t], 1, out=ints[4, :t])
+        kept[:] = [(seq, table, end) for seq, table, _, end, _ in spans]
 
     def _grow(self, n: int, longest: int) -> None:
-        """The contexts' buffer holds `n` rows' regions of at least `longest` slots (doubling), and the stack's call
-        points at it; every row's context is written again."""
+        """The contexts' buffer holds `n` chunks' regions of at least `longest` slots (doubling), and the stack's call
+        points at it; every chunk's context is written again."""
         if longest > self._region:
             self._region = max(longest, 2 * self._region, 256)
         if self._slots.shape[0] < n * self._region:

@@ -1,6 +1,7 @@
-"""The fused decode step (engine/models/fused_decode.py `FusedDecodeStep`, taken by `ModelRunner.run` for steps of
-decodes only) against the forward it replaces, `ModelRunner.forward` over a ForwardBatch: the same logits bits at
-every step, and the same tokens end to end, in both profiles, alone and batched, greedy and seeded."""
+"""The fused one-call step (engine/models/fused_decode.py `FusedDecodeStep`, taken by `ModelRunner.run` for steps of
+up to SMALL_BATCH_TOKENS tokens: decodes, jump-forward chunks, drafts, short prefill chunks) against the forward it
+replaces, `ModelRunner.forward` over a ForwardBatch, and against token-by-token decoding: the same logits and KV bits
+at every step, and the same tokens end to end, in both profiles, alone and batched, greedy and seeded."""
 
 from __future__ import annotations
 
@@ -91,22 +92,115 @@ def test_processor_rows_get_logits_of_their_own(engine):
 
 
 def test_declines_what_the_batch_forward_must_run(engine):
-    """Prefill chunks, drafts and deferral go through the batch forward."""
+    """Steps over SMALL_BATCH_TOKENS tokens, of both modes, or with deferral go through the batch forward."""
     from engine.scheduler import ScheduledChunk
     from engine.sequence import Sequence
 
-    seq = Sequence("d", _prompt(6, 1), SamplingParams(max_tokens=4))
+    seq = Sequence("d", _prompt(20, 1), SamplingParams(max_tokens=4))
+    other = Sequence("e", _prompt(6, 2), SamplingParams(max_tokens=4), mode="execution")
     seq.output_token_ids = [5]
     runner = engine.runner
-    decode = ScheduledChunk(seq, 6, 1, True, 1)
+    decode = ScheduledChunk(seq, 20, 1, True, 1)
     assert isinstance(runner._decode_step([decode]), FusedDecodeStep)
-    assert runner._decode_step([ScheduledChunk(seq, 0, 7, True, 1)]) is None  # a prefill chunk
-    assert runner._decode_step([ScheduledChunk(seq, 5, 2, True, 2)]) is None  # a token and its draft
+    assert isinstance(runner._decode_step([ScheduledChunk(seq, 0, 16, False, 0)]), FusedDecodeStep)  # short prefill
+    assert isinstance(runner._decode_step([ScheduledChunk(seq, 19, 2, True, 2)]), FusedDecodeStep)  # token + draft
+    assert runner._decode_step([ScheduledChunk(seq, 0, 17, False, 0)]) is None  # past SMALL_BATCH_TOKENS
+    assert runner._decode_step([ScheduledChunk(seq, 4, 16, False, 0), decode]) is None  # 16 + 1 tokens
+    assert runner._decode_step([decode, ScheduledChunk(other, 0, 6, True, 1)]) is None  # two modes
     runner.defer = 1
     try:
         assert runner._decode_step([decode]) is None
     finally:
         runner.defer = 0
+
+
+def _kv(runner, blocks, chunks) -> torch.Tensor:
+    """The K/V every layer holds at the chunks' new tokens' slots: [L, tensors, tokens, heads, width]."""
+    slots = torch.cat([blocks.slots(c.seq.block_table, c.start, c.start + c.num_tokens) for c in chunks])
+    return torch.stack([torch.stack([t[slots] for t in layer]) for layer in runner.kv_caches])
+
+
+@pytest.mark.parametrize("mode", ["exploration", "execution"])
+def test_mixed_chunks_equal_the_forward_and_token_by_token(engine, mode):
+    """Steps that mix a decode row, jump-forward chunks (k tokens, the last samples), a token with its drafts (every
+    row samples) and short prefill chunks (sampling or not), over kept contexts that go on, roll back (rejected
+    drafts) and are rewritten after a table was freed: the one-call step's logits, in-kernel greedy picks and KV
+    equal, bit for bit, the batch forward's over the same chunks and token-by-token decoding's."""
+    from engine.scheduler import ScheduledChunk
+    from engine.sequence import Sequence
+
+    runner, blocks, exact = engine.runner, engine.blocks, mode == "execution"
+    step = None
+
+    def seq(rid, n, temperature=0.0):
+        return Sequence(rid, _prompt(n, n), SamplingParams(max_tokens=64, temperature=temperature, seed=n), mode=mode)
+
+    a, b, c, d = seq("a", 9), seq("b", 13, 0.8), seq("c", 6), seq("d", 10)
+    for s in (a, b, c):  # prompts computed, one output token each
+        blocks.grow(s.block_table, 48)
+        runner.forward(runner.build_batch([ScheduledChunk(s, 0, len(s.prompt_token_ids), False, 0)], blocks, exact))
+        s.output_token_ids = [7]
+    blocks.grow(d.block_table, 48)
+
+    def check(chunks):
+        nonlocal step
+        for ch in chunks:
+            ch.seq.num_computed = ch.start
+        step = runner._decode_step(chunks)
+        assert isinstance(step, FusedDecodeStep)
+        got, picks = step(chunks, blocks)
+        got, kv = got.clone(), _kv(runner, blocks, chunks)
+        picks = None if picks is None else picks.copy()
+        ref = runner.forward(runner.build_batch(chunks, blocks, exact))
+        assert torch.equal(got, ref) and torch.equal(kv, _kv(runner, blocks, chunks))
+        one = []  # token by token: each token a forward of its own, the chunk's logits rows kept
+        for ch in chunks:
+            for j in range(ch.num_tokens):
+                row = runner.forward(runner.build_batch([ScheduledChunk(ch.seq, ch.start + j, 1, True, 1)], blocks,
+                                                        exact))
+                if j >= ch.num_tokens - ch.num_logits:
+                    one.append(row)
+        assert torch.equal(got, torch.cat(one)) and torch.equal(kv, _kv(runner, blocks, chunks))
+        assert picks is not None  # a greedy row is in every step
+        firsts = [i for i, s in enumerate(r for ch in chunks for r in [ch.seq] * ch.num_logits)
+                  if s.params.plain_greedy]
+        assert [int(picks[i]) for i in firsts] == got[firsts].numpy().argmax(-1).tolist()
+
+    b.output_token_ids += [11, 12, 13]  # forced tokens: a chunk of 4, the last one samples
+    c.draft_token_ids = [21, 22]  # a token and its drafts: 3 rows sample
+    check([ScheduledChunk(a, 9, 1, True, 1), ScheduledChunk(b, 13, 4, True, 1), ScheduledChunk(c, 6, 3, True, 3),
+           ScheduledChunk(d, 0, 4, False, 0)])
+    a.output_token_ids.append(8)
+    b.output_token_ids += [14, 15]
+    c.output_token_ids, c.draft_token_ids = [7, 21, 23], [24]  # 22 rejected: c starts again at its position
+    check([ScheduledChunk(a, 10, 1, True, 1), ScheduledChunk(b, 17, 2, True, 1), ScheduledChunk(c, 8, 2, True, 2),
+           ScheduledChunk(d, 4, 6, True, 1)])
+    assert step._kept  # the contexts went on from the first step
+    a.output_token_ids += [9, 10]  # a's 11th token through a batch forward: past what the step's context holds
+    runner.forward(runner.build_batch([ScheduledChunk(a, 11, 1, True, 1)], blocks, exact))
+    b.output_token_ids += [16, 17]
+    c.output_token_ids, c.draft_token_ids = [7, 21, 23, 24, 25, 26], []  # 24 accepted, 26 forced after 25
+    d.output_token_ids = [30]
+    check([ScheduledChunk(a, 12, 1, True, 1), ScheduledChunk(b, 19, 2, True, 1), ScheduledChunk(c, 10, 2, True, 1),
+           ScheduledChunk(d, 10, 1, True, 1)])
+    old = blocks.slots(d.block_table, 0, 11)
+    blocks.free(d.block_table)  # d readmitted into other blocks (its table the same list, refilled) with a prefix
+    for layer in runner.kv_caches:  # hit of 4 tokens: its chunk starts inside what the last step's d held; its
+        for t in layer:  # old blocks hold another sequence's KV now
+            t[old] = 0.0
+    blocks.grow(c.block_table, 120)
+    blocks.grow(d.block_table, 48)
+    runner.forward(runner.build_batch([ScheduledChunk(d, 0, 4, False, 0)], blocks, exact))
+    a.output_token_ids.append(11)
+    b.output_token_ids.append(18)
+    c.output_token_ids.append(27)
+    check([ScheduledChunk(a, 13, 1, True, 1), ScheduledChunk(b, 21, 1, True, 1), ScheduledChunk(c, 12, 1, True, 1),
+           ScheduledChunk(d, 4, 7, True, 1)])
+    a.output_token_ids.append(12)
+    c.output_token_ids.append(28)
+    check([ScheduledChunk(c, 13, 1, True, 1), ScheduledChunk(a, 14, 1, True, 1)])  # other sequences at each index
+    for s in (a, b, c, d):
+        blocks.free(s.block_table)
 
 
 @pytest.mark.parametrize("mode", ["exploration", "execution"])
@@ -136,9 +230,10 @@ def test_tokens_equal_with_the_in_kernel_pick_off(engine, mode, limit, monkeypat
 
 
 def test_kept_contexts_follow_every_table_change(engine):
-    """A row that goes on from the last step writes only its new slot; a row whose sequence, table or position
-    differs, or any row after a table was freed (a freed table is refilled with other blocks), its whole context.
-    The contexts' buffer then holds what `blocks.slots` reads, row by row."""
+    """A chunk that goes on from the last step's chunk at its index (the same sequence and table, starting at or before
+    where that one ended: rejected drafts move the start back) writes only its new tokens' slots; a chunk whose
+    sequence or table differs, that starts past the kept context, or any chunk after a table was freed (a freed table
+    is refilled with other blocks), its whole context. Every token row then reads what `blocks.slots` reads."""
     from engine.kv_cache import BlockManager
 
     model = engine.runner.model
@@ -149,23 +244,73 @@ def test_kept_contexts_follow_every_table_change(engine):
     blocks.grow(ta, 40)
     blocks.grow(tb, 40)
 
-    def write(rows):  # [(seq, table, pos)] -> each row's context as the stack reads it
-        out = [(s, t, p, t[p // 8] * 8 + p % 8) for s, t, p in rows]
-        longest = max(p for _, _, p in rows) + 1
-        if longest > step._region or len(rows) * step._region > step._slots.shape[0] or step._stack_call is None:
-            step._grow(len(rows), longest)
-        step._write_contexts(out, blocks)
-        ints = step._ints_np
-        return [step._slots_np[ints[3, i]:ints[3, i] + ints[4, i]].tolist() for i in range(len(rows))]
+    def write(chunks):  # [(seq, table, start, end)] -> each token row's context as the stack reads it
+        spans, ints, t = [], step._ints_np, 0
+        for s, tab, start, end in chunks:
+            for p in range(start, end):
+                ints[1, t + p - start], ints[2, t + p - start] = p, tab[p // 8] * 8 + p % 8
+            spans.append((s, tab, start, end, t))
+            t += end - start
+        longest = max(end for *_, end in chunks)
+        if longest > step._region or len(chunks) * step._region > step._slots.shape[0] or step._stack_call is None:
+            step._grow(len(chunks), longest)
+        step._write_contexts(spans, t, blocks)
+        return [step._slots_np[ints[3, i]:ints[3, i] + ints[4, i]].tolist() for i in range(t)]
 
-    def want(rows):
-        return [blocks.slots(t, 0, p + 1).tolist() for _, t, p in rows]
+    def want(chunks):
+        return [blocks.slots(tab, 0, p + 1).tolist() for _, tab, start, end in chunks for p in range(start, end)]
 
-    for rows in ([(a, ta, 10)], [(a, ta, 11)], [(a, ta, 12), (b, tb, 3)], [(a, ta, 13), (b, tb, 4)],
-                 [(b, tb, 5), (a, ta, 14)]):
-        assert write(rows) == want(rows)
+    for chunks in ([(a, ta, 10, 11)], [(a, ta, 11, 12)], [(a, ta, 12, 13), (b, tb, 3, 4)],
+                   [(a, ta, 13, 17), (b, tb, 4, 7)],  # a jump-forward chunk, a token and its drafts
+                   [(a, ta, 17, 18), (b, tb, 5, 8)],  # b's last draft rejected: its chunk starts inside the last one
+                   [(b, tb, 8, 9), (a, ta, 18, 19)], [(b, tb, 9, 10), (a, ta, 20, 21)]):  # a went on elsewhere
+        assert write(chunks) == want(chunks)
     blocks.free(ta)  # `a` recomputed into other blocks: its table is the same list, refilled
     blocks.grow(tb, 302)
     blocks.grow(ta, 40)
-    for rows in ([(b, tb, 6), (a, ta, 15)], [(b, tb, 7), (a, ta, 16)], [(b, tb, 8)], [(b, tb, 300)], [(b, tb, 301)]):
-        assert write(rows) == want(rows)
+    for chunks in ([(b, tb, 10, 11), (a, ta, 8, 16)], [(b, tb, 11, 12), (a, ta, 16, 17)], [(b, tb, 12, 13)],
+                   [(b, tb, 300, 301)], [(b, tb, 301, 302)]):
+        assert write(chunks) == want(chunks)
+
+
+def test_jump_forward_steps_take_the_one_call_step():
+    """JSON Schema output of the demo model with jump-forward, greedy and seeded together: the steps whose chunks carry
+    forced tokens run the one-call step, with the logits bits of the batch forward over the same chunks."""
+    from pathlib import Path
+
+    from gateway.structured.build import build_constraint, json_schema_spec
+    from gateway.structured.vocab import TokenizerInfo
+
+    demo = Path(__file__).parents[2] / "engine" / "assets" / "demo-moe"
+    engine = LLM(demo, progress=False, placement=PlacementConfig(fast_format="int4", exact_format="bf16"),
+                 num_kv_blocks=128, jump_forward_tokens=32, prefix_cache=False).engine
+    schema = {"type": "object", "properties": {"symbol": {"type": "string", "maxLength": 5},
+                                               "side": {"enum": ["buy", "sell"]}, "quantity": {"type": "integer"}},
+              "required": ["symbol", "side", "quantity"], "additionalProperties": False}
+    tok = TokenizerInfo.from_file(demo / "tokenizer.json", sorted(engine.eos_token_ids))
+    prompt = engine.tokenizer.encode("Buy 100 AAPL at market. Answer with the order:")
+    runner, multi, compared = engine.runner, [], []
+    decode_step = runner._decode_step
+
+    def checked(chunks):
+        step = decode_step(chunks)
+        if step is None:
+            return None
+
+        def both(chunks, blocks):
+            got, first_max = step(chunks, blocks)
+            got = got.clone()
+            ref = runner.forward(runner.build_batch(chunks, blocks, exact=True))
+            compared.append(torch.equal(got, ref))
+            multi.append(any(c.num_tokens > 1 for c in chunks))
+            return got, first_max
+
+        return both
+
+    runner._decode_step = checked
+    run_requests(engine, [(f"j{t}", prompt, SamplingParams(
+        max_tokens=48, temperature=t, seed=3, logits_processors=[build_constraint(json_schema_spec(schema), tok,
+                                                                                  max_tokens=48)]), "execution")
+        for t in (0.0, 0.7)])
+    assert engine.decoder.stats.forced_tokens > 0 and any(multi)
+    assert compared and all(compared)
