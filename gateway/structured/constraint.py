@@ -402,17 +402,14 @@ class Constraint:
     def _known_path(self, llg, max_depth: int) -> tuple[int, ...] | None:
         """The shortest suffix (of the `KNOWN_SUFFIXES` shortest, at most `max_depth` ids) of the last path found
         that takes the output from here to an accepting state the guard keeps: the output wrote, its own way, what
-        the path's head closes (a string's rest, a required member) or followed it; None where none does. SQL: only
-        the rest of a path the output followed (the text of a path found, which bound names for the scopes of its
-        own state: a FROM item's alias in another's would be taken twice)."""
+        the path's head closes (a string's rest, a required member) or followed it; None where none does. SQL too:
+        a path's text binds names for the scopes of the state it was found in, and the guard rules on the suffix in
+        today's scopes (`allows(rest, final)`: every qualifier bound, no alias declared twice in one FROM), as on a
+        searched path (the rest of a path the output followed is one of the suffixes)."""
         if self._last_path is None:
             return None
-        path, at = self._last_path
-        if isinstance(self.guard, SQLScopeGuard):
-            taken = tuple(self._output[at:])
-            starts: Sequence[int] = (len(taken),) if path[:len(taken)] == taken else ()
-        else:
-            starts = range(len(path) - 1, max(-1, len(path) - 1 - KNOWN_SUFFIXES, len(path) - 1 - max_depth), -1)
+        path, _ = self._last_path
+        starts = range(len(path) - 1, max(-1, len(path) - 1 - KNOWN_SUFFIXES, len(path) - 1 - max_depth), -1)
         for start in starts:
             rest = list(path[start:])
             if not rest or len(rest) > max_depth or llg.validate_tokens(rest) != len(rest):
