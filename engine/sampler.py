@@ -103,8 +103,10 @@ def _lazy_candidates(seq: Sequence) -> tuple[MaskProcessor, int] | None:
 
 
 def _lazy_rows(logits: torch.Tensor, seqs: list[Sequence], tokens: list) -> dict[int, torch.Tensor]:
-    """Set tokens[i] for the rows whose processor allows one of their best candidates; returns the race noise
-    drawn for temperature rows that go on to the full mask (the same draw samples them there)."""
+    """Set tokens[i] for the rows whose processor allows one of their best candidates, or whose processor's rules
+    leave the row a few known ids (`known_row`: an ended output's EOS, a completion plan's token, the closing
+    window's closers): the best of those; returns the race noise drawn for temperature rows that go on to the full
+    mask (the same draw samples them there)."""
     noise: dict[int, torch.Tensor] = {}
     waited: set[int] = set()
     for i, seq in enumerate(seqs):
@@ -120,13 +122,28 @@ def _lazy_rows(logits: torch.Tensor, seqs: list[Sequence], tokens: list) -> dict
                 waited.add(id(proc.mask_batcher))
                 proc.mask_batcher.wait()
             proc.advance(seq.output_token_ids)
-            token = proc.first_allowed(ranked(row, k))
+            if (known := getattr(proc, "known_row", None)) is not None and (ids := known()) is not None:
+                token = best_of(row, ids)  # the rules left the row these ids: its mask's pick among them
+                proc.count_lazy(token is not None)
+            else:
+                token = proc.first_allowed(ranked(row, k))
         except Exception:  # noqa: BLE001 - the full-mask path meets the failure again and keeps it to its row
             token = None
         if token is not None:
             tokens[i] = token
             noise.pop(i, None)
     return noise
+
+
+def best_of(scores: torch.Tensor, ids) -> int | None:
+    """The id greedy picks from scores [V] masked to `ids` (the highest, ties lowest id first), or None where that
+    score is not finite (the full path then raises the row's error)."""
+    s = scores.numpy() if scores.device.type == "cpu" and scores.dtype == torch.float32 else scores.float().cpu().numpy()
+    order = np.unique(np.asarray(ids, dtype=np.int64))  # ascending: argmax's first max is the lowest id
+    if not order.size or order[-1] >= s.shape[0]:
+        return None
+    at = int(order[int(np.argmax(s[order]))])
+    return at if math.isfinite(float(s[at])) else None
 
 
 def ranked(scores: torch.Tensor, k: int) -> Iterator[int]:

@@ -110,14 +110,13 @@ class BatchMasker:
         not already current are filled in one batched call and kept for the step that samples from them.
         With `lazy_candidates`, only the masks of constraints that may force a token (Constraint.may_force:
         the grammar forces bytes, a completion plan, ...): the others report None without a mask (their next
-        token is sampled: the same token, jump-forward only saves a step); and where the grammar forces a whole
-        token that the other rules leave (Constraint.forced_by_grammar), that token without a mask."""
+        token is sampled: the same token, jump-forward only saves a step); and where the row is known without its
+        mask (`_forced_known`), its answer."""
         self.wait()  # no prefetch reads these constraints, nor uses the executor beside this fill
         for constraint, token_ids in items:
             constraint.advance(token_ids)
         forcing = [not self.lazy_candidates or c.may_force() for c, _ in items]
-        # where the grammar forces a whole token that every other rule leaves, that token is the whole row
-        known = [c.forced_by_grammar() if f and self.lazy_candidates else None
+        known = [_forced_known(c) if f and self.lazy_candidates else None
                  for (c, _), f in zip(items, forcing, strict=True)]
         forcing = [f and k is None for f, k in zip(forcing, known, strict=True)]
         words = self._words or items[0][0].tok_words
@@ -125,7 +124,7 @@ class BatchMasker:
         if stale:
             self._keep(stale, words)
         rows = [self._pending[id(c)] if f else None for (c, _), f in zip(items, forcing, strict=True)]
-        return [k if k is not None else only_id(r[3][r[4]]) if r is not None else None
+        return [k[0] if k is not None else only_id(r[3][r[4]]) if r is not None else None
                 for r, k in zip(rows, known, strict=True)]
 
     def _current(self, constraint: Constraint, words: int) -> bool:
@@ -164,6 +163,17 @@ class BatchMasker:
     def close(self) -> None:
         self._pending.clear()
         self._thread.shutdown(wait=True)
+
+
+def _forced_known(c: Constraint) -> tuple[int | None] | None:
+    """(the id the row allows alone, or None where it allows several) where the constraint knows its row without
+    the mask: the grammar forces a whole token that every other rule leaves (`forced_by_grammar`), or its rules
+    leave a few known ids (`known_row`: a completion plan's token, the closing window's closers, EOS); None where
+    the mask must tell."""
+    if (token := c.forced_by_grammar()) is not None:
+        return (token,)
+    row = c.known_row()
+    return None if row is None else (row[0] if len(set(row)) == 1 else None,)
 
 
 @functools.cache

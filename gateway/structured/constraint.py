@@ -61,12 +61,15 @@ def _special_rows(tokenizer: TokenizerInfo, eos_ids: tuple[int, ...], n_words: i
     return rows
 
 
+def _sql_tiers(mode: str) -> tuple[tuple[bytes, bytes], ...]:
+    """SQL's closing tiers inside `mode` (the scope tracker's open quote: its closing char, "" outside quotes)."""
+    return (*SQL_CLOSING_TIERS.get(mode, ()), SQL_PAREN_TIER) if mode else (SQL_PAREN_TIER,)
+
+
 @functools.lru_cache(maxsize=32)
 def _sql_closer_rows(tokenizer: TokenizerInfo, mode: str, n_words: int) -> tuple[np.ndarray, ...]:
-    """SQL's closing tiers inside `mode` (the scope tracker's open quote: its closing char, "" outside
-    quotes) as read-only bitmask rows."""
-    tiers = (*SQL_CLOSING_TIERS.get(mode, ()), SQL_PAREN_TIER) if mode else (SQL_PAREN_TIER,)
-    rows = tuple(ids_to_row(_closer_ids(tokenizer, c, f), n_words) for c, f in tiers)
+    """SQL's closing tiers inside `mode` as read-only bitmask rows."""
+    rows = tuple(ids_to_row(_closer_ids(tokenizer, c, f), n_words) for c, f in _sql_tiers(mode))
     for row in rows:
         row.flags.writeable = False
     return rows
@@ -245,14 +248,67 @@ class Constraint:
             if verdict:
                 found = token
                 break
-        self.lazy_checked += checked
-        self.lazy_hits += found is not None
-        self.lazy_fallbacks += found is None
-        if (totals := getattr(self.mask_batcher, "lazy_totals", None)) is not None:  # the process's, for /metrics
-            totals["hits"] += found is not None
-            totals["candidates_checked"] += checked
-            totals["fallbacks"] += found is None
+        self.count_lazy(found is not None, checked)
         return found
+
+    def count_lazy(self, found: bool, checked: int = 0) -> None:
+        """Count one lazy step: decided without the full mask (`first_allowed`'s candidates, or a `known_row`) or
+        not; `checked` candidates asked."""
+        self.lazy_checked += checked
+        self.lazy_hits += found
+        self.lazy_fallbacks += not found
+        if (totals := getattr(self.mask_batcher, "lazy_totals", None)) is not None:  # the process's, for /metrics
+            totals["hits"] += found
+            totals["candidates_checked"] += checked
+            totals["fallbacks"] += not found
+
+    def known_row(self) -> tuple[int, ...] | None:
+        """Every id `fill_bitmask` would allow now, found without the mask, where its rules reduce the row to a few
+        known ids: an ended constraint's EOS; a committed completion plan's next token (the output incomplete); in
+        the closing window, EOS where the output is complete, else the plan's token, else the first closing tier
+        the grammar allows and the guard keeps any of. None where the full mask must tell (the row may be a guard's
+        dead end, or no tier is left). The planner runs in the same state as `finish_row` would run it."""
+        if self.is_terminated():
+            return self.eos_ids
+        closing = self._closing()
+        if not (closing or self.plan):
+            return None
+        accepting = self._matcher_accepts()
+        if accepting and not closing:
+            return None  # (the row is the rest of the grammar's ids plus EOS)
+        tiers = self._tier_ids() if closing and not accepting else None
+        if tiers is None and closing and not accepting:
+            return None  # (the grammar cannot rule on a tier's id alone here)
+        witness = any(tiers) if tiers else False  # tiers hold only ids the grammar allows and the guard keeps
+        if self.guard is not None and not witness and not self._guard_leaves_some(self.plan[:1] if self.plan else ()):
+            return None  # (finish_row's dead-end rule: the row may be empty)
+        if accepting:
+            return self.eos_ids
+        if (forced := self._planned_token()) is not None:
+            return (forced,)
+        return next((t for t in tiers if t), None) if tiers else None
+
+    def _tier_ids(self) -> list[tuple[int, ...]] | None:
+        """Per closing tier (`finish_row`'s, in its order), its ids that the grammar allows and the guard keeps;
+        None where the grammar cannot rule on one of them alone (forced bytes that tokenize to no whole token)."""
+        tok = self.compiled.tokenizer
+        spans = (_sql_tiers(self.guard.scope.mode) if isinstance(self.guard, SQLScopeGuard) else CLOSING_TIERS)
+        tiers, flat = [], []
+        for closing, first in spans:
+            allowed = []
+            for t in _closer_ids(tok, closing, first):
+                if t >= self.vocab_size:
+                    continue
+                if (verdict := self.matcher.allows(t)) is None:
+                    return None
+                if verdict:
+                    allowed.append(t)
+            tiers.append(allowed)
+            flat += allowed
+        if self.guard is not None and flat:
+            kept = dict(zip(flat, self.guard.keeps(np.array(flat, dtype=np.int64)).tolist(), strict=True))
+            tiers = [[t for t in ids if kept[t]] for ids in tiers]
+        return [tuple(ids) for ids in tiers]
 
     def allows_token(self, token: int) -> bool | None:
         """Whether `fill_bitmask` would allow `token` now (grammar, guard, EOS, whitespace and completion-plan
@@ -278,10 +334,12 @@ class Constraint:
             return None  # (the plan's token alone is allowed from here: the full mask says which)
         return True
 
-    def _guard_leaves_some(self) -> bool:
-        """True where a token that nearly every output can go on with (";", " ", a newline) is allowed by the
-        grammar and kept by the guard: the guard leaves this step's row non-empty (False: not known)."""
-        ids = [t for t in _witness_ids(self.compiled.tokenizer) if self.matcher.allows(t) is True]
+    def _guard_leaves_some(self, also: Sequence[int] = ()) -> bool:
+        """True where a token that nearly every output can go on with (";", " ", a newline), or one of `also`, is
+        allowed by the grammar and kept by the guard: the guard leaves this step's row non-empty (False: not
+        known)."""
+        ids = [t for t in (*also, *_witness_ids(self.compiled.tokenizer))
+               if t < self.vocab_size and t not in self.eos_ids and self.matcher.allows(t) is True]
         return bool(ids) and bool(self.guard.keeps(np.array(ids, dtype=np.int64)).any())
 
     def forced_by_grammar(self) -> int | None:
@@ -344,17 +402,14 @@ class Constraint:
     def _known_path(self, llg, max_depth: int) -> tuple[int, ...] | None:
         """The shortest suffix (of the `KNOWN_SUFFIXES` shortest, at most `max_depth` ids) of the last path found
         that takes the output from here to an accepting state the guard keeps: the output wrote, its own way, what
-        the path's head closes (a string's rest, a required member) or followed it; None where none does. SQL: only
-        the rest of a path the output followed (the text of a path found, which bound names for the scopes of its
-        own state: a FROM item's alias in another's would be taken twice)."""
+        the path's head closes (a string's rest, a required member) or followed it; None where none does. SQL too:
+        a path's text binds names for the scopes of the state it was found in, and the guard rules on the suffix in
+        today's scopes (`allows(rest, final)`: every qualifier bound, no alias declared twice in one FROM), as on a
+        searched path (the rest of a path the output followed is one of the suffixes)."""
         if self._last_path is None:
             return None
-        path, at = self._last_path
-        if isinstance(self.guard, SQLScopeGuard):
-            taken = tuple(self._output[at:])
-            starts: Sequence[int] = (len(taken),) if path[:len(taken)] == taken else ()
-        else:
-            starts = range(len(path) - 1, max(-1, len(path) - 1 - KNOWN_SUFFIXES, len(path) - 1 - max_depth), -1)
+        path, _ = self._last_path
+        starts = range(len(path) - 1, max(-1, len(path) - 1 - KNOWN_SUFFIXES, len(path) - 1 - max_depth), -1)
         for start in starts:
             rest = list(path[start:])
             if not rest or len(rest) > max_depth or llg.validate_tokens(rest) != len(rest):

@@ -331,3 +331,39 @@ def test_jump_forward_finds_the_full_mask_forced_token_without_it(tokinfo, kind)
     lazy.close()
     full.close()
     assert without_mask >= (3 if kind != "sql" else 0)
+
+
+@pytest.mark.parametrize("kind", ["json", "tools", "sql"])
+@pytest.mark.parametrize("left", [2, 6, 40])
+def test_known_row_is_the_full_mask_row(tokinfo, kind, left):
+    """Constraint.known_row, where it answers (an ended output, a completion plan, the closing window: `left`
+    tokens of budget, 40 outside the 32-token window), is exactly the set of ids the full mask allows."""
+    spec, ids = _specs(tokinfo)[kind], tokinfo.encode(TEXTS[kind])
+    answered = 0
+    for n in range(len(ids) + 1):
+        prefix = ids[:n] + ([tokinfo.eos_ids[0]] if n == len(ids) else [])  # (the last: after EOS)
+        c, ref = (build_constraint(spec, tokinfo, max_tokens=n + left, cache=CACHE) for _ in range(2))
+        c.advance(prefix)
+        ref.advance(prefix)
+        if c.error:
+            break
+        row = c.known_row()
+        allowed = set(_allowed(ref, c.tok_words)[0].tolist())
+        assert row is None or set(row) == allowed, (tokinfo.decode(prefix), row, sorted(allowed)[:20])
+        answered += row is not None
+    assert answered >= 3 or left >= 32  # (outside the window: only where a plan is committed)
+
+
+@pytest.mark.parametrize("kind", ["json", "tools", "sql"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_lazy_picks_the_full_mask_token_while_closing(tokinfo, kind, temperature):
+    """A budget inside the closing window throughout (completion plans, closers, EOS): lazy's tokens are the full
+    mask's, and its known rows decide steps that the candidates alone could not."""
+    spec = _specs(tokinfo)[kind]
+    for seed in range(3):
+        want, _ = _decode(spec, tokinfo, lazy=False, temperature=temperature, seed=seed, steps=24)
+        got, lazy = _decode(spec, tokinfo, lazy=True, temperature=temperature, seed=seed, steps=24)
+        assert got == want, (tokinfo.decode(want), tokinfo.decode(got))
+        assert lazy.lazy_hits + lazy.lazy_fallbacks == len(got)
+        assert kind == "tools" or lazy.lazy_hits > lazy.lazy_checked  # (a known row: a hit, no candidate checked)
+
