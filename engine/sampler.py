@@ -89,7 +89,7 @@ def sample(
                 tokens[i] = sample_row(row, seq, batched=batched, noise=noise.get(i))
             except Exception as exc:  # noqa: BLE001 - a processor's failure belongs to its request
                 tokens[i] = exc if isinstance(exc, SamplingError) else SamplingError(f"request {seq.request_id}: {exc}")
-        _prefetch(groups, seqs, tokens)
+    _prefetch(groups, seqs, tokens)  # outside: a batcher's background thread fills the masks it allocates here in place
     return tokens  # type: ignore[return-value]  # every row is set above
 
 
