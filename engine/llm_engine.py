@@ -285,9 +285,8 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        # No inference mode around the step (entering and leaving it cost ~50 us right after the kernels): the batch
-        # forward runs in its own, the fused decode step writes through numpy, and the sampler enters one where it
-        # edits logits in place (the vocabulary mask, logits processors). Plain greedy rows touch no tensor here.
+        # No inference mode around the step (~50 us after the kernels): the batch forward has its own, the fused step
+        # writes through numpy, the sampler enters one where it edits logits in place; plain greedy rows use no tensor
         if self.hot_set is not None and self.scheduler.has_work():
             with torch.inference_mode():
                 if self.hot_set.between_steps():
