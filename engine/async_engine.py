@@ -89,7 +89,7 @@ class AsyncLLM:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self._commands: queue.Queue = queue.Queue()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._deliveries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _Delivery
         self._stop = threading.Event()
@@ -195,7 +195,7 @@ class AsyncLLM:
                 self._fail_all(exc)
 
     def _drain(self, block: bool) -> None:
-        while True:
+        while block or not self._commands.empty():  # between busy steps: no get() raising Empty
             try:
                 cmd = self._commands.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:

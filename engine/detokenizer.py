@@ -14,7 +14,7 @@ class ByteLevelStream:
 
     def __init__(self, token_bytes: Sequence[bytes | None]):
         self._token_bytes = token_bytes
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = b""  # an incomplete trailing UTF-8 sequence, completed by the next bytes
 
     def push(self, token_id: int) -> str:
         if not 0 <= token_id < len(self._token_bytes):
@@ -22,12 +22,18 @@ class ByteLevelStream:
         data = self._token_bytes[token_id]
         if data is None:
             return ""
-        # An incomplete trailing UTF-8 sequence stays inside the decoder until its next bytes arrive.
-        return self._utf8.decode(data)
+        if self._pending:
+            data = self._pending + data
+        # what codecs' incremental UTF-8 decoder does, without its Python wrapper: decode what is complete, keep the rest
+        text, used = codecs.utf_8_decode(data, "replace", False)
+        self._pending = data[used:]
+        return text
 
     def flush(self) -> str:
         """Text still held back (an unfinished character becomes U+FFFD, as in a full decode)."""
-        return self._utf8.decode(b"", final=True)
+        text, _ = codecs.utf_8_decode(self._pending, "replace", True)
+        self._pending = b""
+        return text
 
 
 class WindowedStream:

@@ -284,25 +284,32 @@ class LLMEngine:
         return list(self._seqs)
 
     # -- one step ------------------------------------------------------------------------------
-    @torch.inference_mode()  # logits processors and the vocab mask edit the (inference-mode) logits in place
     def step(self) -> list[RequestOutput]:
-        if self.hot_set is not None and self.scheduler.has_work() and self.hot_set.between_steps():
-            if self.runner.experts.layerwise is not None:
-                self.runner.experts.layerwise.reset()  # resident copies hold the old hot set
-            self._exploration_numerics_changed()
+        # No inference mode around the step (~50 us after the kernels): the batch forward has its own, the fused step
+        # writes through numpy, the sampler enters one where it edits logits in place; plain greedy rows use no tensor
+        if self.hot_set is not None and self.scheduler.has_work():
+            with torch.inference_mode():
+                if self.hot_set.between_steps():
+                    if self.runner.experts.layerwise is not None:
+                        self.runner.experts.layerwise.reset()  # resident copies hold the old hot set
+                    self._exploration_numerics_changed()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
         logits = self.runner.run(chunks, self.blocks)  # [S, V]: 1 + drafts rows per sampling chunk
+        sampling: list[ScheduledChunk] = []
+        seqs: list[Sequence] = []
         for c in chunks:
             c.seq.num_computed = c.start + c.num_tokens
-        sampling = [c for c in chunks if c.samples]
-        picks = self.decoder.choose(logits, [c.seq for c in sampling], self.vocab_limit,  # drafts verified
-                                    self.runner.first_max)
-        alone = len(chunks) == 1
-        for c in chunks:
-            if not c.samples:
-                self._register(c, alone)
+            if c.samples:
+                sampling.append(c)
+                seqs.append(c.seq)
+        picks = self.decoder.choose(logits, seqs, self.vocab_limit, self.runner.first_max)  # drafts verified
+        cache, alone = self.prefix_cache, len(chunks) == 1
+        if cache is not None and len(sampling) < len(chunks):
+            for c in chunks:
+                if not c.samples:
+                    self._register(c, alone)
         reasons: dict[str, str] = {}  # request id -> finish reason
         going: list[Sequence] = []
         for c, pick in zip(sampling, picks, strict=True):
@@ -314,23 +321,24 @@ class LLMEngine:
                 seq.output_token_ids.append(token)
                 if (reason := self._advance(seq, token)) is not None:
                     break
-            self._register(c, alone)  # accepted drafts are in the output now: the blocks hash them
+            if cache is not None:
+                self._register(c, alone)  # accepted drafts are in the output now: the blocks hash them
             if reason is None:
                 going.append(seq)
             else:
                 reasons[seq.request_id] = reason
         reasons.update(self.decoder.extend(going, self._advance))  # forced tokens (all masks together) or drafts
-        for c in sampling:
-            if (reason := reasons.get(c.seq.request_id)) is not None:
-                self.scheduler.finish(c.seq, reason)
-                self._seqs.pop(c.seq.request_id, None)
-        return [make_output(c.seq) for c in sampling]
+        if reasons:
+            for seq in seqs:
+                if (reason := reasons.get(seq.request_id)) is not None:
+                    self.scheduler.finish(seq, reason)
+                    self._seqs.pop(seq.request_id, None)
+        return [make_output(seq) for seq in seqs]
 
     def _register(self, c: ScheduledChunk, alone: bool) -> None:
-        """Names the prefix-cache blocks the chunk completed (up to what the sequence kept of it)."""
-        if self.prefix_cache is not None:
-            n = min(c.seq.num_computed, c.seq.num_tokens) - c.start
-            self.prefix_cache.register(c.seq, c.start, n, alone=alone or c.seq.mode == Mode.EXECUTION)
+        """Names the prefix-cache blocks the chunk completed (up to what the sequence kept of it); with a cache only."""
+        n = min(c.seq.num_computed, c.seq.num_tokens) - c.start
+        self.prefix_cache.register(c.seq, c.start, n, alone=alone or c.seq.mode == Mode.EXECUTION)
 
     def _advance(self, seq: Sequence, token: int) -> str | None:
         """Text, stop conditions and mode switches after `seq` sampled `token`; the finish reason, if any.

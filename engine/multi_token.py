@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from engine.mode import Mode
-from engine.sampler import SamplingError, apply_top_k_top_p, greedy, race_noise, sample
+from engine.sampler import LogitsView, SamplingError, apply_top_k_top_p, greedy, race_noise, sample
 from engine.sampling_params import MIN_TEMPERATURE
 from engine.sequence import Sequence
 
@@ -119,6 +119,7 @@ class MultiTokenDecoder:
         self.chunk_invariant = chunk_invariant
         self.stats = MultiTokenStats()
         self.row_width = 0  # logits width (V): what a skipped sampling draw covers
+        self._view: LogitsView | None = None  # the last step's logits, read again while the runner hands the same
 
     def choose(self, logits: torch.Tensor, seqs: list[Sequence], vocab_limit: int | None,
                first_max: np.ndarray | None = None) -> list[list[int] | SamplingError]:
@@ -127,11 +128,21 @@ class MultiTokenDecoder:
         first_max [rows]: each row's first largest logit, where the forward found it (`sampler.sample`)."""
         if not seqs:
             return []
-        self.row_width = logits.shape[-1]
-        if len(seqs) == logits.shape[0]:  # one row per sequence: no drafts anywhere, every row samples as it is
-            picks = [t if isinstance(t, SamplingError) else [t] for t in sample(logits, seqs, vocab_limit, first_max)]
-            self.stats.sampled_tokens += len(seqs) - sum(isinstance(t, SamplingError) for t in picks)
-            return picks
+        view = self._view
+        if view is None or view.tensor is not logits:
+            view = self._view = LogitsView(logits)
+        self.row_width = view.width
+        if len(seqs) == view.rows:  # one row per sequence: no drafts anywhere, every row samples as it is
+            chosen: list[list[int] | SamplingError] = []
+            sampled = 0
+            for t in sample(logits, seqs, vocab_limit, first_max, view):
+                if isinstance(t, SamplingError):
+                    chosen.append(t)
+                else:
+                    chosen.append([t])
+                    sampled += 1
+            self.stats.sampled_tokens += sampled
+            return chosen
         counts = [1 + len(s.draft_token_ids) for s in seqs]
         firsts = list(itertools.accumulate(counts, initial=0))[:-1]  # each sequence's first row
         plain = [i for i, s in enumerate(seqs) if not s.draft_token_ids]
@@ -142,21 +153,22 @@ class MultiTokenDecoder:
             picked = sample(rows, [seqs[i] for i in plain], vocab_limit, first_max if every else None)
             for i, token in zip(plain, picked, strict=True):
                 picks[i] = token if isinstance(token, SamplingError) else [token]
-        for i, seq in enumerate(seqs):
-            if not seq.draft_token_ids:
-                continue
-            drafts, seq.draft_token_ids = seq.draft_token_ids, []
-            if vocab_limit is not None and vocab_limit < logits.shape[-1]:
-                logits[firsts[i]:firsts[i] + counts[i], vocab_limit:] = float("-inf")  # not tokens
-            try:
-                picks[i] = accept_drafts(logits[firsts[i]:firsts[i] + counts[i]], drafts, seq)
-            except SamplingError as e:
-                picks[i] = e
-                continue
-            accepted = len(picks[i]) - 1
-            seq.num_computed -= len(drafts) - accepted  # the rejected drafts' KV is not the sequence's
-            self.stats.drafted_tokens += len(drafts)
-            self.stats.accepted_tokens += accepted
+        with torch.inference_mode():  # the vocabulary mask is written into the (forward's inference-mode) rows
+            for i, seq in enumerate(seqs):
+                if not seq.draft_token_ids:
+                    continue
+                drafts, seq.draft_token_ids = seq.draft_token_ids, []
+                if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+                    logits[firsts[i]:firsts[i] + counts[i], vocab_limit:] = float("-inf")  # not tokens
+                try:
+                    picks[i] = accept_drafts(logits[firsts[i]:firsts[i] + counts[i]], drafts, seq)
+                except SamplingError as e:
+                    picks[i] = e
+                    continue
+                accepted = len(picks[i]) - 1
+                seq.num_computed -= len(drafts) - accepted  # the rejected drafts' KV is not the sequence's
+                self.stats.drafted_tokens += len(drafts)
+                self.stats.accepted_tokens += accepted
         self.stats.sampled_tokens += sum(len(p) for p in picks if isinstance(p, list))
         return picks
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.segments import SegmentEnd, SegmentStart, Switch
-from engine.sequence import Sequence
+from engine.sequence import SeqStatus, Sequence
 
 
 @dataclass
@@ -68,9 +68,15 @@ def _cut_at_stop(seq: Sequence) -> bool:
 def push_token(seq: Sequence, token: int, is_end: bool) -> tuple[bool, Switch | None]:
     """The sequence sampled `token` (`is_end`: an EOS or stop token id): its text and segments advance.
     Returns (a stop string ended the text, the segment switch the token caused)."""
-    tracker, index = seq.segments, len(seq.output_token_ids) - 1
-    was_open = tracker.open if tracker is not None else None
-    switch = tracker.push(token) if tracker is not None and not is_end else None
+    tracker = seq.segments
+    if tracker is None:  # free text only: what the general path below does without segments
+        if seq.detokenizer is None or is_end:
+            return False, None
+        seq.text += seq.detokenizer.push(token)
+        return bool(seq.params.stop) and _cut_at_stop(seq), None
+    index = len(seq.output_token_ids) - 1
+    was_open = tracker.open
+    switch = tracker.push(token) if not is_end else None
     opened = tracker.open if switch is not None and was_open is None else None
     in_segment = was_open is not None or (opened is not None and opened.start <= index)
     if seq.detokenizer is None or is_end:
@@ -107,11 +113,12 @@ def finish_text(seq: Sequence) -> None:
 def make_output(seq: Sequence) -> RequestOutput:
     """The sequence's output since the previous one: text past what was released (minus what could still grow
     into a stop string), new tokens, segment events."""
-    finished, tracker = seq.is_finished, seq.segments
-    whole = finished or (tracker is not None and tracker.open is not None)  # free text cannot grow now
-    release = len(seq.text) if whole else len(seq.text) - stop_holdback(seq.text, seq.params.stop)
-    new_text = seq.text[seq.emitted:release] if release > seq.emitted else ""
-    seq.emitted = max(seq.emitted, release)
+    finished, tracker, text, stops = seq.status is SeqStatus.FINISHED, seq.segments, seq.text, seq.params.stop
+    whole = finished or not stops or (tracker is not None and tracker.open is not None)  # free text cannot grow now
+    release = len(text) if whole else len(text) - stop_holdback(text, stops)
+    new_text = text[seq.emitted:release] if release > seq.emitted else ""
+    if release > seq.emitted:
+        seq.emitted = release
     prev, seq.num_reported = seq.num_reported, len(seq.output_token_ids)
     events = []
     if tracker is not None:
@@ -121,14 +128,14 @@ def make_output(seq: Sequence) -> RequestOutput:
         prompt_token_ids=seq.prompt_token_ids,
         output_ids=seq.output_token_ids,
         num_output_ids=seq.num_reported,
-        all_text=seq.text,
+        all_text=text,
         num_chars=seq.emitted,
         new_token_ids=seq.output_token_ids[prev:],
         new_text=new_text,
         finished=finished,
         finish_reason=seq.finish_reason,
         num_cached_tokens=seq.num_cached_tokens,
-        cache_hits=dict(seq.cache_hits),
+        cache_hits=seq.cache_hits,  # replaced at each admission, never changed in place: no copy
         error=seq.error,
         segment_events=events,
         open_segment=tracker.open.kind if finished and tracker is not None and tracker.open is not None else None,

@@ -50,28 +50,46 @@ def race_noise(width: int, generator: torch.Generator | None) -> torch.Tensor:
     return torch.empty(width).exponential_(1, generator=generator).log_().neg_()
 
 
+class LogitsView:
+    """A step's logits [S, V] and what the sampler reads of them: rows, width and the numpy view of the same memory
+    (None where it has none: not fp32 on the CPU). `MultiTokenDecoder` keeps the last one: the runner's fused decode
+    step hands the same tensor (a view of its kept buffer) at every step, and right after the kernels each torch call
+    on it costs 10-40 us (cold caches) where these attribute reads cost a few."""
+
+    __slots__ = ("tensor", "rows", "width", "values")
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.tensor = logits
+        self.rows, self.width = logits.shape
+        on_numpy = logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad
+        self.values = logits.numpy() if on_numpy else None
+
+
 def sample(
-    logits: torch.Tensor, seqs: list[Sequence], vocab_limit: int | None = None, first_max: np.ndarray | None = None
+    logits: torch.Tensor, seqs: list[Sequence], vocab_limit: int | None = None, first_max: np.ndarray | None = None,
+    view: LogitsView | None = None,
 ) -> list[int | SamplingError]:
     """logits [S, V] fp32 (one row per sequence) -> a token id per sequence, or the error that
     sequence hit (it fails alone; the other rows are unaffected). first_max [S] int64: each row's first largest
-    logit where the lm_head's call found it (engine/models/fused_decode.py), for the plain greedy rows."""
+    logit where the lm_head's call found it (engine/models/fused_decode.py), for the plain greedy rows. `view`: the
+    logits' LogitsView where the caller keeps one."""
     tokens: list[int | SamplingError | None] = [None] * len(seqs)
-    if _greedy_plain_rows(logits, seqs, tokens, vocab_limit, first_max):
-        return tokens  # type: ignore[return-value]  # every row was plain greedy
-    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
-        logits[:, vocab_limit:] = float("-inf")  # padded rows of the embedding are not tokens
-    noise = _lazy_rows(logits, seqs, tokens)
-    groups = _apply_batched_masks(logits, seqs, skip=tokens)
-    for i, (row, seq) in enumerate(zip(logits, seqs, strict=True)):
-        if tokens[i] is not None:
-            continue
-        try:
-            batched = any(i in rows for rows in groups.values())
-            tokens[i] = sample_row(row, seq, batched=batched, noise=noise.get(i))
-        except Exception as exc:  # noqa: BLE001 - a processor's failure belongs to its request
-            tokens[i] = exc if isinstance(exc, SamplingError) else SamplingError(f"request {seq.request_id}: {exc}")
-    _prefetch(groups, seqs, tokens)
+    if _greedy_plain_rows(view if view is not None else LogitsView(logits), seqs, tokens, vocab_limit, first_max):
+        return tokens  # type: ignore[return-value]  # every row was plain greedy: nothing written, no torch call
+    with torch.inference_mode():  # the vocabulary mask and the processors edit the rows in place (forward's: inference)
+        if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+            logits[:, vocab_limit:] = float("-inf")  # padded rows of the embedding are not tokens
+        noise = _lazy_rows(logits, seqs, tokens)
+        groups = _apply_batched_masks(logits, seqs, skip=tokens)
+        for i, (row, seq) in enumerate(zip(logits, seqs, strict=True)):
+            if tokens[i] is not None:
+                continue
+            try:
+                batched = any(i in rows for rows in groups.values())
+                tokens[i] = sample_row(row, seq, batched=batched, noise=noise.get(i))
+            except Exception as exc:  # noqa: BLE001 - a processor's failure belongs to its request
+                tokens[i] = exc if isinstance(exc, SamplingError) else SamplingError(f"request {seq.request_id}: {exc}")
+    _prefetch(groups, seqs, tokens)  # outside: a batcher's background thread fills the masks it allocates here in place
     return tokens  # type: ignore[return-value]  # every row is set above
 
 
@@ -208,7 +226,7 @@ def greedy(row: torch.Tensor) -> int:
     return int(torch.argmax(row))
 
 
-def _greedy_plain_rows(logits: torch.Tensor, seqs: list[Sequence], tokens: list, vocab_limit: int | None,
+def _greedy_plain_rows(view: LogitsView, seqs: list[Sequence], tokens: list, vocab_limit: int | None,
                        first_max: np.ndarray | None = None) -> bool:
     """Sets tokens[i] for the plain greedy rows (no logits processor, temperature below MIN_TEMPERATURE): the first
     largest of the row's first `vocab_limit` logits, read in place. The same id as `sample_row` on the
@@ -216,22 +234,21 @@ def _greedy_plain_rows(logits: torch.Tensor, seqs: list[Sequence], tokens: list,
     fails either way), without writing the mask. first_max[i] given (the whole row's first largest): taken where
     it lies below the limit (then it is the limited row's first largest too), else the row is read. Returns
     whether every row was plain greedy."""
-    limit = logits.shape[-1] if vocab_limit is None else min(vocab_limit, logits.shape[-1])
-    on_numpy = logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad
+    limit = view.width if vocab_limit is None else min(vocab_limit, view.width)
     # [S, V] the same memory, one view for the batch: per row, a torch slice and index (`greedy`, `sample_row`)
     # cost ~15 us more than the argmax itself
-    values = logits.numpy() if on_numpy else None
+    values, picks = view.values, first_max.tolist() if first_max is not None else None
     done = 0
     for i, seq in enumerate(seqs):
         if not seq.params.plain_greedy:
             continue
-        if first_max is not None and (at := int(first_max[i])) < limit:
-            token = at
+        if picks is not None and (token := picks[i]) < limit:
+            pass
         elif values is not None:
             token = int(values[i, :limit].argmax())  # numpy: see `greedy`
         else:
-            token = greedy(logits[i, :limit])
-        best = float(values[i, token]) if values is not None else float(logits[i, token])
+            token = greedy(view.tensor[i, :limit])
+        best = values.item(i, token) if values is not None else float(view.tensor[i, token])
         tokens[i] = token if math.isfinite(best) else SamplingError(
             f"request {seq.request_id}: no token is allowed at this step")
         done += 1

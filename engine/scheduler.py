@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from engine.kv_cache import BlockManager
 from engine.mode import Mode
@@ -35,8 +35,10 @@ class SchedulerConfig:
             raise ValueError(f"scheduler limits must be >= 1: {self}")
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
+    """One sequence's tokens computed in a step (a named tuple: built per sequence and step, at a quarter of a frozen
+    dataclass's cost)."""
+
     seq: Sequence
     start: int  # first token position computed this step
     num_tokens: int
@@ -95,9 +97,19 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        i = 0
+        bs, i = self.blocks.block_size, 0
         while i < len(self.running):
             seq = self.running[i]
+            start = seq.num_computed
+            if (start < len(seq.block_table) * bs and not seq.draft_token_ids
+                    and start + 1 == len(seq.prompt_token_ids) + len(seq.output_token_ids)
+                    and (budget or seq.mode == Mode.EXECUTION)):
+                # a decode whose block is allocated: what `_chunk_len` and the block checks below find for it (one
+                # token, nothing to allocate, nobody preempted), without them
+                chunks.append(ScheduledChunk(seq, start, 1, True, 1))
+                budget -= 0 if seq.mode == Mode.EXECUTION else 1
+                i += 1
+                continue
             n = self._chunk_len(seq, budget)
             if n == 0:
                 i += 1

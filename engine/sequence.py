@@ -49,7 +49,8 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     # Prefix cache: root of the block hash chain (None: not cached), exact reuse (execution mode), the
     # chain's hashes so far, how many leading blocks are registered or came from the cache, and what the
-    # latest admission found in the cache (tokens, blocks per tier).
+    # latest admission found in the cache (tokens, blocks per tier: a dict replaced at admission, never changed in
+    # place, so outputs hold it without a copy).
     cache_salt: str = ""
     cache_root: bytes | None = None
     cache_exact: bool = False

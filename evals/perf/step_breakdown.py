@@ -2,7 +2,8 @@
 ForwardBatch, the Python between kernel calls, sampling, stop checks, detokenizing, outputs).
 
 One request on the bench checkpoint (int4 experts and attention, int8 lm_head by default), or `--rows` requests
-decoding together; per decode step:
+decoding together, greedy in exploration mode by default (`--mode execution`, `--temperature T`: seeded sampling); per
+decode step:
   kernel      wall time inside the compiled entry points (`moegate_*`: decoder layers, norms, lm_head)
   outside     step - kernel: the engine's own cost per step (#26's "step + sampling overhead")
   overhead    step - forward - logits: the older split, which counts the Python inside the forward as model time
@@ -26,6 +27,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 _MISSING = object()
@@ -145,6 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fast-dense", default="int4", help="attention projections")
     ap.add_argument("--requests", type=int, default=3, help="decode runs measured; medians over all their steps")
     ap.add_argument("--rows", type=int, default=1, help="requests decoding together in each run (the batch's rows)")
+    ap.add_argument("--mode", default="exploration", choices=("exploration", "execution"))
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampling, seeded per request")
     args = ap.parse_args(argv)
     import torch
 
@@ -160,11 +164,13 @@ def main(argv: list[str] | None = None) -> dict:
               fast_lm_head=args.lm_head, fast_dense=args.fast_dense, progress=False)
     vocab = llm.engine.model_config.vocab_size
     prompt = torch.randint(0, min(vocab, 150000), (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    params = SamplingParams(max_tokens=args.decode + 1, ignore_eos=True)
-    decode_step_breakdown(llm.engine, prompt[:16], SamplingParams(max_tokens=4, ignore_eos=True), rows=args.rows)  # warm-up
-    runs = [decode_step_breakdown(llm.engine, prompt, params, rows=args.rows) for _ in range(args.requests)]
+    params = SamplingParams(max_tokens=args.decode + 1, ignore_eos=True, temperature=args.temperature,
+                            seed=0 if args.temperature else None)
+    decode_step_breakdown(llm.engine, prompt[:16], replace(params, max_tokens=4), args.mode, args.rows)  # warm-up
+    runs = [decode_step_breakdown(llm.engine, prompt, params, args.mode, args.rows) for _ in range(args.requests)]
     res = {"decode_step_ms": {k: statistics.median(r[k] for r in runs) for k in runs[0]},
-           "config": {k: getattr(args, k) for k in ("prompt_len", "decode", "format", "lm_head", "fast_dense", "rows")},
+           "config": {k: getattr(args, k) for k in ("prompt_len", "decode", "format", "lm_head", "fast_dense", "rows", "mode",
+                                                    "temperature")},
            "runs": runs, "machine": machine_info(), "load": {"before": load_before, "after": os.getloadavg()[0]}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -210,6 +210,24 @@ def test_stream_random_ids_and_special_tokens(tok):
         tok.stream().push(tok.vocab_size)
 
 
+def test_byte_level_stream_matches_codecs_incremental_decoder():
+    """ByteLevelStream's own pending bytes give codecs' incremental UTF-8 decoder's deltas (errors replaced), push by
+    push and at the flush: split, invalid and truncated sequences included."""
+    import codecs
+
+    from engine.detokenizer import ByteLevelStream
+
+    rng = random.Random(1)
+    pieces = ["é".encode(), "€".encode()[:1], "€".encode()[1:], "😀".encode()[:3], "😀".encode()[3:], b"\xf0", b"\xff"]
+    token_bytes = [bytes(rng.randrange(256) for _ in range(rng.randint(0, 4))) for _ in range(200)] + pieces + [None]
+    for _ in range(500):
+        ids = [rng.randrange(len(token_bytes)) for _ in range(rng.randint(1, 30))]
+        stream, ref = ByteLevelStream(token_bytes), codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for i in ids:
+            assert stream.push(i) == ("" if token_bytes[i] is None else ref.decode(token_bytes[i]))
+        assert stream.flush() == ref.decode(b"", final=True)
+
+
 def test_windowed_stream_for_non_byte_level_decoder(tmp_path):
     """A sentencepiece-style vocabulary (Metaspace + byte fallback) goes through the windowed path."""
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
