@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from engine.mode import Mode
-from engine.sampler import LogitsView, SamplingError, apply_top_k_top_p, greedy, race_noise, sample
+from engine.sampler import LogitsView, SamplingError, apply_top_k_top_p, greedy, sample, skip_race_draw
 from engine.sampling_params import MIN_TEMPERATURE
 from engine.sequence import Sequence
 
@@ -118,7 +118,6 @@ class MultiTokenDecoder:
         self.config = config
         self.chunk_invariant = chunk_invariant
         self.stats = MultiTokenStats()
-        self.row_width = 0  # logits width (V): what a skipped sampling draw covers
         self._view: LogitsView | None = None  # the last step's logits, read again while the runner hands the same
 
     def choose(self, logits: torch.Tensor, seqs: list[Sequence], vocab_limit: int | None,
@@ -131,7 +130,6 @@ class MultiTokenDecoder:
         view = self._view
         if view is None or view.tensor is not logits:
             view = self._view = LogitsView(logits)
-        self.row_width = view.width
         if len(seqs) == view.rows:  # one row per sequence: no drafts anywhere, every row samples as it is
             chosen: list[list[int] | SamplingError] = []
             sampled = 0
@@ -194,7 +192,7 @@ class MultiTokenDecoder:
             for (seq, source), token in zip(forcing, _forced_tokens(forcing), strict=True):
                 if token is None:
                     continue
-                _draw_like_sampling(seq, self.row_width)
+                skip_race_draw(seq)
                 seq.output_token_ids.append(token)
                 self.stats.forced_tokens += 1
                 reason = advance(seq, token)
@@ -241,9 +239,3 @@ def _forced_tokens(forcing: list[tuple[Sequence, object]]) -> list[int | None]:
             out[i] = token
     return out
 
-
-def _draw_like_sampling(seq: Sequence, width: int) -> None:
-    """A forced token skips sampling: a seeded generator still draws what `sample_row` would have drawn
-    (the race noise depends on the row's length only), so later tokens are unchanged."""
-    if seq.generator is not None and seq.params.temperature >= MIN_TEMPERATURE:
-        race_noise(width, seq.generator)

@@ -36,7 +36,11 @@ class Sequence:
     num_preemptions: int = 0
     mode: Mode = Mode.EXPLORATION  # execution: exact profile, no deferral, batch-invariant
     mode_switches: list[tuple[int, Mode]] = field(default_factory=list)  # (output token index, new mode)
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # drafts' acceptance draws (engine/multi_token.py)
+    # temperature sampling's race noise (engine/sampler.race_noise): the stream's key (the seed, else drawn from
+    # torch's global generator at the first draw) and the draws made so far
+    noise_key: int | None = None
+    noise_draws: int = 0
     # Text: `text` is the detokenized output so far (stop strings cut off); `emitted` how much of it
     # has been handed to the caller (text that may still turn out to start a stop string is held back).
     text: str = ""
@@ -66,6 +70,7 @@ class Sequence:
             raise ValueError(f"request {self.request_id}: empty prompt")
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+            self.noise_key = self.params.seed
 
     @property
     def num_tokens(self) -> int:

@@ -202,6 +202,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.moegate_has_bf16_dot.restype = ctypes.c_int
     lib.moegate_apply_bitmask.restype = ctypes.c_int
     lib.moegate_apply_bitmask.argtypes = [p, p, i64, i64, i64, i64]
+    if hasattr(lib, "moegate_race_noise"):  # absent from an earlier revision's kernel (benchmarks)
+        lib.moegate_race_noise.restype = ctypes.c_int
+        lib.moegate_race_noise.argtypes = [p, i64, ctypes.c_uint64, ctypes.c_uint64]
     if hasattr(lib, "moegate_pool_sizing"):  # absent from an earlier revision's kernel (benchmarks)
         lib.moegate_pool_sizing.restype = ctypes.c_int
         lib.moegate_pool_sizing.argtypes = [ctypes.c_int]

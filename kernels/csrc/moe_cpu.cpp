@@ -754,6 +754,7 @@ int linear_dispatch(int64_t fmt, const Mat& A, const float* x, float* out, int64
 #include "router.h"
 #include "decode_layer.h"
 #include "logits_mask.h"
+#include "race_noise.h"
 
 extern "C" {
 
