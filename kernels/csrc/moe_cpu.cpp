@@ -753,6 +753,7 @@ int linear_dispatch(int64_t fmt, const Mat& A, const float* x, float* out, int64
 #include "attention.h"
 #include "router.h"
 #include "decode_layer.h"
+#include "norm.h"
 #include "logits_mask.h"
 
 extern "C" {
