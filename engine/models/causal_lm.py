@@ -109,10 +109,11 @@ class MoeForCausalLM(nn.Module):
         return exact and self.exact_layers is not None
 
     def _fused(self, batch: ForwardBatch, x: torch.Tensor) -> bool:
-        from engine.models.fused_decode import SMALL_BATCH_TOKENS
-
+        """Exploration forwards of any size without deferral run the fused stack on the CPU: the layers' own
+        kernels on the same inputs (a 128-token prefill's hidden states equal the modules' to the bit), without
+        the modules' Python and tensor bookkeeping between the calls."""
         return (self.fused_layers is not None and not batch.exact and batch.defer == 0 and x.device.type == "cpu"
-                and x.dtype == torch.float32 and batch.num_tokens <= SMALL_BATCH_TOKENS)
+                and x.dtype == torch.float32)
 
     def logits_on_torch(self, exact: bool = False) -> bool:
         """Whether compute_logits runs torch ops (worth torch's threads) rather than the compiled kernel's pool."""
