@@ -7,9 +7,7 @@
 // at a time; the float exp takes ~16% off a 128-token prefill's attention at D = 64, the value bits change
 // within fp32 rounding). Scores are computed eight keys at a time (dot8) and the weighted values 64 lanes at a
 // time held in registers across the keys, each score and each output lane by the same operations in the same
-// order as one dot() per key and one running sum per lane: the bits are those of the one-key-at-a-time loop
-// (the last n mod 8 keys too: a dot8 whose missing keys repeat the last one, 2026-11-27; one dot() per key there
-// took a third of a 128-token prefill's attention samples).
+// order as one dot() per key and one running sum per lane: the bits are those of the one-key-at-a-time loop.
 // Included by moe_cpu.cpp after activation.h, before decode_layer.h.
 #pragma once
 
@@ -135,15 +133,9 @@ void attend_head(const float* q, const float* k_cache, const float* v_cache, int
       mx = std::max(mx, sc[j + c]);
     }
   }
-  if (j < n) {  // the last n mod 8 keys through dot8 too, the missing ones repeating the last key (dropped)
-    const float* kj[8];
-    for (int c = 0; c < 8; ++c) kj[c] = k_cache + slots[std::min(j + c, n - 1)] * row + off;
-    float d8[8];
-    dot8(q, kj, D, d8);
-    for (; j < n; ++j) {
-      sc[j] = d8[j % 8] * scale;
-      mx = std::max(mx, sc[j]);
-    }
+  for (; j < n; ++j) {
+    sc[j] = dot(q, k_cache + slots[j] * row + off, D) * scale;
+    mx = std::max(mx, sc[j]);
   }
   // e^(s_j - max) 8 keys at a time by activation.h's v_exp (the tail padded: every key the same operations)
   const V8 vmx = v_set1(mx);
