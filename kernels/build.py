@@ -185,6 +185,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "moegate_rms_norm"):  # absent from an earlier revision's kernel (benchmarks)
         lib.moegate_rms_norm.restype = ctypes.c_int
         lib.moegate_rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_double]
+    if hasattr(lib, "moegate_add_rms_norm"):
+        lib.moegate_add_rms_norm.restype = ctypes.c_int
+        lib.moegate_add_rms_norm.argtypes = [p, p, p, p, p, i64, i64, ctypes.c_double, ctypes.c_int]
+        lib.moegate_rms_norm_heads.restype = ctypes.c_int
+        lib.moegate_rms_norm_heads.argtypes = [p, i64, i64, p, p, i64, i64, i64, ctypes.c_double, ctypes.c_int]
     if hasattr(lib, "moegate_rope"):
         lib.moegate_rope.restype = ctypes.c_int
         lib.moegate_rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int]

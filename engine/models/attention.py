@@ -18,6 +18,20 @@ from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from kernels.attention import kernel_takes, paged_attention
 
 
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """k/v [T, KV, D] into the caches' rows `slots` [T]: on the CPU in fp32 as numpy copies on this thread
+    (torch's index_copy_ wakes its OpenMP threads for a copy), else index_copy_."""
+    if k_cache.device.type == "cpu" and k_cache.dtype == v_cache.dtype == k.dtype == v.dtype == torch.float32 \
+            and not (k.requires_grad or v.requires_grad):
+        rows = slots.numpy()
+        k_cache.numpy()[rows] = k.numpy()
+        v_cache.numpy()[rows] = v.numpy()
+        return
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
@@ -119,8 +133,7 @@ class Attention(nn.Module):
         """Writes k/v [T, KV, D] to the cache, attends each sequence's q over its context -> [T, NH, D]: fp32 on
         CPU in the compiled kernel (kernels.attention: per (token, head), batch-invariant), else `_attend`."""
         k_cache, v_cache = cache
-        k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+        write_kv(k_cache, v_cache, batch.slot_mapping, k, v)
         if self._attend.__func__ is Attention._attend and kernel_takes(q, k_cache, v_cache):  # not sinks
             slots, start, length = batch.token_contexts()
             return paged_attention(q, k_cache, v_cache, slots, start, length, self.scale, self.sliding_window)

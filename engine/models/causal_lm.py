@@ -38,18 +38,22 @@ class DecoderLayer(nn.Module):
         return getattr(self, self.mixer_name)
 
     def forward(
-        self, x, batch: ForwardBatch, cache: tuple[torch.Tensor, ...], pending: Deferred | None
-    ) -> tuple[torch.Tensor, Deferred | None]:
-        """-> (hidden [T, H], this layer's deferred expert output still in flight). `cache`: the layer's
-        KV cache tensors (engine.kv_cache.allocate_kv_cache) or its recurrent-state pools
+        self, x, batch: ForwardBatch, cache: tuple[torch.Tensor, ...], pending: Deferred | None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, Deferred | None]:
+        """x [T, H] (plus `residual`, the previous layer's, where given) -> (out [T, H], residual [T, H], this
+        layer's deferred expert output still in flight): the layer's hidden state is out + residual, added by
+        the next layer's first norm or the final norm (RMSNorm.add_forward: one kernel call with the norm).
+        `cache`: the layer's KV cache tensors (engine.kv_cache.allocate_kv_cache) or its recurrent-state pools
         (engine.recurrent_state)."""
-        h = x + self.mixer(self.input_layernorm(x), batch, cache)
+        residual, normed = self.input_layernorm.add_forward(x, residual)
+        h, normed = self.post_attention_layernorm.add_forward(self.mixer(normed, batch, cache), residual)
         if not self.is_moe:
-            return h + self.mlp(self.post_attention_layernorm(h)), pending
-        out, deferred = self.mlp(self.post_attention_layernorm(h), batch)
+            return self.mlp(normed), h, pending
+        out, deferred = self.mlp(normed, batch)
         if pending is not None:  # the previous MoE layer's deferred experts land here
             out = out + pending.result()
-        return h + out, deferred
+        return out, h, deferred
 
 
 class MoeModel(nn.Module):
@@ -83,11 +87,11 @@ class MoeForCausalLM(nn.Module):
             return self._run_fused(self.exact_layers, batch, x, kv_caches, final_norm=True)  # each row alone
         if self._fused(batch, x):
             return self._run_fused(self.fused_layers, batch, x, kv_caches, self.model.norm._row_kernel(x))
-        pending = None
+        pending = residual = None
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
-            x, pending = layer(x, batch, cache, pending)
+            x, residual, pending = layer(x, batch, cache, pending, residual)
         assert pending is None, "the last MoE layer must not defer"
-        return self.model.norm(x)
+        return self.model.norm.add_forward(x, residual)[1]
 
     def _run_fused(self, stack, batch: ForwardBatch, x: torch.Tensor, kv_caches, final_norm: bool) -> torch.Tensor:
         """Every layer in one kernel call -> hidden [T, H] after the final norm: in the same call where
@@ -105,10 +109,11 @@ class MoeForCausalLM(nn.Module):
         return exact and self.exact_layers is not None
 
     def _fused(self, batch: ForwardBatch, x: torch.Tensor) -> bool:
-        from engine.models.fused_decode import SMALL_BATCH_TOKENS
-
+        """Exploration forwards of any size without deferral run the fused stack on the CPU: the layers' own
+        kernels on the same inputs (a 128-token prefill's hidden states equal the modules' to the bit), without
+        the modules' Python and tensor bookkeeping between the calls."""
         return (self.fused_layers is not None and not batch.exact and batch.defer == 0 and x.device.type == "cpu"
-                and x.dtype == torch.float32 and batch.num_tokens <= SMALL_BATCH_TOKENS)
+                and x.dtype == torch.float32)
 
     def logits_on_torch(self, exact: bool = False) -> bool:
         """Whether compute_logits runs torch ops (worth torch's threads) rather than the compiled kernel's pool."""

@@ -22,9 +22,13 @@ class RMSNorm(nn.Module):
         self.zero_centred = zero_centred
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._row_kernel(x):  # one single-threaded call per norm: no torch thread barriers per op
-            from kernels.norm import rms_norm_rows
+        if self._row_kernel(x):  # one kernel call per norm: no torch operation (nor its thread barrier)
+            from kernels.norm import rms_norm_heads, rms_norm_rows
 
+            if x.is_contiguous():
+                return rms_norm_rows(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+            if x.dim() in (2, 3) and x.stride(-1) == 1:  # q / k as views of a fused projection, read in place
+                return rms_norm_heads(x if x.dim() == 3 else x[:, None], self.weight, self.eps).view(x.shape)
             return rms_norm_rows(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype
         x32 = x.float()
@@ -32,6 +36,18 @@ class RMSNorm(nn.Module):
         if self.zero_centred:
             return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, this norm of it) (x and its norm without a residual): the decoder layer's residual adds,
+        in one kernel call with the norm where `forward` takes the row kernel (the sum is torch's to the bit)."""
+        if residual is None:
+            return x, self(x)
+        if self._row_kernel(x) and x.dim() == 2 and residual.dtype == torch.float32:
+            from kernels.norm import add_rms_norm
+
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        s = x + residual
+        return s, self(s)
 
     def _row_kernel(self, x: torch.Tensor) -> bool:
         """fp32 inference on CPU runs kernels.norm (each row alone, within fp32 rounding of the torch

@@ -332,6 +332,10 @@ inline bool cpu_has_bf16_dot() { return false; }
 
 namespace {
 
+// Threads for the activation preparation of a kernel call (padded copies, int8 quantization, interleaving) over
+// `floats` activation values: the caller alone below ~32 rows of 1024 (waking a helper costs more than the work).
+inline int prep_threads(int64_t floats, int nthreads) { return floats >= (int64_t(1) << 15) ? std::max(nthreads, 1) : 1; }
+
 struct Problem {
   int64_t T, K, E, H, I, gs, h8, i8, hp, ip, hbuf;
   Mat gu, dn;
@@ -402,23 +406,27 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   auto many = [&](int64_t e) { return fpz && count[e + 1] - count[e] > kSequentialRows; };
   const int64_t xbl = hp + (hp & 1), hbl = hbuf + 1;
   std::vector<uint16_t> xbits(dot16 ? T * xbl : 1), hbits(dot16 ? S * hbl : 1);
-  for (int64_t t = 0; t < T; ++t) {
+  auto& pool = moegate::WorkPool::instance();
+  // The activations' copies, quantization and interleaving: token rows, then experts, over the pool at prefill
+  // sizes (each row's bytes are the same whatever thread writes them).
+  const int prep = prep_threads(T * hp, nthreads);
+  pool.parallel_for(T, 4, prep, [&](int64_t t) {
     std::memcpy(&xp[t * hp], x + t * P.H, sizeof(float) * P.H);
     std::fill(xp + t * hp + P.H, xp + (t + 1) * hp, 0.f);
     if (w4a8) quantize_row(&xp[t * hp], hp, P.gs, &xq[t * hp], &xsx[t * ngh], &xqs[t * ngh], &xn8[t * ngh]);
     if (FMT == BF16A) round_row_bf16(&xp[t * hp], hp, dot16 ? &xbits[t * xbl] : nullptr);
-  }
-  if constexpr (interleave)
-    for (int64_t e = 0; e < E; ++e)
+  });
+  pool.parallel_for(E, 1, interleave || fpz ? prep : 1, [&](int64_t e) {
+    if constexpr (interleave)
       for (int64_t r = count[e]; r < count[e + 1]; ++r) {
         const int64_t t = src_token[r];
         xi.rows(count[e]).put(r - count[e], count[e + 1] - count[e], &xq[t * hp], &xsx[t * ngh], &xqs[t * ngh],
                               &xn8[t * ngh]);
       }
-  for (int64_t e = 0; e < E; ++e)
     if (many(e))
       for (int64_t r = count[e]; r < count[e + 1]; ++r)
         xf.rows(count[e]).put(r - count[e], count[e + 1] - count[e], &xp[src_token[r] * hp]);
+  });
   // On zmm (W4A8, and bf16_a16 on vdpbf16ps) a down item is a unit of two 8-row tiles (w4a8_zmm.h),
   // a gate_up item one 16-row tile.
   const bool units = zmm || dot16 || fpz;
@@ -524,7 +532,6 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       else tile_rows<FMT, 1>(P.dn, e * P.h8 + tile, xr, orow, n);
     }
   };
-  auto& pool = moegate::WorkPool::instance();
   // ~16 claims per thread: a claim of a few tiles (~1 us at M = 1) made the shared counter's cache line
   // travel between cores for every few kilobytes of weights; 16 still balance the threads.
   const int64_t streamed = weight_bytes(FMT, na * (2 * P.i8 * 8 * hp + P.h8 * 8 * ip));
@@ -604,13 +611,8 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
   scratch.reset();
   const float* xrows = x;
   float* xp = scratch.take<float>(M * kp);
-  if (kp != K || w4a8 || FMT == BF16A) {  // padded copies (and int8 or bf16 activations)
-    for (int64_t m = 0; m < M; ++m) {
-      std::memcpy(&xp[m * kp], x + m * K, sizeof(float) * K);
-      std::fill(xp + m * kp + K, xp + (m + 1) * kp, 0.f);
-    }
-    xrows = xp;
-  }
+  const bool padded = kp != K || w4a8 || FMT == BF16A;  // padded copies (and int8 or bf16 activations)
+  if (padded) xrows = xp;
   int8_t* xq = scratch.take<int8_t>(w4a8 ? M * kp : 1);
   float* xsx = scratch.take<float>(M * ng);
   float* xqs = scratch.take<float>(M * ng);
@@ -618,21 +620,26 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
   const int64_t nz = interleave ? M : 0;
   const ZmmActs xl{scratch.take<int8_t>(nz * kp), scratch.take<float>(nz * ng), scratch.take<float>(nz * ng),
                    scratch.take<int32_t>(nz * ng), kp, ng};
-  if constexpr (w4a8)
-    for (int64_t m = 0; m < M; ++m) {
-      quantize_row(&xp[m * kp], kp, A.gs, &xq[m * kp], &xsx[m * ng], &xqs[m * ng], &xn8[m * ng]);
-      if constexpr (interleave) xl.put(m, M, &xq[m * kp], &xsx[m * ng], &xqs[m * ng], &xn8[m * ng]);
-    }
   const bool dot16 = FMT == BF16A && cpu_has_bf16_dot();
   // fp32 activations on zmm FMA (fp_zmm.h): more than kSequentialRows rows interleaved (FpActs)
   const bool fpz = kZmm && !w4a8 && !dot16, many = fpz && M > kSequentialRows;
   const int64_t xbl = kp + (kp & 1);
   std::vector<uint16_t> xbits(dot16 ? M * xbl : 1);
-  if constexpr (FMT == BF16A)
-    for (int64_t m = 0; m < M; ++m) round_row_bf16(&xp[m * kp], kp, dot16 ? &xbits[m * xbl] : nullptr);
   const FpActs xf{scratch.take<float>(many ? M * kp : 0), kp};
-  if (many)
-    for (int64_t m = 0; m < M; ++m) xf.put(m, M, xrows + m * kp);
+  // Each row's copy, int8 or bf16 activations and interleaved chunk: over the pool at prefill sizes (a row's
+  // bytes are the same whatever thread writes them)
+  moegate::WorkPool::instance().parallel_for(M, 4, prep_threads(M * kp, nthreads), [&](int64_t m) {
+    if (padded) {
+      std::memcpy(&xp[m * kp], x + m * K, sizeof(float) * K);
+      std::fill(xp + m * kp + K, xp + (m + 1) * kp, 0.f);
+    }
+    if constexpr (w4a8) {
+      quantize_row(&xp[m * kp], kp, A.gs, &xq[m * kp], &xsx[m * ng], &xqs[m * ng], &xn8[m * ng]);
+      if constexpr (interleave) xl.put(m, M, &xq[m * kp], &xsx[m * ng], &xqs[m * ng], &xn8[m * ng]);
+    }
+    if constexpr (FMT == BF16A) round_row_bf16(&xp[m * kp], kp, dot16 ? &xbits[m * xbl] : nullptr);
+    if (many) xf.put(m, M, xrows + m * kp);
+  });
   std::vector<const float*> xr(M);
   std::vector<const int8_t*> qr(M);
   std::vector<const float*> sxr(M), qsr(M);
@@ -753,6 +760,7 @@ int linear_dispatch(int64_t fmt, const Mat& A, const float* x, float* out, int64
 #include "attention.h"
 #include "router.h"
 #include "decode_layer.h"
+#include "norm.h"
 #include "logits_mask.h"
 #include "race_noise.h"
 

@@ -1,7 +1,9 @@
 // Top-k routing of one token row: the router of the one-call decode layer (decode_layer.h) and of the torch
 // Router's CPU fp32 path (kernels/router.py, prefill included). Each row is a fixed sequence of operations on
 // that row alone (logits by `dot`, then softmax and selection in expert order), so its bits never depend on
-// the other rows of the call. Included by moe_cpu.cpp after attention.h (for `dot`), before decode_layer.h.
+// the other rows of the call. The logits eight experts at a time (attention.h's dot8: the bits of eight `dot`
+// calls, without waiting on one dot's fma chain per expert). Included by moe_cpu.cpp after attention.h (for `dot`,
+// `dot8`), before decode_layer.h.
 #pragma once
 
 enum RouterKind : int64_t {
@@ -17,8 +19,14 @@ void route_row(const float* x, const float* w, const float* bias, int64_t H, int
                bool norm_topk, float* logits, float* scratch, float* wts, int64_t* ids) {
   float* probs = scratch;
   float mx = -INFINITY;
+  int64_t e0 = 0;
+  for (; e0 + 8 <= E; e0 += 8) {  // eight experts at a time: dot8, each logit dot's bits (attention.h)
+    const float* w8[8];
+    for (int c = 0; c < 8; ++c) w8[c] = w + (e0 + c) * H;
+    dot8(x, w8, H, probs + e0);
+  }
+  for (; e0 < E; ++e0) probs[e0] = dot(x, w + e0 * H, H);
   for (int64_t e = 0; e < E; ++e) {
-    probs[e] = dot(x, w + e * H, H);
     if (bias != nullptr) probs[e] += bias[e];
     mx = std::max(mx, probs[e]);
   }

@@ -79,3 +79,25 @@ def test_stack_without_the_norm_returns_the_layers_output(engine):
         plain = model.fused_layers(plain_in, ctx, caches)  # the same tokens again: the same KV rewritten
         assert plain is plain_in
         assert torch.equal(rms_norm_rows(plain, *norm), normed)
+
+
+def test_prefill_through_the_stack_equals_the_modules(engine):
+    """A 40-token exploration prefill (above the decode step's rows) runs the fused stack (`MoeForCausalLM._fused`):
+    its hidden states and KV bytes equal the torch modules' layer by layer (the same kernels on the same inputs)."""
+    model, caches = engine.runner.model, engine.runner.layer_caches
+    gen = torch.Generator().manual_seed(4)
+    batch = ForwardBatch.single(torch.randint(1, 500, (40,), generator=gen).tolist(), list(range(6)), 8)
+    stack = model.fused_layers
+    assert model._fused(batch, torch.zeros(1))
+    out = {}
+    with torch.inference_mode():
+        for fused in (True, False):
+            model.fused_layers = stack if fused else None
+            try:
+                hidden = model(batch, caches)
+            finally:
+                model.fused_layers = stack
+            out[fused] = (hidden.clone(), [(k.clone(), v.clone()) for k, v in caches])
+    assert torch.equal(out[True][0], out[False][0])
+    for (k, v), (rk, rv) in zip(out[True][1], out[False][1], strict=True):
+        assert torch.equal(k, rk) and torch.equal(v, rv)

@@ -1,4 +1,5 @@
-"""Row-wise RMSNorm kernel (kernels.norm): torch reference, bitwise batch invariance, bad input."""
+"""Row-wise RMSNorm kernel (kernels.norm): torch reference, bitwise batch invariance, bad input; the residual add
+fused with the norm and the per-head norm over strided rows, bitwise against the separate operations."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import pytest
 import torch
 
 from kernels import kernel_available
-from kernels.norm import rms_norm_reference, rms_norm_rows
+from kernels.norm import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    rms_norm_heads,
+    rms_norm_reference,
+    rms_norm_rows,
+)
 
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="C++ kernel could not be built here")
 
@@ -47,3 +54,43 @@ def test_rms_norm_rejects_bad_shapes() -> None:
         pytest.skip("C++ kernel could not be built here")
     with pytest.raises(ValueError, match=r"\[M, H\]"):
         rms_norm_rows(torch.randn(2, 8), torch.ones(7), 1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m", [1, 5, 130])
+def test_add_rms_norm_equals_torch_add_then_the_row_norm(m: int, threads: int) -> None:
+    """The sum is torch's x + y to the bit, the norm rms_norm_rows's; without a weight, the add alone."""
+    gen = torch.Generator().manual_seed(m)
+    x, y, w = torch.randn(m, 1030, generator=gen), torch.randn(m, 1030, generator=gen) * 5, torch.randn(1030)
+    s, out = add_rms_norm(x, y, w, 1e-6, num_threads=threads)
+    assert torch.equal(s, x + y)
+    assert torch.equal(out, rms_norm_rows(x + y, w, 1e-6))
+    ref_s, ref_out = add_rms_norm_reference(x, y, w, 1e-6)
+    assert torch.equal(ref_s, s)
+    assert (out - ref_out).abs().max().item() <= 1e-5 * ref_out.abs().max().item()
+    s2, none = add_rms_norm(x, y, None, num_threads=threads)
+    assert none is None and torch.equal(s2, x + y)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rms_norm_heads_reads_strided_views_as_the_row_norm_of_their_copy(threads: int) -> None:
+    """q and k as views of one fused projection [T, NQ + 2 NKV]: each head row's bits equal rms_norm_rows of the
+    contiguous copy, and so does the model's per-head norm (engine.models.layers.RMSNorm) on the view."""
+    from engine.models.layers import RMSNorm
+
+    t, nh, nkv, d = 70, 6, 2, 72
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(t, (nh + 2 * nkv) * d, generator=gen)
+    q = qkv[:, : nh * d].view(t, nh, d)
+    k = qkv[:, nh * d : (nh + nkv) * d].view(t, nkv, d)
+    norm = RMSNorm(d, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1, generator=gen)
+        for v, heads in ((q, nh), (k, nkv)):
+            want = rms_norm_rows(v.reshape(-1, d), norm.weight, 1e-6).view(t, heads, d)
+            assert torch.equal(rms_norm_heads(v, norm.weight, 1e-6, num_threads=threads), want)
+            assert torch.equal(norm(v), want)
+        full = RMSNorm(nh * d, 1e-6)  # a whole-projection norm on the 2-D q view
+        assert torch.equal(full(qkv[:, : nh * d]), rms_norm_rows(qkv[:, : nh * d].contiguous(), full.weight, 1e-6))
