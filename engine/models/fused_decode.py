@@ -39,7 +39,7 @@ from kernels.formats import FORMAT_CODE
 
 log = logging.getLogger(__name__)
 
-SMALL_BATCH_TOKENS = 16  # above this many tokens the torch path (batched GEMMs) is faster
+SMALL_BATCH_TOKENS = 16  # the one-call step's rows (its kept buffers); a step of more tokens takes the batch forward
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
