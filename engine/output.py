@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.segments import SegmentEnd, SegmentStart, Switch
-from engine.sequence import SeqStatus, Sequence
+from engine.sequence import Sequence
 
 
 @dataclass
@@ -113,7 +113,7 @@ def finish_text(seq: Sequence) -> None:
 def make_output(seq: Sequence) -> RequestOutput:
     """The sequence's output since the previous one: text past what was released (minus what could still grow
     into a stop string), new tokens, segment events."""
-    finished, tracker, text, stops = seq.status is SeqStatus.FINISHED, seq.segments, seq.text, seq.params.stop
+    finished, tracker, text, stops = seq.is_finished, seq.segments, seq.text, seq.params.stop
     whole = finished or not stops or (tracker is not None and tracker.open is not None)  # free text cannot grow now
     release = len(text) if whole else len(text) - stop_holdback(text, stops)
     new_text = text[seq.emitted:release] if release > seq.emitted else ""

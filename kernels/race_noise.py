@@ -4,8 +4,8 @@
 One draw is g_i = -log(-log u_i) (Gumbel noise: -log of an Exp(1) variate) for ids i = 0..n-1, u_i uniform in
 (0, 1) from a counter-based hash of (key, counter, i): a sequence's k-th draw is a function of its key and k
 alone, whatever else runs in the step. The kernel is a plain loop of single IEEE operations, so every SIMD build
-and the reference agree to the bit; it costs ~0.2 ms for a 152k vocabulary where torch's `exponential_` took
-~4 ms (a serial draw per id)."""
+and the reference agree to the bit; a 152k vocabulary costs ~0.6 ms (avx512) to ~1.1 ms (avx2) on a shared
+2-core Xeon, where torch's `exponential_` took ~4 ms (a serial draw per id)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _log(x: np.ndarray) -> np.ndarray:
     y = np.full_like(m, _F(7.0376836292e-2))
     for c in (-1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1, 1.4249322787e-1, -1.6668057665e-1,
               2.0000714765e-1, -2.4999993993e-1, 3.3333331174e-1):
-        y = y * m + _F(c) if c > 0 else y * m - _F(-c)
+        y = y * m + _F(c)  # (the kernel's `y * m - c` for c < 0: the same IEEE result)
     y = (y * m) * z
     fe = e.astype(np.float32)
     y = y + fe * _F(-2.12194440e-4)

@@ -25,9 +25,8 @@ class RMSNorm(nn.Module):
         if self._row_kernel(x):  # one kernel call per norm: no torch operation (nor its thread barrier)
             from kernels.norm import rms_norm_heads, rms_norm_rows
 
-            if x.is_contiguous():
-                return rms_norm_rows(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
-            if x.dim() in (2, 3) and x.stride(-1) == 1:  # q / k as views of a fused projection, read in place
+            # q / k as views of a fused projection: their head rows read in place
+            if not x.is_contiguous() and x.dim() in (2, 3) and x.stride(-1) == 1:
                 return rms_norm_heads(x if x.dim() == 3 else x[:, None], self.weight, self.eps).view(x.shape)
             return rms_norm_rows(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype

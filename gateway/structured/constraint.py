@@ -121,7 +121,7 @@ class Constraint:
         self.plan: list[int] | None = None  # the forced completion path, once committed
         self._next_plan_check = 0  # consumed count at which the completion path is measured again
         self._output: list[int] = []  # the ids the matcher consumed (the completion search's state)
-        self._last_path: tuple[tuple[int, ...], int] | None = None  # (the path last found, ids consumed then)
+        self._last_path: tuple[int, ...] | None = None  # the completion path last found
         # the closing planner: searches run, checks answered by the last path, seconds in searches
         self.plan_searches = self.plan_reuses = 0
         self.plan_search_s = 0.0
@@ -396,7 +396,7 @@ class Constraint:
             self.plan_search_s += time.perf_counter() - t0
             if path is None or (known is not None and len(known) < len(path)):
                 path = known
-        self._last_path = (path, len(self._output)) if path is not None else None
+        self._last_path = path
         return list(path) if path is not None else None
 
     def _known_path(self, llg, max_depth: int) -> tuple[int, ...] | None:
@@ -406,13 +406,13 @@ class Constraint:
         a path's text binds names for the scopes of the state it was found in, and the guard rules on the suffix in
         today's scopes (`allows(rest, final)`: every qualifier bound, no alias declared twice in one FROM), as on a
         searched path (the rest of a path the output followed is one of the suffixes)."""
-        if self._last_path is None:
+        path = self._last_path
+        if path is None:
             return None
-        path, _ = self._last_path
         starts = range(len(path) - 1, max(-1, len(path) - 1 - KNOWN_SUFFIXES, len(path) - 1 - max_depth), -1)
         for start in starts:
-            rest = list(path[start:])
-            if not rest or len(rest) > max_depth or llg.validate_tokens(rest) != len(rest):
+            rest = list(path[start:])  # 1..max_depth ids (the range's bounds)
+            if llg.validate_tokens(rest) != len(rest):
                 continue
             copy = llg.deep_copy()
             if (copy.try_consume_tokens(rest) == len(rest) and copy.is_accepting()
