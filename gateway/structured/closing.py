@@ -169,6 +169,7 @@ def shortest_completion(
     matcher, tokenizer: TokenizerInfo, max_depth: int, hints: tuple[bytes, ...] = (),
     allow: Callable[[list[int], bool], bool] | None = None, max_nodes: int | None = None,
     first: Callable[[list[int]], tuple[tuple[int, ...], ...]] | None = None,
+    accept: Callable[[list[int]], bool] | None = None,
 ) -> list[int] | None:
     """Token ids that take llguidance `matcher` (not modified) to an accepting state, or None if no
     path of at most `max_depth` tokens was found within `max_nodes` expansions (default: enough to
@@ -181,8 +182,14 @@ def shortest_completion(
     string): it is tried last, so counted repeats (`\\d{4}`, minLength) still complete but free text
     never loops. `allow(path, final)` may veto a path (extra guards; `final`: as a complete output).
     `first(path)`: token sequences tried as one move before all others after `path` (a guard's own
-    completion texts)."""
-    if matcher.is_accepting() and (allow is None or allow([], True)):
+    completion texts).
+
+    `accept(path)`: a check of a complete output that no prefix can anticipate (JSON Schema keywords only
+    validation decides: `uniqueItems`, an overlapping `oneOf`, `not`). Depth-first would go on below the first
+    output it refuses (`[0,0,0]` -> `[0,0,0,0]`...) before it tried a sibling, so after a refusal the search
+    deepens instead: all paths up to the refused one's length, then 2, 4, 8... tokens longer, each depth with
+    its own node budget."""
+    if matcher.is_accepting() and (allow is None or allow([], True)) and (accept is None or accept([])):
         return []
     vocab = tokenizer.vocab_size
     n_words = (vocab + 31) // 32
@@ -192,7 +199,9 @@ def shortest_completion(
     preferred = set(_CLOSERS) | set(_REPRESENTATIVE) | {h[0] for h in hints}
     macros = [[by_byte[b] for b in h] for h in hints if all(b in by_byte for b in h)]
     buf = np.zeros(n_words, dtype=np.uint32)
-    budget = max_nodes if max_nodes is not None else max(2000, 3 * max_depth)
+    nodes = max_nodes if max_nodes is not None else max(2000, 3 * max_depth)
+    budget = nodes
+    refused: list[int] = []  # lengths of complete paths `accept` refused
 
     in_buf = None  # the state whose mask `buf` holds: a child's key, then its moves, use one mask
 
@@ -224,12 +233,12 @@ def shortest_completion(
         own = [list(m) for m in first(path)] if first is not None else []
         return own + ([forced] if forced else []) + ends + out[:n_close] + macros + out[n_close:]
 
-    def expand(state, path: list[int], key: bytes):
+    def expand(state, path: list[int], key: bytes, depth: int):
         """Yields children to descend into, in order, or one complete path (a list) when found."""
         nonlocal budget
         stalled = []
         for move in moves(state, path):
-            if budget <= 0 or len(path) + len(move) > max_depth:
+            if budget <= 0 or len(path) + len(move) > depth:
                 continue
             budget -= 1
             child = state.deep_copy()
@@ -239,27 +248,45 @@ def shortest_completion(
             if allow is not None and not allow(child_path, False):
                 continue
             if child.is_accepting() and (allow is None or allow(child_path, True)):
-                yield child_path
-                return
+                if accept is None or accept(child_path):
+                    yield child_path
+                    return
+                refused.append(len(child_path))
             child_key = key_of(child)
             if child_key == key:
                 if not stalled:
                     stalled.append((child, child_path))
                 continue
-            yield child, child_path, child_key
+            yield child, child_path, child_key, depth
         for child, child_path in stalled:
-            yield child, child_path, key
+            yield child, child_path, key, depth
 
-    root = matcher.deep_copy()
-    stack = [expand(root, [], key_of(root))]
-    while stack:
-        item = next(stack[-1], None)
-        if item is None:
-            stack.pop()
-        elif isinstance(item, list):
-            return item
-        else:
-            stack.append(expand(*item))
+    def search(depth: int, deepening: bool) -> list[int] | None:
+        root = matcher.deep_copy()
+        stack = [expand(root, [], key_of(root), depth)]
+        while stack:
+            if refused and not deepening:
+                return None
+            item = next(stack[-1], None)
+            if item is None:
+                stack.pop()
+            elif isinstance(item, list):
+                return item
+            else:
+                stack.append(expand(*item))
+        return None
+
+    path = search(max_depth, False)
+    if path is not None or not refused:
+        return path
+    depth, step = min(refused), 2
+    while depth <= max_depth:
+        budget = nodes
+        if (path := search(depth, True)) is not None:
+            return path
+        if depth == max_depth:
+            break
+        depth, step = min(depth + step, max_depth), step * 2
     return None
 
 

@@ -75,6 +75,25 @@ def _sql_closer_rows(tokenizer: TokenizerInfo, mode: str, n_words: int) -> tuple
     return rows
 
 
+def _validation_end_check(compiled: CompiledConstraint):
+    """For a whole-output JSON Schema whose grammar admits a superset (keywords that validation decides): a
+    check of a complete output's bytes against the caller's schema; None where the grammar decides alone."""
+    spec, enforcement = compiled.spec, getattr(compiled, "enforcement", None)
+    if (spec.kind is not ConstraintKind.JSON_SCHEMA or spec.envelope or enforcement is None
+            or not enforcement.needs_validation()):
+        return None
+    from .errors import StructuredValidationError
+    from .validate import validate_json
+
+    def accepts(text: bytes) -> bool:
+        try:
+            validate_json(text.decode("utf-8", "replace"), spec.source)
+        except StructuredValidationError:
+            return False
+        return True
+    return accepts
+
+
 class Constraint:
     """Per-sequence constraint state. Callable as an engine logits processor.
 
@@ -118,6 +137,9 @@ class Constraint:
                       else FiniteNumberGuard(tok, compiled.spec.json_starts)
                       if compiled.spec.kind is ConstraintKind.TOOL_CALLS and compiled.spec.json_starts is not None
                       else None)
+        # JSON Schema keywords that validation decides (oneOf overlap, uniqueItems, `not`...): a path the planner
+        # forces must also be an output validation accepts, else the strict retry would close the same way
+        self._end_check = _validation_end_check(compiled)
         self.plan: list[int] | None = None  # the forced completion path, once committed
         self._next_plan_check = 0  # consumed count at which the completion path is measured again
         self._output: list[int] = []  # the ids the matcher consumed (the completion search's state)
@@ -389,6 +411,7 @@ class Constraint:
             def search() -> list[int] | None:
                 return shortest_completion(llg, self.compiled.tokenizer, max_depth, _hints(self.compiled.spec),
                                            allow=guard.allows if guard is not None else None,
+                                           accept=self._accepts_end if self._end_check is not None else None,
                                            first=guard.closing_moves if isinstance(guard, SQLScopeGuard) else None)
             t0 = time.perf_counter()
             path, searched = shared_path((self.compiled, max_depth, digest(self._output)), search)
@@ -416,9 +439,15 @@ class Constraint:
                 continue
             copy = llg.deep_copy()
             if (copy.try_consume_tokens(rest) == len(rest) and copy.is_accepting()
-                    and (self.guard is None or self.guard.allows(rest, True))):
+                    and (self.guard is None or self.guard.allows(rest, True))
+                    and (self._end_check is None or self._accepts_end(rest))):
                 return path[start:]
         return None
+
+    def _accepts_end(self, path: Sequence[int]) -> bool:
+        """Whether validation accepts the output completed by `path` (the keywords the grammar leaves to it)."""
+        tb = self._token_bytes
+        return self._end_check(b"".join(tb[t] or b"" for t in (*self._output, *path)))
 
     def forced_token(self, token_ids: Sequence[int]) -> int | None:
         """The one id the mask allows after `token_ids` (jump-forward: sampling could pick nothing else), or None.

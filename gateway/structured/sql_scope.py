@@ -61,6 +61,7 @@ class _Frame:
     pending: dict[str, set[str]] = field(default_factory=dict)  # qualifier -> columns used before FROM
     bare: set[str] = field(default_factory=set)  # unqualified names used before FROM
     source_name: str | None = None  # the last FROM source awaiting an alias
+    source_own: bool = False  # that source's own name entered `declared` with it (not already there)
     aliases: set[str] = field(default_factory=set)  # the aliases its SELECT lists give
     clause: str = ""  # the last clause keyword of the scope (where, group, having, order, limit, union...)
     item: list[tuple[str, str]] = field(default_factory=list)  # the SELECT item being written: (kind, text)
@@ -243,7 +244,9 @@ class SQLScope:
         src = f.source_name
         if src is None:
             return
-        if f.declared.get(src) == src:
+        if f.source_own:
+            if alias == src:  # a table aliased by its own name keeps it
+                return
             if src in f.pending:
                 raise _Veto(f"table {src} is used as a qualifier: it cannot take an alias")
             del f.declared[src]
@@ -259,7 +262,7 @@ class SQLScope:
         for n in f.bare:
             if n in cols and self._matches(f, n):
                 raise _Veto(f"{name} would make {n} ambiguous")
-        f.source_name = src
+        f.source_name, f.source_own = src, name not in f.declared
         f.declared[name] = src
 
     # -- SELECT items (output columns of CTEs and derived tables) ----------------------------
@@ -433,9 +436,14 @@ class SQLScope:
             ok = {t for t in self.tables if not any(n in self.tables[t] and self._matches(f, n) for n in f.bare)}
             ok |= {c for c in self.ctes if not any(n in self.derived[c] and self._matches(f, n) for n in f.bare)}
             return WordPool(bare(ok), frozenset())
-        if f.phase == "from" and f.expect == "after_source" and self.stack[-1] is f and f.source_name in f.pending:
-            # a table used as a qualifier before FROM keeps its name: no alias, only what may follow one
-            return WordPool(_AFTER_SOURCE, frozenset())
+        if (f.phase == "from" and f.expect == "after_source" and self.stack[-1] is f and f.source_own
+                and f.source_name in f.pending):
+            # a table used as a qualifier before FROM keeps its name: no alias but that name, only what may
+            # follow one
+            return WordPool(_AFTER_SOURCE | {"as"} | bare({f.source_name}), frozenset())
+        if (f.phase == "from" and f.expect == "alias" and self.stack[-1] is f and f.source_own
+                and f.source_name in f.pending):
+            return WordPool(bare({f.source_name}), frozenset())
         if at not in self.words.before_operand:
             return None
         if not (f.phase == "after" or (f.phase == "from" and f.expect == "on")):

@@ -240,3 +240,23 @@ def test_closing_planner_answers_are_completions_inside_the_budget(schema, tokin
         assert out.finished and len(out.ids) <= 64
         validate_json(tokinfo.decode(out.ids[:-1]), schema)
     assert sum(answered_by_suffix) > len(answered_by_suffix) // 2
+
+
+@pytest.mark.parametrize("schema", [
+    # the shortest closing of the string ("") is what validation refuses
+    {"type": "object", "properties": {"note": {"type": "string", "not": {"const": ""}}}, "required": ["note"],
+     "additionalProperties": False},
+    # an overlapping oneOf: the grammar takes either branch, exactly one must match
+    {"type": "object", "properties": {"v": {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}},
+     "required": ["v"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 3}, "minItems": 3, "uniqueItems": True},
+])
+def test_closing_paths_pass_the_validation_only_keywords(schema, tokinfo):
+    """A completion the planner forces must be an output validation accepts, not one the grammar's superset
+    admits: else the gateway's retry closes the same way and the request ends in a 400."""
+    spec = json_schema_spec(schema)
+    for seed in range(6):
+        c = build_constraint(spec, tokinfo, max_tokens=16, cache=ConstraintCache())
+        out = decode(c, random_logits(tokinfo.vocab_size, seed), max_tokens=16)
+        assert out.finished and len(out.ids) <= 16
+        validate_json(tokinfo.decode(out.ids[:-1]), schema)

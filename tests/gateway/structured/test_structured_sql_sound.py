@@ -72,6 +72,10 @@ def test_random_walks_always_parse_and_validate(tokinfo, dialect):
     "SELECT symbol, qty FROM trades ORDER BY 2 DESC, 1",
     "SELECT qty - -1, -qty, qty-1 FROM trades",
     "SELECT t1.qty, t2.qty FROM trades AS t1 JOIN trades AS t2 ON t1.id = t2.id",  # a self-join, two aliases
+    "SELECT trades.qty FROM trades AS trades",  # a table aliased by its own name
+    "SELECT trades.qty FROM trades AS trades JOIN accounts ON accounts.id = trades.account_id",
+    "SELECT trades.qty FROM trades trades",
+    "SELECT trades.qty FROM trades JOIN trades AS t2 ON trades.id = t2.id",  # the first keeps its name
 ])
 def test_sqlite_real_world_forms_admitted(tokinfo, sql):
     assert _admitted(tokinfo, sql, SQLPolicy(dialect="sqlite", max_limit=None)), sql
@@ -104,6 +108,8 @@ def test_postgres_forms_admitted(tokinfo, sql):
     "SELECT 1 AS t ORDER BY t, rpad\t ()",  # too few arguments, `(` and `)` in one token
     "SELECT a.qty FROM trades AS a JOIN accounts AS a ON a.id = a.id",  # an alias used twice in one FROM
     "SELECT trades.qty FROM trades JOIN accounts AS trades ON trades.id = trades.account_id",  # a table's own name
+    "SELECT trades.qty FROM trades JOIN trades AS trades ON trades.id = 1",  # ... taken by the first trades
+    "SELECT trades.qty FROM trades AS t",  # the qualifier lost its table to the alias
 ])
 def test_unsound_forms_refused(tokinfo, sql):
     assert not _admitted(tokinfo, sql, SQLPolicy(dialect="sqlite", max_limit=None)), sql
