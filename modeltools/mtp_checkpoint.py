@@ -1,0 +1,87 @@
+"""A multi-token-prediction layer added to a saved DeepSeek-V3 / GLM-4.5 checkpoint (`model.layers.{L}.*`).
+
+The decoder block is layer L of the same family built by transformers with one more layer (its own
+initialisation under `seed`, saved under hub names), beside the MTP's own tensors: enorm, hnorm, eh_proj,
+shared_head.norm, and copies of the main embedding and lm_head as embed_tokens and shared_head.head (as
+DeepSeek-V3 ships them). config.json gets `num_nextn_predict_layers: 1` (transformers writes DeepSeek-V3's default 1 with no tensors).
+
+`mirror=True` builds a layer whose drafts mean something without training: eh_proj passes the next token's
+normed embedding through, the block's attention and MLP outputs are zero (o_proj, every down_proj), and
+shared_head.norm is the main model's final norm. Its logits for t_{i+2} are then the main model's lm_head over
+its final norm of embed(t_{i+1}) alone: the prediction of the main model's direct path (embedding to head,
+the layers skipped), which the main model agrees with as often as its layers leave that path on top.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from engine.archs import arch_spec
+from modeltools.random_checkpoint import _random_model
+
+FILE = "model-mtp.safetensors"
+
+
+def _read_all(model_dir: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            out.update({name: f.get_tensor(name) for name in f.keys()})
+    return out
+
+
+def add_mtp_layer(model_dir: str | Path, seed: int = 0, mirror: bool = False) -> Path:
+    """Writes the layer into `model_dir` (FILE, the index's weight map where there is one) -> its path."""
+    import transformers
+
+    model_dir = Path(model_dir)
+    hf = json.loads((model_dir / "config.json").read_text())
+    arch = hf["model_type"]
+    if arch not in ("deepseek_v3", "glm4_moe"):
+        raise ValueError(f"MTP layers are DeepSeek-V3's and GLM-4.5's, not {arch!r}")
+    layers = hf["num_hidden_layers"]
+    config_cls, model_cls = (getattr(transformers, name) for name in arch_spec(arch).hf_classes)
+    config = config_cls.from_pretrained(model_dir)
+    config.num_hidden_layers = layers + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        _random_model(model_cls, config, seed).save_pretrained(tmp, safe_serialization=True)
+        block = {n: t for n, t in _read_all(Path(tmp)).items() if n.startswith(f"model.layers.{layers}.")}
+    main = _read_all(model_dir)
+    if any(n.startswith(f"model.layers.{layers}.") for n in main):
+        raise ValueError(f"{model_dir} already stores a layer past its {layers} decoder layers")
+    prefix, h = f"model.layers.{layers}", hf["hidden_size"]
+    gen = torch.Generator().manual_seed(seed + 2)
+    dtype = main["model.embed_tokens.weight"].dtype
+    head = main.get("lm_head.weight", main["model.embed_tokens.weight"])
+    tensors = dict(block)
+    tensors.update({
+        f"{prefix}.embed_tokens.weight": main["model.embed_tokens.weight"].clone(),
+        f"{prefix}.shared_head.head.weight": head.clone(),
+        f"{prefix}.enorm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
+        f"{prefix}.hnorm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
+        f"{prefix}.shared_head.norm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
+        f"{prefix}.eh_proj.weight": 0.02 * torch.randn(h, 2 * h, generator=gen),
+    })
+    if mirror:
+        tensors[f"{prefix}.enorm.weight"] = torch.ones(h)
+        tensors[f"{prefix}.eh_proj.weight"] = torch.cat((torch.eye(h), torch.zeros(h, h)), dim=1)
+        tensors[f"{prefix}.shared_head.norm.weight"] = main["model.norm.weight"].clone()
+        for name in tensors:
+            if name.endswith(("self_attn.o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                tensors[name] = torch.zeros_like(tensors[name])
+    tensors = {n: t.to(dtype).contiguous() for n, t in tensors.items()}
+    save_file(tensors, model_dir / FILE, metadata={"format": "pt"})
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"].update(dict.fromkeys(tensors, FILE))
+        index.write_text(json.dumps(data, indent=2))
+    hf["num_nextn_predict_layers"] = 1
+    (model_dir / "config.json").write_text(json.dumps(hf, indent=2))
+    return model_dir / FILE
