@@ -18,12 +18,14 @@ chains the layer on its own output y as the next h. Drafts are verified like any
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
+from engine.model_runner import SMALL_FORWARD_TOKENS
 from engine.models.causal_lm import DecoderLayer
 from engine.models.layers import RMSNorm
 
@@ -99,6 +101,9 @@ class MtpDrafter:
         self.blocks = blocks
         self.pipeline = pipeline
         self.tokens = tokens
+        self.max_threads = torch.get_num_threads()
+        if getattr(model.mtp.mlp, "experts", None) is not None and model.mtp.mlp.experts.packed is not None:
+            model.mtp.mlp.experts.packed.num_threads = self.max_threads  # the kernel's own pool, as every layer's
         tensors, heads, width = model.config.kv_cache_layout
         self.cache = tuple(torch.zeros(num_slots, heads, width, dtype=dtype, device=device) for _ in range(tensors))
         self._seen: dict[str, tuple] = {}  # request id -> (sequence, first position in the layer's cache, end)
@@ -129,12 +134,15 @@ class MtpDrafter:
             return
         ids = [t for seq, _, start, end, _ in todo for t in seq.tokens(start + 1, end + 1)]
         prev = torch.cat(rows)  # [T, H]
+        want = 1 if prev.shape[0] <= SMALL_FORWARD_TOKENS else self.max_threads  # the runner's rule for a forward
+        if prev.device.type == "cpu" and torch.get_num_threads() != want:
+            torch.set_num_threads(want)
         spans = [(seq, first, start, end) for seq, first, start, end, _ in todo]
         y = self.layer.hidden(torch.tensor(ids, device=prev.device), prev, self._batch(spans), self.cache)
-        last = torch.tensor(list(_ends([end - start for _, _, start, end, _ in todo])), device=y.device) - 1
+        last = list(itertools.accumulate(end - start for _, _, start, end, _ in todo))  # each chunk's end row + 1
         keep = [i for i, t in enumerate(todo) if t[4]]
         if keep:
-            self._draft([todo[i] for i in keep], y[last[keep]])
+            self._draft([todo[i] for i in keep], y[[last[i] - 1 for i in keep]])
         self._prune()
 
     def _draft(self, todo: list, y: torch.Tensor) -> None:
@@ -182,9 +190,3 @@ class MtpDrafter:
         for rid in [rid for rid, (seq, *_) in self._seen.items() if seq.is_finished]:
             del self._seen[rid]
 
-
-def _ends(lengths: list[int]):
-    total = 0
-    for n in lengths:
-        total += n
-        yield total

@@ -5,11 +5,13 @@ initialisation under `seed`, saved under hub names), beside the MTP's own tensor
 shared_head.norm, and copies of the main embedding and lm_head as embed_tokens and shared_head.head (as
 DeepSeek-V3 ships them). config.json gets `num_nextn_predict_layers: 1` (transformers writes DeepSeek-V3's default 1 with no tensors).
 
-`mirror=True` builds a layer whose drafts mean something without training: eh_proj passes the next token's
-normed embedding through, the block's attention and MLP outputs are zero (o_proj, every down_proj), and
-shared_head.norm is the main model's final norm. Its logits for t_{i+2} are then the main model's lm_head over
-its final norm of embed(t_{i+1}) alone: the prediction of the main model's direct path (embedding to head,
-the layers skipped), which the main model agrees with as often as its layers leave that path on top.
+`mirror=True` builds a layer whose drafts mean something without training: its block is a copy of the main
+model's last decoder layer, eh_proj passes the next token's embedding through (enorm's weight the embedding
+rows' mean RMS, so its output is about the raw embedding), shared_head.norm is the main model's final norm.
+On a one-layer main model the layer at position i then computes what the main model computes at position i+1:
+the same layer over the same tokens at the same relative positions (RoPE), only the first two tokens missing
+from its context (the embedding at position 0 is zero) and the embedding's scale approximate, so its drafts
+are the main model's next choice up to those differences. On a deeper model it is the last layer's part only.
 """
 
 from __future__ import annotations
@@ -69,12 +71,15 @@ def add_mtp_layer(model_dir: str | Path, seed: int = 0, mirror: bool = False) ->
         f"{prefix}.eh_proj.weight": 0.02 * torch.randn(h, 2 * h, generator=gen),
     })
     if mirror:
-        tensors[f"{prefix}.enorm.weight"] = torch.ones(h)
+        last = f"model.layers.{layers - 1}."
+        copy = {prefix + n.removeprefix(last[:-1]): t.clone() for n, t in main.items() if n.startswith(last)}
+        if set(copy) != set(block):
+            raise ValueError(f"the last decoder layer is not the MTP block's kind (dense vs MoE): {model_dir}")
+        embed = main["model.embed_tokens.weight"].float()
+        tensors.update(copy)
+        tensors[f"{prefix}.enorm.weight"] = embed.pow(2).mean(-1).sqrt().mean().expand(h).clone()
         tensors[f"{prefix}.eh_proj.weight"] = torch.cat((torch.eye(h), torch.zeros(h, h)), dim=1)
         tensors[f"{prefix}.shared_head.norm.weight"] = main["model.norm.weight"].clone()
-        for name in tensors:
-            if name.endswith(("self_attn.o_proj.weight", "down_proj.weight", "experts.down_proj")):
-                tensors[name] = torch.zeros_like(tensors[name])
     tensors = {n: t.to(dtype).contiguous() for n, t in tensors.items()}
     save_file(tensors, model_dir / FILE, metadata={"format": "pt"})
     index = model_dir / "model.safetensors.index.json"
