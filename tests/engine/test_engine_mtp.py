@@ -166,3 +166,33 @@ def test_mtp_layers_load_only_when_asked_for(mtp_checkpoint, hf_checkpoint):
                                num_kv_blocks=16, progress=False))
     with pytest.raises(ValueError, match="draft_source"):
         EngineConfig(str(path), speculative_tokens=1, speculative_source="eagle")
+
+
+def test_runner_keeps_the_same_hidden_states_on_the_one_call_step(hf_checkpoint, monkeypatch):
+    """The hidden states the layer reads: the fused one-call step's rows (decodes, and short prefill chunks whose
+    rows the lm_head's input compacts) equal the batch forward's, step by step."""
+    from engine.models.fused_decode import FusedDecodeStep
+
+    path = hf_checkpoint("qwen3_moe")
+    args = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8, progress=False, placement=PACKED)
+    requests = [(f"r{i}", p, SamplingParams(max_tokens=6, ignore_eos=True), "execution")
+                for i, p in enumerate(_prompts(2, 13))]
+    calls, step = [], FusedDecodeStep.__call__
+    monkeypatch.setattr(FusedDecodeStep, "__call__", lambda self, *a: calls.append(1) or step(self, *a))
+    kept = {}
+    for fused in (True, False):
+        engine = LLMEngine(EngineConfig(str(path), **args))
+        engine.runner.keep_hidden = True
+        if not fused:
+            engine.runner._decode_step = lambda chunks: None  # every step on the batch forward
+        for rid, prompt, params, mode in requests:
+            engine.add_request(rid, prompt, params, mode=mode)
+        kept[fused] = []
+        while engine.has_work():
+            engine.step()
+            kept[fused].append([h.clone() for h in engine.runner.hidden])
+        assert bool(calls) == fused
+        calls.clear()
+    assert len(kept[True]) == len(kept[False])
+    for a, b in zip(kept[True], kept[False], strict=True):
+        assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
