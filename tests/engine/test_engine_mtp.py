@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -19,6 +20,7 @@ from engine.llm_engine import LLM, EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from modeltools.mtp_checkpoint import FILE, add_mtp_layer
+from policies.model import DecodingSettings
 from tests.engine.conftest import run_requests
 
 PACKED = PlacementConfig(fast_format="fp32", exact_format="fp32")
@@ -166,6 +168,9 @@ def test_mtp_layers_load_only_when_asked_for(mtp_checkpoint, hf_checkpoint):
                                num_kv_blocks=16, progress=False))
     with pytest.raises(ValueError, match="draft_source"):
         EngineConfig(str(path), speculative_tokens=1, speculative_source="eagle")
+    with pytest.raises(ValidationError, match="speculative_source"):
+        DecodingSettings(speculative_tokens=1, speculative_source="eagle")
+    assert DecodingSettings(speculative_tokens=1, speculative_source="mtp").speculative_source == "mtp"
 
 
 def test_runner_keeps_the_same_hidden_states_on_the_one_call_step(hf_checkpoint, monkeypatch):
