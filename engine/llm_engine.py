@@ -50,9 +50,8 @@ class LLMEngine:
         if numerics.defer and numerics.defer > cfg.top_k // 2:
             raise ValueError(f"defer={numerics.defer} must be at most top_k/2 = {cfg.top_k // 2}")
         self.placement_plan = PlacementPlan.build(cfg, numerics.experts, self.device)
-        mtp = config.speculative_tokens > 0 and config.speculative_source == "mtp"
         model = load_model(model_dir, dtype=config.torch_dtype, progress=config.progress,
-                           placement=numerics.experts, plan=self.placement_plan, mtp=mtp)
+                           placement=numerics.experts, plan=self.placement_plan, mtp=config.multi_token.mtp)
         self.layer_experts = {i: layer.mlp.experts.packed for i, layer in enumerate(model.model.layers)
                               if layer.is_moe and layer.mlp.experts.packed is not None}
         for le in self.layer_experts.values():
@@ -111,11 +110,8 @@ class LLMEngine:
             self.tokenizer.vocab_size if self.tokenizer is not None and config.mask_unused_vocab else None
         )
         self._seqs: dict[str, Sequence] = {}
-        drafter = MtpDrafter(model, self.blocks, spec.num_blocks * spec.block_size, config.torch_dtype, self.device,
-                             self.runner.strict_experts, config.speculative_tokens) if mtp else None
-        self.runner.keep_hidden = drafter is not None
-        self.decoder = MultiTokenDecoder(config.multi_token, bool(model.batch_invariant(True)),
-                                         rollback=states is None, drafter=drafter)
+        self.decoder = MultiTokenDecoder(config.multi_token, bool(model.batch_invariant(True)), rollback=states is None,
+                                         drafter=MtpDrafter.build(config.multi_token, self.runner, self.blocks))
         log.info(
             "engine ready: %s (%s) on %s, dtype %s, %d KV blocks x %d tokens, max_model_len %d; %s; "
             "exploration defers %d expert(s)/token",

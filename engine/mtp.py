@@ -109,6 +109,17 @@ class MtpDrafter:
         self._seen: dict[str, tuple] = {}  # request id -> (sequence, first position in the layer's cache, end)
         self._drafts: dict[str, list[int]] = {}
 
+    @classmethod
+    def build(cls, config, runner, blocks) -> MtpDrafter | None:
+        """The engine's drafter where `config` (MultiTokenConfig) asks for MTP drafts, its runner keeping hidden
+        states for it; else None."""
+        if not config.mtp:
+            return None
+        runner.keep_hidden = True
+        cache = runner.kv_caches[0][0]
+        return cls(runner.model, blocks, cache.shape[0], cache.dtype, cache.device, runner.strict_experts,
+                   config.speculative_tokens)
+
     def propose(self, seq, k: int) -> list[int]:
         return self._drafts.pop(seq.request_id, [])[:k]
 

@@ -57,6 +57,11 @@ class MultiTokenConfig:
         if self.draft_source not in DRAFT_SOURCES:
             raise ValueError(f"draft_source must be one of {', '.join(DRAFT_SOURCES)}, got {self.draft_source!r}")
 
+    @property
+    def mtp(self) -> bool:
+        """Whether drafts come from the checkpoint's multi-token-prediction layer (which is then loaded)."""
+        return self.speculative_tokens > 0 and self.draft_source == "mtp"
+
 
 @dataclass
 class MultiTokenStats:
