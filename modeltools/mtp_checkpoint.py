@@ -90,3 +90,18 @@ def add_mtp_layer(model_dir: str | Path, seed: int = 0, mirror: bool = False) ->
     hf["num_nextn_predict_layers"] = 1
     (model_dir / "config.json").write_text(json.dumps(hf, indent=2))
     return model_dir / FILE
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="add a multi-token-prediction layer to a DeepSeek-V3 / GLM-4.5 checkpoint")
+    ap.add_argument("model_dir")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mirror", action="store_true", help="a copy of the last decoder layer (see the module docstring)")
+    args = ap.parse_args()
+    print(add_mtp_layer(args.model_dir, args.seed, args.mirror))
+
+
+if __name__ == "__main__":
+    main()
