@@ -314,6 +314,9 @@ def _extra_layers(model_dir: Path) -> int:
 
 
 def _mtp_config(model_dir: Path, cfg: ModelConfig, extra: int) -> ModelConfig:
+    if cfg.arch == "qwen3_next":
+        raise CheckpointError("Qwen3-Next's multi-token-prediction module (mtp.*) is not a draft source here (its "
+                              "recurrent state cannot roll back drafts either); use speculative_source ngram")
     if not extra or find_gguf(model_dir) is not None:
         raise CheckpointError(f"{model_dir} has no multi-token-prediction layer (config.json's num_nextn_predict_layers "
                               "is 0 or absent, or a GGUF file): MTP drafts need a safetensors checkpoint that ships "

@@ -14,6 +14,8 @@ logits at the rows that need them):
   longest agreeing prefix; sampling accepts a draft d with probability p(d) and otherwise samples from p
   with d removed, which leaves the output distribution unchanged (the drafts are deterministic, q(d) = 1).
   Rejected drafts' KV is rolled back (their slots are overwritten when those positions are recomputed).
+  With `draft_source` "mtp" the drafts come from the checkpoint's multi-token-prediction layer instead
+  (engine/mtp.py: `observe` after each step, `propose`), verified the same way.
 """
 
 from __future__ import annotations
