@@ -117,6 +117,23 @@ def test_first_mtp_draft_is_the_reference_argmax(mtp_checkpoint, tmp_path):
     assert seq.draft_token_ids == [int(want.argmax())]
 
 
+def test_mtp_cache_after_rejected_drafts_is_the_full_sequence_reference(mtp_checkpoint, tmp_path):
+    """A random layer's drafts are nearly all rejected: after steps of rolled-back drafts, prefill chunks and a
+    packed MoE, the next draft is still the reference module's argmax over the whole sequence (its cache holds
+    every kept position once, none of the rejected ones)."""
+    path = mtp_checkpoint()
+    prompt = _prompts(1, 31)[0] + [5, 6, 7, 8, 9, 10]
+    engine = LLMEngine(EngineConfig(str(path), num_kv_blocks=32, block_size=4, max_num_batched_tokens=8,
+                                    progress=False, placement=PACKED, speculative_tokens=1, speculative_source="mtp"))
+    engine.add_request("a", prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(12):
+        engine.step()
+    seq = engine._seqs["a"]
+    assert engine.decoder.stats.drafted_tokens > engine.decoder.stats.accepted_tokens  # rollbacks happened
+    want = _reference_logits(path, tmp_path, prompt + seq.output_token_ids)[-1]
+    assert seq.draft_token_ids == [int(want.argmax())]
+
+
 @pytest.mark.parametrize(("arch", "placement"), [("deepseek_v3", None), ("deepseek_v3", PACKED), ("glm4_moe", PACKED)],
                          ids=["deepseek-torch", "deepseek-packed", "glm-packed"])
 def test_output_with_mtp_drafts_equals_output_without(mtp_checkpoint, arch, placement):
