@@ -109,8 +109,9 @@ inline void zmm_prefetch(const uint8_t* p) { __builtin_prefetch(p + kPrefetch, 0
 // which GCC compiles to a separate vpbroadcastd per row and block (its vpdpbusd pattern takes no embedded
 // broadcast). At 8 rows that broadcast was a third of the tile loop's instructions, and the front end,
 // not the vpdpbusd port, set the pace.
+typedef int32_t __attribute__((may_alias)) int8x4_t;  // 4 int8 read as one dword (aliases the int8 data)
 inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
-  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int8x4_t*>(p)));
   return acc;
 }
 
