@@ -50,10 +50,15 @@ def race_noise(width: int, seq: Sequence) -> torch.Tensor:
     of the sequence's key and the number of draws before it, ~0.6-1 ms for a 152k vocabulary)."""
     from kernels.race_noise import race_noise as draw
 
+    return draw(width, *next_draw(seq))
+
+
+def next_draw(seq: Sequence) -> tuple[int, int]:
+    """(key, counter) of `seq`'s next race draw, used up."""
     if seq.noise_key is None:
         seq.noise_key = int(torch.randint(0, 2**63 - 1, (1,)))  # unseeded: torch's global generator decides
     seq.noise_draws += 1
-    return draw(width, seq.noise_key, seq.noise_draws - 1)
+    return seq.noise_key, seq.noise_draws - 1
 
 
 def skip_race_draw(seq: Sequence) -> None:
@@ -278,9 +283,19 @@ def sample_row(row: torch.Tensor, seq: Sequence, batched: bool = False, noise: t
         if not math.isfinite(float(row[token])):
             raise SamplingError(f"request {seq.request_id}: no token is allowed at this step")
         return token
+    plain = not (p.top_k or p.top_p < 1.0) and row.device.type == "cpu" and row.dtype == torch.float32
+    if plain and noise is None and row.is_contiguous():
+        # the whole race in one kernel call (kernels/race_noise.py `race_sample`): numpy's pick below, bit for bit,
+        # drawing the noise only of ids that can still win
+        from kernels.race_noise import race_sample
+
+        token, best = race_sample(row.numpy(), p.temperature, *next_draw(seq))
+        if not math.isfinite(best):  # all -inf (every token masked), a +inf or a NaN
+            raise SamplingError(f"request {seq.request_id}: no token is allowed at this step")
+        return token
     if noise is None:
         noise = race_noise(row.shape[-1], seq)
-    if not (p.top_k or p.top_p < 1.0) and row.device.type == "cpu" and row.dtype == torch.float32:
+    if plain:
         # the same operations in numpy on one scratch row (torch's fp32 division and addition give numpy's bits):
         # ~0.1 ms for 152k ids where the torch ops and the max check cost ~1 ms
         scores = np.divide(row.numpy(), np.float32(p.temperature))

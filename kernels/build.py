@@ -210,6 +210,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "moegate_race_noise"):  # absent from an earlier revision's kernel (benchmarks)
         lib.moegate_race_noise.restype = ctypes.c_int
         lib.moegate_race_noise.argtypes = [p, i64, ctypes.c_uint64, ctypes.c_uint64]
+    if hasattr(lib, "moegate_race_sample"):
+        lib.moegate_race_sample.restype = i64
+        lib.moegate_race_sample.argtypes = [p, i64, ctypes.c_float, ctypes.c_uint64, ctypes.c_uint64, p, ctypes.c_int]
     if hasattr(lib, "moegate_pool_sizing"):  # absent from an earlier revision's kernel (benchmarks)
         lib.moegate_pool_sizing.restype = ctypes.c_int
         lib.moegate_pool_sizing.argtypes = [ctypes.c_int]
