@@ -91,14 +91,17 @@ def race_sample_reference(logits: np.ndarray, temperature: float, key: int, coun
 
 
 class RaceSampler:
-    """`race_sample` through one kernel build, its arguments converted once (a decode step calls it per row)."""
+    """`race_sample` through one kernel build (a decode step calls it per row). `threads`: the kernel pool's threads
+    for one row's chunks of ids; 1 by default: on a shared 2-vCPU Xeon at load ~9 a second thread made a row whose
+    every block is drawn 4-13x slower (median of 200, 4.4-13.2 ms against 0.93-0.98 alone: the caller waits for a
+    descheduled helper's chunk), and on a row that prunes to a few blocks there is little left to share."""
 
-    def __init__(self, variant: str | None = None, threads: int | None = None) -> None:
+    def __init__(self, variant: str | None = None, threads: int = 1) -> None:
         from kernels.fused_moe import kernel_library
 
         lib = kernel_library(variant)
         self._call = getattr(lib, "moegate_race_sample", None) if lib is not None else None
-        self.threads = threads if threads is not None else torch.get_num_threads()
+        self.threads = threads
 
     def __call__(self, logits: np.ndarray, temperature: float, key: int, counter: int) -> tuple[int, float]:
         """(id, score) for logits [V] fp32 contiguous: `race_sample_reference`'s."""
