@@ -94,19 +94,91 @@ inline float order_float(uint32_t k) {
   return x;
 }
 
-// The least logit x whose bound fl(fl(x / t) + G) reaches `floor` (G the largest noise): no id with a smaller
-// logit can score `floor` (fl(x / t) and fl(a + g) rise with x and g). A binary search over the floats' order.
-inline float race_threshold(float floor, float t) {
-  float g_max;
-  std::memcpy(&g_max, &kRaceNoiseMaxBits, 4);
-  uint32_t lo = float_order(-std::numeric_limits<float>::infinity());
-  uint32_t hi = float_order(std::numeric_limits<float>::infinity());  // its bound is +inf: reaches any floor
-  while (lo < hi) {
-    const uint32_t mid = lo + (hi - lo) / 2;
-    if (order_float(mid) / t + g_max >= floor) hi = mid;
-    else lo = mid + 1;
+// The largest g of each of the 4096 buckets of u by its top 12 bits (the hash's top 12 bits: u rises with h >> 9):
+// g of the bucket's largest u, as g rises with u (tests/kernels/test_kernels_race_noise.py checks every u). An id
+// whose hash lies in bucket k draws at most bucket_max[k]; the last is kRaceNoiseMaxBits' G.
+constexpr int kRaceBuckets = 4096;
+
+inline const float* race_bucket_max() {
+  static const std::vector<float> table = [] {
+    std::vector<float> g(kRaceBuckets);
+    for (uint32_t k = 0; k < kRaceBuckets; ++k) {
+      const uint32_t m = (k << 11) | 0x7FFu;  // the bucket's largest h >> 9
+      const float u = static_cast<float>((m << 1) | 1u) * 5.9604644775390625e-8f;
+      g[k] = -race_log(-race_log(u));
+    }
+    return g;
+  }();
+  return table.data();
+}
+
+// The largest of logits[0, n) (n <= kRaceBlock), NaN-free: GCC's vectors of the build's register width.
+inline float block_max(const float* logits, int64_t n) {
+#if defined(__AVX512F__)
+  constexpr int64_t L = 16;
+#elif defined(__AVX2__)
+  constexpr int64_t L = 8;
+#else
+  constexpr int64_t L = 4;
+#endif
+  typedef float Lanes __attribute__((vector_size(L * 4)));
+  float top = logits[0];
+  int64_t j = 0;
+  if (n >= L) {
+    Lanes m;
+    std::memcpy(&m, logits, sizeof(m));
+    for (j = L; j + L <= n; j += L) {
+      Lanes x;
+      std::memcpy(&x, logits + j, sizeof(x));
+      m = x > m ? x : m;
+    }
+    for (int64_t k = 0; k < L; ++k) top = m[k] > top ? m[k] : top;
   }
-  return order_float(lo);
+  for (; j < n; ++j) top = logits[j] > top ? logits[j] : top;
+  return top;
+}
+
+// The best (largest score, lowest id on ties) of ids [b, e) scoring at least `floor`, a score some id has. Per block
+// of ids, from its largest logit x: the least bucket k whose bound fl(fl(x / t) + bucket_max[k]) reaches the best
+// score so far (none: the block is skipped); only ids whose hash lies in bucket k or above are drawn (fl(a / t) and
+// fl(a + g) rise with a and g, so no other id of the block can reach it). A hash is a few integer operations, the
+// draw two logs: on a flat row the ids drawn are the few in the top buckets. No NaN logit (moegate_race_sample).
+inline RacePick race_chunk(const float* logits, int64_t b, int64_t e, float t, uint32_t k0, uint32_t k1,
+                           float floor) {
+  const float* bucket_max = race_bucket_max();
+  RacePick best{floor, -1};
+  for (int64_t i = b; i < e; i += kRaceBlock) {
+    const int64_t n = std::min(kRaceBlock, e - i);
+    const float a = block_max(logits + i, n) / t;
+    if (!(a + bucket_max[kRaceBuckets - 1] >= best.score)) continue;
+    int lo = 0, hi = kRaceBuckets - 1;  // the least bucket whose bound reaches best.score
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (a + bucket_max[mid] >= best.score) hi = mid;
+      else lo = mid + 1;
+    }
+    const uint32_t from = static_cast<uint32_t>(lo), id = static_cast<uint32_t>(i);
+    uint32_t hash[kRaceBlock];
+    int drawn = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      hash[j] = fmix32(fmix32((id + static_cast<uint32_t>(j)) * 0x9E3779B9u ^ k0) ^ k1);
+      drawn += (hash[j] >> 20) >= from;
+    }
+    if (drawn == 0) continue;
+    float score[kRaceBlock];
+    if (n == kRaceBlock && drawn >= 16) {  // many: the whole block through the vectorized draw
+      for (int64_t j = 0; j < kRaceBlock; ++j) score[j] = logits[i + j] / t + race_gumbel(id + j, k0, k1);
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        score[j] = (hash[j] >> 20) >= from ? logits[i + j] / t + race_gumbel(id + j, k0, k1)
+                                           : -std::numeric_limits<float>::infinity();
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      if (score[j] > best.score || (best.id < 0 && score[j] == best.score)) best = RacePick{score[j], i + j};
+    }
+  }
+  return best;
 }
 
 // Whether any of logits[i, i + n) is >= x (element-wise, so the compiler vectorizes it).
@@ -114,35 +186,6 @@ inline bool any_at_least(const float* logits, int64_t n, float x) {
   int hit = 0;
   for (int64_t j = 0; j < n; ++j) hit |= logits[j] >= x;
   return hit != 0;
-}
-
-// The best (largest score, lowest id on ties) of ids [b, e) scoring at least `floor`, a score some id has; a block of
-// ids whose logits all lie below race_threshold(floor) is not drawn (none of them can reach it), and the threshold
-// rises with the best score found. No NaN logit (ruled out by moegate_race_sample).
-inline RacePick race_chunk(const float* logits, int64_t b, int64_t e, float t, uint32_t k0, uint32_t k1,
-                           float floor) {
-  RacePick best{floor, -1};
-  float thr = race_threshold(floor, t);
-  for (int64_t i = b; i < e; i += kRaceBlock) {
-    const int64_t n = std::min(kRaceBlock, e - i);
-    if (!any_at_least(logits + i, n, thr)) continue;
-    float score[kRaceBlock];
-    const uint32_t id = static_cast<uint32_t>(i);
-    if (n == kRaceBlock) {
-      for (int64_t j = 0; j < kRaceBlock; ++j) score[j] = logits[i + j] / t + race_gumbel(id + j, k0, k1);
-    } else {
-      for (int64_t j = 0; j < n; ++j) score[j] = logits[i + j] / t + race_gumbel(id + j, k0, k1);
-    }
-    float top = score[0];
-    for (int64_t j = 1; j < n; ++j) top = score[j] > top ? score[j] : top;
-    if (top > best.score || (best.id < 0 && top == best.score)) {
-      int64_t j = 0;
-      while (score[j] != top) ++j;  // the block's first largest
-      if (top > best.score) thr = race_threshold(top, t);
-      best = RacePick{top, i + j};
-    }
-  }
-  return best;
 }
 
 // Some id of the largest logit of logits[0, n) (n > 0), and whether any logit is NaN (then the id is meaningless).

@@ -54,10 +54,12 @@ def test_draws_are_gumbel_and_independent():
 
 
 def test_noise_max_bounds_every_draw():
-    """NOISE_MAX (csrc/race_noise.h kRaceNoiseMaxBits) is g of the largest u, and no u gives more: all 2^23 of them."""
+    """NOISE_MAX (csrc/race_noise.h kRaceNoiseMaxBits) is g of the largest u, and no u gives more, and g never falls
+    as u rises: all 2^23 of them."""
     u = ((np.arange(1 << 23, dtype=np.uint32) << np.uint32(1)) | np.uint32(1)).astype(np.float32) * np.float32(2**-24)
     g = -_log(-_log(u))
     assert g.max() == NOISE_MAX == g[-1]
+    assert (np.diff(g) >= 0).all()  # g rises with u: a bucket of u's largest g bounds every draw in it (race_chunk)
 
 
 def _rows(rng: np.random.Generator, v: int) -> dict[str, np.ndarray]:
