@@ -92,8 +92,11 @@ def sample(
     logit where the lm_head's call found it (engine/models/fused_decode.py), for the plain greedy rows. `view`: the
     logits' LogitsView where the caller keeps one."""
     tokens: list[int | SamplingError | None] = [None] * len(seqs)
-    if _greedy_plain_rows(view if view is not None else LogitsView(logits), seqs, tokens, vocab_limit, first_max):
+    view = view if view is not None else LogitsView(logits)
+    if _greedy_plain_rows(view, seqs, tokens, vocab_limit, first_max):
         return tokens  # type: ignore[return-value]  # every row was plain greedy: nothing written, no torch call
+    if _race_plain_rows(view, seqs, tokens, vocab_limit):
+        return tokens  # type: ignore[return-value]  # every row was plain (greedy or temperature): no torch call
     with torch.inference_mode():  # the vocabulary mask and the processors edit the rows in place (forward's: inference)
         if vocab_limit is not None and vocab_limit < logits.shape[-1]:
             logits[:, vocab_limit:] = float("-inf")  # padded rows of the embedding are not tokens
@@ -268,6 +271,30 @@ def _greedy_plain_rows(view: LogitsView, seqs: list[Sequence], tokens: list, voc
             f"request {seq.request_id}: no token is allowed at this step")
         done += 1
     return done == len(seqs)
+
+
+def _race_plain_rows(view: LogitsView, seqs: list[Sequence], tokens: list, vocab_limit: int | None) -> bool:
+    """Sets tokens[i] for the plain temperature rows (no logits processor, no top-k / top-p) of fp32 CPU logits: the
+    race over the row's first `vocab_limit` logits in one kernel call, read in place (`sample_row`'s token: the
+    masked ids are -inf there and win only where every id is -inf, and such a row fails either way). Returns whether
+    every row now has its token."""
+    if view.values is None:
+        return False
+    from kernels.race_noise import race_sample
+
+    limit = view.width if vocab_limit is None else min(vocab_limit, view.width)
+    done = True
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if tokens[i] is not None:
+            continue
+        if p.logits_processors or p.temperature < MIN_TEMPERATURE or p.top_k or p.top_p < 1.0:
+            done = False
+            continue
+        token, best = race_sample(view.values[i, :limit], p.temperature, *next_draw(seq))
+        tokens[i] = token if math.isfinite(best) else SamplingError(
+            f"request {seq.request_id}: no token is allowed at this step")
+    return done
 
 
 def sample_row(row: torch.Tensor, seq: Sequence, batched: bool = False, noise: torch.Tensor | None = None) -> int:

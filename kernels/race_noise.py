@@ -105,7 +105,7 @@ class RaceSampler:
 
     def __call__(self, logits: np.ndarray, temperature: float, key: int, counter: int) -> tuple[int, float]:
         """(id, score) for logits [V] fp32 contiguous: `race_sample_reference`'s."""
-        if self._call is None:
+        if self._call is None or logits.dtype != np.float32 or not logits.flags.c_contiguous:
             return race_sample_reference(logits, temperature, key, counter)
         best = ctypes.c_float()
         token = self._call(logits.ctypes.data, logits.shape[0], temperature, key & _M64, counter & _M64,

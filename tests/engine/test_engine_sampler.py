@@ -126,3 +126,22 @@ def test_kernel_race_picks_the_full_draws_token(shape):
         sample_row(torch.full((1000,), float("-inf")), kernel)
     with pytest.raises(SamplingError):
         sample_row(torch.tensor([0.0, float("nan"), 1.0]), kernel)
+
+
+def test_plain_temperature_rows_in_place_equal_the_masked_rows():
+    """`sample` takes plain temperature rows (no processor, no top-k / top-p) in place, limited to `vocab_limit`
+    without writing the mask: the tokens of `sample_row` on the masked rows with the same seeds, a row whose limited
+    ids are all -inf fails alone, and greedy and top-k rows beside them keep their paths."""
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(5, 3000, generator=gen) * 3
+    logits[3, :2900] = float("-inf")  # nothing below the limit: fails
+    kinds = [dict(temperature=1.0, seed=1), dict(temperature=0.6, seed=2), dict(), dict(temperature=1.3, seed=3),
+             dict(temperature=0.8, seed=4, top_k=50)]
+    got = sample(logits.clone(), [_seq(**k) for k in kinds], vocab_limit=2900)
+    masked = logits.clone()
+    masked[:, 2900:] = float("-inf")
+    for i, k in enumerate(kinds):
+        if i == 3:
+            assert isinstance(got[i], SamplingError)
+            continue
+        assert got[i] == sample_row(masked[i].clone(), _seq(**k)), k
