@@ -50,10 +50,15 @@ def race_noise(width: int, seq: Sequence) -> torch.Tensor:
     of the sequence's key and the number of draws before it, ~0.6-1 ms for a 152k vocabulary)."""
     from kernels.race_noise import race_noise as draw
 
+    return draw(width, *next_draw(seq))
+
+
+def next_draw(seq: Sequence) -> tuple[int, int]:
+    """(key, counter) of `seq`'s next race draw, used up."""
     if seq.noise_key is None:
         seq.noise_key = int(torch.randint(0, 2**63 - 1, (1,)))  # unseeded: torch's global generator decides
     seq.noise_draws += 1
-    return draw(width, seq.noise_key, seq.noise_draws - 1)
+    return seq.noise_key, seq.noise_draws - 1
 
 
 def skip_race_draw(seq: Sequence) -> None:
@@ -87,8 +92,11 @@ def sample(
     logit where the lm_head's call found it (engine/models/fused_decode.py), for the plain greedy rows. `view`: the
     logits' LogitsView where the caller keeps one."""
     tokens: list[int | SamplingError | None] = [None] * len(seqs)
-    if _greedy_plain_rows(view if view is not None else LogitsView(logits), seqs, tokens, vocab_limit, first_max):
+    view = view if view is not None else LogitsView(logits)
+    if _greedy_plain_rows(view, seqs, tokens, vocab_limit, first_max):
         return tokens  # type: ignore[return-value]  # every row was plain greedy: nothing written, no torch call
+    if _race_plain_rows(view, seqs, tokens, vocab_limit):
+        return tokens  # type: ignore[return-value]  # every row was plain (greedy or temperature): no torch call
     with torch.inference_mode():  # the vocabulary mask and the processors edit the rows in place (forward's: inference)
         if vocab_limit is not None and vocab_limit < logits.shape[-1]:
             logits[:, vocab_limit:] = float("-inf")  # padded rows of the embedding are not tokens
@@ -265,6 +273,30 @@ def _greedy_plain_rows(view: LogitsView, seqs: list[Sequence], tokens: list, voc
     return done == len(seqs)
 
 
+def _race_plain_rows(view: LogitsView, seqs: list[Sequence], tokens: list, vocab_limit: int | None) -> bool:
+    """Sets tokens[i] for the plain temperature rows (no logits processor, no top-k / top-p) of fp32 CPU logits: the
+    race over the row's first `vocab_limit` logits in one kernel call, read in place (`sample_row`'s token: the
+    masked ids are -inf there and win only where every id is -inf, and such a row fails either way). Returns whether
+    every row now has its token."""
+    if view.values is None:
+        return False
+    from kernels.race_noise import race_sample
+
+    limit = view.width if vocab_limit is None else min(vocab_limit, view.width)
+    done = True
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if tokens[i] is not None:
+            continue
+        if p.logits_processors or p.temperature < MIN_TEMPERATURE or p.top_k or p.top_p < 1.0:
+            done = False
+            continue
+        token, best = race_sample(view.values[i, :limit], p.temperature, *next_draw(seq))
+        tokens[i] = token if math.isfinite(best) else SamplingError(
+            f"request {seq.request_id}: no token is allowed at this step")
+    return done
+
+
 def sample_row(row: torch.Tensor, seq: Sequence, batched: bool = False, noise: torch.Tensor | None = None) -> int:
     """logits row [V] -> the next token of `seq` under its SamplingParams (`batched`: its mask
     processor was already applied by `sample`; `noise`: this step's race noise, when already drawn)."""
@@ -278,9 +310,19 @@ def sample_row(row: torch.Tensor, seq: Sequence, batched: bool = False, noise: t
         if not math.isfinite(float(row[token])):
             raise SamplingError(f"request {seq.request_id}: no token is allowed at this step")
         return token
+    plain = not (p.top_k or p.top_p < 1.0) and row.device.type == "cpu" and row.dtype == torch.float32
+    if plain and noise is None and row.is_contiguous():
+        # the whole race in one kernel call (kernels/race_noise.py `race_sample`): numpy's pick below, bit for bit,
+        # drawing the noise only of ids that can still win
+        from kernels.race_noise import race_sample
+
+        token, best = race_sample(row.numpy(), p.temperature, *next_draw(seq))
+        if not math.isfinite(best):  # all -inf (every token masked), a +inf or a NaN
+            raise SamplingError(f"request {seq.request_id}: no token is allowed at this step")
+        return token
     if noise is None:
         noise = race_noise(row.shape[-1], seq)
-    if not (p.top_k or p.top_p < 1.0) and row.device.type == "cpu" and row.dtype == torch.float32:
+    if plain:
         # the same operations in numpy on one scratch row (torch's fp32 division and addition give numpy's bits):
         # ~0.1 ms for 152k ids where the torch ops and the max check cost ~1 ms
         scores = np.divide(row.numpy(), np.float32(p.temperature))

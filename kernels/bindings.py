@@ -43,29 +43,52 @@ def decode_layer_library():
     return kernel_library()
 
 
+class DecodeSlotsError(IndexError):
+    """A decode kernel call's slot ids or context ranges lie outside its KV cache or context buffer (a bad block
+    table): the kernel checked them and wrote nothing."""
+
+
+def _decode_rc(name: str, rc: int, cache_slots: int, ctx_total: int) -> None:
+    if rc == -4:
+        raise DecodeSlotsError(f"{name}: a token's slot or context lies outside the KV cache's {cache_slots} slots or "
+                               f"the {ctx_total} context slots given (a bad block table); nothing was computed")
+    if rc != 0:
+        raise RuntimeError(f"{name} failed with code {rc}")
+
+
+def cache_slots(params, caches) -> int:
+    """The slots every layer's KV cache holds (the fewest): params (DecodeLayerParams, or a sequence of them) and
+    caches ((K, V) per layer) in the same order."""
+    params = [params] if isinstance(params, DecodeLayerParams) else params
+    return min(min(k.numel(), v.numel()) // (p.KV * p.D) for p, (k, v) in zip(params, caches, strict=True))
+
+
 def run_decode_layer(lib, params: DecodeLayerParams, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                      slots: torch.Tensor, start: torch.Tensor, length: torch.Tensor, ids: torch.Tensor,
                      num_threads: int) -> None:
     """x [T, H] fp32 contiguous, updated in place; writes the tokens' K/V at `slot_mapping` [T] and each
-    token's top-k expert ids to `ids` [T, K] int64. Token i attends to slots[start[i] : start[i] + length[i]]."""
+    token's top-k expert ids to `ids` [T, K] int64. Token i attends to slots[start[i] : start[i] + length[i]].
+    A slot or context outside the cache or `slots`: DecodeSlotsError, nothing written."""
+    n, total = cache_slots(params, [(k_cache, v_cache)]), slots.numel()
     rc = lib.moegate_decode_layer(
         ctypes.byref(params), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
         v_cache.data_ptr(), slot_mapping.data_ptr(), slots.data_ptr(), start.data_ptr(), length.data_ptr(),
-        ids.data_ptr(), ctypes.c_int(num_threads))
-    if rc != 0:
-        raise RuntimeError(f"moegate_decode_layer failed with code {rc}")
+        ids.data_ptr(), ctypes.c_int(num_threads), n, total)
+    _decode_rc("moegate_decode_layer", rc, n, total)
 
 
 def run_decode_stack(lib, layers: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_caches: ctypes.Array, v_caches: ctypes.Array, slot_mapping: torch.Tensor, slots: torch.Tensor,
                      start: torch.Tensor, length: torch.Tensor, ids: torch.Tensor, counts: ctypes.Array,
-                     num_threads: int, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None) -> None:
+                     num_threads: int, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None, *,
+                     slots_per_cache: int) -> None:
     """`run_decode_layer` for every layer in order, in one call: layers (DecodeLayerParams * L), layer l's
     KV caches at k_caches[l] / v_caches[l] (c_void_p * L); counts[l] (c_void_p * L, None for none): layer
     l's routing counts [E] int64, each top-k expert id of its tokens added once. ids [>= T, K] int64: scratch.
     norm (weight [H] fp32, eps, out [T, H] fp32): the final RMSNorm of each row of x into out, as
-    `kernels.norm.rms_norm_rows`; None: x is left un-normed."""
+    `kernels.norm.rms_norm_rows`; None: x is left un-normed. slots_per_cache: the slots each layer's cache holds
+    (`cache_slots`); a slot or context outside them or `slots`: DecodeSlotsError, nothing written."""
     if ids.dtype != torch.int64 or not ids.is_contiguous() or ids.shape[0] < x.shape[0]:
         raise ValueError(f"ids must be contiguous int64 with >= {x.shape[0]} rows, got {ids.dtype} {tuple(ids.shape)}")
     weight, eps, out = norm if norm is not None else (None, 0.0, None)
@@ -76,9 +99,8 @@ def run_decode_stack(lib, layers: ctypes.Array, x: torch.Tensor, cos: torch.Tens
         layers, len(layers), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(), k_caches, v_caches,
         slot_mapping.data_ptr(), slots.data_ptr(), start.data_ptr(), length.data_ptr(), ids.data_ptr(), counts,
         None if weight is None else weight.data_ptr(), float(eps), None if out is None else out.data_ptr(),
-        ctypes.c_int(num_threads))
-    if rc != 0:
-        raise RuntimeError(f"moegate_decode_stack failed with code {rc}")
+        ctypes.c_int(num_threads), slots_per_cache, slots.numel())
+    _decode_rc("moegate_decode_stack", rc, slots_per_cache, slots.numel())
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -89,12 +111,14 @@ class DecodeStackCall:
     """`run_decode_stack` over buffers kept between calls: x [R, H], cos / sin [R, D], slot_mapping, start, length
     [R] int64, slots [>= the contexts' total] int64, ids [R, K] int64 and the norm's out [R, H] are checked and
     their pointers converted to ctypes once, so a call passes only its row count T <= R (rows [0, T) of each).
+    slots_per_cache: the slots each layer's cache holds (`cache_slots`); the kernel checks every slot id and context
+    range against it and `slots` (DecodeSlotsError, nothing written).
     The entry point is looked up on the library at each call (a timer wrapped around it sees every call)."""
 
     def __init__(self, lib, layers: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  k_caches: ctypes.Array, v_caches: ctypes.Array, slot_mapping: torch.Tensor, slots: torch.Tensor,
                  start: torch.Tensor, length: torch.Tensor, ids: torch.Tensor, counts: ctypes.Array, num_threads: int,
-                 norm: tuple[torch.Tensor, float, torch.Tensor]) -> None:
+                 norm: tuple[torch.Tensor, float, torch.Tensor], slots_per_cache: int) -> None:
         rows, weight, (eps, out) = x.shape[0], norm[0], norm[1:]
         floats, ints = (x, cos, sin, weight, out), (slot_mapping, slots, start, length, ids)
         if not all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in floats):
@@ -109,14 +133,15 @@ class DecodeStackCall:
         self._head = (layers, ctypes.c_int64(len(layers)), _ptr(x))
         self._tail = (_ptr(cos), _ptr(sin), k_caches, v_caches, _ptr(slot_mapping), _ptr(slots), _ptr(start),
                       _ptr(length), _ptr(ids), counts, _ptr(weight), ctypes.c_double(eps), _ptr(out),
-                      ctypes.c_int(num_threads))
+                      ctypes.c_int(num_threads), ctypes.c_int64(slots_per_cache), ctypes.c_int64(slots.numel()))
+        self.slots_per_cache, self.ctx_total = slots_per_cache, slots.numel()
 
     def __call__(self, rows: int) -> None:
         if not 0 < rows <= self.rows:
             raise ValueError(f"rows must be in [1, {self.rows}], got {rows}")
         rc = self.lib.moegate_decode_stack(*self._head, rows, *self._tail)
         if rc != 0:
-            raise RuntimeError(f"moegate_decode_stack failed with code {rc}")
+            _decode_rc("moegate_decode_stack", rc, self.slots_per_cache, self.ctx_total)
 
 
 class LinearCall:

@@ -210,6 +210,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "moegate_race_noise"):  # absent from an earlier revision's kernel (benchmarks)
         lib.moegate_race_noise.restype = ctypes.c_int
         lib.moegate_race_noise.argtypes = [p, i64, ctypes.c_uint64, ctypes.c_uint64]
+    if hasattr(lib, "moegate_race_sample"):
+        lib.moegate_race_sample.restype = i64
+        lib.moegate_race_sample.argtypes = [p, i64, ctypes.c_float, ctypes.c_uint64, ctypes.c_uint64, p, ctypes.c_int]
     if hasattr(lib, "moegate_pool_sizing"):  # absent from an earlier revision's kernel (benchmarks)
         lib.moegate_pool_sizing.restype = ctypes.c_int
         lib.moegate_pool_sizing.argtypes = [ctypes.c_int]
@@ -223,8 +226,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "moegate_decode_layer"):  # absent from an earlier revision's kernel (benchmarks)
         lib.moegate_decode_layer.restype = ctypes.c_int
         lib.moegate_decode_layer.argtypes = [ctypes.POINTER(DecodeLayerParams), p, i64, p, p, p, p, p, p, p, p, p,
-                                             ctypes.c_int]
+                                             ctypes.c_int, i64, i64]
     if hasattr(lib, "moegate_decode_stack"):
         lib.moegate_decode_stack.restype = ctypes.c_int
         lib.moegate_decode_stack.argtypes = [ctypes.POINTER(DecodeLayerParams), i64, p, i64, p, p, p, p, p, p, p, p,
-                                             p, p, p, ctypes.c_double, p, ctypes.c_int]
+                                             p, p, p, ctypes.c_double, p, ctypes.c_int, i64, i64]

@@ -31,6 +31,7 @@ from kernels.bindings import (
     DecodeLayerParams,
     DecodeStackCall,
     LinearCall,
+    cache_slots,
     decode_layer_library,
     run_decode_layer,
     run_decode_stack,
@@ -129,7 +130,7 @@ class FusedStack:
                 raise ValueError(f"routing counts must be [E={f.params.E}] int64 on the CPU, got {c.dtype} {tuple(c.shape)}")
         self.counts = (ctypes.c_void_p * len(layers))(*(f.packed.counts.data_ptr() for f in layers))
         self._ids = torch.empty(0, layers[0].top_k, dtype=torch.int64)  # [T, K] scratch, grown on demand
-        self._caches: tuple[list, ctypes.Array, ctypes.Array] | None = None
+        self._caches: tuple[list, ctypes.Array, ctypes.Array, int] | None = None
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -141,14 +142,15 @@ class FusedStack:
         if self._caches is None or self._caches[0] is not kv_caches:  # the runner's list: the same every step
             n = len(self.layers)
             self._caches = (kv_caches, (ctypes.c_void_p * n)(*(c[0].data_ptr() for c in kv_caches)),
-                            (ctypes.c_void_p * n)(*(c[1].data_ptr() for c in kv_caches)))
+                            (ctypes.c_void_p * n)(*(c[1].data_ptr() for c in kv_caches)),
+                            cache_slots(self.params, kv_caches))
         if self._ids.shape[0] < x.shape[0]:
             self._ids = torch.empty(x.shape[0], self._ids.shape[1], dtype=torch.int64)
-        _, k, v = self._caches
+        _, k, v, n = self._caches
         out = torch.empty_like(x) if norm is not None else x  # [T, H]
         run_decode_stack(self.lib, self.params, x, ctx.cos, ctx.sin, k, v, ctx.slot_mapping, ctx.slots, ctx.start,
                          ctx.length, self._ids, self.counts, self.num_threads,
-                         None if norm is None else (norm[0].detach(), norm[1], out))
+                         None if norm is None else (norm[0].detach(), norm[1], out), slots_per_cache=n)
         return out
 
 
@@ -194,6 +196,7 @@ class FusedDecodeStep:
         n = len(stack)
         self._kv = ((ctypes.c_void_p * n)(*(c[0].data_ptr() for c in kv_caches)),
                     (ctypes.c_void_p * n)(*(c[1].data_ptr() for c in kv_caches)))
+        self._cache_slots = cache_slots(stack.params, kv_caches)
         self._norm = (model.model.norm.weight.detach(), model.model.norm.eps)
         self._stack_call: DecodeStackCall | None = None
         # [R, V rounded up to 8]: the logits, kept (valid until the next step, as the runner's token buffer): a fresh
@@ -316,7 +319,8 @@ class FusedDecodeStep:
         i = self._ints
         self._stack_call = DecodeStackCall(
             self.stack.lib, self.stack.params, self._x, self._rope[0], self._rope[1], *self._kv, i[2], self._slots,
-            i[3], i[4], self._ids, self.stack.counts, self.stack.num_threads, (*self._norm, self._normed))
+            i[3], i[4], self._ids, self.stack.counts, self.stack.num_threads, (*self._norm, self._normed),
+            self._cache_slots)
 
 
 def build_fused_layers(cfg: ModelConfig, layers, exact: bool = False) -> FusedStack | None:

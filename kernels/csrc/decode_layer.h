@@ -83,10 +83,10 @@ extern "C" int moegate_rope(const float* x, const float* cos, const float* sin, 
   return 0;
 }
 
-extern "C" int moegate_decode_layer(const DecodeLayerParams* p, float* x, int64_t T, const float* cos,
-                                    const float* sin, float* k_cache, float* v_cache, const int64_t* slot_mapping,
-                                    const int64_t* ctx_slots, const int64_t* ctx_start, const int64_t* ctx_len,
-                                    int64_t* topk_ids_out, int nthreads) {
+// One layer (moegate_decode_layer without the checks: its slots are checked once per call of the entry points).
+inline int decode_layer(const DecodeLayerParams* p, float* x, int64_t T, const float* cos, const float* sin,
+                        float* k_cache, float* v_cache, const int64_t* slot_mapping, const int64_t* ctx_slots,
+                        const int64_t* ctx_start, const int64_t* ctx_len, int64_t* topk_ids_out, int nthreads) {
   const int64_t H = p->H, NH = p->NH, KV = p->KV, D = p->D, E = p->E, K = p->topk;
   const int64_t nq = NH * D, nkv = KV * D, nqkv = nq + 2 * nkv, group = NH / KV;
   const float eps = (float)p->eps, scale = (float)p->scale;
@@ -138,20 +138,48 @@ extern "C" int moegate_decode_layer(const DecodeLayerParams* p, float* x, int64_
   return 0;
 }
 
+// -4 unless every token's new slot and context slot lies in the cache ([0, cache_slots)) and every context range
+// [ctx_start[t], ctx_start[t] + ctx_len[t]) in ctx_slots ([0, ctx_total)): a bad table raises in the caller instead
+// of writing or reading outside the cache. One pass over the contexts' ids, before anything is written.
+inline int check_decode_slots(int64_t T, const int64_t* slot_mapping, const int64_t* ctx_slots,
+                              const int64_t* ctx_start, const int64_t* ctx_len, int64_t cache_slots,
+                              int64_t ctx_total) {
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t b = ctx_start[t], n = ctx_len[t];
+    if (slot_mapping[t] < 0 || slot_mapping[t] >= cache_slots || b < 0 || n < 0 || b > ctx_total - n) return -4;
+    int bad = 0;
+    for (int64_t i = b; i < b + n; ++i) bad |= ctx_slots[i] < 0 || ctx_slots[i] >= cache_slots;
+    if (bad) return -4;
+  }
+  return 0;
+}
+
+extern "C" int moegate_decode_layer(const DecodeLayerParams* p, float* x, int64_t T, const float* cos,
+                                    const float* sin, float* k_cache, float* v_cache, const int64_t* slot_mapping,
+                                    const int64_t* ctx_slots, const int64_t* ctx_start, const int64_t* ctx_len,
+                                    int64_t* topk_ids_out, int nthreads, int64_t cache_slots, int64_t ctx_total) {
+  if (check_decode_slots(T, slot_mapping, ctx_slots, ctx_start, ctx_len, cache_slots, ctx_total)) return -4;
+  return decode_layer(p, x, T, cos, sin, k_cache, v_cache, slot_mapping, ctx_slots, ctx_start, ctx_len,
+                      topk_ids_out, nthreads);
+}
+
 // The whole decoder stack of a forward in one call: moegate_decode_layer for layers 0..L-1 in order (layer l
 // with k_caches[l] / v_caches[l]), then each layer's top-k expert ids added to its routing counts
 // (counts[l] [E] int64; a null entry counts nothing), then, if norm_w is given, the final RMSNorm of each row
 // into norm_out [T, H] (moegate_rms_norm's arithmetic). topk_ids [T, K] int64 is scratch, holding the last
-// layer's ids on return. Each layer's arithmetic is moegate_decode_layer's, so the bytes are those of L calls.
+// layer's ids on return. cache_slots: the slots of every layer's cache (the fewest); ctx_total: ctx_slots' length;
+// -4 (nothing written) where a slot or context range lies outside them (check_decode_slots). Each layer's
+// arithmetic is moegate_decode_layer's, so the bytes are those of L calls.
 extern "C" int moegate_decode_stack(const DecodeLayerParams* layers, int64_t L, float* x, int64_t T,
                                     const float* cos, const float* sin, float* const* k_caches,
                                     float* const* v_caches, const int64_t* slot_mapping, const int64_t* ctx_slots,
                                     const int64_t* ctx_start, const int64_t* ctx_len, int64_t* topk_ids,
                                     int64_t* const* counts, const float* norm_w, double norm_eps, float* norm_out,
-                                    int nthreads) {
+                                    int nthreads, int64_t cache_slots, int64_t ctx_total) {
+  if (check_decode_slots(T, slot_mapping, ctx_slots, ctx_start, ctx_len, cache_slots, ctx_total)) return -4;
   for (int64_t l = 0; l < L; ++l) {
-    const int rc = moegate_decode_layer(&layers[l], x, T, cos, sin, k_caches[l], v_caches[l], slot_mapping,
-                                        ctx_slots, ctx_start, ctx_len, topk_ids, nthreads);
+    const int rc = decode_layer(&layers[l], x, T, cos, sin, k_caches[l], v_caches[l], slot_mapping, ctx_slots,
+                                ctx_start, ctx_len, topk_ids, nthreads);
     if (rc) return rc;
     if (counts[l] == nullptr) continue;
     for (int64_t i = 0; i < T * layers[l].topk; ++i)

@@ -53,16 +53,233 @@ inline float race_log(float x) {
   return (m + y) + fe * 0.693359375f;
 }
 
+// The largest noise a draw can give: g of the largest u, (2^24 - 1) / 2^24 (g rises with u over all 2^23 of them:
+// tests/kernels/test_kernels_race_noise.py checks every one), 16.635532f.
+constexpr uint32_t kRaceNoiseMaxBits = 0x41851592u;
+
+// g for id `id` of the draw whose hashed key is (k0, k1).
+inline float race_gumbel(uint32_t id, uint32_t k0, uint32_t k1) {
+  const uint32_t h = fmix32(fmix32(id * 0x9E3779B9u ^ k0) ^ k1);
+  const float u = static_cast<float>(((h >> 9) << 1) | 1u) * 5.9604644775390625e-8f;  // odd / 2^24: (0, 1)
+  return -race_log(-race_log(u));
+}
+
+inline void race_key(uint64_t key, uint64_t counter, uint32_t* k0, uint32_t* k1) {
+  const uint64_t k = splitmix64(key ^ splitmix64(counter));
+  *k0 = static_cast<uint32_t>(k);
+  *k1 = static_cast<uint32_t>(k >> 32);
+}
+
+// A race's ids in blocks: a block is drawn only where its largest logit could still win (64 ids: the draw's loop
+// runs at full speed; 16 cost 1.7x per id on a row where every block is drawn).
+constexpr int64_t kRaceBlock = 64;
+constexpr int64_t kRaceChunk = 4096;  // ids a pool thread claims at a time
+
+struct RacePick {
+  float score;
+  int64_t id;  // -1: none drawn in the chunk
+};
+
+// float -> uint32 in the floats' order (-inf lowest, +inf highest; -0 just below +0), and back
+inline uint32_t float_order(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+inline float order_float(uint32_t k) {
+  const uint32_t u = (k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k;
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+// The largest g of each of the 4096 buckets of u by its top 12 bits (the hash's top 12 bits: u rises with h >> 9):
+// g of the bucket's largest u, as g rises with u (tests/kernels/test_kernels_race_noise.py checks every u). An id
+// whose hash lies in bucket k draws at most bucket_max[k]; the last is kRaceNoiseMaxBits' G.
+constexpr int kRaceBuckets = 4096;
+
+inline const float* race_bucket_max() {
+  static const std::vector<float> table = [] {
+    std::vector<float> g(kRaceBuckets);
+    for (uint32_t k = 0; k < kRaceBuckets; ++k) {
+      const uint32_t m = (k << 11) | 0x7FFu;  // the bucket's largest h >> 9
+      const float u = static_cast<float>((m << 1) | 1u) * 5.9604644775390625e-8f;
+      g[k] = -race_log(-race_log(u));
+    }
+    return g;
+  }();
+  return table.data();
+}
+
+// The largest of logits[0, n) (n <= kRaceBlock), NaN-free: GCC's vectors of the build's register width.
+inline float block_max(const float* logits, int64_t n) {
+#if defined(__AVX512F__)
+  constexpr int64_t L = 16;
+#elif defined(__AVX2__)
+  constexpr int64_t L = 8;
+#else
+  constexpr int64_t L = 4;
+#endif
+  typedef float Lanes __attribute__((vector_size(L * 4)));
+  float top = logits[0];
+  int64_t j = 0;
+  if (n >= L) {
+    Lanes m;
+    std::memcpy(&m, logits, sizeof(m));
+    for (j = L; j + L <= n; j += L) {
+      Lanes x;
+      std::memcpy(&x, logits + j, sizeof(x));
+      m = x > m ? x : m;
+    }
+    for (int64_t k = 0; k < L; ++k) top = m[k] > top ? m[k] : top;
+  }
+  for (; j < n; ++j) top = logits[j] > top ? logits[j] : top;
+  return top;
+}
+
+// The best (largest score, lowest id on ties) of ids [b, e) scoring at least `floor`, a score some id has. Per block
+// of ids, from its largest logit x: the least bucket k whose bound fl(fl(x / t) + bucket_max[k]) reaches the best
+// score so far (none: the block is skipped); only ids whose hash lies in bucket k or above are drawn (fl(a / t) and
+// fl(a + g) rise with a and g, so no other id of the block can reach it). A hash is a few integer operations, the
+// draw two logs: on a flat row the ids drawn are the few in the top buckets. No NaN logit (moegate_race_sample).
+inline RacePick race_chunk(const float* logits, int64_t b, int64_t e, float t, uint32_t k0, uint32_t k1,
+                           float floor) {
+  const float* bucket_max = race_bucket_max();
+  RacePick best{floor, -1};
+  for (int64_t i = b; i < e; i += kRaceBlock) {
+    const int64_t n = std::min(kRaceBlock, e - i);
+    const float a = block_max(logits + i, n) / t;
+    if (!(a + bucket_max[kRaceBuckets - 1] >= best.score)) continue;
+    int lo = 0, hi = kRaceBuckets - 1;  // the least bucket whose bound reaches best.score
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (a + bucket_max[mid] >= best.score) hi = mid;
+      else lo = mid + 1;
+    }
+    const uint32_t from = static_cast<uint32_t>(lo), id = static_cast<uint32_t>(i);
+    uint32_t hash[kRaceBlock];
+    int drawn = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      hash[j] = fmix32(fmix32((id + static_cast<uint32_t>(j)) * 0x9E3779B9u ^ k0) ^ k1);
+      drawn += (hash[j] >> 20) >= from;
+    }
+    if (drawn == 0) continue;
+    float score[kRaceBlock];
+    if (n == kRaceBlock && drawn >= 16) {  // many: the whole block through the vectorized draw
+      for (int64_t j = 0; j < kRaceBlock; ++j) score[j] = logits[i + j] / t + race_gumbel(id + j, k0, k1);
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        score[j] = (hash[j] >> 20) >= from ? logits[i + j] / t + race_gumbel(id + j, k0, k1)
+                                           : -std::numeric_limits<float>::infinity();
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      if (score[j] > best.score || (best.id < 0 && score[j] == best.score)) best = RacePick{score[j], i + j};
+    }
+  }
+  return best;
+}
+
+// Whether any of logits[i, i + n) is >= x (element-wise, so the compiler vectorizes it).
+inline bool any_at_least(const float* logits, int64_t n, float x) {
+  int hit = 0;
+  for (int64_t j = 0; j < n; ++j) hit |= logits[j] >= x;
+  return hit != 0;
+}
+
+// Some id of the largest logit of logits[0, n) (n > 0), and whether any logit is NaN (then the id is meaningless).
+inline int64_t race_top(const float* logits, int64_t n, bool* nan) {
+  // GCC's vectors of the build's register width (a select and a compare per register of logits; wider vectors are
+  // split into scalar code on avx2 and generic)
+#if defined(__AVX512F__)
+  constexpr int64_t L = 16;
+#elif defined(__AVX2__)
+  constexpr int64_t L = 8;
+#else
+  constexpr int64_t L = 4;
+#endif
+  typedef float Lanes __attribute__((vector_size(L * 4)));
+  typedef int32_t Flags __attribute__((vector_size(L * 4)));
+  float lane[L];
+  for (int64_t j = 0; j < L; ++j) lane[j] = -std::numeric_limits<float>::infinity();
+  Lanes lanes;
+  Flags nans = {};
+  std::memcpy(&lanes, lane, sizeof(lanes));
+  const int64_t whole = n / L * L;
+  for (int64_t i = 0; i < whole; i += L) {
+    Lanes x;
+    std::memcpy(&x, logits + i, sizeof(x));
+    lanes = x > lanes ? x : lanes;
+    nans |= x != x;
+  }
+  std::memcpy(lane, &lanes, sizeof(lanes));
+  for (int64_t i = whole; i < n; ++i) lane[i - whole] = logits[i] > lane[i - whole] ? logits[i] : lane[i - whole];
+  float top = lane[0];
+  for (int64_t j = 0; j < L; ++j) top = lane[j] > top ? lane[j] : top;
+  int any_nan = 0;
+  for (int64_t j = 0; j < L; ++j) any_nan |= nans[j];
+  for (int64_t i = whole; i < n; ++i) any_nan |= logits[i] != logits[i];
+  *nan = any_nan != 0;
+  for (int64_t i = 0; i < n; i += kRaceBlock) {
+    const int64_t m = std::min(kRaceBlock, n - i);
+    if (!any_at_least(logits + i, m, top)) continue;
+    for (int64_t j = 0; j < m; ++j) {
+      if (logits[i + j] >= top) return i + j;
+    }
+  }
+  return 0;  // every logit NaN
+}
+
 }  // namespace
 
 extern "C" int moegate_race_noise(float* out, int64_t n, uint64_t key, uint64_t counter) {
-  const uint64_t k = splitmix64(key ^ splitmix64(counter));
-  const uint32_t k0 = static_cast<uint32_t>(k), k1 = static_cast<uint32_t>(k >> 32);
+  uint32_t k0, k1;
+  race_key(key, counter, &k0, &k1);
   uint32_t id = 0;  // i mod 2^32, counted beside i: the 64-bit index's truncation kept the loop scalar on avx2
-  for (int64_t i = 0; i < n; ++i, ++id) {
-    const uint32_t h = fmix32(fmix32(id * 0x9E3779B9u ^ k0) ^ k1);
-    const float u = static_cast<float>(((h >> 9) << 1) | 1u) * 5.9604644775390625e-8f;  // odd / 2^24: (0, 1)
-    out[i] = -race_log(-race_log(u));
-  }
+  for (int64_t i = 0; i < n; ++i, ++id) out[i] = race_gumbel(id, k0, k1);
   return 0;
+}
+
+// One temperature row's race in one call: the first id of the largest score fl(fl(logits[i] / t) + g_i) over
+// i < n, g the draw `counter` of the stream `key` (moegate_race_noise's values), as numpy's argmax of
+// `logits / t + noise`. Ids whose score cannot reach the best found so far are not drawn (race_chunk): the same id
+// bit for bit. Threads claim chunks of ids over the pool. Returns the id and writes its score to *best; a NaN
+// logit: the first NaN's id, *best NaN (the caller's finite check fails the row, as numpy's argmax picks it).
+extern "C" int64_t moegate_race_sample(const float* logits, int64_t n, float t, uint64_t key, uint64_t counter,
+                                       float* best, int nthreads) {
+  if (n <= 0) {
+    *best = -std::numeric_limits<float>::infinity();
+    return -1;
+  }
+  bool nan;
+  const int64_t top = race_top(logits, n, &nan);  // its score is the first floor
+  if (nan) {
+    int64_t i = 0;
+    while (logits[i] == logits[i]) ++i;
+    *best = logits[i];
+    return i;
+  }
+  uint32_t k0, k1;
+  race_key(key, counter, &k0, &k1);
+  const float floor = logits[top] / t + race_gumbel(static_cast<uint32_t>(top), k0, k1);
+  const int64_t chunks = (n + kRaceChunk - 1) / kRaceChunk;
+  std::vector<RacePick> picks(chunks);
+  // the best score any chunk has found, in the floats' order: a chunk starts from it (a score some id has)
+  std::atomic<uint32_t> shared{float_order(floor)};
+  moegate::WorkPool::instance().parallel_for(chunks, 1, std::max(nthreads, 1), [&](int64_t c) {
+    const float from = order_float(shared.load(std::memory_order_relaxed));
+    picks[c] = race_chunk(logits, c * kRaceChunk, std::min(n, (c + 1) * kRaceChunk), t, k0, k1, from);
+    if (picks[c].id >= 0) {
+      const uint32_t got = float_order(picks[c].score);
+      uint32_t was = shared.load(std::memory_order_relaxed);
+      while (got > was && !shared.compare_exchange_weak(was, got, std::memory_order_relaxed)) {}
+    }
+  });
+  RacePick win{floor, top};  // the chunk holding `top` finds it again (or a better id): ties go to the lowest id
+  for (const RacePick& p : picks) {
+    if (p.id >= 0 && (p.score > win.score || (p.score == win.score && p.id < win.id))) win = p;
+  }
+  *best = win.score;
+  return win.id;
 }

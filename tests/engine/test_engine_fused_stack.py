@@ -11,6 +11,7 @@ from engine.experts import PlacementConfig
 from engine.forward_batch import ForwardBatch
 from engine.llm_engine import LLM
 from engine.models.fused_decode import FusedContext, FusedStack
+from kernels.bindings import DecodeSlotsError
 from kernels.norm import rms_norm_rows
 
 
@@ -101,3 +102,34 @@ def test_prefill_through_the_stack_equals_the_modules(engine):
     assert torch.equal(out[True][0], out[False][0])
     for (k, v), (rk, rv) in zip(out[True][1], out[False][1], strict=True):
         assert torch.equal(k, rk) and torch.equal(v, rv)
+
+
+@pytest.mark.parametrize("bad", ["new_slot", "negative_slot", "context_slot", "context_range", "negative_start"])
+def test_bad_slots_raise_and_write_nothing(engine, bad):
+    """A slot id outside the KV cache, or a context range outside the context slots, raises DecodeSlotsError from
+    the stack's call and from a layer's, before anything is written (no out-of-bounds write or read)."""
+    model, caches = engine.runner.model, engine.runner.layer_caches
+    cache_slots = caches[0][0].numel() // (model.config.num_kv_heads * model.config.head_dim)
+    batch = _batch(False)
+    with torch.inference_mode():
+        x = model.model.embed_tokens(batch.input_ids).contiguous()  # [T, H]
+        cos, sin = model.model.layers[0].self_attn._rope(batch, torch.float32)
+        ctx = FusedContext(batch, cos, sin)
+        if bad == "new_slot":
+            ctx.slot_mapping[-1] = cache_slots
+        elif bad == "negative_slot":
+            ctx.slot_mapping[0] = -1
+        elif bad == "context_slot":
+            ctx.slots[-1] = 10**9
+        elif bad == "context_range":
+            ctx.length[-1] = ctx.slots.numel() - ctx.start[-1] + 1
+        else:
+            ctx.start[0] = -1
+        before = [(k.clone(), v.clone()) for k, v in caches]
+        for call in (lambda: model.fused_layers(x.clone(), ctx, caches),
+                     lambda: model.fused_layers.layers[0](x.clone(), ctx, *caches[0])):
+            with pytest.raises(DecodeSlotsError, match="bad block table"):
+                call()
+        for (k, v), (rk, rv) in zip(caches, before, strict=True):
+            assert torch.equal(k, rk) and torch.equal(v, rv)
+        model.fused_layers(x.clone(), FusedContext(_batch(False), cos, sin), caches)  # a good table still runs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import SamplingError, apply_top_k_top_p, sample, sample_row
+from engine.sampler import SamplingError, apply_top_k_top_p, race_noise, sample, sample_row
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -106,3 +106,42 @@ def test_plain_greedy_rows_beside_other_rows_choose_as_alone():
     together = sample(logits.clone(), seqs(), vocab_limit=60)
     alone = [sample(logits[i:i + 1].clone(), [s], vocab_limit=60)[0] for i, s in enumerate(seqs())]
     assert together == alone and all(t < 60 for t in together) and together[1] % 2 == 1
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat", "masked"])
+def test_kernel_race_picks_the_full_draws_token(shape):
+    """A plain temperature row's race in one kernel call (noise drawn only where it can win) gives the token of the
+    full draw scored in numpy (the path a row with its noise already drawn takes), step after step, and uses up one
+    draw per step either way."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(40, 151_936, generator=gen) * (6.0 if shape == "peaked" else 0.01)
+    if shape == "masked":
+        logits[:, torch.rand(151_936, generator=gen) < 0.95] = float("-inf")
+    kernel, full = _seq(temperature=0.9, seed=11), _seq(temperature=0.9, seed=11)
+    for row in logits:
+        noise = race_noise(row.shape[0], full)
+        assert sample_row(row.clone(), kernel) == sample_row(row.clone(), full, noise=noise)
+    assert kernel.noise_draws == full.noise_draws == 40
+    with pytest.raises(SamplingError):
+        sample_row(torch.full((1000,), float("-inf")), kernel)
+    with pytest.raises(SamplingError):
+        sample_row(torch.tensor([0.0, float("nan"), 1.0]), kernel)
+
+
+def test_plain_temperature_rows_in_place_equal_the_masked_rows():
+    """`sample` takes plain temperature rows (no processor, no top-k / top-p) in place, limited to `vocab_limit`
+    without writing the mask: the tokens of `sample_row` on the masked rows with the same seeds, a row whose limited
+    ids are all -inf fails alone, and greedy and top-k rows beside them keep their paths."""
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(5, 3000, generator=gen) * 3
+    logits[3, :2900] = float("-inf")  # nothing below the limit: fails
+    kinds = [dict(temperature=1.0, seed=1), dict(temperature=0.6, seed=2), dict(), dict(temperature=1.3, seed=3),
+             dict(temperature=0.8, seed=4, top_k=50)]
+    got = sample(logits.clone(), [_seq(**k) for k in kinds], vocab_limit=2900)
+    masked = logits.clone()
+    masked[:, 2900:] = float("-inf")
+    for i, k in enumerate(kinds):
+        if i == 3:
+            assert isinstance(got[i], SamplingError)
+            continue
+        assert got[i] == sample_row(masked[i].clone(), _seq(**k)), k
