@@ -406,13 +406,14 @@ class Constraint:
             self.plan_reuses += 1
             path = known
         else:
-            guard = self.guard
+            guard = self.guard.path_view() if isinstance(self.guard, SQLScopeGuard) else self.guard
 
             def search() -> list[int] | None:
                 return shortest_completion(llg, self.compiled.tokenizer, max_depth, _hints(self.compiled.spec),
                                            allow=guard.allows if guard is not None else None,
                                            accept=self._accepts_end if self._end_check is not None else None,
-                                           first=guard.closing_moves if isinstance(guard, SQLScopeGuard) else None)
+                                           first=guard.closing_moves if isinstance(self.guard, SQLScopeGuard)
+                                           else None)
             t0 = time.perf_counter()
             path, searched = shared_path((self.compiled, max_depth, digest(self._output)), search)
             self.plan_searches += searched
