@@ -41,10 +41,12 @@ class EngineConfig:
     # Multi-token decoding (engine/multi_token.py). jump_forward_tokens: forced tokens of a constrained
     # execution sequence appended per step without a forward each (0: off; bytes unchanged).
     # speculative_tokens: prompt-lookup drafts verified per step for unconstrained sequences (0: off),
-    # matched on the last speculative_ngram (down to 1) tokens.
+    # matched on the last speculative_ngram (down to 1) tokens, or drafted by the checkpoint's multi-token-
+    # prediction layer (speculative_source "mtp": engine/mtp.py; a checkpoint without one fails to load).
     jump_forward_tokens: int = 32
     speculative_tokens: int = 0
     speculative_ngram: int = 3
+    speculative_source: str = "ngram"
     # Prefix cache. The device tier (the KV pool) is on unless prefix_cache=False; RAM, disk and redis
     # hold demoted blocks. The library writes no disk cache unless told where (`moegate serve` passes
     # engine.prefix_cache.default_disk_cache_dir()).
@@ -83,7 +85,8 @@ class EngineConfig:
 
     @property
     def multi_token(self) -> MultiTokenConfig:
-        return MultiTokenConfig(self.jump_forward_tokens, self.speculative_tokens, self.speculative_ngram)
+        return MultiTokenConfig(self.jump_forward_tokens, self.speculative_tokens, self.speculative_ngram,
+                                draft_source=self.speculative_source)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -23,6 +23,7 @@ from engine.layerwise_prefill import LayerwisePrefill
 from engine.loader import load_model
 from engine.mode import Mode
 from engine.model_runner import ModelRunner
+from engine.mtp import MtpDrafter
 from engine.multi_token import MultiTokenDecoder
 from engine.output import RequestOutput, finish_text, make_output, push_token, record_switch
 from engine.placement_plan import PlacementPlan, apply_numa
@@ -50,7 +51,7 @@ class LLMEngine:
             raise ValueError(f"defer={numerics.defer} must be at most top_k/2 = {cfg.top_k // 2}")
         self.placement_plan = PlacementPlan.build(cfg, numerics.experts, self.device)
         model = load_model(model_dir, dtype=config.torch_dtype, progress=config.progress,
-                           placement=numerics.experts, plan=self.placement_plan)
+                           placement=numerics.experts, plan=self.placement_plan, mtp=config.multi_token.mtp)
         self.layer_experts = {i: layer.mlp.experts.packed for i, layer in enumerate(model.model.layers)
                               if layer.is_moe and layer.mlp.experts.packed is not None}
         for le in self.layer_experts.values():
@@ -109,8 +110,8 @@ class LLMEngine:
             self.tokenizer.vocab_size if self.tokenizer is not None and config.mask_unused_vocab else None
         )
         self._seqs: dict[str, Sequence] = {}
-        self.decoder = MultiTokenDecoder(config.multi_token, bool(model.batch_invariant(True)),
-                                         rollback=states is None)
+        self.decoder = MultiTokenDecoder(config.multi_token, bool(model.batch_invariant(True)), rollback=states is None,
+                                         drafter=MtpDrafter.build(config.multi_token, self.runner, self.blocks))
         log.info(
             "engine ready: %s (%s) on %s, dtype %s, %d KV blocks x %d tokens, max_model_len %d; %s; "
             "exploration defers %d expert(s)/token",
@@ -327,6 +328,7 @@ class LLMEngine:
                 going.append(seq)
             else:
                 reasons[seq.request_id] = reason
+        self.decoder.observe(chunks, self.runner.hidden, going)  # MTP drafts: its layer over the kept positions
         reasons.update(self.decoder.extend(going, self._advance))  # forced tokens (all masks together) or drafts
         if reasons:
             for seq in seqs:

@@ -28,12 +28,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from engine.archs import arch_spec
-from engine.config import ModelConfig
+from engine.config import ModelConfig, read_hf_config
 from engine.errors import CheckpointError, MissingTensorError, TensorShapeError
-from engine.experts import PlacementConfig
+from engine.experts import PlacementConfig, plan_layers
 from engine.fp8 import BlockFp8Checkpoint
 from engine.gguf import GgufCheckpoint, find_gguf
 from engine.models.causal_lm import MoeForCausalLM
+from engine.mtp import MtpLayer, mtp_config, share_main_tensors
 from engine.mxfp4 import dequantize_mxfp4
 from engine.placement_plan import PlacementPlan
 from engine.unused_tensors import check_unexpected
@@ -228,6 +229,7 @@ def load_model(
     placement: PlacementConfig | None = None,
     pack_workers: int | None = None,
     plan: PlacementPlan | None = None,
+    mtp: bool = False,
 ) -> MoeForCausalLM:
     """Builds the model on the meta device and materialises each parameter as it is read, where the
     placement plan puts it (default: `PlacementPlan.build(config, placement, device)`).
@@ -236,18 +238,31 @@ def load_model(
     expert is read, cast to `dtype` and packed into its shards in host memory (`engine.expert_stream`),
     and the model's `Experts.packed` holds them (the raw expert parameters stay empty); without one they
     are materialised at full precision on the fast device (the torch reference path).
+    `mtp`: also load the first multi-token-prediction layer (`model.layers.{num_hidden_layers}.*`) as
+    `model.mtp` (engine/mtp.py), its routed experts like every layer's; a checkpoint without one is an error.
     """
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     spec = arch_spec(cfg.arch)
     plan = plan or PlacementPlan.build(cfg, placement, device)
     device = plan.fast_device
+    extra = _extra_layers(model_dir)
     with torch.device("meta"):
         model = MoeForCausalLM(cfg).to(dtype)
+        ext = _mtp_config(model_dir, cfg, extra) if mtp else None
+        layer = MtpLayer(ext).to(dtype) if ext is not None else None
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    ckpt = _open_checkpoint(model_dir, cfg)
-    layout = _Layout(ckpt, cfg, params, _extra_layers(model_dir))
     modules = dict(model.named_modules())
+    expert_plans = dict(plan.layers)
+    if layer is not None:  # its tensors by their checkpoint names
+        prefix = f"model.layers.{cfg.num_layers}"
+        params.update({f"{prefix}.{n}": tuple(p.shape) for n, p in layer.named_parameters()})
+        modules.update({f"{prefix}.{n}".rstrip("."): m for n, m in layer.named_modules()})
+        if plan.layers and layer.is_moe:
+            expert_plans[cfg.num_layers] = plan_layers(ext, placement, device)[cfg.num_layers]
+        model.mtp = layer
+    ckpt = _open_checkpoint(model_dir, cfg)
+    layout = _Layout(ckpt, cfg, params, extra)
 
     def put(pname: str, value: torch.Tensor) -> None:
         owner, _, attr = pname.rpartition(".")
@@ -265,6 +280,9 @@ def load_model(
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
+        if layer is not None:
+            share_main_tensors(layer, model)
+            moe_layers += [cfg.num_layers] if layer.is_moe else []
 
         def read(layer: int, e: int) -> tuple[torch.Tensor, ...]:
             # what the full-precision model would hold
@@ -273,7 +291,7 @@ def load_model(
         if not plan.layers:
             _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress)
         else:
-            _stream_experts(model, cfg, plan, placement, ckpt.files, read, dtype, pack_workers, progress)
+            _stream_experts(model, cfg, expert_plans, placement, ckpt.files, read, dtype, pack_workers, progress)
             model.expert_reader = read  # a dynamic hot set packs swapped experts from the checkpoint again
     model.eval()
     return model
@@ -295,10 +313,26 @@ def _extra_layers(model_dir: Path) -> int:
     return int(hf.get("num_nextn_predict_layers") or 0)
 
 
+def _mtp_config(model_dir: Path, cfg: ModelConfig, extra: int) -> ModelConfig:
+    if cfg.arch == "qwen3_next":
+        raise CheckpointError("Qwen3-Next's multi-token-prediction module (mtp.*) is not a draft source here (its "
+                              "recurrent state cannot roll back drafts either); use speculative_source ngram")
+    if not extra or find_gguf(model_dir) is not None:
+        raise CheckpointError(f"{model_dir} has no multi-token-prediction layer (config.json's num_nextn_predict_layers "
+                              "is 0 or absent, or a GGUF file): MTP drafts need a safetensors checkpoint that ships "
+                              "one (DeepSeek-V3, GLM-4.5); use speculative_source ngram")
+    return mtp_config(read_hf_config(model_dir), cfg)
+
+
+def _layer(model: MoeForCausalLM, i: int) -> nn.Module:
+    """Decoder layer i, or the MTP layer stored right after the stack."""
+    return model.model.layers[i] if i < len(model.model.layers) else model.mtp
+
+
 def _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress) -> None:
     e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     for layer in tqdm(moe_layers, desc="load experts (full precision)", unit="layer", disable=not progress):
-        experts = model.model.layers[layer].mlp.experts
+        experts = _layer(model, layer).mlp.experts
         gate_up = torch.empty(e, 2 * i, h, dtype=dtype, device=device)
         down = torch.empty(e, h, i, dtype=dtype, device=device)
         biases = (torch.empty(e, 2 * i, dtype=dtype, device=device), torch.empty(e, h, dtype=dtype, device=device))
@@ -315,17 +349,17 @@ def _materialise_experts(model, cfg, moe_layers, read, device, dtype, progress) 
             experts.down_proj_bias = nn.Parameter(biases[1], requires_grad=False)
 
 
-def _stream_experts(model, cfg, plan, placement, files, read, dtype, workers, progress) -> None:
+def _stream_experts(model, cfg, plans, placement, files, read, dtype, workers, progress) -> None:
     from engine.expert_stream import stream_experts
 
     cache_dir = placement.pack_cache_dir if placement is not None else None
     # the cache key names the checkpoint files and the dtype the experts were rounded to before packing
     source = ";".join(file_identity(p) for p in files) + f";{dtype}"
-    act = model.model.layers[next(iter(plan.layers))].mlp.experts.act  # the experts' activation, packed with them
-    layers = stream_experts(read, plan.layers, cfg.hidden_size, cfg.moe_intermediate_size, cache_dir=cache_dir,
+    act = _layer(model, next(iter(plans))).mlp.experts.act  # the experts' activation, packed with them
+    layers = stream_experts(read, plans, cfg.hidden_size, cfg.moe_intermediate_size, cache_dir=cache_dir,
                             source=source, workers=workers, progress=progress, act=act)
     for i, le in layers.items():
-        experts = model.model.layers[i].mlp.experts
+        experts = _layer(model, i).mlp.experts
         experts.packed = le
         for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
             if hasattr(experts, name):

@@ -53,6 +53,9 @@ class ModelRunner:
         self._token_views: dict[int, tuple[torch.Tensor, ...]] = {}
         self._decode_steps: dict[bool, FusedDecodeStep] = {}  # per profile (exact): `_decode_step`
         self.first_max: np.ndarray | None = None  # the last `run`'s in-kernel greedy picks, one per row (or None)
+        self.keep_hidden = False  # MTP drafts: `run` keeps each chunk's final hidden states in `hidden`
+        self.hidden: list[torch.Tensor] | None = None  # [num_tokens, H] per chunk of the last `run`, in chunk order
+        self._hidden: torch.Tensor | None = None
 
     def set_defer(self, defer: int) -> None:
         """Exploration's deferral for the batches built from now on (between steps)."""
@@ -118,12 +121,16 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk], blocks: BlockManager) -> torch.Tensor:
         """All scheduled chunks -> fp32 logits [S, V]: `num_logits` rows per chunk that samples, in chunk order. A
         fused decode step's (`_decode_step`) are a view of that step's kept buffer: valid until the next `run`."""
-        self.first_max = None
+        self.first_max = self.hidden = None
         if (step := self._decode_step(chunks)) is not None:
             if torch.get_num_threads() != 1:  # a small forward's rule (`forward`): nothing here runs on torch's
                 torch.set_num_threads(1)
+            step.keep_hidden = self.keep_hidden
             logits, self.first_max = step(chunks, blocks)  # and the greedy picks from the lm_head's own call
+            if self.keep_hidden:
+                self.hidden = list(step.hidden.split([c.num_tokens for c in chunks]))
             return logits
+        hidden: dict[int, torch.Tensor] = {}
         explore = [c for c in chunks if c.seq.mode != "execution"]
         execute = [c for c in chunks if c.seq.mode == "execution"]
         groups = [(explore, False)] if explore else []
@@ -134,6 +141,9 @@ class ModelRunner:
         logits: dict[int, torch.Tensor] = {}
         for group, exact in groups:
             out = self.forward(self.build_batch(group, blocks, exact))
+            if self.keep_hidden:
+                hidden.update(zip(map(id, group), self._hidden.split([c.num_tokens for c in group]), strict=True))
+                self.hidden = [hidden.get(id(c)) for c in chunks]
             if len(groups) == 1 and all(c.samples for c in chunks):
                 return out  # its rows are already in chunk order: no copy of [S, V]
             sampling = [c for c in group if c.samples]
@@ -198,6 +208,7 @@ class ModelRunner:
                 torch.set_num_threads(want)
         try:
             hidden = self.model(batch, self.layer_caches)  # [T, H]
+            self._hidden = hidden if self.keep_hidden else None
         except BaseException:
             self.experts.abort()  # no deferred work of this forward may land in the next one
             raise

@@ -14,6 +14,8 @@ logits at the rows that need them):
   longest agreeing prefix; sampling accepts a draft d with probability p(d) and otherwise samples from p
   with d removed, which leaves the output distribution unchanged (the drafts are deterministic, q(d) = 1).
   Rejected drafts' KV is rolled back (their slots are overwritten when those positions are recomputed).
+  With `draft_source` "mtp" the drafts come from the checkpoint's multi-token-prediction layer instead
+  (engine/mtp.py: `observe` after each step, `propose`), verified the same way.
 """
 
 from __future__ import annotations
@@ -34,22 +36,33 @@ from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+DRAFT_SOURCES = ("ngram", "mtp")
+
 
 @dataclass(frozen=True)
 class MultiTokenConfig:
-    """jump_forward_tokens: forced tokens appended per step at most (0: off). speculative_tokens: n-gram
-    drafts per step (0: off), found by matching the last ngram_max..ngram_min tokens."""
+    """jump_forward_tokens: forced tokens appended per step at most (0: off). speculative_tokens: drafts per
+    step (0: off) from `draft_source`: "ngram" (matching the last ngram_max..ngram_min tokens) or "mtp" (the
+    checkpoint's multi-token-prediction layer, engine/mtp.py)."""
 
     jump_forward_tokens: int = 0
     speculative_tokens: int = 0
     ngram_max: int = 3
     ngram_min: int = 1
+    draft_source: str = "ngram"
 
     def __post_init__(self) -> None:
         if self.jump_forward_tokens < 0 or self.speculative_tokens < 0:
             raise ValueError(f"jump_forward_tokens and speculative_tokens must be >= 0: {self}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.draft_source not in DRAFT_SOURCES:
+            raise ValueError(f"draft_source must be one of {', '.join(DRAFT_SOURCES)}, got {self.draft_source!r}")
+
+    @property
+    def mtp(self) -> bool:
+        """Whether drafts come from the checkpoint's multi-token-prediction layer (which is then loaded)."""
+        return self.speculative_tokens > 0 and self.draft_source == "mtp"
 
 
 @dataclass
@@ -109,7 +122,7 @@ class MultiTokenDecoder:
     forced tokens (jump-forward) or drafts (speculation). `chunk_invariant`: execution chunks compute each
     row independently of the chunk (the fused execution path), which jump-forward needs."""
 
-    def __init__(self, config: MultiTokenConfig, chunk_invariant: bool, rollback: bool = True) -> None:
+    def __init__(self, config: MultiTokenConfig, chunk_invariant: bool, rollback: bool = True, drafter=None) -> None:
         if config.speculative_tokens and not rollback:
             # rejected drafts cannot be taken back out of a recurrent state (linear attention): KV only rolls back
             log.warning("speculative decoding is off: this model's linear-attention layers carry a recurrent "
@@ -117,6 +130,7 @@ class MultiTokenDecoder:
             config = dataclasses.replace(config, speculative_tokens=0)
         self.config = config
         self.chunk_invariant = chunk_invariant
+        self.drafter = drafter  # draft_source "mtp": engine.mtp.MtpDrafter (`observe` each step, `propose`)
         self.stats = MultiTokenStats()
         self._view: LogitsView | None = None  # the last step's logits, read again while the runner hands the same
 
@@ -184,7 +198,7 @@ class MultiTokenDecoder:
                 room = seq.params.max_tokens - len(seq.output_token_ids) - 1  # the verified step adds one more
                 k = min(c.speculative_tokens, room)
                 if k > 0:
-                    seq.draft_token_ids = propose_ngram(seq.token_ids, k, c.ngram_max, c.ngram_min)
+                    seq.draft_token_ids = self._propose(seq, k)
         for _ in range(c.jump_forward_tokens):
             if not forcing:
                 break
@@ -202,6 +216,21 @@ class MultiTokenDecoder:
                     going.append((seq, source))
             forcing = going
         return reasons
+
+    def observe(self, chunks: list, hidden: list[torch.Tensor] | None, going: list[Sequence]) -> None:
+        """After the step's tokens are appended, before `extend`: the drafter reads the step's final hidden states
+        (`ModelRunner.hidden`, one [num_tokens, H] per chunk) of the sequences that draft."""
+        if self.drafter is None or hidden is None or not self.config.speculative_tokens:
+            return
+        live = {id(s) for s in going}
+        self.drafter.observe(chunks, hidden, {id(c.seq) for c in chunks if self._speculates(c.seq)
+                                              and (id(c.seq) in live or not c.samples)})
+
+    def _propose(self, seq: Sequence, k: int) -> list[int]:
+        if self.drafter is not None:
+            return self.drafter.propose(seq, k)
+        c = self.config
+        return propose_ngram(seq.token_ids, k, c.ngram_max, c.ngram_min)
 
     def _forced_source(self, seq: Sequence):
         """The sequence's one mask processor when it can report forced tokens and the tokens' KV may be computed

@@ -23,8 +23,9 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 def unused_reason(name: str, cfg: ModelConfig, extra_layers: int = 0) -> str | None:
     """Why `name` may be skipped, or None when it must not be.
 
-    `extra_layers`: layers stored past `num_hidden_layers` that greedy decoding never runs
-    (DeepSeek-V3's multi-token-prediction layers, `num_nextn_predict_layers` in config.json).
+    `extra_layers`: layers stored past `num_hidden_layers` that decoding does not run (DeepSeek-V3's and
+    GLM-4.5's multi-token-prediction layers, `num_nextn_predict_layers` in config.json); the first one is loaded
+    instead, and so never reaches here, when MTP drafts are asked for (engine/mtp.py).
     """
     for reason, pattern in _ALWAYS_UNUSED.items():
         if pattern.search(name):
@@ -35,7 +36,7 @@ def unused_reason(name: str, cfg: ModelConfig, extra_layers: int = 0) -> str | N
         return "Qwen3-Next's multi-token-prediction module (mtp.*), unused by decoding"
     m = _LAYER.match(name)
     if m and extra_layers and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + extra_layers:
-        return "a multi-token-prediction layer (num_nextn_predict_layers), unused by decoding"
+        return "a multi-token-prediction layer (num_nextn_predict_layers), loaded only for MTP drafts"
     return None
 
 

@@ -110,6 +110,10 @@ class DecodingSettings(_Strict):
         "Pays only on repetitive output (echoed tables, quoted text); 0: off"))] = 0
     speculative_ngram: Annotated[int, Field(ge=1, le=8, description=(
         "longest tail (tokens) matched to find drafts; shorter ones down to 1 are tried next"))] = 3
+    speculative_source: Literal["ngram", "mtp"] = Field("ngram", description=(
+        "where drafts come from: `ngram` (prompt lookup) or `mtp` (the checkpoint's multi-token-prediction layer, "
+        "DeepSeek-V3 / GLM-4.5: loaded only then; a checkpoint without one fails at startup). Either way drafts "
+        "are verified, so output is the same"))
 
 
 class ModelEntry(_Strict):

@@ -78,6 +78,7 @@ class MoeForCausalLM(nn.Module):
         self.exact_layers = None  # FusedStack of the execution profile (batch-invariant), if built
         self.exact_head = None  # kernels.linear.PackedLinear: lossless lm_head of the fused execution path
         self.expert_reader = None  # (layer, expert) -> checkpoint weights, set by the streaming loader
+        self.mtp = None  # engine.mtp.MtpLayer: the checkpoint's multi-token-prediction layer, loaded for MTP drafts
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """Runs the stack over the batch's new tokens, writing their KV (and recurrent states: one entry of

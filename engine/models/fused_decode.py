@@ -171,6 +171,7 @@ class FusedDecodeStep:
     bits, without the batch's tensors and the ~20 torch ops and module calls around the two kernel calls."""
 
     pick_in_kernel = True  # the lm_head's call finds the plain greedy rows' picks (off: the sampler reads the logits)
+    keep_hidden = False  # MTP drafts: a copy of every row's final hidden state in `hidden` [T, H]
 
     def __init__(self, model, stack: FusedStack, head, head_threads: int, kv_caches: list) -> None:
         cfg, rows = model.config, SMALL_BATCH_TOKENS
@@ -254,6 +255,7 @@ class FusedDecodeStep:
         self._table_np[1].take(positions, axis=0, out=sin)
         self.embed.take(ints[0, :t], axis=0, out=self._x_np[:t])
         self._stack_call(t)
+        self.hidden = self._normed[:t].clone() if self.keep_hidden else None
         n = t if every else self._compact(chunks)
         if n == 0:
             return torch.empty(0, self.head.out_features), None

@@ -8,8 +8,13 @@
    its prompt, which is where n-gram drafts pay. `speculative_tokens` 0 (baseline) against 2 and 4 on the demo
    model (exploration and execution) and, with --bench-model, on the random bench checkpoint (`moegate model
    init-random --preset bench`: random weights rarely copy, so its acceptance is a floor, not a forecast).
+3. MTP drafts (--mtp-model LABEL=DIR, repeatable; --mtp-only skips 1 and 2): `speculative_source` "mtp" with
+   `speculative_tokens` 0 (baseline), 1 and 2 on a DeepSeek-V3 / GLM-4.5 checkpoint with a multi-token-prediction
+   layer (`modeltools.mtp_checkpoint.add_mtp_layer`: a random one, or `mirror=True`, whose drafts are the main
+   model's direct-path predictions), exploration and execution, the same echo prompts.
 
-    python -m evals.perf.multi_token_bench [--bench-model DIR] [--out evals/perf/results]
+    python -m evals.perf.multi_token_bench [--bench-model DIR] [--mtp-model LABEL=DIR ...] [--mtp-only]
+        [--out evals/perf/results]
 
 Writes multi_token_bench.json and .png.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -138,31 +144,46 @@ def echo_prompt(tokenizer) -> list[int]:
     return tokenizer.encode_chat([{"role": "user", "content": text}])
 
 
-def speculation(model: Path, label: str, modes: tuple[str, ...], max_tokens: int, ks=(0, 2, 4)) -> dict:
+def speculation(model: Path, label: str, modes: tuple[str, ...], max_tokens: int, ks=(0, 2, 4),
+                source: str = "ngram", repeats: int = 1) -> dict:
+    """Per mode, `repeats` rounds of every k in turn (alternating, in one process); tok_s is the rounds' median,
+    every round's kept in `tok_s_repeats`, speedup the median of each round's ratio to k=0 (`speedup_repeats`)."""
     from engine.sampling_params import SamplingParams
 
     results = {}
-    engines = {k: _engine(model, speculative_tokens=k, jump_forward_tokens=0) for k in ks}
+    engines = {k: _engine(model, speculative_tokens=k, jump_forward_tokens=0, speculative_source=source) for k in ks}
     for engine in engines.values():
         _warm(engine)
-    prompt = echo_prompt(engines[0].tokenizer)
+    prompt = echo_prompt(engines[ks[0]].tokenizer)
     for mode in modes:
         reqs = [(f"{mode}-{i}", prompt[i:], SamplingParams(max_tokens=max_tokens, ignore_eos=True), mode)
                 for i in range(3)]
-        base = None
-        for k, engine in engines.items():
-            before = dict(engine.decoder.stats.as_dict())
-            tokens, seconds, steps = _drive(engine, reqs)
-            stats = {key: v - before[key] for key, v in engine.decoder.stats.as_dict().items()}
-            n = sum(len(t) for t in tokens.values())
-            decoded = n - len(tokens)  # the first token of each came with its prefill
-            row = {"tok_s": round(decoded / seconds, 1), "tokens_per_step": round(decoded / max(steps, 1), 3),
-                   "acceptance": round(stats["accepted_tokens"] / max(stats["drafted_tokens"], 1), 3),
-                   "drafted": stats["drafted_tokens"], "accepted": stats["accepted_tokens"]}
-            if base is None:
-                base = (row["tok_s"], tokens)
-            row["speedup"] = round(row["tok_s"] / base[0], 3)
-            row["same_tokens_as_baseline"] = tokens == base[1]
+        rows, base = {k: None for k in ks}, None
+        for _ in range(repeats):
+            first = None
+            for k, engine in engines.items():
+                before = dict(engine.decoder.stats.as_dict())
+                tokens, seconds, steps = _drive(engine, reqs)
+                stats = {key: v - before[key] for key, v in engine.decoder.stats.as_dict().items()}
+                n = sum(len(t) for t in tokens.values())
+                decoded = n - len(tokens)  # the first token of each came with its prefill
+                tok_s = decoded / seconds
+                if base is None:
+                    base = tokens
+                if first is None:
+                    first = tok_s
+                row = rows[k] = rows[k] or {
+                    "tokens_per_step": round(decoded / max(steps, 1), 3),
+                    "acceptance": round(stats["accepted_tokens"] / max(stats["drafted_tokens"], 1), 3),
+                    "drafted": stats["drafted_tokens"], "accepted": stats["accepted_tokens"],
+                    "distinct_output_tokens": len({t for ids in tokens.values() for t in ids}),
+                    "same_tokens_as_baseline": True, "tok_s_repeats": [], "speedup_repeats": []}
+                row["tok_s_repeats"].append(round(tok_s, 1))
+                row["speedup_repeats"].append(round(tok_s / first, 3))
+                row["same_tokens_as_baseline"] &= tokens == base
+        for k, row in rows.items():
+            row["tok_s"] = statistics.median(row["tok_s_repeats"])
+            row["speedup"] = statistics.median(row["speedup_repeats"])
             results[f"{label}/{mode}/k={k}"] = row
             print(label, mode, k, row)
     return results
@@ -173,16 +194,30 @@ def main() -> None:
     ap.add_argument("--bench-model", help="random bench checkpoint (moegate model init-random --preset bench)")
     ap.add_argument("--schemas-per-split", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--mtp-model", action="append", default=[], metavar="LABEL=DIR",
+                    help="checkpoint with an MTP layer, drafts from it (repeatable)")
+    ap.add_argument("--mtp-only", action="store_true", help="only the MTP runs (writes multi_token_bench_mtp.json)")
+    ap.add_argument("--repeats", type=int, default=1, help="alternating rounds of the MTP runs")
     ap.add_argument("--out", default="evals/perf/results")
     args = ap.parse_args()
     machine = machine_info()
     print(machine)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    mtp = {}
+    for spec in args.mtp_model:
+        label, _, path = spec.partition("=")
+        mtp.update(speculation(Path(path), f"mtp-{label}", ("exploration", "execution"), args.max_tokens, (0, 1, 2),
+                               source="mtp", repeats=args.repeats))
+    if args.mtp_only:
+        (out / "multi_token_bench_mtp.json").write_text(json.dumps({"machine": machine, "mtp": mtp}, indent=2))
+        print(f"wrote {out / 'multi_token_bench_mtp.json'}")
+        return
     report = {"machine": machine, "jump_forward": jump_forward(args.schemas_per_split, args.max_tokens),
               "speculation": speculation(DEMO, "demo", ("exploration", "execution"), args.max_tokens)}
     if args.bench_model:
         report["speculation"].update(speculation(Path(args.bench_model), "bench", ("exploration",), 64, (0, 4)))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    report["speculation"].update(mtp)
     (out / "multi_token_bench.json").write_text(json.dumps(report, indent=2))
     jf = report["jump_forward"]
     save_bar_plot(out / "multi_token_bench.png", f"multi-token decoding ({machine['cpu'][:40]})", {

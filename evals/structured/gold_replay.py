@@ -10,6 +10,8 @@ import contextlib
 import json
 from collections.abc import Iterator
 
+import torch
+
 STRINGS = {"date-time": "2024-05-01T09:30:00Z", "date": "2024-05-01", "time": "09:30:00", "email": "ops@example.com",
            "uri": "https://example.com/a", "uuid": "123e4567-e89b-12d3-a456-426614174000"}
 
@@ -75,14 +77,15 @@ def boosted(gold: dict[str, list[int]], boost: float) -> Iterator[None]:
 
     original = multi_token.sample
 
-    def sample(rows, seqs, vocab_limit=None, first_max=None):
+    def sample(rows, seqs, vocab_limit=None, first_max=None, view=None):
         moved = False  # (first_max, the lm_head's pick of each row, is stale once a row is boosted)
-        for row, seq in zip(rows, seqs, strict=True):
-            ids = gold.get(seq.request_id)
-            if ids is not None and len(seq.output_token_ids) < len(ids):
-                row[ids[len(seq.output_token_ids)]] += boost
-                moved = True
-        return original(rows, seqs, vocab_limit, None if moved else first_max)
+        with torch.inference_mode():  # (the forward's logits are inference tensors; the step runs outside the mode)
+            for row, seq in zip(rows, seqs, strict=True):
+                ids = gold.get(seq.request_id)
+                if ids is not None and len(seq.output_token_ids) < len(ids):
+                    row[ids[len(seq.output_token_ids)]] += boost
+                    moved = True
+        return original(rows, seqs, vocab_limit, None if moved else first_max, view)  # (view: the same memory)
 
     multi_token.sample = sample
     try:

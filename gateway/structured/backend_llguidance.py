@@ -34,8 +34,12 @@ class LLGuidanceMatcher(Matcher):
     def __init__(self, native: llguidance.LLMatcher, n_words: int) -> None:
         self.llg = native
         self._n_words = n_words  # words llguidance writes: ceil(tokenizer vocab / 32)
+        # this state's forced tokens (compute_ff_tokens, ~20-40 us a call) once asked: the lazy checks ask for
+        # each candidate and jump-forward twice per token, all in one state; a consumed token starts a new one
+        self._forced: list[int] | None = None
 
     def consume(self, token_id: int) -> bool:
+        self._forced = None
         return self.llg.consume_token(token_id)
 
     def fill_bitmask(self, row_ptr: int, n_words: int) -> None:
@@ -62,11 +66,12 @@ class LLGuidanceMatcher(Matcher):
         return self.llg.validate_tokens([token_id]) == 1
 
     def forces(self) -> bool:
-        return bool(self.llg.compute_ff_bytes())
+        return bool(self._forced) or bool(self.llg.compute_ff_bytes())  # (forced tokens are forced bytes)
 
     def forced_token(self) -> int | None:
-        forced = self.llg.compute_ff_tokens()  # (kept by llguidance for the mask of this state)
-        return forced[0] if forced else None
+        if self._forced is None:
+            self._forced = self.llg.compute_ff_tokens()
+        return self._forced[0] if self._forced else None
 
 
 class LLGuidanceCompiled(CompiledConstraint):

@@ -204,6 +204,9 @@ class FiniteNumberGuard:
 
     def keeps(self, tokens: np.ndarray) -> np.ndarray:
         """Whether `filter` keeps each of `tokens` (int64 ids) in a row that allows it."""
+        digit = self.tables.has_digit  # (every candidate holds a digit: a few checks in one state cost no search)
+        if not self.active or (len(tokens) and tokens.max() < len(digit) and not digit[tokens].any()):
+            return np.ones(len(tokens), dtype=bool)
         candidates = self._candidates()
         at = np.minimum(np.searchsorted(candidates, tokens), max(len(candidates) - 1, 0))
         fed = candidates[at] == tokens if len(candidates) else np.zeros(len(tokens), dtype=bool)

@@ -185,10 +185,10 @@ class SQLScopeGuard:
                 if bans := (s.banned if s.word else s._bans()):
                     probe = s if s.word else s.clone()
                     probe.banned = bans
-                    for k in bans:
+                    for k in bans:  # (the table's lookup first: a few candidates' table seldom has the piece)
                         for end in range(len(s.word) + 1, len(k) + 1):
-                            if k.startswith(s.word) and probe.only_banned(k[:end]) \
-                                    and (ids := tt.idents.get(k[len(s.word):end])) is not None:
+                            if k.startswith(s.word) and (ids := tt.idents.get(k[len(s.word):end])) is not None \
+                                    and probe.only_banned(k[:end]):
                                 drop[ids] = True
                 for k in _BANNED:  # tokens whose identifier tail may start one: simulated below
                     for end in range(1, len(k) + 1):
@@ -280,7 +280,8 @@ class SQLScopeGuard:
                 drop[tailed[~tail_mask(tt, pool)[tailed]]] = True
             if bans := state._bans():  # (a word after the head may not start as a clause keyword)
                 saved, state.banned = state.banned, bans
-                pieces = {k[:e] for k in bans for e in range(1, len(k) + 1) if state.only_banned(k[:e])}
+                pieces = {k[:e] for k in bans for e in range(1, len(k) + 1)
+                          if k[:e] in tt.tails and state.only_banned(k[:e])}  # (only pieces the table has)
                 state.banned = saved
                 banned = np.zeros(len(tt.texts), dtype=bool)
                 for p in pieces:

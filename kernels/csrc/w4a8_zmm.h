@@ -104,6 +104,17 @@ inline __m512 zmm_f16(const uint16_t* p0, const uint16_t* p1) {
 
 inline void zmm_prefetch(const uint8_t* p) { __builtin_prefetch(p + kPrefetch, 0, 3); }
 
+// acc + vpdpbusd(w, the 4 int8 at p in every lane), the broadcast folded into the instruction's memory
+// operand ({1to16}): the same instruction and sums as _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(..)),
+// which GCC compiles to a separate vpbroadcastd per row and block (its vpdpbusd pattern takes no embedded
+// broadcast). At 8 rows that broadcast was a third of the tile loop's instructions, and the front end,
+// not the vpdpbusd port, set the pace.
+typedef int32_t __attribute__((may_alias)) int8x4_t;  // 4 int8 read as one dword (aliases the int8 data)
+inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int8x4_t*>(p)));
+  return acc;
+}
+
 // A pair of tiles is two streams tile_bytes apart, and the tiles of consecutive units are contiguous
 // (t, t+1 now; t+2, t+3 next). Each stream prefetches kPrefetch / 2 ahead of itself (the two together
 // keep kPrefetch in flight, as one stream does); past its tile's end the target moves on to the same
@@ -153,11 +164,8 @@ void zmm_w4a8(const ZmmOperand& A, const int8_t* q, const float* sx, const float
       const int8_t* qb = q + kb * (MT * 8);
       #pragma GCC unroll 16
       for (int m = 0; m < MT; ++m) {
-        int32_t a, b;
-        std::memcpy(&a, qb + m * 8, 4);
-        std::memcpy(&b, qb + m * 8 + 4, 4);
-        isum[clo][m] = _mm512_dpbusd_epi32(isum[clo][m], lo, _mm512_set1_epi32(a));
-        isum[chi][m] = _mm512_dpbusd_epi32(isum[chi][m], hi, _mm512_set1_epi32(b));
+        isum[clo][m] = dpbusd_bcast(isum[clo][m], lo, qb + m * 8);
+        isum[chi][m] = dpbusd_bcast(isum[chi][m], hi, qb + m * 8 + 4);
       }
     };
     const int64_t kb0 = g * bpg;

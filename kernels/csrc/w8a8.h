@@ -125,11 +125,7 @@ void zmm_w8a8(const ZmmOperand& A, const int8_t* const* q, const float* const* s
       }
       const __m512i w = _mm512_xor_si512(zmm_weights<MODE>(A, kb), flip);
       #pragma GCC unroll 16
-      for (int m = 0; m < MT; ++m) {
-        int32_t a;
-        std::memcpy(&a, q[m] + kb * 4, 4);
-        isum[c][m] = _mm512_dpbusd_epi32(isum[c][m], w, _mm512_set1_epi32(a));
-      }
+      for (int m = 0; m < MT; ++m) isum[c][m] = dpbusd_bcast(isum[c][m], w, q[m] + kb * 4);
     };
     const int64_t kb0 = g * bpg;
     int64_t j = 0;
