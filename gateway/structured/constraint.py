@@ -25,6 +25,10 @@ CLOSING_TIERS = ((b'"}]', b'"'), (b'"}]', b""), (b")'", b"'"), (b")'", b""), (b"
 # `"` and `,` close nothing there: outside quotes they open a string or quoted name and a new item.
 SQL_CLOSING_TIERS = {mode: ((b")" + mode.encode(), mode.encode()),) for mode in ("'", '"', "`", "]")}
 SQL_PAREN_TIER = (b")", b")")
+# Seconds of completion searches one output may spend once a search has failed: an output that wrote itself past
+# what its budget can close (SQL names that only long FROM items could bind) would otherwise search again every few
+# tokens of the closing window, seconds each; past it the closing tiers alone end the output (validation decides)
+PLAN_SEARCH_LIMIT_S = 1.0
 
 
 @functools.lru_cache(maxsize=8)
@@ -147,6 +151,7 @@ class Constraint:
         # the closing planner: searches run, checks answered by the last path, seconds in searches
         self.plan_searches = self.plan_reuses = 0
         self.plan_search_s = 0.0
+        self.plan_failures = 0  # checks whose search found no path that fits
         self._token_bytes = tok.token_bytes
         self._ws_run = 0  # trailing whitespace bytes of the output so far
         self.vocab_size = tok.vocab_size
@@ -387,8 +392,12 @@ class Constraint:
         remaining = self.max_tokens - self.consumed  # this step included; EOS needs one of them
         if not self.plan and self.consumed >= self._next_plan_check:
             path = self._completion_path(llg, remaining - 1)
-            if path is None:  # nothing found that fits: back off (outside the closing window)
+            if path is None:  # nothing found that fits: back off (outside the closing window), and stop searching
+                # once failed searches have cost this output PLAN_SEARCH_LIMIT_S
+                self.plan_failures += 1
                 self._next_plan_check = self.consumed + (4 if self._closing() else max(4, remaining // 2))
+                if self.plan_search_s > PLAN_SEARCH_LIMIT_S:
+                    self._next_plan_check = self.max_tokens
             elif len(path) + 1 + self.closing_margin >= remaining or self._closing():
                 self.plan = path  # inside the closing window the first path found is followed
             else:  # room left: measure again a quarter of the way to where the path must start (each
@@ -406,13 +415,14 @@ class Constraint:
             self.plan_reuses += 1
             path = known
         else:
-            guard = self.guard
+            guard = self.guard.path_view() if isinstance(self.guard, SQLScopeGuard) else self.guard
 
             def search() -> list[int] | None:
                 return shortest_completion(llg, self.compiled.tokenizer, max_depth, _hints(self.compiled.spec),
                                            allow=guard.allows if guard is not None else None,
                                            accept=self._accepts_end if self._end_check is not None else None,
-                                           first=guard.closing_moves if isinstance(guard, SQLScopeGuard) else None)
+                                           first=guard.closing_moves if isinstance(self.guard, SQLScopeGuard)
+                                           else None)
             t0 = time.perf_counter()
             path, searched = shared_path((self.compiled, max_depth, digest(self._output)), search)
             self.plan_searches += searched

@@ -90,6 +90,11 @@ class SQLScopeGuard:
                 return ()
         return tuple(tuple(self.tokenizer.encode(t)) for t in closing_texts(state))
 
+    def path_view(self) -> _PathStates:
+        """`allows` and `closing_moves` for the completion search: the scope after each path it tries kept, so a
+        child's costs its own move, not its whole path again (a search walks paths hundreds of tokens deep)."""
+        return _PathStates(self)
+
     def allows_end(self) -> bool:
         return self.allows([], final=True)
 
@@ -349,3 +354,61 @@ class SQLScopeGuard:
                     ok[ids] = True
             veto += group[~ok[group]].tolist()
         return veto
+
+
+class _PathStates:
+    """The scope after each path of a completion search (None: vetoed), built from its parent path's."""
+
+    def __init__(self, guard: SQLScopeGuard) -> None:
+        self.guard = guard
+        self.states: dict[tuple[int, ...], SQLScope | None] = {(): guard.scope}
+        self.encoded: dict[str, tuple[int, ...]] = {}  # closing texts repeat from node to node
+
+    def state(self, path: list[int] | tuple[int, ...]) -> SQLScope | None:
+        key = tuple(path)
+        if key in self.states:
+            return self.states[key]
+        cut = len(key) - 1
+        while key[:cut] not in self.states:  # (the search's children extend a path it tried: found at once)
+            cut -= 1
+        base = self.states[key[:cut]]
+        state = None
+        if base is not None:
+            state = base.clone()
+            try:
+                for t in key[cut:]:
+                    state.feed(self.guard._text(t))
+            except _Veto:
+                state = None
+        self.states[key] = state
+        return state
+
+    def allows(self, path: list[int], final: bool = False) -> bool:
+        """SQLScopeGuard.allows(path, final)."""
+        state = self.state(path)
+        if state is None:
+            return False
+        if final:
+            try:
+                state.clone().end()
+            except _Veto:
+                return False
+        return True
+
+    def closing_moves(self, path: list[int] = ()) -> tuple[tuple[int, ...], ...]:
+        """SQLScopeGuard.closing_moves(path)."""
+        state = self.state(path)
+        if state is None:
+            return ()
+        if state.word and not state.mode:
+            state = state.clone()
+            try:
+                state.feed(" ")
+            except _Veto:
+                return ()
+        return tuple(self._encode(t) for t in closing_texts(state))
+
+    def _encode(self, text: str) -> tuple[int, ...]:
+        if (ids := self.encoded.get(text)) is None:
+            ids = self.encoded[text] = tuple(self.guard.tokenizer.encode(text))
+        return ids

@@ -40,6 +40,8 @@ _AFTER_SOURCE = frozenset(("join", "inner", "left", "right", "full", "cross", "o
 _WINDOW_WORDS = frozenset(("partition", "order", "rows", "range"))  # after "(" only in OVER (...)
 _AFTER_ALIAS = frozenset(("from",))
 _AFTER_SOURCE_ALIAS = _JOIN_WORDS | {"join", "on", "using"}
+_AFTER_USING = _JOIN_WORDS | {"join"}
+_QUERY_WORDS = frozenset(("select", "with", "values"))
 _BANNED = ("where", "group", "having", "order", "limit", "union", "intersect", "except", "offset")
 
 
@@ -460,6 +462,8 @@ class SQLScope:
         after = self.words.after.get(at, frozenset())
         if at == "(" and not self.stack[-1].over:
             after = after - _WINDOW_WORDS
+        if at == "(" and self.stack[-1].func:  # a call's argument is an operand: `f((SELECT ...))`, not `f(SELECT`
+            after = after - _QUERY_WORDS
         ends |= self.words.operand | after
         quals = {q for g in scopes for q in g.declared}
         return WordPool(frozenset(ends), bare(quals - ends))
@@ -496,7 +500,7 @@ class SQLScope:
     def _follow(self) -> frozenset[str] | None:
         """The keywords a word starting here may be, where the position narrows them (None: any):
         after a SELECT item's alias or a `*` item only FROM (or a clause keyword); after a FROM source's alias only
-        a join word, ON or USING."""
+        a join word, ON or USING; after a USING list only a join word."""
         f = self._scope()
         if self.stack[-1] is not f:
             return None
@@ -509,6 +513,8 @@ class SQLScope:
             return _AFTER_ALIAS
         if f.phase == "from" and f.expect == "aliased":
             return _AFTER_SOURCE_ALIAS
+        if f.phase == "from" and f.expect == "using" and self.at == ")":  # the USING list closed
+            return _AFTER_USING
         return None
 
     def _bans(self) -> tuple[str, ...]:

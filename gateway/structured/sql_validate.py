@@ -43,6 +43,13 @@ def _allowed_nodes(dialect: str, functions: tuple[str, ...]) -> frozenset[str]:
 
 def check_sql(sql: str, schema: DatabaseSchema, policy: SQLPolicy | None = None) -> SQLCheckResult:
     """Validate one generated statement; raise SQLPolicyViolation(rule, detail) on any breach."""
+    try:
+        return _check_sql(sql, schema, policy)
+    except RecursionError:  # sqlglot's parser and walks recurse once per nesting level
+        raise SQLPolicyViolation("parse", "nested too deeply to parse") from None
+
+
+def _check_sql(sql: str, schema: DatabaseSchema, policy: SQLPolicy | None) -> SQLCheckResult:
     policy = policy or SQLPolicy()
     dialect = policy.dialect
     try:

@@ -65,9 +65,11 @@ def validate_json(text: str, schema: str | dict | bool) -> Any:
     """Parse decoded text as one JSON value and check it against the schema; returns the value."""
     try:
         value = json.loads(text)
+        check_json_value(value, parse_schema(schema))
     except json.JSONDecodeError as e:
         raise StructuredValidationError("json", f"not valid JSON: {e}") from None
-    check_json_value(value, parse_schema(schema))
+    except RecursionError:  # the parser and the checks recurse once per nesting level
+        raise StructuredValidationError("json", "nested too deeply to check") from None
     return value
 
 
@@ -76,6 +78,16 @@ def validate_tool_calls(
     fmt: ToolFormat = DEFAULT,
 ) -> list[dict]:
     """Parse the tool calls (in format `fmt`) and check names, arguments and tool_choice; returns the calls."""
+    try:
+        return _validate_tool_calls(text, tools, tool_choice, parallel_tool_calls, fmt)
+    except RecursionError:  # the parser and the checks recurse once per nesting level
+        raise StructuredValidationError("tool_call", "nested too deeply to check") from None
+
+
+def _validate_tool_calls(
+    text: str, tools: list[dict], tool_choice: str | dict | None = "auto", parallel_tool_calls: bool = True,
+    fmt: ToolFormat = DEFAULT,
+) -> list[dict]:
     calls = parse_tool_calls(text, tools, fmt)
     specs = {t.name: t for t in (ToolSpec.from_openai(x) for x in tools)}
     mode, forced = _choice(tool_choice)

@@ -182,3 +182,46 @@ def test_alias_guard_binds_qualifiers(tokinfo):
     for sql, want in [(s, True) for s in ok] + [(s, False) for s in bad]:
         guard = SQLScopeGuard.from_grammar(grammar, tokinfo)
         assert guard.allows(tokinfo.encode(sql), final=True) is want, sql
+
+
+def test_failed_completion_searches_stop_at_their_time_limit(tokinfo, monkeypatch):
+    """An output that wrote more unbound qualifiers than its budget can bind cannot be closed: once failed searches
+    have cost PLAN_SEARCH_LIMIT_S the planner stops searching (each search took seconds on a real vocabulary, every
+    4 tokens of the closing window: a 504 instead of a quick validation error), and the output still ends in budget."""
+    import numpy as np
+
+    import gateway.structured.constraint as constraint
+    from gateway.structured.bitmask import allocate_bitmask
+
+    monkeypatch.setattr(constraint, "PLAN_SEARCH_LIMIT_S", 0.0)
+    prefix = tokinfo.encode("SELECT " + ", ".join(f"q{i}.x{i}" for i in range(8)))
+    budget = len(prefix) + 40
+    c = build_constraint(sql_spec(DB), tokinfo, max_tokens=budget, cache=ConstraintCache())
+    for t in prefix:
+        assert c.consume(t)
+    bm = allocate_bitmask(1, tokinfo.vocab_size)
+    for _ in range(budget - len(prefix)):
+        bm.zero_()
+        c.fill_bitmask(bm, 0)
+        allowed = np.flatnonzero(np.unpackbits(bm[0].numpy().view(np.uint8), bitorder="little")[:tokinfo.vocab_size])
+        token = int(allowed[0])
+        if token in tokinfo.eos_ids:
+            break
+        assert c.consume(token)
+    assert c.plan_failures == 1 and c.plan_searches == 1, (c.plan_failures, c.plan_searches)
+
+
+def test_nesting_past_the_parsers_depth_is_a_typed_error():
+    """sqlglot and json recurse once per nesting level: a deep output is a validation error, not a 500."""
+    from gateway.structured.errors import StructuredValidationError
+    from gateway.structured.validate import validate_json, validate_tool_calls
+
+    with pytest.raises(SQLPolicyViolation) as err:
+        check_sql("SELECT " + "(" * 5000 + "1" + ")" * 5000 + " FROM trades", DB)
+    assert err.value.rule == "parse"
+    with pytest.raises(StructuredValidationError, match="nested too deeply"):
+        validate_json("[" * 100000 + "]" * 100000, {"type": "array"})
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(StructuredValidationError):
+        validate_tool_calls('<tool_call>\n{"name": "f", "arguments": {"a": ' + "[" * 100000 + "]" * 100000 + "}}\n</tool_call>",
+                            [tool], "required")

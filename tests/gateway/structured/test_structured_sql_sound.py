@@ -222,3 +222,27 @@ def test_no_word_after_a_star_or_alias_grows_only_into_a_banned_clause(tokinfo, 
     assert guard.allows(ids, final=False), prefix
     assert not guard.allows(ids + tokinfo.encode(" IN"), final=False), prefix
     assert guard.allows(ids + tokinfo.encode(" FROM"), final=False), prefix
+
+
+def test_no_word_after_a_using_list_grows_only_into_a_banned_clause(tokinfo):
+    """After `USING (...)` with `v` unbound, `G` could only become GROUP (GLOB does not follow a source): refused
+    where it starts (greedy decoding on the demo model met it as a dead end), a join still allowed."""
+    guard = SQLScopeGuard.from_grammar(sql_spec(DB, SQLPolicy(dialect="sqlite")).source, tokinfo)
+    prefix = "SELECT sum(v.x) FROM trades JOIN accounts AS a USING (id) "
+    ids = tokinfo.encode(prefix)
+    assert guard.allows(ids, final=False)
+    assert not guard.allows(tokinfo.encode(prefix + "G"), final=False)
+    assert guard.allows(tokinfo.encode(prefix + "JOIN (SELECT 1 AS x) AS v ON 1 = 1"), final=False)
+    assert guard.allows(tokinfo.encode(prefix + "LEFT JOIN"), final=False)
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
+def test_a_call_argument_does_not_start_a_query(tokinfo, dialect):
+    """`abs(SELECT` is no subquery (the grammar takes SELECT there only as the start of a name, which nothing in
+    scope is): refused where it starts (greedy decoding on the demo model met it as a dead end); a subquery in its
+    own parentheses stays allowed."""
+    guard = SQLScopeGuard.from_grammar(sql_spec(DB, SQLPolicy(dialect=dialect)).source, tokinfo)
+    assert not guard.allows(tokinfo.encode("SELECT qty FROM trades WHERE abs(SELECT"), final=False)
+    assert guard.allows(tokinfo.encode("SELECT qty FROM trades WHERE abs((SELECT max(qty) FROM trades)) > 1"),
+                        final=True)
+    assert guard.allows(tokinfo.encode("SELECT qty FROM trades WHERE qty IN (SELECT qty FROM trades)"), final=True)
