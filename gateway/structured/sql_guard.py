@@ -68,27 +68,12 @@ class SQLScopeGuard:
 
     def allows(self, tokens: list[int], final: bool) -> bool:
         """Whether `tokens` (after the text so far) keep every qualifier bindable (and, `final`, bound)."""
-        state = self.scope.clone()
-        try:
-            for t in tokens:
-                state.feed(self._text(t))
-            if final:
-                state.end()
-            return True
-        except _Veto:
-            return False
+        return self.path_view().allows(tokens, final)
 
     def closing_moves(self, tokens: list[int] = ()) -> tuple[tuple[int, ...], ...]:
         """Token sequences that, after `tokens` (following the text so far), bind the names the
         innermost scope left unbound (sql_closing.closing_texts), for the completion search to try first."""
-        state = self.scope
-        if tokens or (state.word and not state.mode):
-            state = state.clone()
-            try:  # (the texts start with a byte that ends the word being written)
-                state.feed("".join(self._text(t) for t in tokens) + (" " if state.word and not state.mode else ""))
-            except _Veto:
-                return ()
-        return tuple(tuple(self.tokenizer.encode(t)) for t in closing_texts(state))
+        return self.path_view().closing_moves(tokens)
 
     def path_view(self) -> _PathStates:
         """`allows` and `closing_moves` for the completion search: the scope after each path it tries kept, so a
@@ -384,7 +369,7 @@ class _PathStates:
         return state
 
     def allows(self, path: list[int], final: bool = False) -> bool:
-        """SQLScopeGuard.allows(path, final)."""
+        """Whether `path` keeps every qualifier bindable (and, `final`, bound)."""
         state = self.state(path)
         if state is None:
             return False
@@ -396,7 +381,8 @@ class _PathStates:
         return True
 
     def closing_moves(self, path: list[int] = ()) -> tuple[tuple[int, ...], ...]:
-        """SQLScopeGuard.closing_moves(path)."""
+        """The closing texts after `path` (sql_closing.closing_texts), encoded; a word being written is ended
+        first (the texts start with a byte that would end it)."""
         state = self.state(path)
         if state is None:
             return ()

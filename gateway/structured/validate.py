@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
@@ -61,15 +63,23 @@ def check_json_value(value: Any, schema: dict | bool, kind: str = "json") -> Non
         raise StructuredValidationError(kind, first.message[:300], path)
 
 
+@contextmanager
+def _within_depth(kind: str) -> Iterator[None]:
+    """The JSON parser and the checks recurse once per nesting level: a RecursionError is the output's fault."""
+    try:
+        yield
+    except RecursionError:
+        raise StructuredValidationError(kind, "nested too deeply to check") from None
+
+
 def validate_json(text: str, schema: str | dict | bool) -> Any:
     """Parse decoded text as one JSON value and check it against the schema; returns the value."""
-    try:
-        value = json.loads(text)
+    with _within_depth("json"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise StructuredValidationError("json", f"not valid JSON: {e}") from None
         check_json_value(value, parse_schema(schema))
-    except json.JSONDecodeError as e:
-        raise StructuredValidationError("json", f"not valid JSON: {e}") from None
-    except RecursionError:  # the parser and the checks recurse once per nesting level
-        raise StructuredValidationError("json", "nested too deeply to check") from None
     return value
 
 
@@ -78,32 +88,23 @@ def validate_tool_calls(
     fmt: ToolFormat = DEFAULT,
 ) -> list[dict]:
     """Parse the tool calls (in format `fmt`) and check names, arguments and tool_choice; returns the calls."""
-    try:
-        return _validate_tool_calls(text, tools, tool_choice, parallel_tool_calls, fmt)
-    except RecursionError:  # the parser and the checks recurse once per nesting level
-        raise StructuredValidationError("tool_call", "nested too deeply to check") from None
-
-
-def _validate_tool_calls(
-    text: str, tools: list[dict], tool_choice: str | dict | None = "auto", parallel_tool_calls: bool = True,
-    fmt: ToolFormat = DEFAULT,
-) -> list[dict]:
-    calls = parse_tool_calls(text, tools, fmt)
-    specs = {t.name: t for t in (ToolSpec.from_openai(x) for x in tools)}
-    mode, forced = _choice(tool_choice)
-    if mode == "none" and calls:
-        raise StructuredValidationError("tool_call", "tool_choice is 'none' but the output calls a tool")
-    if mode in ("required", "named") and not calls:
-        raise StructuredValidationError("tool_call", f"tool_choice is {mode!r} but the output has no tool call")
-    if not parallel_tool_calls and len(calls) > 1:
-        raise StructuredValidationError("tool_call", f"parallel_tool_calls is false but got {len(calls)} calls")
-    for i, call in enumerate(calls):
-        if forced is not None and call["name"] != forced:
-            raise StructuredValidationError("tool_call", f"call {i} is {call['name']!r}, tool_choice forces {forced!r}")
-        if call["name"] not in specs:
-            raise StructuredValidationError("tool_call", f"call {i} names unknown tool {call['name']!r}")
-        check_json_value(call["arguments"], specs[call["name"]].parameters, f"tool_call {call['name']} arguments")
-    return calls
+    with _within_depth("tool_call"):
+        calls = parse_tool_calls(text, tools, fmt)
+        specs = {t.name: t for t in (ToolSpec.from_openai(x) for x in tools)}
+        mode, forced = _choice(tool_choice)
+        if mode == "none" and calls:
+            raise StructuredValidationError("tool_call", "tool_choice is 'none' but the output calls a tool")
+        if mode in ("required", "named") and not calls:
+            raise StructuredValidationError("tool_call", f"tool_choice is {mode!r} but the output has no tool call")
+        if not parallel_tool_calls and len(calls) > 1:
+            raise StructuredValidationError("tool_call", f"parallel_tool_calls is false but got {len(calls)} calls")
+        for i, call in enumerate(calls):
+            if forced is not None and call["name"] != forced:
+                raise StructuredValidationError("tool_call", f"call {i} is {call['name']!r}, tool_choice forces {forced!r}")
+            if call["name"] not in specs:
+                raise StructuredValidationError("tool_call", f"call {i} names unknown tool {call['name']!r}")
+            check_json_value(call["arguments"], specs[call["name"]].parameters, f"tool_call {call['name']} arguments")
+        return calls
 
 
 def validate_sql(text: str, schema: DatabaseSchema, policy: SQLPolicy | None = None) -> SQLCheckResult:

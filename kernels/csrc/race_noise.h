@@ -99,6 +99,16 @@ inline float order_float(uint32_t k) {
 // whose hash lies in bucket k draws at most bucket_max[k]; the last is kRaceNoiseMaxBits' G.
 constexpr int kRaceBuckets = 4096;
 
+// The lanes of GCC's float vectors in block_max and race_top: the build's register width (wider vectors would be
+// split into scalar code on avx2 and generic).
+#if defined(__AVX512F__)
+constexpr int64_t kRaceLanes = 16;
+#elif defined(__AVX2__)
+constexpr int64_t kRaceLanes = 8;
+#else
+constexpr int64_t kRaceLanes = 4;
+#endif
+
 inline const float* race_bucket_max() {
   static const std::vector<float> table = [] {
     std::vector<float> g(kRaceBuckets);
@@ -114,13 +124,7 @@ inline const float* race_bucket_max() {
 
 // The largest of logits[0, n) (n <= kRaceBlock), NaN-free: GCC's vectors of the build's register width.
 inline float block_max(const float* logits, int64_t n) {
-#if defined(__AVX512F__)
-  constexpr int64_t L = 16;
-#elif defined(__AVX2__)
-  constexpr int64_t L = 8;
-#else
-  constexpr int64_t L = 4;
-#endif
+  constexpr int64_t L = kRaceLanes;
   typedef float Lanes __attribute__((vector_size(L * 4)));
   float top = logits[0];
   int64_t j = 0;
@@ -190,15 +194,8 @@ inline bool any_at_least(const float* logits, int64_t n, float x) {
 
 // Some id of the largest logit of logits[0, n) (n > 0), and whether any logit is NaN (then the id is meaningless).
 inline int64_t race_top(const float* logits, int64_t n, bool* nan) {
-  // GCC's vectors of the build's register width (a select and a compare per register of logits; wider vectors are
-  // split into scalar code on avx2 and generic)
-#if defined(__AVX512F__)
-  constexpr int64_t L = 16;
-#elif defined(__AVX2__)
-  constexpr int64_t L = 8;
-#else
-  constexpr int64_t L = 4;
-#endif
+  // a select and a compare per register of logits
+  constexpr int64_t L = kRaceLanes;
   typedef float Lanes __attribute__((vector_size(L * 4)));
   typedef int32_t Flags __attribute__((vector_size(L * 4)));
   float lane[L];

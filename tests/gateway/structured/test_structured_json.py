@@ -119,15 +119,20 @@ def test_whitespace_is_bounded_in_free_whitespace_grammars(tokinfo):
     assert torch.isfinite(logits[tokinfo.encode("b")[0]])
 
 
-def test_closing_window_finishes_inside_budget(tokinfo):
-    schema = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"],
-              "additionalProperties": False}
+def _decodes_close_in_budget(tokinfo, schema, budget: int, seeds: int) -> None:
+    """Random-logit decodes under a `budget`-token limit: each finishes inside it, with an output the schema's
+    validation accepts."""
     spec = json_schema_spec(schema)
-    for seed in range(4):
-        c = build_constraint(spec, tokinfo, max_tokens=40, cache=ConstraintCache())
-        out = decode(c, random_logits(tokinfo.vocab_size, seed), max_tokens=40)
-        assert out.finished and len(out.ids) <= 40
+    for seed in range(seeds):
+        c = build_constraint(spec, tokinfo, max_tokens=budget, cache=ConstraintCache())
+        out = decode(c, random_logits(tokinfo.vocab_size, seed), max_tokens=budget)
+        assert out.finished and len(out.ids) <= budget
         validate_json(tokinfo.decode(out.ids[:-1]), schema)
+
+
+def test_closing_window_finishes_inside_budget(tokinfo):
+    _decodes_close_in_budget(tokinfo, {"type": "object", "properties": {"note": {"type": "string"}},
+                                       "required": ["note"], "additionalProperties": False}, 40, 4)
 
 
 @pytest.mark.parametrize("pattern", [
@@ -254,9 +259,4 @@ def test_closing_planner_answers_are_completions_inside_the_budget(schema, tokin
 def test_closing_paths_pass_the_validation_only_keywords(schema, tokinfo):
     """A completion the planner forces must be an output validation accepts, not one the grammar's superset
     admits: else the gateway's retry closes the same way and the request ends in a 400."""
-    spec = json_schema_spec(schema)
-    for seed in range(6):
-        c = build_constraint(spec, tokinfo, max_tokens=16, cache=ConstraintCache())
-        out = decode(c, random_logits(tokinfo.vocab_size, seed), max_tokens=16)
-        assert out.finished and len(out.ids) <= 16
-        validate_json(tokinfo.decode(out.ids[:-1]), schema)
+    _decodes_close_in_budget(tokinfo, schema, 16, 6)
