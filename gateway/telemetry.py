@@ -120,7 +120,7 @@ class RequestTrace:
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     output_tokens: int | None = None
-    _context: Context | None = None  # the request span's context: the parent of each phase
+    _context: Context | None = field(default=None, init=False, repr=False)  # the request span's: each phase's parent
 
     @property
     def trace_id(self) -> str:
