@@ -55,12 +55,26 @@ def key_from_env(env: Mapping[str, str] = os.environ) -> bytes | None:
 def record_hash(record: Mapping[str, Any], key: bytes | None = None) -> str:
     """Over the canonical JSON of every field except `hash` itself: sha256 for `v` 1, HMAC-SHA256 with `key`
     for `v` 2."""
-    body = canonical_json({k: v for k, v in record.items() if k != "hash"})
-    if record.get("v") == KEYED:
+    return _body_hash(canonical_json({k: v for k, v in record.items() if k != "hash"}), record.get("v"), key)
+
+
+def _body_hash(body: bytes, version: Any, key: bytes | None) -> str:
+    if version == KEYED:
         if key is None:
             raise AuditLogError(f"the record is keyed (HMAC-SHA256); set {KEY_ENV} to its key")
         return hmac.new(key, body, hashlib.sha256).hexdigest()
     return hashlib.sha256(body).hexdigest()
+
+
+def _record_line(data: Mapping[str, Any], event: str, rest: dict[str, Any], key: bytes | None) -> tuple[str, bytes]:
+    """(hash, canonical JSON line) of the record `{"data": data, "event": event, **rest}` plus its hash, the data
+    serialised once for both: the keys sort as data, event, hash, then `rest`'s (prev, seq, trace_id, ts, v), so
+    the line is the hashed body with `"hash":"..."` put in front of `rest`'s members."""
+    tail = canonical_json(rest)  # {"prev":...,"v":...}
+    body = canonical_json({"data": data, "event": event, **rest})
+    head = body[:len(body) - len(tail) + 1]  # {"data":...,"event":...,
+    digest = _body_hash(body, rest["v"], key)
+    return digest, b"%s\"hash\":\"%s\",%s" % (head, digest.encode(), tail[1:])
 
 
 def head_path_for(path: str | Path) -> Path:
@@ -191,23 +205,23 @@ class AuditLog:
         """`sync_due` False: an `interval` record is left to the background syncer (within the interval)."""
         if self._file.closed:
             raise AuditLogError(f"{self.path}: the audit log is closed")
-        record = {"v": self._v, "seq": self._seq, "ts": self._clock().isoformat(timespec="microseconds"),
-                  "trace_id": trace_id, "prev": self._prev, "event": event}
+        rest = {"prev": self._prev, "seq": self._seq, "trace_id": trace_id,
+                "ts": self._clock().isoformat(timespec="microseconds"), "v": self._v}
         try:  # hashed as it will read back (JSON types; escaped surrogates re-pair as json.loads does)
-            record["data"] = json.loads(canonical_json(dict(data)))
-            record["hash"] = record_hash(record, self.key)
+            digest, line = _record_line(json.loads(canonical_json(dict(data))), event, rest, self.key)
         except (ValueError, TypeError) as exc:
             raise AuditLogError(f"audit data must be finite JSON: {exc}") from None
-        line = canonical_json(record) + b"\n"
+        line += b"\n"
         self._file.write(line)
         self._file.flush()
-        self._seq, self._prev = self._seq + 1, record["hash"]
+        seq, prev = self._seq, self._prev
+        self._seq, self._prev = self._seq + 1, digest
         if self.fsync == "always" or (self.fsync == "interval" and sync_due
                                       and time.monotonic() - self._last_sync >= self.fsync_interval_s):
             self._sync_locked()
         elif self.fsync == "never":
             self._overwrite_head()  # no durability promised, but a cut tail stays detectable
-        return AuditRecord(record["seq"], record["hash"], record["prev"], trace_id, line)
+        return AuditRecord(seq, digest, prev, trace_id, line)
 
     async def aappend(self, event: str, data: Mapping[str, Any], trace_id: str | None = None) -> AuditRecord:
         """`append` for asyncio: on the event loop where nothing can wait on the disk (not `always`, the lock free:

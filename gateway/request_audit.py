@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 from dataclasses import dataclass
 
 import anyio
+
+from gateway.schemas import random_hex
 
 log = logging.getLogger(__name__)
 SCOPE_KEY = "moegate.audit"
@@ -82,7 +83,7 @@ async def _write(scope: dict, marker: RequestAudit, status: int, headers: dict, 
         except (ValueError, AttributeError):
             error = {}
     client = scope.get("client")
-    data = {"request_id": headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:24]}",
+    data = {"request_id": headers.get("x-request-id") or f"req-{random_hex()}",
             "method": scope.get("method"), "route": scope.get("path"), "status": status,
             "tenant": marker.tenant, "client": client[0] if client else None, "policy_id": policy.id,
             "policy_digest": policy.digest}

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import os
 import re
 import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -207,8 +209,33 @@ class CompletionRequest(_Sampling):
 
 
 # ---- responses ---------------------------------------------------------------------------------
+class _IdSource:
+    """Unique, unguessable ids without a system call per id: a keyed hash (BLAKE2b, a key from os.urandom once per
+    process, again in a forked child) of a counter. On the event loop a call that releases the interpreter lock, as
+    os.urandom (uuid4) does, waits milliseconds to take it back from a busy engine thread."""
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._key, self._count = os.urandom(32), itertools.count()
+
+    def hex(self, chars: int = 24) -> str:
+        n = next(self._count)
+        return hashlib.blake2b(n.to_bytes(8, "little"), key=self._key, digest_size=(chars + 1) // 2).hexdigest()[:chars]
+
+
+_IDS = _IdSource()
+
+
+def random_hex(chars: int = 24) -> str:
+    """`chars` hex digits of a process-unique, unguessable id (ids of responses, tool calls, records)."""
+    return _IDS.hex(chars)
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+    return f"{prefix}-{random_hex()}"
 
 
 def now() -> int:

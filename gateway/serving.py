@@ -368,7 +368,7 @@ async def _stream(ctx: _Ctx, sent: Sent, span: Callable, done: Callable) -> Asyn
                 async for ev in events:
                     if isinstance(ev, TextDelta):
                         rt.first_token()
-                        yield sse(chunker.reasoning(ev.text) if ev.reasoning else chunker.text(ev.text))
+                        yield chunker.reasoning_sse(ev.text) if ev.reasoning else chunker.text_sse(ev.text)
                         (sent.reasoning if ev.reasoning else sent.text).append(ev.text)
                         sent.chunks += 1
                     elif isinstance(ev, ToolCall):

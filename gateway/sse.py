@@ -28,9 +28,34 @@ class Chunker:
     def __init__(self, rid: str, created: int, model: str, fingerprint: str):
         self.base = {"id": rid, "object": self.object, "created": created, "model": model,
                      "system_fingerprint": fingerprint}
+        self._frames: dict[str, tuple[bytes, bytes] | None] = {}
+
+    def text_sse(self, text: str) -> bytes:
+        """`sse(self.text(text))`, byte for byte, from a frame serialised once per stream."""
+        return self._framed("text", text)
+
+    def reasoning_sse(self, text: str) -> bytes:
+        """`sse(self.reasoning(text))`, byte for byte (chunkers whose family writes reasoning apart)."""
+        return self._framed("reasoning", text)
+
+    def _framed(self, builder: str, text: str) -> bytes:
+        """The SSE event of `getattr(self, builder)(text)`: its JSON around the text is the same for every chunk of
+        the stream, so it is serialised once (with a marker where the text goes) and only the text per chunk."""
+        if builder not in self._frames:
+            parts = sse(getattr(self, builder)(_MARKER)).split(_MARKER_JSON)
+            # a field that held the marker too (a client-chosen name) would be ambiguous: serialise each chunk
+            self._frames[builder] = (parts[0], parts[1]) if len(parts) == 2 else None
+        frame = self._frames[builder]
+        if frame is None:
+            return sse(getattr(self, builder)(text))
+        return frame[0] + json.dumps(text, ensure_ascii=False).encode() + frame[1]
 
     def usage(self, prompt: int, completion: int, cached: int = 0) -> dict:
         return {**self.base, "choices": [], "usage": usage_of(prompt, completion, cached)}
+
+
+_MARKER = "\x00moegate:text\x00"  # where a chunk frame's text goes
+_MARKER_JSON = json.dumps(_MARKER).encode()
 
 
 def sse(obj: dict | str) -> bytes:

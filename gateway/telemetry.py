@@ -120,6 +120,7 @@ class RequestTrace:
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     output_tokens: int | None = None
+    _context: Context | None = field(default=None, init=False, repr=False)  # the request span's: each phase's parent
 
     @property
     def trace_id(self) -> str:
@@ -134,9 +135,20 @@ class RequestTrace:
         """A child span `moegate.<name>`; phases: policy, classification, prefill, decode, validation, ..."""
         if name not in PHASES:
             raise ValueError(f"unknown phase {name!r}; one of {PHASES}")
-        with self.tracer.start_as_current_span(f"moegate.{name}", context=trace.set_span_in_context(self.span),
-                                               attributes=_clean(attributes)) as span:
+        if self._context is None:
+            self._context = trace.set_span_in_context(self.span)
+        # not made the current span (nothing reads it; attaching costs the event loop per request): a child of
+        # the request span by its context, ended and marked failed on an exception as `use_span` would
+        span = self.tracer.start_span(f"moegate.{name}", context=self._context, attributes=_clean(attributes))
+        try:
             yield span
+        except Exception as exc:
+            if span.is_recording():
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            span.end()
 
     def set(self, attributes: Mapping[str, Any]) -> None:
         self.span.set_attributes(_clean(attributes))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import statistics
@@ -109,6 +110,30 @@ class Load:
     body: Callable[[int, int], dict]
 
 
+async def answered(client: httpx.AsyncClient, body: dict) -> int:
+    """Completion tokens of one non-streamed chat request."""
+    r = await client.post("/v1/chat/completions", json=body)
+    r.raise_for_status()
+    return r.json()["usage"]["completion_tokens"]
+
+
+async def streamed(client: httpx.AsyncClient, body: dict) -> int:
+    """Completion tokens of one streamed chat request (`stream_options.include_usage`: its usage chunk), every
+    SSE event read and parsed as a client does."""
+    usage = None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"stream failed: {chunk['error']}")
+                usage = chunk.get("usage") or usage
+    if usage is None:
+        raise RuntimeError("the stream ended without its usage chunk")
+    return usage["completion_tokens"]
+
+
 def closed_loop(url: str, pid: int, load: Load) -> dict[str, float]:
     """{tok_s, steady_tok_s, cpu_ms_per_token, loop_cpu_ms_per_token, engine_cpu_ms_per_token, tokens, wall_s,
     requests, others_cores, load_average, engine step figures (`per_step`)} of one run of `load`. loop_cpu_ms_per_token:
@@ -122,9 +147,8 @@ def closed_loop(url: str, pid: int, load: Load) -> dict[str, float]:
     async def worker(client: httpx.AsyncClient, w: int) -> int:
         tokens = 0
         for k in range(load.per_worker):
-            r = await client.post("/v1/chat/completions", json=load.body(w, k))
-            r.raise_for_status()
-            tokens += r.json()["usage"]["completion_tokens"]
+            body = load.body(w, k)
+            tokens += await (streamed(client, body) if body.get("stream") else answered(client, body))
         if not first_done:
             first_done.append((0.0, {}))  # claimed: the other streams are still running
             counters = await engine_steps(client)

@@ -95,7 +95,7 @@ def engine_section(model: str, tokens: int) -> dict:
     return out
 
 
-def _chat_body(structured: bool, max_tokens: int) -> Callable[[int, int], dict]:
+def _chat_body(structured: bool, max_tokens: int, stream: bool = False) -> Callable[[int, int], dict]:
     def body(worker: int, k: int) -> dict:
         # a JSON answer ends when its object closes: its budget stays loose (a tight one makes the constraint
         # plan the shortest way to close at each step, which is not what this measures)
@@ -103,6 +103,8 @@ def _chat_body(structured: bool, max_tokens: int) -> Callable[[int, int], dict]:
              "messages": [{"role": "user", "content": QUESTIONS[(worker + k) % len(QUESTIONS)]}]}
         if structured:
             b["response_format"] = {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER_SCHEMA}}
+        if stream:
+            b.update(stream=True, stream_options={"include_usage": True})
         return b
 
     return body
@@ -113,11 +115,12 @@ GATEWAY_RATIOS = {"json_schema x8 / x1": ("json_schema x8", "json_schema x1"),
                   "free text x8 / x1": ("free text x8", "free text x1")}
 
 
-def gateway_section(model: str, max_tokens: int, rounds: int, requests: int) -> dict:
+def gateway_section(model: str, max_tokens: int, rounds: int, requests: int, stream: bool = False) -> dict:
     """`moegate serve` in a process of its own, dev policy: 1 and 8 concurrent json_schema (execution) and free-text
     (exploration) streams, closed loop, `requests` requests per stream (x1: 8 x `requests`, the questions the 8
-    streams ask), interleaved over `rounds` rounds; tok/s and server CPU ms per token as median, min and max."""
-    loads = {f"{name} x{n}": Load(n, requests * (8 // n), _chat_body(structured, max_tokens))
+    streams ask), interleaved over `rounds` rounds; tok/s and server CPU ms per token as median, min and max.
+    `stream`: every request streamed (SSE, with its usage chunk), the client reading each event."""
+    loads = {f"{name} x{n}": Load(n, requests * (8 // n), _chat_body(structured, max_tokens, stream))
              for name, structured in (("json_schema", True), ("free text", False)) for n in (1, 8)}
     with tempfile.TemporaryDirectory() as tmp, served(model, Path(tmp)) as (url, pid):
         return interleaved(url, pid, loads, rounds, GATEWAY_RATIOS, log=lambda line: print(f"gateway {line}",
@@ -195,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip", default="", help="comma list of sections to skip: engine, gateway")
     ap.add_argument("--rounds", type=int, default=9, help="gateway: interleaved rounds (median, min, max)")
     ap.add_argument("--requests", type=int, default=2, help="gateway: requests per stream per round")
+    ap.add_argument("--stream", action="store_true", help="gateway: stream every request (SSE) instead of one body")
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -209,7 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
             "batched / serial exec x8": e["batched execution x8"] / e["serial execution x8"],
         }
     if "gateway" not in skip:
-        g = gateway_section(args.model, args.tokens, args.rounds, args.requests)
+        g = gateway_section(args.model, args.tokens, args.rounds, args.requests, args.stream)
+        res["gateway_stream"] = args.stream
         res["gateway_runs"] = g["runs"]
         res["gateway"] = {k: v["tok_s"]["median"] for k, v in g["summary"].items()}
         res["gateway_cpu_ms_per_token"] = {k: v["cpu_ms_per_token"]["median"] for k, v in g["summary"].items()}

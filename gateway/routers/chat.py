@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import uuid
 
 from fastapi import APIRouter, Request
 
@@ -19,6 +18,7 @@ from gateway.schemas import (
     Message,
     lone_surrogate_at,
     new_id,
+    random_hex,
 )
 from gateway.segments import SegmentFences
 from gateway.serving import Job, budget, resolve_policy, serve
@@ -79,7 +79,7 @@ def _prompt_messages(body: ChatCompletionRequest, fmt: ToolFormat = DEFAULT) -> 
 
 
 def call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+    return "call_" + random_hex()
 
 
 def _message(text: str, calls: list[ToolCall], reasoning: str = "") -> dict:

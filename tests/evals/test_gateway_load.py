@@ -41,3 +41,12 @@ def test_per_step_divides_the_counter_deltas():
     assert per_step(before, after) == pytest.approx({
         "steps": 10, "step_wall_ms": 50.0, "step_thread_cpu_ms": 20.0, "sequences_per_step": 4.0,
         "tokens_per_step": 6.0, "engine_idle_share": 0.5})
+
+
+def test_a_streamed_load_counts_the_tokens_of_its_usage_chunks(tiny_checkpoint, tmp_path):
+    streamed = lambda w, k: {**_body(w, k), "stream": True, "stream_options": {"include_usage": True}}  # noqa: E731
+    loads = {"body": Load(2, 1, _body), "stream": Load(2, 1, streamed)}
+    with served(str(tiny_checkpoint()), tmp_path) as (url, pid):
+        res = interleaved(url, pid, loads, rounds=1, ratios={}, log=lambda _: None)
+    body, stream = res["runs"]["body"][0], res["runs"]["stream"][0]
+    assert stream["requests"] == 2 and stream["tokens"] == body["tokens"] > 0  # greedy: the same answers
