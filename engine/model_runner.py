@@ -36,6 +36,7 @@ class ModelRunner:
     ):
         self.model = model
         self.device = device
+        self._on_cpu = device.type == "cpu"  # read at every step (`_decode_step`)
         self.spec = spec
         self.defer = defer
         self.kv_caches = allocate_kv_cache(model.config, spec, kv_dtype, device)  # KV layers only
@@ -157,7 +158,7 @@ class ModelRunner:
         SMALL_BATCH_TOKENS tokens in all (decodes, jump-forward chunks, drafts, short prefill chunks) of one mode,
         where that mode's forward would run the fused stack and a compiled lm_head anyway (exploration: no
         deferral)."""
-        if self.device.type != "cpu" or not 0 < len(chunks) <= SMALL_BATCH_TOKENS:
+        if not self._on_cpu or not 0 < len(chunks) <= SMALL_BATCH_TOKENS:
             return None
         exact, tokens = chunks[0].seq.mode == "execution", 0
         for c in chunks:

@@ -134,6 +134,11 @@ class MultiTokenDecoder:
         self.stats = MultiTokenStats()
         self._view: LogitsView | None = None  # the last step's logits, read again while the runner hands the same
 
+    @property
+    def extends(self) -> bool:
+        """Whether `observe` / `extend` can do anything: the step skips both where neither source is on."""
+        return bool(self.config.jump_forward_tokens or self.config.speculative_tokens)
+
     def choose(self, logits: torch.Tensor, seqs: list[Sequence], vocab_limit: int | None,
                first_max: np.ndarray | None = None) -> list[list[int] | SamplingError]:
         """logits [sum of 1 + drafts per seq, V] -> the tokens each sequence keeps this step. Drafts are

@@ -47,6 +47,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None and t.numel() else None
 
 
+def _flat(a: np.ndarray) -> memoryview:
+    """A C-contiguous array's memory as a flat memoryview of its items (float32 'f', int64 'q')."""
+    return memoryview(a).cast("B").cast({np.float32: "f", np.int64: "q"}[a.dtype.type])
+
+
 def unsupported_reason(cfg: ModelConfig, layer, exact: bool = False) -> str | None:
     """Why `layer` cannot run fused in the profile (None: it can; execution packs its projections itself)."""
     if cfg.linear_attention is not None or cfg.attention_output_gate:
@@ -181,6 +186,9 @@ class FusedDecodeStep:
         self.embed = model.model.embed_tokens.weight.detach().numpy()  # [V, H] fp32, the same memory
         self.rotary = model.model.layers[0].self_attn.rotary  # its position table: `_rope`'s rows
         self._table: torch.Tensor | None = None
+        self._table_len, self._head_dim, self._hidden = 0, cfg.head_dim, cfg.hidden_size
+        self._tables: tuple | None = None
+        self._f32 = torch.float32  # the rotary's key of its fp32 table
         self._x = torch.empty(rows, cfg.hidden_size)  # [R, H] the embedding rows, then the stack's hidden
         self._normed = torch.empty(rows, cfg.hidden_size)  # [R, H] after the final norm: the lm_head's input
         self._rope = torch.empty(2, rows, cfg.head_dim)  # cos, sin rows [R, D]
@@ -193,6 +201,11 @@ class FusedDecodeStep:
         self._frees, self._blocks = -1, None
         self._x_np, self._rope_np, self._ints_np = self._x.numpy(), self._rope.numpy(), self._ints.numpy()
         self._normed_np = self._normed.numpy()
+        # flat memoryviews of the same memory: a decode row's writes (`_decodes`) as item and slice assignments, a
+        # fraction of numpy's indexing machinery, whose code and data are cold right after the kernels
+        self._x_mv, self._rope_mv, self._ints_mv = _flat(self._x_np), _flat(self._rope_np), _flat(self._ints_np)
+        self._embed_mv = _flat(self.embed)
+        self._table_mv: tuple[memoryview, memoryview] | None = None
         n = len(stack)
         self._kv = ((ctypes.c_void_p * n)(*(c[0].data_ptr() for c in kv_caches)),
                     (ctypes.c_void_p * n)(*(c[1].data_ptr() for c in kv_caches)))
@@ -204,11 +217,12 @@ class FusedDecodeStep:
         # handed rows and may keep them, so those steps' logits are fresh
         self._logits = torch.empty(rows, head.padded_out)
         self._logits_views: dict[int, torch.Tensor] = {}  # its first rows [T, V] by T
-        self._head_call = LinearCall(stack.lib, head, self._normed, self._logits, head_threads)
         # [R]: each row's first largest logit, found in the lm_head's call by the threads that wrote the columns (the
         # stepping thread would read the row back from the other core's cache: ~240 us for 152k logits at 1 row)
         self._first_max = torch.empty(rows, dtype=torch.int64)
         self._first_max_np = self._first_max.numpy()
+        self._picks_views: dict[int, np.ndarray] = {}  # its first rows [n] by n
+        self._head_call = LinearCall(stack.lib, head, self._normed, self._logits, head_threads, self._first_max)
         # the lm_head is the step's last kernel call: the pool's helpers sleep now instead of spinning ~200 us for a job
         # that comes only with the next step, on a core the stepping thread (and anything else) could use
         self._rest = getattr(stack.lib, "moegate_pool_rest", lambda: None)
@@ -228,6 +242,69 @@ class FusedDecodeStep:
         buffer the next call overwrites), else None. Every token is a row of the stack's call over its own context:
         its sequence's positions 0..its own, the chunk's earlier tokens included (the kernel writes all rows' K/V
         before any row attends), as the batch forward's fused layers compute a chunk."""
+        if (rows := self._decodes(chunks, blocks)) is not None:
+            t, greedy, processors, every = len(chunks), *rows, True
+        else:
+            t, greedy, processors, every = self._inputs(chunks, blocks)
+        self._stack_call(t)
+        self.hidden = self._normed[:t].clone() if self.keep_hidden else None
+        n = t if every else self._compact(chunks)
+        if n == 0:
+            return torch.empty(0, self.head.out_features), None
+        pick = self.pick_in_kernel and greedy
+        if pick and (picks := self._picks_views.get(n)) is None:
+            picks = self._picks_views[n] = self._first_max_np[:n]
+        elif not pick:
+            picks = None
+        if processors:
+            logits = torch.empty(n, self.head.padded_out)
+            self._head_call(n, logits, self._first_max if pick else None)
+            self._rest()
+            return logits[:, :self.head.out_features], picks
+        if pick:
+            self._head_call.picking(n)
+        else:
+            self._head_call(n)
+        self._rest()
+        if (logits := self._logits_views.get(n)) is None:
+            logits = self._logits_views[n] = self._logits[:n, :self.head.out_features]
+        return logits, picks
+
+    def _decodes(self, chunks: list, blocks) -> tuple[bool, bool] | None:
+        """A step of decodes whose contexts the last step wrote (each chunk one token that samples, its sequence and
+        table in the same region as then, no table freed since, within the region and the RoPE table): each row's
+        inputs written item by item through the flat views, its context's one new slot included -> (a row is plain
+        greedy, a row has logits processors); else None, nothing written (`_inputs` then writes every row)."""
+        kept, region, bs = self._kept, self._region, blocks.block_size
+        if (len(chunks) > len(kept) or blocks.frees != self._frees or blocks is not self._blocks
+                or self.rotary._tables.get(self._f32) is not self._tables):
+            return None
+        for c, k in zip(chunks, kept, strict=False):
+            seq = c.seq
+            if (c.num_tokens != 1 or c.num_logits != 1 or k[0] is not seq or k[1] is not seq.block_table
+                    or c.start > k[2] or c.start >= region or c.start >= self._table_len):
+                return None
+        iv, R, D, H = self._ints_mv, SMALL_BATCH_TOKENS, self._head_dim, self._hidden
+        rope, (cos, sin), x, embed = self._rope_mv, self._table_mv, self._x_mv, self._embed_mv
+        greedy = processors = False
+        for i, c in enumerate(chunks):
+            seq, pos = c.seq, c.start
+            table, params = seq.block_table, seq.params
+            greedy = greedy or params.plain_greedy
+            processors = processors or bool(params.logits_processors)
+            token, slot, at = seq.tokens(pos, pos + 1)[0], table[pos // bs] * bs + pos % bs, i * region
+            iv[i], iv[R + i], iv[2 * R + i], iv[3 * R + i], iv[4 * R + i] = token, pos, slot, at, pos + 1
+            self._slots_mv[at + pos] = slot  # the context's new slot, as `_write_contexts`
+            rope[i * D:(i + 1) * D] = cos[pos * D:(pos + 1) * D]  # `_rope`'s rows: cos [R, D], then sin [R, D]
+            rope[(R + i) * D:(R + i + 1) * D] = sin[pos * D:(pos + 1) * D]
+            x[i * H:(i + 1) * H] = embed[token * H:(token + 1) * H]  # the embedding row
+            kept[i] = (seq, table, pos + 1)
+        del kept[len(chunks):]
+        return greedy, processors
+
+    def _inputs(self, chunks: list, blocks) -> tuple[int, bool, bool, bool]:
+        """Every row's inputs (ids, positions, new slots, contexts, RoPE and embedding rows) for any step the fused
+        call takes -> (rows, a row is plain greedy, a row has logits processors, every row samples)."""
         bs, ints = blocks.block_size, self._ints_np
         spans, longest, t, greedy, processors, every = [], 0, 0, False, False, True
         for c in chunks:
@@ -253,28 +330,13 @@ class FusedDecodeStep:
         table = self.rotary._table(longest, torch.float32)  # cos, sin [P, D]
         if table[0] is not self._table:
             self._table, self._table_np = table[0], (table[0].numpy(), table[1].numpy())
+            self._table_mv, self._table_len = tuple(_flat(np.ascontiguousarray(a)) for a in self._table_np), len(table[0])
+        self._tables = table  # what `_table` returned: `_decodes` reads rows of it while the rotary keeps it
         positions, cos, sin = ints[1, :t], *self._rope_np[:, :t]
         self._table_np[0].take(positions, axis=0, out=cos)
         self._table_np[1].take(positions, axis=0, out=sin)
         self.embed.take(ints[0, :t], axis=0, out=self._x_np[:t])
-        self._stack_call(t)
-        self.hidden = self._normed[:t].clone() if self.keep_hidden else None
-        n = t if every else self._compact(chunks)
-        if n == 0:
-            return torch.empty(0, self.head.out_features), None
-        pick = self.pick_in_kernel and greedy
-        first_max = self._first_max if pick else None
-        picks = self._first_max_np[:n] if pick else None
-        if processors:
-            logits = torch.empty(n, self.head.padded_out)
-            self._head_call(n, logits, first_max)
-            self._rest()
-            return logits[:, :self.head.out_features], picks
-        self._head_call(n, None, first_max)
-        self._rest()
-        if (logits := self._logits_views.get(n)) is None:
-            logits = self._logits_views[n] = self._logits[:n, :self.head.out_features]
-        return logits, picks
+        return t, greedy, processors, every
 
     def _compact(self, chunks: list) -> int:
         """The rows that sample (each chunk's `num_logits` last), moved in order to the top of the lm_head's input
@@ -315,6 +377,7 @@ class FusedDecodeStep:
         if self._slots.shape[0] < n * self._region:
             self._slots = torch.empty(max(n, 4) * self._region, dtype=torch.int64)
             self._slots_np = self._slots.numpy()
+            self._slots_mv = _flat(self._slots_np)
         self._kept.clear()
         i = self._ints
         self._stack_call = DecodeStackCall(
