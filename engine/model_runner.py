@@ -46,6 +46,9 @@ class ModelRunner:
         self.strict_experts = ExpertPipeline(device)  # execution: everything now, on this thread
         self.expert_worker = self.experts.executor
         self.max_threads = torch.get_num_threads()
+        # torch's pool was set to one thread by a fused step and no forward has run since: the next fused step skips
+        # the torch call that checks it (~10 us right after the kernels)
+        self._one_thread = False
         self._all_rows = torch.arange(64)  # `_rows`: read-only, sliced
         self._row_views: dict[int, torch.Tensor] = {}  # its slices by length
         # `_token_tensors`: the latest batch's ids, positions and KV slots [3, capacity] int64, written through
@@ -124,8 +127,10 @@ class ModelRunner:
         fused decode step's (`_decode_step`) are a view of that step's kept buffer: valid until the next `run`."""
         self.first_max = self.hidden = None
         if (step := self._decode_step(chunks)) is not None:
-            if torch.get_num_threads() != 1:  # a small forward's rule (`forward`): nothing here runs on torch's
-                torch.set_num_threads(1)
+            if not self._one_thread or self.keep_hidden:  # (MTP's layer sets torch's threads between steps)
+                if torch.get_num_threads() != 1:  # a small forward's rule (`forward`): nothing here runs on torch's
+                    torch.set_num_threads(1)
+                self._one_thread = True
             step.keep_hidden = self.keep_hidden
             logits, self.first_max = step(chunks, blocks)  # and the greedy picks from the lm_head's own call
             if self.keep_hidden:
@@ -202,6 +207,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the batch (writing its KV) -> fp32 logits [S, V] of the rows that sample, on the CPU."""
+        self._one_thread = False
         if self.device.type == "cpu":  # the fused execution path runs on the kernel's own pool
             small = batch.num_tokens <= SMALL_FORWARD_TOKENS or self.model.batch_invariant(batch.exact)
             want = 1 if small else self.max_threads

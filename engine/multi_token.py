@@ -196,7 +196,7 @@ class MultiTokenDecoder:
         reason} for the sequences a forced token finished."""
         c, reasons, forcing = self.config, {}, []
         for seq in seqs:
-            forced = self._forced_source(seq) if c.jump_forward_tokens else None
+            forced = self._forced_source(seq) if c.jump_forward_tokens and seq.params.logits_processors else None
             if forced is not None:
                 forcing.append((seq, forced))
             elif c.speculative_tokens and self._speculates(seq):
