@@ -1,4 +1,4 @@
-"""The fused one-call step (engine/models/fused_decode.py `FusedDecodeStep`, taken by `ModelRunner.run` for steps of
+"""The fused one-call step (engine/models/fused_step.py `FusedDecodeStep`, taken by `ModelRunner.run` for steps of
 up to SMALL_BATCH_TOKENS tokens: decodes, jump-forward chunks, drafts, short prefill chunks) against the forward it
 replaces, `ModelRunner.forward` over a ForwardBatch, and against token-by-token decoding: the same logits and KV bits
 at every step, and the same tokens end to end, in both profiles, alone and batched, greedy and seeded."""
@@ -10,7 +10,7 @@ import torch
 
 from engine.experts import PlacementConfig
 from engine.llm_engine import LLM
-from engine.models.fused_decode import FusedDecodeStep
+from engine.models.fused_step import FusedDecodeStep
 from engine.sampling_params import SamplingParams
 from tests.engine.conftest import run_requests
 
