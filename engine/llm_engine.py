@@ -328,8 +328,9 @@ class LLMEngine:
                 going.append(seq)
             else:
                 reasons[seq.request_id] = reason
-        self.decoder.observe(chunks, self.runner.hidden, going)  # MTP drafts: its layer over the kept positions
-        reasons.update(self.decoder.extend(going, self._advance))  # forced tokens (all masks together) or drafts
+        if self.decoder.extends:
+            self.decoder.observe(chunks, self.runner.hidden, going)  # MTP drafts: its layer over the kept positions
+            reasons.update(self.decoder.extend(going, self._advance))  # forced tokens (all masks together) or drafts
         if reasons:
             for seq in seqs:
                 if (reason := reasons.get(seq.request_id)) is not None:

@@ -19,7 +19,7 @@ from engine.expert_pipeline import ExpertPipeline
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import BlockManager, KVCacheSpec, allocate_kv_cache
 from engine.models.causal_lm import MoeForCausalLM
-from engine.models.fused_decode import SMALL_BATCH_TOKENS, FusedDecodeStep
+from engine.models.fused_step import SMALL_BATCH_TOKENS, FusedDecodeStep
 from engine.recurrent_state import RecurrentStates, layer_caches
 from engine.scheduler import ScheduledChunk
 
@@ -35,7 +35,7 @@ class ModelRunner:
         defer: int = 0, states: RecurrentStates | None = None,
     ):
         self.model = model
-        self.device = device
+        self.device, self._on_cpu = device, device.type == "cpu"  # (the latter read at every step: `_decode_step`)
         self.spec = spec
         self.defer = defer
         self.kv_caches = allocate_kv_cache(model.config, spec, kv_dtype, device)  # KV layers only
@@ -45,6 +45,7 @@ class ModelRunner:
         self.strict_experts = ExpertPipeline(device)  # execution: everything now, on this thread
         self.expert_worker = self.experts.executor
         self.max_threads = torch.get_num_threads()
+        self._one_thread = False  # a fused step set torch's pool to 1 and no forward ran since: `run` skips the check
         self._all_rows = torch.arange(64)  # `_rows`: read-only, sliced
         self._row_views: dict[int, torch.Tensor] = {}  # its slices by length
         # `_token_tensors`: the latest batch's ids, positions and KV slots [3, capacity] int64, written through
@@ -123,8 +124,9 @@ class ModelRunner:
         fused decode step's (`_decode_step`) are a view of that step's kept buffer: valid until the next `run`."""
         self.first_max = self.hidden = None
         if (step := self._decode_step(chunks)) is not None:
-            if torch.get_num_threads() != 1:  # a small forward's rule (`forward`): nothing here runs on torch's
-                torch.set_num_threads(1)
+            if (not self._one_thread or self.keep_hidden) and torch.get_num_threads() != 1:  # (MTP's layer sets them)
+                torch.set_num_threads(1)  # a small forward's rule (`forward`): nothing here runs on torch's
+            self._one_thread = True
             step.keep_hidden = self.keep_hidden
             logits, self.first_max = step(chunks, blocks)  # and the greedy picks from the lm_head's own call
             if self.keep_hidden:
@@ -153,11 +155,11 @@ class ModelRunner:
         return torch.cat(sampled) if sampled else torch.empty(0, self.model.config.vocab_size)
 
     def _decode_step(self, chunks: list[ScheduledChunk]) -> FusedDecodeStep | None:
-        """The fused one-call step for these chunks (engine/models/fused_decode.py), or None: a step of at most
+        """The fused one-call step for these chunks (engine/models/fused_step.py), or None: a step of at most
         SMALL_BATCH_TOKENS tokens in all (decodes, jump-forward chunks, drafts, short prefill chunks) of one mode,
         where that mode's forward would run the fused stack and a compiled lm_head anyway (exploration: no
         deferral)."""
-        if self.device.type != "cpu" or not 0 < len(chunks) <= SMALL_BATCH_TOKENS:
+        if not self._on_cpu or not 0 < len(chunks) <= SMALL_BATCH_TOKENS:
             return None
         exact, tokens = chunks[0].seq.mode == "execution", 0
         for c in chunks:
@@ -201,6 +203,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the batch (writing its KV) -> fp32 logits [S, V] of the rows that sample, on the CPU."""
+        self._one_thread = False
         if self.device.type == "cpu":  # the fused execution path runs on the kernel's own pool
             small = batch.num_tokens <= SMALL_FORWARD_TOKENS or self.model.batch_invariant(batch.exact)
             want = 1 if small else self.max_threads

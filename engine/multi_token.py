@@ -134,6 +134,11 @@ class MultiTokenDecoder:
         self.stats = MultiTokenStats()
         self._view: LogitsView | None = None  # the last step's logits, read again while the runner hands the same
 
+    @property
+    def extends(self) -> bool:
+        """Whether `observe` / `extend` can do anything: the step skips both where neither source is on."""
+        return bool(self.config.jump_forward_tokens or self.config.speculative_tokens)
+
     def choose(self, logits: torch.Tensor, seqs: list[Sequence], vocab_limit: int | None,
                first_max: np.ndarray | None = None) -> list[list[int] | SamplingError]:
         """logits [sum of 1 + drafts per seq, V] -> the tokens each sequence keeps this step. Drafts are
@@ -191,7 +196,7 @@ class MultiTokenDecoder:
         reason} for the sequences a forced token finished."""
         c, reasons, forcing = self.config, {}, []
         for seq in seqs:
-            forced = self._forced_source(seq) if c.jump_forward_tokens else None
+            forced = self._forced_source(seq) if c.jump_forward_tokens and seq.params.logits_processors else None
             if forced is not None:
                 forcing.append((seq, forced))
             elif c.speculative_tokens and self._speculates(seq):

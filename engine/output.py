@@ -12,7 +12,7 @@ from engine.segments import SegmentEnd, SegmentStart, Switch
 from engine.sequence import Sequence
 
 
-@dataclass
+@dataclass(slots=True)  # built per sequence and step: no __dict__ to make
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]

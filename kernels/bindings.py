@@ -148,16 +148,29 @@ class LinearCall:
     """`PackedLinear.__call__`'s kernel call (kernels/linear.py) from the first rows of a kept input x [R, K] into
     a kept output out [R, N rounded up to 8] fp32, the arguments checked and converted once."""
 
-    def __init__(self, lib, linear, x: torch.Tensor, out: torch.Tensor, num_threads: int) -> None:
+    def __init__(self, lib, linear, x: torch.Tensor, out: torch.Tensor, num_threads: int,
+                 first_max: torch.Tensor | None = None) -> None:
         rows = x.shape[0]
         if not all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" and t.dim() == 2
                    for t in (x, out)) or x.shape[1] != linear.in_features or out.shape != (rows, linear.padded_out):
             raise ValueError(f"x [R, {linear.in_features}] and out [R, {linear.padded_out}] must be contiguous fp32 "
                              f"on the CPU, got {tuple(x.shape)} and {tuple(out.shape)}")
+        if first_max is not None:
+            _check_first_max(first_max, rows)
         self.lib, self.rows, self.linear = lib, rows, linear
-        self._keep = (x, out)
+        self._keep = (x, out, first_max)
         self._head = (_ptr(x), _ptr(out))
         self._tail = linear.kernel_args(num_threads)
+        self._first_max = _ptr(first_max)  # a kept first_max [R] int64 (`picking`)
+
+    def picking(self, rows: int) -> None:
+        """`self(rows, first_max=the kept first_max)`, its checks made once at construction (a decode step's
+        lm_head with its greedy picks: each torch check of a tensor costs ~10 us right after the kernels)."""
+        if not 0 < rows <= self.rows or not self._first_max.value:
+            raise ValueError(f"rows must be in [1, {self.rows}] and a first_max buffer kept, got {rows}")
+        rc = self.lib.moegate_linear_first_max(*self._head, rows, *self._tail, self._first_max)
+        if rc != 0:
+            raise RuntimeError(f"moegate_linear failed with code {rc} for format {self.linear.fmt}")
 
     def __call__(self, rows: int, out: torch.Tensor | None = None, first_max: torch.Tensor | None = None) -> None:
         """out[:rows] = x[:rows] W^T (padded columns past N included); `out` [>= rows, N8*8] contiguous fp32
@@ -175,9 +188,13 @@ class LinearCall:
         if first_max is None:
             rc = self.lib.moegate_linear(*head, rows, *self._tail)
         else:
-            if not (first_max.dtype == torch.int64 and first_max.is_contiguous() and first_max.device.type == "cpu"
-                    and first_max.dim() == 1 and first_max.shape[0] >= rows):
-                raise ValueError(f"first_max must be contiguous int64 [>= {rows}] on the CPU")
+            _check_first_max(first_max, rows)
             rc = self.lib.moegate_linear_first_max(*head, rows, *self._tail, first_max.data_ptr())
         if rc != 0:
             raise RuntimeError(f"moegate_linear failed with code {rc} for format {self.linear.fmt}")
+
+
+def _check_first_max(first_max: torch.Tensor, rows: int) -> None:
+    if not (first_max.dtype == torch.int64 and first_max.is_contiguous() and first_max.device.type == "cpu"
+            and first_max.dim() == 1 and first_max.shape[0] >= rows):
+        raise ValueError(f"first_max must be contiguous int64 [>= {rows}] on the CPU")

@@ -22,15 +22,12 @@ from __future__ import annotations
 import ctypes
 import logging
 
-import numpy as np
 import torch
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from kernels.bindings import (
     DecodeLayerParams,
-    DecodeStackCall,
-    LinearCall,
     cache_slots,
     decode_layer_library,
     run_decode_layer,
@@ -39,8 +36,6 @@ from kernels.bindings import (
 from kernels.formats import FORMAT_CODE
 
 log = logging.getLogger(__name__)
-
-SMALL_BATCH_TOKENS = 16  # the one-call step's rows (its kept buffers); a step of more tokens takes the batch forward
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -161,166 +156,6 @@ class FusedContext:
         self.cos, self.sin = cos.float().contiguous(), sin.float().contiguous()  # [T, D]
         self.slot_mapping = batch.slot_mapping.contiguous()
         self.slots, self.start, self.length = batch.token_contexts()  # token t sees slots[start[t]:][:length[t]]
-
-
-class FusedDecodeStep:
-    """A step of up to SMALL_BATCH_TOKENS tokens on a fused stack, token ids to logits: decodes (one token, one logits
-    row), jump-forward chunks (several tokens, the last samples), a token and its drafts (every row samples) and short
-    prefill chunks, each token a row of the stack's call. The embedding rows, RoPE rows, KV slots and contexts are
-    written through numpy into buffers kept between steps, then one `moegate_decode_stack` call (every layer and the
-    final norm) and one lm_head call (`moegate_linear`) over the rows that sample. The same kernels on the same inputs as `MoeForCausalLM.forward` and
-    `compute_logits` over a ForwardBatch (the embedding and RoPE rows are copies of the same rows), so the same
-    bits, without the batch's tensors and the ~20 torch ops and module calls around the two kernel calls."""
-
-    pick_in_kernel = True  # the lm_head's call finds the plain greedy rows' picks (off: the sampler reads the logits)
-    keep_hidden = False  # MTP drafts: a copy of every row's final hidden state in `hidden` [T, H]
-
-    def __init__(self, model, stack: FusedStack, head, head_threads: int, kv_caches: list) -> None:
-        cfg, rows = model.config, SMALL_BATCH_TOKENS
-        self.stack, self.head = stack, head  # what the step was built for: the runner checks them each step
-        self.embed = model.model.embed_tokens.weight.detach().numpy()  # [V, H] fp32, the same memory
-        self.rotary = model.model.layers[0].self_attn.rotary  # its position table: `_rope`'s rows
-        self._table: torch.Tensor | None = None
-        self._x = torch.empty(rows, cfg.hidden_size)  # [R, H] the embedding rows, then the stack's hidden
-        self._normed = torch.empty(rows, cfg.hidden_size)  # [R, H] after the final norm: the lm_head's input
-        self._rope = torch.empty(2, rows, cfg.head_dim)  # cos, sin rows [R, D]
-        self._ints = torch.empty(5, rows, dtype=torch.int64)  # ids, positions, new slots, context start, length
-        self._ids = torch.empty(rows, stack.layers[0].top_k, dtype=torch.int64)  # [R, K] scratch
-        # the chunks' contexts: chunk i's slots at [i * region, i * region + its end); grown on demand (`_grow`). What
-        # each chunk held at the last step (sequence, table, end): a chunk that goes on writes its new slots only
-        self._slots, self._region = torch.empty(0, dtype=torch.int64), 0
-        self._kept: list[tuple] = []
-        self._frees, self._blocks = -1, None
-        self._x_np, self._rope_np, self._ints_np = self._x.numpy(), self._rope.numpy(), self._ints.numpy()
-        self._normed_np = self._normed.numpy()
-        n = len(stack)
-        self._kv = ((ctypes.c_void_p * n)(*(c[0].data_ptr() for c in kv_caches)),
-                    (ctypes.c_void_p * n)(*(c[1].data_ptr() for c in kv_caches)))
-        self._cache_slots = cache_slots(stack.params, kv_caches)
-        self._norm = (model.model.norm.weight.detach(), model.model.norm.eps)
-        self._stack_call: DecodeStackCall | None = None
-        # [R, V rounded up to 8]: the logits, kept (valid until the next step, as the runner's token buffer): a fresh
-        # 0.6 MB tensor per step cost ~20 us of page faults here. Not where a row has logits processors: they are
-        # handed rows and may keep them, so those steps' logits are fresh
-        self._logits = torch.empty(rows, head.padded_out)
-        self._logits_views: dict[int, torch.Tensor] = {}  # its first rows [T, V] by T
-        self._head_call = LinearCall(stack.lib, head, self._normed, self._logits, head_threads)
-        # [R]: each row's first largest logit, found in the lm_head's call by the threads that wrote the columns (the
-        # stepping thread would read the row back from the other core's cache: ~240 us for 152k logits at 1 row)
-        self._first_max = torch.empty(rows, dtype=torch.int64)
-        self._first_max_np = self._first_max.numpy()
-        # the lm_head is the step's last kernel call: the pool's helpers sleep now instead of spinning ~200 us for a job
-        # that comes only with the next step, on a core the stepping thread (and anything else) could use
-        self._rest = getattr(stack.lib, "moegate_pool_rest", lambda: None)
-
-    @staticmethod
-    def takes(model) -> bool:
-        """Whether the model's embedding and final norm are what the step reads directly (fp32 on the CPU)."""
-        e, n = model.model.embed_tokens.weight, model.model.norm
-        return (e.dtype == n.weight.dtype == torch.float32 and e.device.type == n.weight.device.type == "cpu"
-                and e.is_contiguous() and not n.zero_centred)
-
-    def __call__(self, chunks: list, blocks) -> tuple[torch.Tensor, np.ndarray | None]:
-        """chunks: ScheduledChunks of at most SMALL_BATCH_TOKENS tokens in all -> fp32 logits [S, V]: the `num_logits`
-        last rows of each chunk, in chunk order (as `ModelRunner.run`), a view of a buffer the next call overwrites
-        unless a row has logits processors (then a tensor of their own); and where a row is plain greedy
-        (`pick_in_kernel`), each logits row's first largest logit [S] int64 found by the lm_head's call (a view of a
-        buffer the next call overwrites), else None. Every token is a row of the stack's call over its own context:
-        its sequence's positions 0..its own, the chunk's earlier tokens included (the kernel writes all rows' K/V
-        before any row attends), as the batch forward's fused layers compute a chunk."""
-        bs, ints = blocks.block_size, self._ints_np
-        spans, longest, t, greedy, processors, every = [], 0, 0, False, False, True
-        for c in chunks:
-            seq, pos, k = c.seq, c.start, c.num_tokens
-            table, params = seq.block_table, seq.params
-            greedy = greedy or params.plain_greedy
-            processors = processors or bool(params.logits_processors)
-            every = every and c.num_logits == k
-            if k == 1:  # a decode row
-                ints[0, t] = seq.tokens(pos, pos + 1)[0]
-                ints[1, t] = pos
-                ints[2, t] = table[pos // bs] * bs + pos % bs  # `blocks.slots`' rule, as build_batch
-            else:  # several tokens: jump-forward's forced ones, a token and its drafts, a short prefill chunk
-                ints[0, t:t + k] = seq.tokens(pos, pos + k)
-                ints[1, t:t + k] = range(pos, pos + k)
-                ints[2, t:t + k] = [table[p // bs] * bs + p % bs for p in range(pos, pos + k)]
-            spans.append((seq, table, pos, pos + k, t))
-            longest = max(longest, pos + k)
-            t += k
-        if longest > self._region or len(chunks) * self._region > self._slots.shape[0] or self._stack_call is None:
-            self._grow(len(chunks), longest)
-        self._write_contexts(spans, t, blocks)
-        table = self.rotary._table(longest, torch.float32)  # cos, sin [P, D]
-        if table[0] is not self._table:
-            self._table, self._table_np = table[0], (table[0].numpy(), table[1].numpy())
-        positions, cos, sin = ints[1, :t], *self._rope_np[:, :t]
-        self._table_np[0].take(positions, axis=0, out=cos)
-        self._table_np[1].take(positions, axis=0, out=sin)
-        self.embed.take(ints[0, :t], axis=0, out=self._x_np[:t])
-        self._stack_call(t)
-        self.hidden = self._normed[:t].clone() if self.keep_hidden else None
-        n = t if every else self._compact(chunks)
-        if n == 0:
-            return torch.empty(0, self.head.out_features), None
-        pick = self.pick_in_kernel and greedy
-        first_max = self._first_max if pick else None
-        picks = self._first_max_np[:n] if pick else None
-        if processors:
-            logits = torch.empty(n, self.head.padded_out)
-            self._head_call(n, logits, first_max)
-            self._rest()
-            return logits[:, :self.head.out_features], picks
-        self._head_call(n, None, first_max)
-        self._rest()
-        if (logits := self._logits_views.get(n)) is None:
-            logits = self._logits_views[n] = self._logits[:n, :self.head.out_features]
-        return logits, picks
-
-    def _compact(self, chunks: list) -> int:
-        """The rows that sample (each chunk's `num_logits` last), moved in order to the top of the lm_head's input
-        -> their number. The batch forward's lm_head gets the same rows (`hidden[logits_rows]`)."""
-        rows, t = [], 0
-        for c in chunks:
-            t += c.num_tokens
-            rows.extend(range(t - c.num_logits, t))
-        if rows:
-            self._normed_np[:len(rows)] = self._normed_np[rows]  # a gather: the source is read before it is written
-        return len(rows)
-
-    def _write_contexts(self, spans: list, t: int, blocks) -> None:
-        """spans [(sequence, table, start, end, first token row)] per chunk: chunk i's context slots (its sequence's
-        positions 0..end-1) at the start of region i of the contexts' buffer, and each of the t token rows' context
-        (that region, its position + 1 slots). A chunk that holds the same sequence and table as the last step's chunk
-        i, starting at or before where that one ended, with no table freed since (a running sequence's table only
-        grows; rejected drafts move the start back), gets its new tokens' slots only; any other its whole context."""
-        ints, slots, kept, region = self._ints_np, self._slots_np, self._kept, self._region
-        if blocks.frees != self._frees or blocks is not self._blocks:
-            kept.clear()
-            self._frees, self._blocks = blocks.frees, blocks
-        for i, (seq, table, start, end, row) in enumerate(spans):
-            at = i * region
-            if i < len(kept) and (k := kept[i])[0] is seq and k[1] is table and start <= k[2]:
-                slots[at + start:at + end] = ints[2, row:row + end - start]  # the new tokens' slots
-            else:
-                slots[at:at + end] = blocks.slots(table, 0, end).numpy()
-            ints[3, row:row + end - start] = at
-        np.add(ints[1, :t], 1, out=ints[4, :t])
-        kept[:] = [(seq, table, end) for seq, table, _, end, _ in spans]
-
-    def _grow(self, n: int, longest: int) -> None:
-        """The contexts' buffer holds `n` chunks' regions of at least `longest` slots (doubling), and the stack's call
-        points at it; every chunk's context is written again."""
-        if longest > self._region:
-            self._region = max(longest, 2 * self._region, 256)
-        if self._slots.shape[0] < n * self._region:
-            self._slots = torch.empty(max(n, 4) * self._region, dtype=torch.int64)
-            self._slots_np = self._slots.numpy()
-        self._kept.clear()
-        i = self._ints
-        self._stack_call = DecodeStackCall(
-            self.stack.lib, self.stack.params, self._x, self._rope[0], self._rope[1], *self._kv, i[2], self._slots,
-            i[3], i[4], self._ids, self.stack.counts, self.stack.num_threads, (*self._norm, self._normed),
-            self._cache_slots)
 
 
 def build_fused_layers(cfg: ModelConfig, layers, exact: bool = False) -> FusedStack | None:

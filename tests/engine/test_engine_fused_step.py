@@ -1,4 +1,4 @@
-"""The fused one-call step (engine/models/fused_decode.py `FusedDecodeStep`, taken by `ModelRunner.run` for steps of
+"""The fused one-call step (engine/models/fused_step.py `FusedDecodeStep`, taken by `ModelRunner.run` for steps of
 up to SMALL_BATCH_TOKENS tokens: decodes, jump-forward chunks, drafts, short prefill chunks) against the forward it
 replaces, `ModelRunner.forward` over a ForwardBatch, and against token-by-token decoding: the same logits and KV bits
 at every step, and the same tokens end to end, in both profiles, alone and batched, greedy and seeded."""
@@ -10,7 +10,7 @@ import torch
 
 from engine.experts import PlacementConfig
 from engine.llm_engine import LLM
-from engine.models.fused_decode import FusedDecodeStep
+from engine.models.fused_step import FusedDecodeStep
 from engine.sampling_params import SamplingParams
 from tests.engine.conftest import run_requests
 
@@ -62,6 +62,47 @@ def test_step_logits_equal_the_forward_over_a_batch(engine, mode, monkeypatch):
     monkeypatch.setattr(runner, "_decode_step", checked)
     run_requests(engine, _requests(mode, f"logits-{mode}"))
     assert {4, 3, 2, 1} <= set(taken)  # batched and alone
+    assert compared and all(compared)
+
+
+@pytest.mark.parametrize("mode", ["exploration", "execution"])
+def test_decode_rows_write_what_every_row_path_writes(engine, mode, monkeypatch):
+    """A step of decodes whose contexts the last step wrote (`_decodes`: item by item through flat views) leaves the
+    ids, positions, slots, contexts, RoPE and embedding rows the general path (`_inputs`) writes over them, batched
+    and alone; the tokens then follow from `test_step_logits_equal_the_forward_over_a_batch`."""
+    import numpy as np
+
+    runner, taken, compared = engine.runner, [], []
+    decode_step = runner._decode_step
+
+    def inputs(step, t):
+        ints = step._ints_np
+        return [ints[:, :t].copy(), step._rope_np[:, :t].copy(), step._x_np[:t].copy(),
+                [step._slots_np[ints[3, i]:ints[3, i] + ints[4, i]].copy() for i in range(t)]]
+
+    def checked(chunks):
+        step = decode_step(chunks)
+        if step is not None and "_decodes" not in vars(step):
+            decodes = step._decodes
+
+            def both(chunks, blocks):
+                rows = decodes(chunks, blocks)
+                if rows is not None:
+                    t = len(chunks)
+                    taken.append(t)
+                    got = inputs(step, t)
+                    assert step._inputs(chunks, blocks) == (t, *rows, True)
+                    want = inputs(step, t)
+                    compared.append(all(np.array_equal(g, w) for g, w in zip(got[:3], want[:3], strict=True))
+                                    and all(np.array_equal(g, w) for g, w in zip(got[3], want[3], strict=True)))
+                return rows
+
+            monkeypatch.setattr(step, "_decodes", both)
+        return step
+
+    monkeypatch.setattr(runner, "_decode_step", checked)
+    run_requests(engine, _requests(mode, f"rows-{mode}"))
+    assert {4, 3, 2, 1} <= set(taken)
     assert compared and all(compared)
 
 

@@ -193,7 +193,7 @@ def test_mtp_layers_load_only_when_asked_for(mtp_checkpoint, hf_checkpoint):
 def test_runner_keeps_the_same_hidden_states_on_the_one_call_step(hf_checkpoint, monkeypatch):
     """The hidden states the layer reads: the fused one-call step's rows (decodes, and short prefill chunks whose
     rows the lm_head's input compacts) equal the batch forward's, step by step."""
-    from engine.models.fused_decode import FusedDecodeStep
+    from engine.models.fused_step import FusedDecodeStep
 
     path = hf_checkpoint("qwen3_moe")
     args = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8, progress=False, placement=PACKED)

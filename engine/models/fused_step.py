@@ -1,0 +1,242 @@
+"""The fused decode step: a step of up to SMALL_BATCH_TOKENS tokens (decodes, jump-forward chunks, a token and its
+drafts, short prefill chunks) on a fused stack (engine/models/fused_decode.py), token ids to logits in two kernel
+calls over buffers kept between steps, which `ModelRunner.run` takes instead of the batch forward (the same bits)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kernels.bindings import DecodeStackCall, LinearCall, cache_slots
+
+if TYPE_CHECKING:
+    from engine.models.fused_decode import FusedStack
+
+SMALL_BATCH_TOKENS = 16  # the one-call step's rows (its kept buffers); a step of more tokens takes the batch forward
+
+
+class FusedDecodeStep:
+    """A step of up to SMALL_BATCH_TOKENS tokens on a fused stack, token ids to logits: decodes (one token, one logits
+    row), jump-forward chunks (several tokens, the last samples), a token and its drafts (every row samples) and short
+    prefill chunks, each token a row of the stack's call. The embedding rows, RoPE rows, KV slots and contexts are
+    written through numpy into buffers kept between steps (a step of decodes that go on from the last step's rows:
+    item by item through flat memoryviews of them, `_decodes`), then one `moegate_decode_stack` call (every layer and the
+    final norm) and one lm_head call (`moegate_linear`) over the rows that sample. The same kernels on the same inputs as `MoeForCausalLM.forward` and
+    `compute_logits` over a ForwardBatch (the embedding and RoPE rows are copies of the same rows), so the same
+    bits, without the batch's tensors and the ~20 torch ops and module calls around the two kernel calls."""
+
+    pick_in_kernel = True  # the lm_head's call finds the plain greedy rows' picks (off: the sampler reads the logits)
+    keep_hidden = False  # MTP drafts: a copy of every row's final hidden state in `hidden` [T, H]
+
+    def __init__(self, model, stack: FusedStack, head, head_threads: int, kv_caches: list) -> None:
+        cfg, rows = model.config, SMALL_BATCH_TOKENS
+        self.stack, self.head = stack, head  # what the step was built for: the runner checks them each step
+        self.embed = model.model.embed_tokens.weight.detach().numpy()  # [V, H] fp32, the same memory
+        self.rotary = model.model.layers[0].self_attn.rotary  # its position table: `_rope`'s rows
+        self._table: torch.Tensor | None = None
+        self._table_len, self._head_dim, self._hidden = 0, cfg.head_dim, cfg.hidden_size
+        self._tables: tuple | None = None
+        self._f32 = torch.float32  # the rotary's key of its fp32 table
+        self._x = torch.empty(rows, cfg.hidden_size)  # [R, H] the embedding rows, then the stack's hidden
+        self._normed = torch.empty(rows, cfg.hidden_size)  # [R, H] after the final norm: the lm_head's input
+        self._rope = torch.empty(2, rows, cfg.head_dim)  # cos, sin rows [R, D]
+        self._ints = torch.empty(5, rows, dtype=torch.int64)  # ids, positions, new slots, context start, length
+        self._ids = torch.empty(rows, stack.layers[0].top_k, dtype=torch.int64)  # [R, K] scratch
+        # the chunks' contexts: chunk i's slots at [i * region, i * region + its end); grown on demand (`_grow`). What
+        # each chunk held at the last step (sequence, table, end): a chunk that goes on writes its new slots only
+        self._slots, self._region = torch.empty(0, dtype=torch.int64), 0
+        self._kept: list[tuple] = []
+        self._frees, self._blocks = -1, None
+        self._x_np, self._rope_np, self._ints_np = self._x.numpy(), self._rope.numpy(), self._ints.numpy()
+        self._normed_np = self._normed.numpy()
+        # flat memoryviews of the same memory: a decode row's writes (`_decodes`) as item and slice assignments, a
+        # fraction of numpy's indexing machinery, whose code and data are cold right after the kernels
+        self._x_mv, self._rope_mv, self._ints_mv = _flat(self._x_np), _flat(self._rope_np), _flat(self._ints_np)
+        self._embed_mv = _flat(self.embed)
+        self._table_mv: tuple[memoryview, memoryview] | None = None
+        n = len(stack)
+        self._kv = ((ctypes.c_void_p * n)(*(c[0].data_ptr() for c in kv_caches)),
+                    (ctypes.c_void_p * n)(*(c[1].data_ptr() for c in kv_caches)))
+        self._cache_slots = cache_slots(stack.params, kv_caches)
+        self._norm = (model.model.norm.weight.detach(), model.model.norm.eps)
+        self._stack_call: DecodeStackCall | None = None
+        # [R, V rounded up to 8]: the logits, kept (valid until the next step, as the runner's token buffer): a fresh
+        # 0.6 MB tensor per step cost ~20 us of page faults here. Not where a row has logits processors: they are
+        # handed rows and may keep them, so those steps' logits are fresh
+        self._logits = torch.empty(rows, head.padded_out)
+        self._logits_views: dict[int, torch.Tensor] = {}  # its first rows [T, V] by T
+        # [R]: each row's first largest logit, found in the lm_head's call by the threads that wrote the columns (the
+        # stepping thread would read the row back from the other core's cache: ~240 us for 152k logits at 1 row)
+        self._first_max = torch.empty(rows, dtype=torch.int64)
+        self._first_max_np = self._first_max.numpy()
+        self._picks_views: dict[int, np.ndarray] = {}  # its first rows [n] by n
+        self._head_call = LinearCall(stack.lib, head, self._normed, self._logits, head_threads, self._first_max)
+        # the lm_head is the step's last kernel call: the pool's helpers sleep now instead of spinning ~200 us for a job
+        # that comes only with the next step, on a core the stepping thread (and anything else) could use
+        self._rest = getattr(stack.lib, "moegate_pool_rest", lambda: None)
+
+    @staticmethod
+    def takes(model) -> bool:
+        """Whether the model's embedding and final norm are what the step reads directly (fp32 on the CPU)."""
+        e, n = model.model.embed_tokens.weight, model.model.norm
+        return (e.dtype == n.weight.dtype == torch.float32 and e.device.type == n.weight.device.type == "cpu"
+                and e.is_contiguous() and not n.zero_centred)
+
+    def __call__(self, chunks: list, blocks) -> tuple[torch.Tensor, np.ndarray | None]:
+        """chunks: ScheduledChunks of at most SMALL_BATCH_TOKENS tokens in all -> fp32 logits [S, V]: the `num_logits`
+        last rows of each chunk, in chunk order (as `ModelRunner.run`), a view of a buffer the next call overwrites
+        unless a row has logits processors (then a tensor of their own); and where a row is plain greedy
+        (`pick_in_kernel`), each logits row's first largest logit [S] int64 found by the lm_head's call (a view of a
+        buffer the next call overwrites), else None. Every token is a row of the stack's call over its own context:
+        its sequence's positions 0..its own, the chunk's earlier tokens included (the kernel writes all rows' K/V
+        before any row attends), as the batch forward's fused layers compute a chunk."""
+        if (rows := self._decodes(chunks, blocks)) is not None:
+            t, greedy, processors, every = len(chunks), *rows, True
+        else:
+            t, greedy, processors, every = self._inputs(chunks, blocks)
+        self._stack_call(t)
+        self.hidden = self._normed[:t].clone() if self.keep_hidden else None
+        n = t if every else self._compact(chunks)
+        if n == 0:
+            return torch.empty(0, self.head.out_features), None
+        pick = self.pick_in_kernel and greedy
+        if pick and (picks := self._picks_views.get(n)) is None:
+            picks = self._picks_views[n] = self._first_max_np[:n]
+        elif not pick:
+            picks = None
+        if processors:
+            logits = torch.empty(n, self.head.padded_out)
+            self._head_call(n, logits, self._first_max if pick else None)
+            self._rest()
+            return logits[:, :self.head.out_features], picks
+        if pick:
+            self._head_call.picking(n)
+        else:
+            self._head_call(n)
+        self._rest()
+        if (logits := self._logits_views.get(n)) is None:
+            logits = self._logits_views[n] = self._logits[:n, :self.head.out_features]
+        return logits, picks
+
+    def _decodes(self, chunks: list, blocks) -> tuple[bool, bool] | None:
+        """A step of decodes whose contexts the last step wrote (each chunk one token that samples, its sequence and
+        table in the same region as then, no table freed since, within the region and the RoPE table): each row's
+        inputs written item by item through the flat views, its context's one new slot included -> (a row is plain
+        greedy, a row has logits processors); else None, nothing written (`_inputs` then writes every row)."""
+        kept, region, bs = self._kept, self._region, blocks.block_size
+        if (len(chunks) > len(kept) or blocks.frees != self._frees or blocks is not self._blocks
+                or self.rotary._tables.get(self._f32) is not self._tables):
+            return None
+        for c, k in zip(chunks, kept, strict=False):
+            seq = c.seq
+            if (c.num_tokens != 1 or c.num_logits != 1 or k[0] is not seq or k[1] is not seq.block_table
+                    or c.start > k[2] or c.start >= region or c.start >= self._table_len):
+                return None
+        iv, R, D, H = self._ints_mv, SMALL_BATCH_TOKENS, self._head_dim, self._hidden
+        rope, (cos, sin), x, embed = self._rope_mv, self._table_mv, self._x_mv, self._embed_mv
+        greedy = processors = False
+        for i, c in enumerate(chunks):
+            seq, pos = c.seq, c.start
+            table, params = seq.block_table, seq.params
+            greedy = greedy or params.plain_greedy
+            processors = processors or bool(params.logits_processors)
+            token, slot, at = seq.tokens(pos, pos + 1)[0], table[pos // bs] * bs + pos % bs, i * region
+            iv[i], iv[R + i], iv[2 * R + i], iv[3 * R + i], iv[4 * R + i] = token, pos, slot, at, pos + 1
+            self._slots_mv[at + pos] = slot  # the context's new slot, as `_write_contexts`
+            rope[i * D:(i + 1) * D] = cos[pos * D:(pos + 1) * D]  # `_rope`'s rows: cos [R, D], then sin [R, D]
+            rope[(R + i) * D:(R + i + 1) * D] = sin[pos * D:(pos + 1) * D]
+            x[i * H:(i + 1) * H] = embed[token * H:(token + 1) * H]  # the embedding row
+            kept[i] = (seq, table, pos + 1)
+        del kept[len(chunks):]
+        return greedy, processors
+
+    def _inputs(self, chunks: list, blocks) -> tuple[int, bool, bool, bool]:
+        """Every row's inputs (ids, positions, new slots, contexts, RoPE and embedding rows) for any step the fused
+        call takes -> (rows, a row is plain greedy, a row has logits processors, every row samples)."""
+        bs, ints = blocks.block_size, self._ints_np
+        spans, longest, t, greedy, processors, every = [], 0, 0, False, False, True
+        for c in chunks:
+            seq, pos, k = c.seq, c.start, c.num_tokens
+            table, params = seq.block_table, seq.params
+            greedy = greedy or params.plain_greedy
+            processors = processors or bool(params.logits_processors)
+            every = every and c.num_logits == k
+            if k == 1:  # a decode row
+                ints[0, t] = seq.tokens(pos, pos + 1)[0]
+                ints[1, t] = pos
+                ints[2, t] = table[pos // bs] * bs + pos % bs  # `blocks.slots`' rule, as build_batch
+            else:  # several tokens: jump-forward's forced ones, a token and its drafts, a short prefill chunk
+                ints[0, t:t + k] = seq.tokens(pos, pos + k)
+                ints[1, t:t + k] = range(pos, pos + k)
+                ints[2, t:t + k] = [table[p // bs] * bs + p % bs for p in range(pos, pos + k)]
+            spans.append((seq, table, pos, pos + k, t))
+            longest = max(longest, pos + k)
+            t += k
+        if longest > self._region or len(chunks) * self._region > self._slots.shape[0] or self._stack_call is None:
+            self._grow(len(chunks), longest)
+        self._write_contexts(spans, t, blocks)
+        table = self.rotary._table(longest, torch.float32)  # cos, sin [P, D]
+        if table[0] is not self._table:
+            self._table, self._table_np = table[0], (table[0].numpy(), table[1].numpy())
+            self._table_mv, self._table_len = tuple(_flat(np.ascontiguousarray(a)) for a in self._table_np), len(table[0])
+        self._tables = table  # what `_table` returned: `_decodes` reads rows of it while the rotary keeps it
+        positions, cos, sin = ints[1, :t], *self._rope_np[:, :t]
+        self._table_np[0].take(positions, axis=0, out=cos)
+        self._table_np[1].take(positions, axis=0, out=sin)
+        self.embed.take(ints[0, :t], axis=0, out=self._x_np[:t])
+        return t, greedy, processors, every
+
+    def _compact(self, chunks: list) -> int:
+        """The rows that sample (each chunk's `num_logits` last), moved in order to the top of the lm_head's input
+        -> their number. The batch forward's lm_head gets the same rows (`hidden[logits_rows]`)."""
+        rows, t = [], 0
+        for c in chunks:
+            t += c.num_tokens
+            rows.extend(range(t - c.num_logits, t))
+        if rows:
+            self._normed_np[:len(rows)] = self._normed_np[rows]  # a gather: the source is read before it is written
+        return len(rows)
+
+    def _write_contexts(self, spans: list, t: int, blocks) -> None:
+        """spans [(sequence, table, start, end, first token row)] per chunk: chunk i's context slots (its sequence's
+        positions 0..end-1) at the start of region i of the contexts' buffer, and each of the t token rows' context
+        (that region, its position + 1 slots). A chunk that holds the same sequence and table as the last step's chunk
+        i, starting at or before where that one ended, with no table freed since (a running sequence's table only
+        grows; rejected drafts move the start back), gets its new tokens' slots only; any other its whole context."""
+        ints, slots, kept, region = self._ints_np, self._slots_np, self._kept, self._region
+        if blocks.frees != self._frees or blocks is not self._blocks:
+            kept.clear()
+            self._frees, self._blocks = blocks.frees, blocks
+        for i, (seq, table, start, end, row) in enumerate(spans):
+            at = i * region
+            if i < len(kept) and (k := kept[i])[0] is seq and k[1] is table and start <= k[2]:
+                slots[at + start:at + end] = ints[2, row:row + end - start]  # the new tokens' slots
+            else:
+                slots[at:at + end] = blocks.slots(table, 0, end).numpy()
+            ints[3, row:row + end - start] = at
+        np.add(ints[1, :t], 1, out=ints[4, :t])
+        kept[:] = [(seq, table, end) for seq, table, _, end, _ in spans]
+
+    def _grow(self, n: int, longest: int) -> None:
+        """The contexts' buffer holds `n` chunks' regions of at least `longest` slots (doubling), and the stack's call
+        points at it; every chunk's context is written again."""
+        if longest > self._region:
+            self._region = max(longest, 2 * self._region, 256)
+        if self._slots.shape[0] < n * self._region:
+            self._slots = torch.empty(max(n, 4) * self._region, dtype=torch.int64)
+            self._slots_np = self._slots.numpy()
+            self._slots_mv = _flat(self._slots_np)
+        self._kept.clear()
+        i = self._ints
+        self._stack_call = DecodeStackCall(
+            self.stack.lib, self.stack.params, self._x, self._rope[0], self._rope[1], *self._kv, i[2], self._slots,
+            i[3], i[4], self._ids, self.stack.counts, self.stack.num_threads, (*self._norm, self._normed),
+            self._cache_slots)
+
+
+def _flat(a: np.ndarray) -> memoryview:
+    """A C-contiguous array's memory as a flat memoryview of its items (float32 'f', int64 'q')."""
+    return memoryview(a).cast("B").cast({np.float32: "f", np.int64: "q"}[a.dtype.type])
