@@ -237,13 +237,17 @@ TEXTS = {"json": '{"symbol":"AAPL","side":"buy","quantity":100,"price":1.5}',
 
 
 @pytest.mark.parametrize("kind", ["json", "tools", "sql"])
-def test_allows_token_agrees_with_the_full_mask_on_every_token(tokinfo, kind):
+@pytest.mark.parametrize("left", [None, 3])
+def test_allows_token_agrees_with_the_full_mask_on_every_token(tokinfo, kind, left):
     """Along an output, every id of the vocabulary: allows_token True only for ids the full mask allows, False
-    only for ids it forbids (forced bytes that tokenize to no whole token answer None)."""
+    only for ids it forbids (forced bytes that tokenize to no whole token answer None). `left`: a budget that
+    ends `left` tokens later, inside the closing window throughout, where states with no closer allowed and no
+    completion path that fits keep the row as it is outside the window, and are answered."""
     spec, ids = _specs(tokinfo)[kind], tokinfo.encode(TEXTS[kind])
-    answered = 0
+    answered = open_rows = 0
     for n in range(0, len(ids), 2):
-        c, ref = (build_constraint(spec, tokinfo, max_tokens=256, cache=CACHE) for _ in range(2))
+        budget = 256 if left is None else n + left
+        c, ref = (build_constraint(spec, tokinfo, max_tokens=budget, cache=CACHE) for _ in range(2))
         c.advance(ids[:n])
         ref.advance(ids[:n])
         if c.error:
@@ -253,7 +257,9 @@ def test_allows_token_agrees_with_the_full_mask_on_every_token(tokinfo, kind):
             verdict = c.allows_token(t)
             assert verdict is None or verdict == (t in allowed), (tokinfo.decode(ids[:n]), tokinfo.decode([t]), verdict)
             answered += verdict is not None
+        open_rows += left is not None and c._closing_leaves_row()
     assert answered > tokinfo.vocab_size
+    assert left is None or open_rows >= 3
 
 
 SQL_FORMS = [
