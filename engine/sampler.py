@@ -195,14 +195,35 @@ def ranked(scores: torch.Tensor, k: int) -> Iterator[int]:
         return
     yield first
     k = min(k, s.shape[0])
-    part = np.argpartition(-s, k - 1)[:k]
-    ties = np.flatnonzero(s >= s[part].min())  # every id ranked within the first k, whatever the ties
+    ties = _top_ties(s, k)  # every id ranked within the first k, whatever the ties
     if ties.size > 4 * k:  # (a flat row: e.g. mostly -inf) nothing to gain over the full mask
         return
     for token in ties[np.lexsort((ties, -s[ties]))][1:k].tolist():
         if not math.isfinite(float(s[token])):
             return
         yield token
+
+
+# ids grouped by their residue mod RANK_GROUPS for `_top_ties`: a column maximum over a [V / G, G] view is one
+# vectorised pass (~40 us for 152k ids), where a partition of the whole row costs ~1-2 ms
+RANK_GROUPS = 2048
+
+
+def _top_ties(s: np.ndarray, k: int) -> np.ndarray:
+    """The ids (ascending) whose score in s [V] (no NaN) is at least the k-th largest, found among the members of
+    the k best groups of ids (every id of score >= the k-th largest lies in a group whose maximum is >= the k-th
+    largest group maximum, which is <= the k-th largest score) and the ids past the last whole group; the whole
+    row where many groups tie there."""
+    n, g = s.shape[0], RANK_GROUPS
+    cut = n - n % g
+    if cut and k <= g:
+        best = s[:cut].reshape(-1, g).max(axis=0)  # [G] the maximum of ids j, j + G, j + 2G, ...
+        groups = np.flatnonzero(best >= np.partition(best, g - k)[g - k])
+        if groups.size <= 4 * k:
+            ids = np.concatenate(((np.arange(0, cut, g)[:, None] + groups).ravel(), np.arange(cut, n)))
+            scores = s[ids]
+            return np.sort(ids[scores >= np.partition(scores, ids.size - k)[ids.size - k]])
+    return np.flatnonzero(s >= s[np.argpartition(-s, k - 1)[:k]].min())
 
 
 def _apply_batched_masks(logits: torch.Tensor, seqs: list[Sequence], skip: list):

@@ -158,6 +158,7 @@ class Constraint:
         self.tok_words = bitmask_words(tok.vocab_size)
         self._scratch: torch.Tensor | None = None
         self._peeked: tuple[int, torch.Tensor] | None = None  # (consumed, [1, tok_words] mask) of forced_token
+        self._tiers: tuple[int, list[tuple[int, ...]] | None] | None = None  # (consumed, `_tier_ids`) last found
         self.consumed = 0
         self.ended = False  # an EOS id was consumed
         self.error = ""
@@ -317,7 +318,13 @@ class Constraint:
 
     def _tier_ids(self) -> list[tuple[int, ...]] | None:
         """Per closing tier (`finish_row`'s, in its order), its ids that the grammar allows and the guard keeps;
-        None where the grammar cannot rule on one of them alone (forced bytes that tokenize to no whole token)."""
+        None where the grammar cannot rule on one of them alone (forced bytes that tokenize to no whole token).
+        Kept per state: the sampler's known row and each candidate's check ask it in the same state."""
+        if self._tiers is None or self._tiers[0] != self.consumed:
+            self._tiers = (self.consumed, self._find_tier_ids())
+        return self._tiers[1]
+
+    def _find_tier_ids(self) -> list[tuple[int, ...]] | None:
         tok = self.compiled.tokenizer
         spans = (_sql_tiers(self.guard.scope.mode) if isinstance(self.guard, SQLScopeGuard) else CLOSING_TIERS)
         tiers, flat = [], []
@@ -339,11 +346,12 @@ class Constraint:
 
     def allows_token(self, token: int) -> bool | None:
         """Whether `fill_bitmask` would allow `token` now (grammar, guard, EOS, whitespace and completion-plan
-        rules), found without the mask; None where the answer depends on the rest of the row (the closing window,
-        a completion plan, a whitespace token past the run limit, EOS beside a guard that may leave nothing)."""
+        rules), found without the mask; None where the answer depends on the rest of the row (the closing window
+        unless it leaves the row as it is, a completion plan, a whitespace token past the run limit, EOS beside a
+        guard that may leave nothing)."""
         if self.is_terminated():
             return token in self.eos_ids  # (the row is EOS alone)
-        if self._closing() or self.plan:
+        if self.plan or (self._closing() and not self._closing_leaves_row()):
             return None
         if token in self.eos_ids:  # (a guard's dead end allows EOS alone: only a row the guard leaves some token
             # in follows the acceptance rule)
@@ -360,6 +368,14 @@ class Constraint:
         if not self._matcher_accepts() and self._planned_token() is not None:
             return None  # (the plan's token alone is allowed from here: the full mask says which)
         return True
+
+    def _closing_leaves_row(self) -> bool:
+        """In the closing window: whether `finish_row` leaves the row as it does outside it (the output incomplete,
+        no closing tier with an id the grammar allows and the guard keeps, no completion plan's token), so its ids
+        follow the rules outside the window; False where not known."""
+        if self._matcher_accepts() or (tiers := self._tier_ids()) is None or any(tiers):
+            return False
+        return self._planned_token() is None
 
     def _guard_leaves_some(self, also: Sequence[int] = ()) -> bool:
         """True where a token that nearly every output can go on with (";", " ", a newline), or one of `also`, is

@@ -221,6 +221,8 @@ class SQLScopeGuard:
         and set in `drop` the tokens it vetoes, or whose identifier after it cannot start a word there.
         The heads share their common prefixes: a trie of them walked depth first, each character fed
         once per trie node and the state cloned only where the trie branches."""
+        if not heads:
+            return
         trie: dict = {}
         for head, members in heads:
             node = trie

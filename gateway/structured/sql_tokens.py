@@ -57,18 +57,36 @@ class TokenTable:
     call_marks: np.ndarray  # [V] bool: holds "(" and after it "," or ")"
     has_digit: np.ndarray  # [V] bool: holds a digit
     ids: np.ndarray | None = None  # a subset's token ids (index j is token ids[j]); None: the whole vocabulary
+    memo: dict | None = None  # a one-token table's `_per_table` results (None: not kept)
 
     def subset(self, ids: np.ndarray) -> TokenTable:
         """The table of the tokens `ids` alone, indexed 0..len(ids)-1 (a few candidates filtered without
-        vocabulary-wide arrays); heads, canons and rests stay this table's (head / canon / rest index them)."""
+        vocabulary-wide arrays); heads, canons and rests stay this table's (head / canon / rest index them).
+        One token's table is kept (`_one_token`: the lazy check asks the same tokens again and again)."""
+        if ids.size == 1 and self.ids is None:
+            return _one_token(self, int(ids[0]))
+        return self._subset(ids)
+
+    def _subset(self, ids: np.ndarray, memo: dict | None = None) -> TokenTable:
         picked = ids.tolist()
         values = _key_dicts([self.texts[i] for i in picked])
         for name in _FIELDS:
             v = getattr(self, name)
-            values[name] = (ids if name == "ids" else [v[i] for i in picked] if name in ("texts", "lower")
+            values[name] = (ids if name == "ids" else memo if name == "memo"
+                            else [v[i] for i in picked] if name in ("texts", "lower")
                             else tuple(a[ids] for a in v) if name == "canon"
                             else v[ids] if isinstance(v, np.ndarray) else v)
         return TokenTable(**values)
+
+
+# One-token tables kept per (table, token): a few KB each
+ONE_TOKEN_TABLES = 2048
+MEMO_ENTRIES = 64  # `_per_table` results kept per one-token table (cleared when full)
+
+
+@functools.lru_cache(maxsize=ONE_TOKEN_TABLES)
+def _one_token(tt: TokenTable, token: int) -> TokenTable:
+    return tt._subset(np.array([token], dtype=np.int64), memo={})
 
 
 def _canonical(head: str, in_string: bool) -> str:
@@ -101,14 +119,24 @@ def _canonical(head: str, in_string: bool) -> str:
 
 
 def _per_table(maxsize: int):
-    """lru_cache for a function of (table, ...) on the whole-vocabulary table; a subset's (a few tokens, a new
-    table each time) is computed directly and evicts nothing."""
+    """lru_cache for a function of (table, ...) on the whole-vocabulary table; a kept one-token table keeps its
+    own (`TokenTable.memo`, apart: it evicts none of the whole table's); another subset's (a few tokens, a new
+    table each time) is computed directly."""
     def wrap(fn):
         cached = functools.lru_cache(maxsize=maxsize)(fn)
 
         @functools.wraps(fn)
         def call(tt: TokenTable, *args):
-            return cached(tt, *args) if tt.ids is None else fn(tt, *args)
+            if tt.ids is None:
+                return cached(tt, *args)
+            if tt.memo is None:
+                return fn(tt, *args)
+            key = (fn, *args)
+            if (found := tt.memo.get(key)) is None:
+                if len(tt.memo) >= MEMO_ENTRIES:
+                    tt.memo.clear()
+                found = tt.memo[key] = fn(tt, *args)
+            return found
         return call
     return wrap
 

@@ -8,13 +8,14 @@ rejects candidates before it finds one, as a trained model's near misses make it
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from engine.sampler import race_noise, ranked, sample
+from engine.sampler import RANK_GROUPS, race_noise, ranked, sample
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from gateway.structured.batch import BatchMasker
@@ -129,6 +130,42 @@ def test_ranked_orders_like_greedy():
         assert list(ranked(row, 8)) == want
 
 
+@pytest.mark.parametrize("width", [2047, 2048, 2 * RANK_GROUPS + 5, 151_669])
+def test_ranked_finds_the_top_among_grouped_ids(width):
+    """Past RANK_GROUPS ids the ranking searches the best groups of ids (id mod RANK_GROUPS) only: the same ids in
+    the same order as a sort of the whole row, with ties (rounded scores), mostly -inf rows, a few finite ids, and
+    one score repeated across many groups (the whole row's partition then), the best ids last."""
+    gen = torch.Generator().manual_seed(width)
+    for case in range(24):
+        row = torch.randn(width, generator=gen)
+        if case % 3 == 1:
+            row = row.round(decimals=1)  # many ties
+        if case % 4 == 2:
+            row[torch.rand(width, generator=gen) < 0.95] = float("-inf")
+        if case % 6 == 3:
+            row[:] = float("-inf")
+            row[torch.randint(width, (case % 5,), generator=gen)] = 1.0
+        if case % 8 == 5:
+            row[torch.randint(width, (40,), generator=gen)] = row.max() + 1  # a tie across groups
+        if case % 8 == 7:
+            row[-3:] = row.max() + 2  # the best ids last (past the last whole group where width % RANK_GROUPS)
+        k = 1 + case % 8
+        assert list(ranked(row, k)) == _ranked_by_sorting(row.numpy(), k), case
+
+
+def _ranked_by_sorting(s: np.ndarray, k: int) -> list[int]:
+    """`ranked` from a sort of the whole row: greedy's pick, then (unless more than 4k ids tie within the first
+    k) the next ids by score, ties lowest id first, cut at the first non-finite score."""
+    if not math.isfinite(s.max()):
+        return []
+    top = np.sort(s)[-k]
+    order = sorted(np.flatnonzero(s >= top).tolist(), key=lambda i: (-s[i], i))
+    if len(order) > 4 * k:
+        return order[:1]
+    cut = next((j for j, t in enumerate(order[:k]) if not math.isfinite(s[t])), k)
+    return order[:cut]
+
+
 def test_race_sampling_follows_softmax_and_replays():
     logits = torch.tensor([[1.0, 0.2, 2.0, -1.0, 0.5, 0.0]])
     seq = Sequence("d", [1], SamplingParams(temperature=0.7, seed=3))
@@ -200,13 +237,17 @@ TEXTS = {"json": '{"symbol":"AAPL","side":"buy","quantity":100,"price":1.5}',
 
 
 @pytest.mark.parametrize("kind", ["json", "tools", "sql"])
-def test_allows_token_agrees_with_the_full_mask_on_every_token(tokinfo, kind):
+@pytest.mark.parametrize("left", [None, 3])
+def test_allows_token_agrees_with_the_full_mask_on_every_token(tokinfo, kind, left):
     """Along an output, every id of the vocabulary: allows_token True only for ids the full mask allows, False
-    only for ids it forbids (forced bytes that tokenize to no whole token answer None)."""
+    only for ids it forbids (forced bytes that tokenize to no whole token answer None). `left`: a budget that
+    ends `left` tokens later, inside the closing window throughout, where states with no closer allowed and no
+    completion path that fits keep the row as it is outside the window, and are answered."""
     spec, ids = _specs(tokinfo)[kind], tokinfo.encode(TEXTS[kind])
-    answered = 0
+    answered = open_rows = 0
     for n in range(0, len(ids), 2):
-        c, ref = (build_constraint(spec, tokinfo, max_tokens=256, cache=CACHE) for _ in range(2))
+        budget = 256 if left is None else n + left
+        c, ref = (build_constraint(spec, tokinfo, max_tokens=budget, cache=CACHE) for _ in range(2))
         c.advance(ids[:n])
         ref.advance(ids[:n])
         if c.error:
@@ -216,7 +257,9 @@ def test_allows_token_agrees_with_the_full_mask_on_every_token(tokinfo, kind):
             verdict = c.allows_token(t)
             assert verdict is None or verdict == (t in allowed), (tokinfo.decode(ids[:n]), tokinfo.decode([t]), verdict)
             answered += verdict is not None
+        open_rows += left is not None and c._closing_leaves_row()
     assert answered > tokinfo.vocab_size
+    assert left is None or open_rows >= 3
 
 
 SQL_FORMS = [
