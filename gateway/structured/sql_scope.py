@@ -41,8 +41,9 @@ _AFTER_SOURCE = frozenset(("join", "inner", "left", "right", "full", "cross", "o
                            "having", "order", "limit", "union", "intersect", "except"))
 _WINDOW_WORDS = frozenset(("partition", "order", "rows", "range"))  # after "(" only in OVER (...)
 _AFTER_ALIAS = frozenset(("from",))
-_AFTER_SOURCE_ALIAS = _JOIN_WORDS | {"join", "on", "using"}
-_AFTER_USING = _JOIN_WORDS | {"join"}
+# after a FROM source's alias: a join (the grammar's join kinds), and ON / USING only where that source was joined
+_AFTER_SOURCE_ALIAS = frozenset(("inner", "left", "right", "full", "cross", "join"))
+_AFTER_USING = _AFTER_SOURCE_ALIAS
 _QUERY_WORDS = frozenset(("select", "with", "values"))
 # after an arithmetic or comparison operator, LIKE or BETWEEN the grammar wants a sum_expr: no NOT / EXISTS there
 _IN_SUM = frozenset(("=", "<", ">", "!", "+", "-", "*", "/", "%", "|", "like", "between"))
@@ -79,6 +80,7 @@ class _Frame:
     over: bool = False  # the parenthesis of a window (OVER (...))
     func: str = ""  # the parenthesis of this function's arguments
     call: bool = False  # the parenthesis of any call's arguments (an aggregate's too: no arity kept for those)
+    joined: bool = False  # in FROM: the source being read came after JOIN (so ON / USING may follow it)
     args: int = 0  # arguments begun so far
     items: int = 0  # items of its current SELECT list that ended
 
@@ -353,7 +355,7 @@ class SQLScope:
             f.phase, f.declared, f.pending, f.bare, f.expect, f.items = "select", {}, {}, set(), "source", 0
             f.with_state = ""
         elif kw == "from" and f.phase == "select":
-            f.phase, f.expect = "from", "source"
+            f.phase, f.expect, f.joined = "from", "source", False
         elif kw in _CLAUSE_END and f.phase in ("select", "from") and level:
             self._end_scope(f)
         elif kw in ("union", "intersect", "except") and level:
@@ -406,7 +408,7 @@ class SQLScope:
             self._add_source(f, w, w)
             f.expect = "after_source"
         elif kw == "join":
-            f.expect = "source"
+            f.expect, f.joined = "source", True
         elif kw in ("on", "using") and f.expect in ("after_source", "aliased"):
             f.expect = kw  # (USING names a column of both sides)
         elif f.expect in ("on", "using", "aliased") or kw in _JOIN_WORDS:
@@ -566,7 +568,7 @@ class SQLScope:
                 len(parts) == 1 or parts[-2] in (("p", "."), ("p", ","))):  # after a `*` item: as after an alias
             return _AFTER_ALIAS
         if f.phase == "from" and f.expect == "aliased":
-            return _AFTER_SOURCE_ALIAS
+            return _AFTER_SOURCE_ALIAS | {"on", "using"} if f.joined else _AFTER_SOURCE_ALIAS
         if f.phase == "from" and f.expect == "using" and self.at == ")":  # the USING list closed
             return _AFTER_USING
         return None
@@ -697,7 +699,7 @@ class SQLScope:
             if f.with_state == "after":
                 f.with_state = "name"
             elif f.phase == "from":
-                f.expect = "source"
+                f.expect, f.joined = "source", False
             elif f.phase == "select":
                 self._finish_item(f)
         elif ch == ";":

@@ -161,3 +161,15 @@ def test_value_argument_functions_take_no_predicate(tokinfo, dialect):
     s = _scope(dialect)
     s.feed("SELECT 1 FROM trades WHERE trim(")
     assert "not" not in s.word_pool().words and "exists" not in s.word_pool().words
+
+
+def test_after_an_unjoined_alias_no_word_goes_only_to_a_banned_keyword():
+    """`FROM prices arguments O` with names unbound: O can only become ORDER there (ON needs a JOIN before it, OUTER a
+    LEFT / RIGHT / FULL), which may not start yet, so it is refused where it starts (it was a dead end)."""
+    s = _scope("sqlite")
+    s.feed("SELECT q.id FROM trades t")
+    with pytest.raises(_Veto):
+        s.clone().feed(" O")
+    s = _scope("sqlite")
+    s.feed("SELECT q.id FROM trades t JOIN accounts a")
+    s.clone().feed(" O")  # ON
