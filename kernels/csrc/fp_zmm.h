@@ -153,10 +153,12 @@ inline void fp_fma_rows(__m512 w, const float* xk, __m512* a) {
 // K 1024, acts and weights in L2, one thread, ran 39.5 GMAC/s without, 53.5 with 1 KiB ahead (55 in L1).
 constexpr int64_t kFpActsAhead = 1024;
 
-// zmm_fp for one interleaved chunk xc [kp][MT] (FpActs): the same fma sequence per lane, the weights and
-// the activations each read through one pointer bumped per pair of k.
-template <int FMT, int MODE, int MT, class T>
-void zmm_fp_chunk(const FpOperand<T>& A, const float* xc, float* const* out) {
+// zmm_fp for MA rows of one interleaved chunk xa [kp][MA] (FpActs) and the MB rows of the chunk after it, xb
+// [kp][MB] (MB = 0: none): the same fma sequence per lane, each weight converted once for all MA + MB rows, the
+// weights and each chunk's activations read through one pointer bumped per pair of k.
+template <int FMT, int MODE, int MA, int MB, class T>
+void zmm_fp_chunk(const FpOperand<T>& A, const float* xa, const float* xb, float* const* out) {
+  constexpr int MT = MA + MB;
   __m512 acc[MT], even[MT], odd[MT];
   #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) acc[m] = even[m] = odd[m] = _mm512_setzero_ps();
@@ -165,16 +167,22 @@ void zmm_fp_chunk(const FpOperand<T>& A, const float* xc, float* const* out) {
   const int64_t st = A.stride;
   // kPrefetch bytes ahead in each stream, per pair of k (a line holds 1-4 pairs; fp32 kContig: two lines a pair)
   constexpr bool two_lines = FMT == FP32 && MODE == kContig;
+  auto rows = [&](__m512 w, int64_t k, __m512* a) {  // k = 0 (even) or 1 (odd) of the pair at xa, xb
+    fp_fma_rows<MA>(w, xa + k * MA, a);
+    if constexpr (MB > 0) fp_fma_rows<MB>(w, xb + k * MB, a + MA);
+  };
   auto pair = [&](__m512* e, __m512* o) {
-    __builtin_prefetch(reinterpret_cast<const char*>(xc) + kFpActsAhead, 0, 3);
+    __builtin_prefetch(reinterpret_cast<const char*>(xa) + kFpActsAhead, 0, 3);
+    if constexpr (MB > 0) __builtin_prefetch(reinterpret_cast<const char*>(xb) + kFpActsAhead, 0, 3);
     __builtin_prefetch(reinterpret_cast<const char*>(p0) + kPrefetch, 0, 3);
     if constexpr (two_lines) __builtin_prefetch(reinterpret_cast<const char*>(p0) + kPrefetch + 64, 0, 3);
     if constexpr (MODE == kPair) __builtin_prefetch(reinterpret_cast<const char*>(p1) + kPrefetch, 0, 3);
-    fp_fma_rows<MT>(fp_weights_at<FMT, MODE>(p0, p1), xc, e);
-    fp_fma_rows<MT>(fp_weights_at<FMT, MODE>(p0 + st, MODE == kPair ? p1 + st : p1), xc + MT, o);
+    rows(fp_weights_at<FMT, MODE>(p0, p1), 0, e);
+    rows(fp_weights_at<FMT, MODE>(p0 + st, MODE == kPair ? p1 + st : p1), 1, o);
     p0 += 2 * st;
     if constexpr (MODE == kPair) p1 += 2 * st;
-    xc += 2 * MT;
+    xa += 2 * MA;
+    xb += 2 * MB;
   };
   if constexpr (FMT == INT8) {
     for (int64_t g = 0; g < A.kp / A.gs; ++g) {
@@ -187,17 +195,50 @@ void zmm_fp_chunk(const FpOperand<T>& A, const float* xc, float* const* out) {
     }
   } else {
     for (int64_t j = 0; j + 2 <= A.kp; j += 2) pair(even, odd);
-    if (A.kp & 1) fp_fma_rows<MT>(fp_weights_at<FMT, MODE>(p0, p1), xc, even);
+    if (A.kp & 1) rows(fp_weights_at<FMT, MODE>(p0, p1), 0, even);
     #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_add_ps(even[m], odd[m]);
   }
   store_unit_rows<MODE, MT>(acc, out);
 }
 
-// Rows [0, n) of an interleaved set (chunks of 8 from row 0) through one unit.
+// Rows [0, n) of an interleaved set (chunks of 8 from row 0) through one unit: a pass per chunk, except that a
+// last chunk of 1-7 rows after a full one shares that one's pass (n = 17: passes of 8 and 8 + 1 rows, not 8, 8
+// and 1). A pass of few rows is bound by its chains' fma latency (one row: 2 chains) and converts every weight
+// again; folded in, its rows cost only their fmas.
 template <int FMT, int MODE, class T>
 void zmm_fp_chunks(const FpOperand<T>& A, const FpActs& X, float* const* out, int n) {
-  for_row_chunks(n, [&](auto mt, int i) { zmm_fp_chunk<FMT, MODE, decltype(mt)::value>(A, X.rows(i).x, out + i); });
+  const int tail = n % kZmmChunk, full = n / kZmmChunk - (tail && n > kZmmChunk);
+  int i = 0;
+  for (; i < full * kZmmChunk; i += kZmmChunk)
+    zmm_fp_chunk<FMT, MODE, kZmmChunk, 0>(A, X.rows(i).x, nullptr, out + i);
+  if (i == n) return;
+  auto run = [&](auto ma, auto mb) {
+    const FpActs a = X.rows(i);
+    zmm_fp_chunk<FMT, MODE, decltype(ma)::value, decltype(mb)::value>(A, a.x, a.rows(kZmmChunk).x, out + i);
+  };
+  using std::integral_constant;
+  using C8 = integral_constant<int, kZmmChunk>;
+  using C0 = integral_constant<int, 0>;
+  static_assert(kZmmChunk == 8, "one case per tail row count");
+  switch (n - i) {
+    case 15: run(C8{}, integral_constant<int, 7>{}); break;
+    case 14: run(C8{}, integral_constant<int, 6>{}); break;
+    case 13: run(C8{}, integral_constant<int, 5>{}); break;
+    case 12: run(C8{}, integral_constant<int, 4>{}); break;
+    case 11: run(C8{}, integral_constant<int, 3>{}); break;
+    case 10: run(C8{}, integral_constant<int, 2>{}); break;
+    case 9: run(C8{}, integral_constant<int, 1>{}); break;
+    case 8: run(C8{}, C0{}); break;
+    case 7: run(integral_constant<int, 7>{}, C0{}); break;
+    case 6: run(integral_constant<int, 6>{}, C0{}); break;
+    case 5: run(integral_constant<int, 5>{}, C0{}); break;
+    case 4: run(integral_constant<int, 4>{}, C0{}); break;
+    case 3: run(integral_constant<int, 3>{}, C0{}); break;
+    case 2: run(integral_constant<int, 2>{}, C0{}); break;
+    case 1: run(integral_constant<int, 1>{}, C0{}); break;
+    default: break;
+  }
 }
 
 // Many rows (n > kSequentialRows) of unit `u` from interleaved activations: R8 = 2 the gate_up tile
