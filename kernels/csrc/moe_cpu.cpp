@@ -484,6 +484,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
     ready[a].store(0, std::memory_order_relaxed);
   }
   constexpr int kRows = kMaxMT * 64;
+  static_assert(kRows % kFpSegment == 0, "a block of rows holds whole FpActs segments");
   auto gate_up_item = [&](int64_t it) {
     const int64_t a = it / P.i8, e = active[a], tile = it % P.i8;
     const float* xr[kRows];
@@ -697,6 +698,7 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
     br[m] = &xbits[dot16 ? m * xbl : 0];
   }
   constexpr int kRows = kMaxMT * 16;
+  static_assert(kRows % kFpSegment == 0, "a block of rows holds whole FpActs segments");
   const bool units = zmm || dot16 || fpz;
   const int64_t items = units ? (n8 + 1) / 2 : n8;
   // ~16 claims per thread, as in run(): few enough to keep the shared counter quiet, enough to balance
