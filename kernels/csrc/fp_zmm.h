@@ -1,7 +1,7 @@
 // fp32-activation projections (fp32, bf16, int8 weights; bf16_a16 without vdpbf16ps) on 512-bit zmm
 // fp32 FMA in the avx512 variant: 16 output lanes per unit (as w4a8_zmm.h: a gate_up tile, two R8 = 1
-// tiles, or the last single one) and up to 8 activation rows per weight vector, so at prefill sizes each
-// weight is loaded and converted to fp32 once for 8 rows instead of once per 1-2 rows (tile_dot).
+// tiles, or the last single one) and up to 15 activation rows per weight vector (a pass), so at prefill sizes
+// each weight is loaded and converted to fp32 once per pass instead of once per 1-2 rows (tile_dot).
 // Included by moe_cpu.cpp after w4a8_zmm.h.
 //
 // The arithmetic per output row is tile_dot's, bit for bit (each lane is one row of a tile; fma is
@@ -10,7 +10,7 @@
 // chains from zero and adds fma(scale, even + odd, acc) in group order. Nothing depends on MT or on
 // which rows share the call, so a row's result is batch-invariant and equals the avx2 build's.
 //
-// More than kSequentialRows rows read their activations interleaved (FpActs, as ZmmActs for W4A8): a chunk
+// More than kSequentialRows rows read their activations interleaved (FpActs, as ZmmActs for W4A8): a pass
 // of MT rows stores each k's MT floats side by side, so every broadcast fma addresses one pointer plus a
 // constant and the loop bumps two pointers. Per-row pointers with an index register cost each fma a
 // second front-end uop (an indexed memory operand is unlaminated) and the loop reloaded spilled pointers

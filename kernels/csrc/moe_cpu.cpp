@@ -5,7 +5,7 @@
 //
 // Compiled three ways by kernels/build.py: avx512 (the AVX2 path, with the int4 W4A8 projections on
 // 512-bit AVX-512 VNNI vpdpbusd, 16 output rows x up to 8 tokens per weight block: w4a8_zmm.h; fp32,
-// bf16 and int8 weights on zmm fp32 FMA with the same blocking: fp_zmm.h), avx2
+// bf16 and int8 weights on zmm fp32 FMA, 16 output rows x up to 15 tokens per weight vector: fp_zmm.h), avx2
 // (AVX2 + FMA + F16C intrinsics) and generic (plain loops the compiler may auto-vectorize). Always -ffp-contract=off so each output row's arithmetic is a fixed sequence of
 // operations: a row's result does not depend on which other rows share the batch, on thread count,
 // or on scheduling. Threads: work_pool.h (tiles
@@ -860,9 +860,10 @@ int moegate_has_bf16_dot() { return cpu_has_bf16_dot() ? 1 : 0; }
 const char* moegate_simd_path() {
 #if defined(MOEGATE_ZMM)
   if (cpu_has_bf16_dot())
-    return "avx512: W4A8 / W8A8 zmm vpdpbusd, bf16_a16 zmm vdpbf16ps, fp32/bf16/int8 zmm fma (16 rows x up to 8 tokens "
-           "per weight block)";
-  return "avx512: W4A8 / W8A8 zmm vpdpbusd, fp32/bf16/int8/bf16_a16 zmm fma (16 rows x up to 8 tokens per weight block)";
+    return "avx512: W4A8 / W8A8 zmm vpdpbusd (16 rows x up to 8 tokens per weight block), bf16_a16 zmm vdpbf16ps, "
+           "fp32/bf16/int8 zmm fma (16 rows x up to 15 tokens per weight vector)";
+  return "avx512: W4A8 / W8A8 zmm vpdpbusd (16 rows x up to 8 tokens per weight block), fp32/bf16/int8/bf16_a16 zmm fma "
+         "(16 rows x up to 15 tokens per weight vector)";
 #elif defined(MOEGATE_VNNI)
   return "avx512: W4A8 ymm vpdpbusd";
 #elif defined(MOEGATE_AVX2)

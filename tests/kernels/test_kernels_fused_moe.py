@@ -130,7 +130,7 @@ def test_detect_reads_the_cpu_model_name() -> None:
                                         ("int4_asym", None), ("int8_a8", None)])
 def test_avx512_variant_equals_avx2_bitwise(fmt: str, gs: int | None) -> None:
     """vpdpbusd replaces maddubs + madd + add in the int4 dot products (the same exact integer sums), and
-    the zmm fp32 FMA units (fp_zmm.h: 16 rows x up to 8 tokens; few int8 rows with groups side by side,
+    the zmm fp32 FMA units (fp_zmm.h: 16 rows x up to 15 tokens; few int8 rows with groups side by side,
     int8 group 32: odd group counts 7 and 3) keep each row's fma sequence, so the avx512 build gives the
     avx2 build's bits for every format, batch size and top-k."""
     packed = pack_experts(*random_experts(NUM_EXPERTS, 200, 72), fmt, group_size=gs, progress=False)
