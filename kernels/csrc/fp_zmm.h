@@ -1,7 +1,7 @@
 // fp32-activation projections (fp32, bf16, int8 weights; bf16_a16 without vdpbf16ps) on 512-bit zmm
 // fp32 FMA in the avx512 variant: 16 output lanes per unit (as w4a8_zmm.h: a gate_up tile, two R8 = 1
-// tiles, or the last single one) and up to 8 activation rows per weight vector, so at prefill sizes each
-// weight is loaded and converted to fp32 once for 8 rows instead of once per 1-2 rows (tile_dot).
+// tiles, or the last single one) and up to 15 activation rows per weight vector (a pass), so at prefill sizes
+// each weight is loaded and converted to fp32 once per pass instead of once per 1-2 rows (tile_dot).
 // Included by moe_cpu.cpp after w4a8_zmm.h.
 //
 // The arithmetic per output row is tile_dot's, bit for bit (each lane is one row of a tile; fma is
@@ -10,7 +10,7 @@
 // chains from zero and adds fma(scale, even + odd, acc) in group order. Nothing depends on MT or on
 // which rows share the call, so a row's result is batch-invariant and equals the avx2 build's.
 //
-// More than kSequentialRows rows read their activations interleaved (FpActs, as ZmmActs for W4A8): a chunk
+// More than kSequentialRows rows read their activations interleaved (FpActs, as ZmmActs for W4A8): a pass
 // of MT rows stores each k's MT floats side by side, so every broadcast fma addresses one pointer plus a
 // constant and the loop bumps two pointers. Per-row pointers with an index register cost each fma a
 // second front-end uop (an indexed memory operand is unlaminated) and the loop reloaded spilled pointers
@@ -19,8 +19,25 @@
 
 namespace {
 
-// fp32 activations of a set of N rows in chunks of kZmmChunk rows from row 0 (the last chunk N mod 8
-// rows): chunk c holds x [kp][n] at x + 8c * kp. rows(i) (i a multiple of 8) is the set from row i on.
+constexpr int kFpPassRows = 15;      // the most rows of one pass: 2 x 15 fma chains + a weight in 32 zmm registers
+constexpr int64_t kFpSegment = 64;  // no pass straddles a multiple of 64 rows (the callers' row blocks are multiples)
+
+// The pass holding row j of an L-row segment (L <= kFpSegment): ceil(L / 15) passes of as even a size as possible,
+// the larger ones first (17 rows: 9 + 8; 24: 12 + 12; 64: 13 + 13 + 13 + 13 + 12). Its first row and row count.
+inline void fp_pass_of(int64_t j, int64_t L, int64_t& start, int64_t& rows) {
+  const int64_t np = (L + kFpPassRows - 1) / kFpPassRows, base = L / np, in_big = L % np * (base + 1);
+  if (j < in_big) {
+    rows = base + 1;
+    start = j / rows * rows;
+  } else {
+    rows = base;
+    start = in_big + (j - in_big) / base * base;
+  }
+}
+
+// fp32 activations of a set of N rows, interleaved per pass: segments of kFpSegment rows from row 0 (the last one
+// N mod 64), each cut into passes by fp_pass_of; a pass of n rows from row s holds x [kp][n] at x + s * kp.
+// rows(i) (i a multiple of kFpSegment, or a pass's first row) is the set from row i on.
 struct FpActs {
   float* x;
   int64_t kp;
@@ -29,8 +46,10 @@ struct FpActs {
 
   // Row i of the N-row set from a row of kp floats.
   void put(int64_t i, int64_t N, const float* row) const {
-    const int64_t c0 = i / kZmmChunk * kZmmChunk, j = i - c0, n = std::min<int64_t>(kZmmChunk, N - c0);
-    float* c = x + c0 * kp + j;
+    const int64_t s0 = i / kFpSegment * kFpSegment;
+    int64_t start, n;
+    fp_pass_of(i - s0, std::min<int64_t>(kFpSegment, N - s0), start, n);
+    float* c = x + (s0 + start) * kp + (i - s0 - start);
     for (int64_t k = 0; k < kp; ++k) c[k * n] = row[k];
   }
 };
@@ -147,16 +166,19 @@ inline void fp_fma_rows(__m512 w, const float* xk, __m512* a) {
   for (int m = 0; m < MT; ++m) a[m] = _mm512_fmadd_ps(w, _mm512_set1_ps(xk[m]), a[m]);
 }
 
-// Bytes ahead of the interleaved activations the chunk loop prefetches (into L1, one line per pair of k at
-// MT = 8). A unit reads all of its expert's activations once more (a gate_up unit 32 KiB per 8 rows at
-// K 1024, from L2), and the L1 streamer alone left the loop waiting on them: an 8-row loop of this shape,
-// K 1024, acts and weights in L2, one thread, ran 39.5 GMAC/s without, 53.5 with 1 KiB ahead (55 in L1).
-constexpr int64_t kFpActsAhead = 1024;
+// Pairs of k ahead of the interleaved activations the pass loop prefetches (into L1: 1 KiB at MT = 8, one
+// line per pair; two lines a pair past 8 rows). A unit reads all of its expert's activations once more (a
+// gate_up unit 32 KiB per 8 rows at K 1024, from L2), and the L1 streamer alone left the loop waiting on them:
+// an 8-row loop of this shape, K 1024, acts and weights in L2, one thread, ran 39.5 GMAC/s without, 53.5 with
+// 1 KiB ahead (55 in L1).
+constexpr int64_t kFpActsAheadPairs = 16;
 
-// zmm_fp for one interleaved chunk xc [kp][MT] (FpActs): the same fma sequence per lane, the weights and
-// the activations each read through one pointer bumped per pair of k.
+// zmm_fp for one pass of MT (<= kFpPassRows) interleaved rows xc [kp][MT] (FpActs): the same fma sequence per
+// lane, each weight converted once for all MT rows, the weights and the activations each read through one
+// pointer bumped per pair of k.
 template <int FMT, int MODE, int MT, class T>
 void zmm_fp_chunk(const FpOperand<T>& A, const float* xc, float* const* out) {
+  static_assert(MT <= kFpPassRows, "2 MT chains and a weight in 32 registers");
   __m512 acc[MT], even[MT], odd[MT];
   #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) acc[m] = even[m] = odd[m] = _mm512_setzero_ps();
@@ -165,8 +187,10 @@ void zmm_fp_chunk(const FpOperand<T>& A, const float* xc, float* const* out) {
   const int64_t st = A.stride;
   // kPrefetch bytes ahead in each stream, per pair of k (a line holds 1-4 pairs; fp32 kContig: two lines a pair)
   constexpr bool two_lines = FMT == FP32 && MODE == kContig;
+  constexpr int64_t ahead = kFpActsAheadPairs * 2 * MT * (int64_t)sizeof(float);
   auto pair = [&](__m512* e, __m512* o) {
-    __builtin_prefetch(reinterpret_cast<const char*>(xc) + kFpActsAhead, 0, 3);
+    __builtin_prefetch(reinterpret_cast<const char*>(xc) + ahead, 0, 3);
+    if constexpr (2 * MT * sizeof(float) > 64) __builtin_prefetch(reinterpret_cast<const char*>(xc) + ahead + 64, 0, 3);
     __builtin_prefetch(reinterpret_cast<const char*>(p0) + kPrefetch, 0, 3);
     if constexpr (two_lines) __builtin_prefetch(reinterpret_cast<const char*>(p0) + kPrefetch + 64, 0, 3);
     if constexpr (MODE == kPair) __builtin_prefetch(reinterpret_cast<const char*>(p1) + kPrefetch, 0, 3);
@@ -194,10 +218,45 @@ void zmm_fp_chunk(const FpOperand<T>& A, const float* xc, float* const* out) {
   store_unit_rows<MODE, MT>(acc, out);
 }
 
-// Rows [0, n) of an interleaved set (chunks of 8 from row 0) through one unit.
+// f(std::integral_constant<int, mt>{}) for a pass of mt (1 .. kFpPassRows) rows.
+template <class F>
+inline void with_pass_rows(int64_t mt, F&& f) {
+  static_assert(kFpPassRows == 15, "one case per pass size");
+  using std::integral_constant;
+  switch (mt) {
+    case 15: f(integral_constant<int, 15>{}); break;
+    case 14: f(integral_constant<int, 14>{}); break;
+    case 13: f(integral_constant<int, 13>{}); break;
+    case 12: f(integral_constant<int, 12>{}); break;
+    case 11: f(integral_constant<int, 11>{}); break;
+    case 10: f(integral_constant<int, 10>{}); break;
+    case 9: f(integral_constant<int, 9>{}); break;
+    case 8: f(integral_constant<int, 8>{}); break;
+    case 7: f(integral_constant<int, 7>{}); break;
+    case 6: f(integral_constant<int, 6>{}); break;
+    case 5: f(integral_constant<int, 5>{}); break;
+    case 4: f(integral_constant<int, 4>{}); break;
+    case 3: f(integral_constant<int, 3>{}); break;
+    case 2: f(integral_constant<int, 2>{}); break;
+    case 1: f(integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
+// Rows [0, n) of an interleaved set (n a multiple of kFpSegment or the set's last rows) through one unit, a pass
+// at a time (fp_pass_of). Each pass converts every weight again, and a pass of few rows is bound by its chains'
+// fma latency (one row: 2 chains): 17 rows run as 9 + 8, not 8 + 8 + 1.
 template <int FMT, int MODE, class T>
 void zmm_fp_chunks(const FpOperand<T>& A, const FpActs& X, float* const* out, int n) {
-  for_row_chunks(n, [&](auto mt, int i) { zmm_fp_chunk<FMT, MODE, decltype(mt)::value>(A, X.rows(i).x, out + i); });
+  for (int64_t s0 = 0; s0 < n; s0 += kFpSegment) {
+    const int64_t L = std::min<int64_t>(kFpSegment, n - s0);
+    for (int64_t j = 0; j < L;) {
+      int64_t start, mt;
+      fp_pass_of(j, L, start, mt);
+      with_pass_rows(mt, [&](auto c) { zmm_fp_chunk<FMT, MODE, decltype(c)::value>(A, X.rows(s0 + j).x, out + s0 + j); });
+      j += mt;
+    }
+  }
 }
 
 // Many rows (n > kSequentialRows) of unit `u` from interleaved activations: R8 = 2 the gate_up tile

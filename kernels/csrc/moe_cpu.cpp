@@ -5,7 +5,7 @@
 //
 // Compiled three ways by kernels/build.py: avx512 (the AVX2 path, with the int4 W4A8 projections on
 // 512-bit AVX-512 VNNI vpdpbusd, 16 output rows x up to 8 tokens per weight block: w4a8_zmm.h; fp32,
-// bf16 and int8 weights on zmm fp32 FMA with the same blocking: fp_zmm.h), avx2
+// bf16 and int8 weights on zmm fp32 FMA, 16 output rows x up to 15 tokens per weight vector: fp_zmm.h), avx2
 // (AVX2 + FMA + F16C intrinsics) and generic (plain loops the compiler may auto-vectorize). Always -ffp-contract=off so each output row's arithmetic is a fixed sequence of
 // operations: a row's result does not depend on which other rows share the batch, on thread count,
 // or on scheduling. Threads: work_pool.h (tiles
@@ -484,6 +484,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
     ready[a].store(0, std::memory_order_relaxed);
   }
   constexpr int kRows = kMaxMT * 64;
+  static_assert(kRows % kFpSegment == 0, "a block of rows holds whole FpActs segments");
   auto gate_up_item = [&](int64_t it) {
     const int64_t a = it / P.i8, e = active[a], tile = it % P.i8;
     const float* xr[kRows];
@@ -697,6 +698,7 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
     br[m] = &xbits[dot16 ? m * xbl : 0];
   }
   constexpr int kRows = kMaxMT * 16;
+  static_assert(kRows % kFpSegment == 0, "a block of rows holds whole FpActs segments");
   const bool units = zmm || dot16 || fpz;
   const int64_t items = units ? (n8 + 1) / 2 : n8;
   // ~16 claims per thread, as in run(): few enough to keep the shared counter quiet, enough to balance
@@ -858,9 +860,10 @@ int moegate_has_bf16_dot() { return cpu_has_bf16_dot() ? 1 : 0; }
 const char* moegate_simd_path() {
 #if defined(MOEGATE_ZMM)
   if (cpu_has_bf16_dot())
-    return "avx512: W4A8 / W8A8 zmm vpdpbusd, bf16_a16 zmm vdpbf16ps, fp32/bf16/int8 zmm fma (16 rows x up to 8 tokens "
-           "per weight block)";
-  return "avx512: W4A8 / W8A8 zmm vpdpbusd, fp32/bf16/int8/bf16_a16 zmm fma (16 rows x up to 8 tokens per weight block)";
+    return "avx512: W4A8 / W8A8 zmm vpdpbusd (16 rows x up to 8 tokens per weight block), bf16_a16 zmm vdpbf16ps, "
+           "fp32/bf16/int8 zmm fma (16 rows x up to 15 tokens per weight vector)";
+  return "avx512: W4A8 / W8A8 zmm vpdpbusd (16 rows x up to 8 tokens per weight block), fp32/bf16/int8/bf16_a16 zmm fma "
+         "(16 rows x up to 15 tokens per weight vector)";
 #elif defined(MOEGATE_VNNI)
   return "avx512: W4A8 ymm vpdpbusd";
 #elif defined(MOEGATE_AVX2)

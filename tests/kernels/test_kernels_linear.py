@@ -78,12 +78,12 @@ def test_linear_variants(variant: str, fmt: str) -> None:
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int4_asym", "int8_a8"])
 def test_avx512_fp_units_equal_avx2_for_odd_shapes(fmt: str) -> None:
     """The zmm fp32 FMA units (fp_zmm.h) with an odd K (the even chain takes the last k; int8: an odd group
-    count, the last group alone in the few-row units), an odd tile count (a single last unit) and 1..19 rows
-    give the avx2 build's bits; so do the vpdpbusd units (W4A8, W8A8: a unit's two tiles side by side at every
-    row count, the last single tile alone)."""
+    count, the last group alone in the few-row units), an odd tile count (a single last unit) and 1..130 rows
+    (passes of 1-15 rows; 66 and 130: a last 64-row block of 2 rows) give the avx2 build's bits; so do the
+    vpdpbusd units (W4A8, W8A8: a unit's two tiles side by side at every row count, the last single tile alone)."""
     packed = PackedLinear.pack(_weight(69, 301), fmt)
-    x = torch.randn(19, 301)
-    for m in (1, 2, 3, 8, 9, 19):
+    x = torch.randn(130, 301)
+    for m in (1, 2, 3, 8, 9, 16, 17, 19, 31, 64, 66, 79, 130):
         assert torch.equal(packed(x[:m], variant="avx512"), packed(x[:m], variant="avx2"))
 
 
