@@ -201,7 +201,8 @@ def _start(settings: Settings, metrics: Metrics):
     from engine.config import ModelConfig
     from engine.engine_config import EngineConfig, resolve_device
     from engine.llm_engine import LLMEngine
-    from gateway.audit import KEY_ENV, AuditLog, key_from_env
+    from gateway.audit import AuditLog
+    from gateway.audit_record import KEY_ENV, key_from_env
     from gateway.generation import Generator
     from gateway.policy_reload import PolicyReloads, deferral_for
     from gateway.stores import make_store

@@ -1,18 +1,15 @@
-"""Append-only, hash-chained audit log (one canonical JSON record per line) and its verifier.
-
-A record's `v` names its chain: 1 = sha256 over the record (anyone who can write the file can rewrite the
-chain), 2 = HMAC-SHA256 with the deployment's key (`MOEGATE_AUDIT_KEY`): rewriting it needs the key."""
+"""Append-only, hash-chained audit log: its writer (`AuditLog`: one canonical JSON record per line, the head
+checkpoint, torn tails quarantined) and the `data` of a request's record by audit level. The record format is
+audit_record.py's; `verify` (audit_verify.py) checks a log."""
 
 from __future__ import annotations
 
 import asyncio
 import fcntl
 import hashlib
-import hmac
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -21,64 +18,22 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
+from gateway.audit_record import (
+    GENESIS,
+    KEY_ENV,
+    KEYED,
+    QUARANTINE_EVENT,
+    UNKEYED,
+    AuditLogError,
+    canonical_json,
+    head_path_for,
+    record_hash,
+    record_line,
+)
+
 log = logging.getLogger(__name__)
 FsyncPolicy = Literal["always", "interval", "never"]
-GENESIS = "0" * 64
-UNKEYED, KEYED = 1, 2  # the record's `v`: sha256 chain, HMAC-SHA256 chain
-KEY_ENV = "MOEGATE_AUDIT_KEY"
-QUARANTINE_EVENT = "audit.quarantine"
-_HEAD_WIDTH = 120  # {"hash": 64 hex, "seq": up to 20 digits} padded, so in-place rewrites cover the last  # the first record after a torn tail was moved aside
-_FIELDS = {"v": int, "seq": int, "ts": str, "trace_id": (str, type(None)), "prev": str, "event": str,
-           "data": dict, "hash": str}
-
-
-class AuditLogError(Exception):
-    """The audit log cannot be opened or appended to; the message says what to do."""
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def canonical_json(obj: Any) -> bytes:
-    """Sorted, compact UTF-8 JSON; a lone UTF-16 surrogate (not encodable as UTF-8) is written as its JSON
-    escape, so any text a client sends can be recorded and reads back the same."""
-    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text).encode()
-
-
-def key_from_env(env: Mapping[str, str] = os.environ) -> bytes | None:
-    """The chain key from `MOEGATE_AUDIT_KEY` (None when unset or empty)."""
-    value = env.get(KEY_ENV, "")
-    return value.encode() if value else None
-
-
-def record_hash(record: Mapping[str, Any], key: bytes | None = None) -> str:
-    """Over the canonical JSON of every field except `hash` itself: sha256 for `v` 1, HMAC-SHA256 with `key`
-    for `v` 2."""
-    return _body_hash(canonical_json({k: v for k, v in record.items() if k != "hash"}), record.get("v"), key)
-
-
-def _body_hash(body: bytes, version: Any, key: bytes | None) -> str:
-    if version == KEYED:
-        if key is None:
-            raise AuditLogError(f"the record is keyed (HMAC-SHA256); set {KEY_ENV} to its key")
-        return hmac.new(key, body, hashlib.sha256).hexdigest()
-    return hashlib.sha256(body).hexdigest()
-
-
-def _record_line(data: Mapping[str, Any], event: str, rest: dict[str, Any], key: bytes | None) -> tuple[str, bytes]:
-    """(hash, canonical JSON line) of the record `{"data": data, "event": event, **rest}` plus its hash, the data
-    serialised once for both: the keys sort as data, event, hash, then `rest`'s (prev, seq, trace_id, ts, v), so
-    the line is the hashed body with `"hash":"..."` put in front of `rest`'s members."""
-    tail = canonical_json(rest)  # {"prev":...,"v":...}
-    body = canonical_json({"data": data, "event": event, **rest})
-    head = body[:len(body) - len(tail) + 1]  # {"data":...,"event":...,
-    digest = _body_hash(body, rest["v"], key)
-    return digest, b"%s\"hash\":\"%s\",%s" % (head, digest.encode(), tail[1:])
-
-
-def head_path_for(path: str | Path) -> Path:
-    return Path(str(path) + ".head")
+_HEAD_WIDTH = 120  # {"hash": 64 hex, "seq": up to 20 digits} padded, so in-place rewrites cover the last
 
 
 @dataclass(frozen=True)
@@ -208,7 +163,7 @@ class AuditLog:
         rest = {"prev": self._prev, "seq": self._seq, "trace_id": trace_id,
                 "ts": self._clock().isoformat(timespec="microseconds"), "v": self._v}
         try:  # hashed as it will read back (JSON types; escaped surrogates re-pair as json.loads does)
-            digest, line = _record_line(json.loads(canonical_json(dict(data))), event, rest, self.key)
+            digest, line = record_line(json.loads(canonical_json(dict(data))), event, rest, self.key)
         except (ValueError, TypeError) as exc:
             raise AuditLogError(f"audit data must be finite JSON: {exc}") from None
         line += b"\n"
@@ -305,105 +260,3 @@ def audit_data(level: str, metadata: Mapping[str, Any], content: Mapping[str, st
         return {**metadata, **{k: redact(v) for k, v in content.items()}}
     raise ValueError(f"unknown audit level {level!r}")
 
-
-@dataclass(frozen=True)
-class VerifyResult:
-    ok: bool
-    records: int  # records read that verified before the first bad one (all of them when ok)
-    first_bad_index: int | None  # 0-based record index (= line number - 1) of the first bad record
-    reason: str
-    head_hash: str | None = None  # hash of the last good record
-    keyed_records: int = 0  # records whose HMAC was checked with the key
-    quarantined: tuple[dict, ...] = ()  # `audit.quarantine` records: {index, file, bytes, sha256, kept}
-
-    @property
-    def chain(self) -> str:
-        if self.keyed_records == 0:
-            return "unkeyed (sha256)"
-        if self.keyed_records == self.records:
-            return "keyed (HMAC-SHA256)"
-        return f"{self.records - self.keyed_records} unkeyed records, then keyed (HMAC-SHA256)"
-
-
-def _check_record(raw: bytes, index: int, prev: str, key: bytes | None, after_keyed: bool) -> str | None:
-    if not raw.endswith(b"\n"):
-        return "truncated: the record is incomplete (no line end)"
-    try:
-        rec = json.loads(raw)
-    except ValueError:
-        return "not valid JSON (tampered or truncated)"
-    if not isinstance(rec, dict) or set(rec) != set(_FIELDS) or not all(
-            isinstance(rec[k], t) and not isinstance(rec[k], bool) for k, t in _FIELDS.items()):
-        return f"malformed: expected exactly the fields {sorted(_FIELDS)} with the right types"
-    if rec["v"] not in (UNKEYED, KEYED):
-        return f"malformed: unknown record version {rec['v']}"
-    if rec["v"] == KEYED and key is None:
-        return f"keyed: the record carries an HMAC-SHA256; give its key ({KEY_ENV} or --key-file) to verify it"
-    if rec["v"] == UNKEYED and after_keyed:
-        return "downgraded: an unkeyed record after keyed ones (the chain was rewritten without the key)"
-    if record_hash(rec, key) != rec["hash"]:
-        if rec["v"] == KEYED:
-            return "tampered or another key: the record's HMAC does not match"
-        return "tampered: the record's content does not match its hash"
-    if rec["seq"] < index:
-        return f"out of sequence: expected seq {index}, found seq {rec['seq']} (records reordered or duplicated)"
-    if rec["seq"] > index:
-        return f"out of sequence: expected seq {index}, found seq {rec['seq']} (records removed or reordered)"
-    if rec["prev"] != prev:
-        return ("chain broken: prev does not match the previous record's hash "
-                "(a record before it was rewritten, removed, inserted or moved)")
-    return None
-
-
-def _quarantine_entry(path: Path, index: int, data: dict) -> dict:
-    aside = path.with_name(str(data.get("file", "")))
-    kept = aside.is_file() and hashlib.sha256(aside.read_bytes()).hexdigest() == data.get("sha256")
-    return {"index": index, "file": str(aside), "bytes": data.get("bytes"), "sha256": data.get("sha256"),
-            "kept": kept}
-
-
-def verify(path: str | Path, head_path: str | Path | None = None, *, use_head: bool = True,
-           key: bytes | None = None) -> VerifyResult:
-    """Check every record's hash (HMAC with `key` for keyed records), sequence and link to its predecessor,
-    then the head checkpoint (default `<path>.head` when present) so records cut from the end are reported
-    too. With a key, a log that has no keyed record, or an unkeyed record after a keyed one, fails."""
-    path = Path(path)
-    head_path = head_path_for(path) if head_path is None else Path(head_path)
-    prev, index, keyed = GENESIS, 0, 0
-    quarantined: list[dict] = []
-    with open(path, "rb") as f:
-        for raw in f:
-            problem = _check_record(raw, index, prev, key, keyed > 0)
-            if problem is not None:
-                return VerifyResult(False, index, index, problem, prev if index else None, keyed, tuple(quarantined))
-            rec = json.loads(raw)
-            keyed += rec["v"] == KEYED
-            if rec["event"] == QUARANTINE_EVENT:
-                quarantined.append(_quarantine_entry(path, index, rec["data"]))
-            prev = rec["hash"]
-            index += 1
-    head_hash = prev if index else None
-
-    def failed(at: int, reason: str) -> VerifyResult:
-        return VerifyResult(False, index, at, reason, head_hash, keyed, tuple(quarantined))
-
-    if key is not None and index and not keyed:
-        return failed(0, "not keyed: a key was given but no record carries an HMAC (written without the key, "
-                         "or rewritten without it)")
-    if use_head and head_path.exists():
-        try:
-            head = json.loads(head_path.read_bytes())
-            head_seq, want = int(head["seq"]), str(head["hash"])
-        except (ValueError, KeyError, TypeError):
-            return failed(index, f"head checkpoint {head_path} is unreadable")
-        if head_seq >= index:
-            return failed(index, f"truncated: the head checkpoint records seq {head_seq} "
-                                 f"but the log ends after {index} records")
-        with open(path, "rb") as f:
-            for i, raw in enumerate(f):
-                if i == head_seq:
-                    if json.loads(raw)["hash"] != want:
-                        return failed(head_seq, "tampered: the record does not match the head checkpoint "
-                                                "(log rewritten)")
-                    break
-    return VerifyResult(True, index, None, "ok", head_hash, keyed, tuple(quarantined))

@@ -7,7 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from gateway.audit import KEY_ENV, key_from_env, verify
+from gateway.audit_record import KEY_ENV, key_from_env
+from gateway.audit_verify import verify
 
 
 def _key(args: argparse.Namespace) -> bytes | None:

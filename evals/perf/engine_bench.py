@@ -129,7 +129,7 @@ def ensure_reference_model(path: Path) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the bench reference model)")
     ap.add_argument("--out", default="evals/out/engine")
@@ -155,6 +155,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run the whole plan this many times (alternating with --compare-rev's); medians reported")
     ap.add_argument("--quick", action="store_true", help="short prompt and decode")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = _parser()
     args = ap.parse_args(argv)
     plan_options = ("formats", "lm_head", "fast_dense", "fast_only", "compare_rev")
     if args.llama_cpp and any(getattr(args, k) != ap.get_default(k) for k in plan_options):
@@ -236,7 +241,7 @@ def _format_plan(args, model: str, prompt: list[int], pack: str) -> list[tuple]:
               {"pack_dir": pack, "lm_head": h, "fast_dense": attn(f)})
              for f in args.formats.split(",") for h in args.lm_head.split(",") if h]
     if args.compare_rev:  # each moegate run beside the same run on the earlier kernel, alternating
-        from evals.perf.kernel_bench import kernel_source_at
+        from evals.perf.kernel_baselines import kernel_source_at
 
         old = str(kernel_source_at(args.compare_rev))
         plan = [p for name, fn, fa, kw in plan

@@ -19,11 +19,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from evals.perf.common import cpu_busy_fraction
+from evals.perf.kernel_baselines import (
+    TORCH_KIND,
+    clone_tree,
+    formats_at,
+    previous_kernel,
+    simd_path,
+    torch_layers,
+    torch_moe,
+)
 from kernels import build, kernel_variant, pack_experts
+from kernels.attention import causal_contexts
 from kernels.cpu_features import detect
 from kernels.formats import FORMAT_CODE
 from kernels.fused_moe import run_kernel
@@ -100,86 +109,8 @@ def interleaved(contenders: dict[str, Callable[[int], None]], bytes_of: Callable
     return out
 
 
-def kernel_source_at(rev: str) -> Path:
-    """kernels/csrc of git revision ``rev`` in a temporary directory -> its moe_cpu.cpp."""
-    import subprocess
-    import tempfile
 
-    root = Path(__file__).resolve().parents[2]
-    files = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:kernels/csrc"], cwd=root, check=True,
-                           capture_output=True, text=True).stdout.split()
-    tmp = Path(tempfile.mkdtemp(prefix=f"moegate-kernel-{rev}-"))
-    for name in files:
-        blob = subprocess.run(["git", "show", f"{rev}:kernels/csrc/{name}"], cwd=root, check=True,
-                              capture_output=True).stdout
-        (tmp / name).write_bytes(blob)
-    return tmp / "moe_cpu.cpp"
-
-
-def previous_kernel(rev: str, variant: str):
-    """The compiled kernel of git revision ``rev`` (its kernels/csrc), for a side-by-side baseline."""
-    return build.load_source(variant, kernel_source_at(rev))
-
-
-def torch_layers(w_gu: torch.Tensor, w_dn: torch.Tensor, kind: str) -> tuple[list, int]:
-    """Per-expert weights for a torch baseline, and bytes per expert."""
-    experts = []
-    for e in range(E):
-        if kind == "fp32":
-            experts.append((w_gu[e].contiguous(), w_dn[e].contiguous()))
-        elif kind == "bf16":
-            experts.append((w_gu[e].to(torch.bfloat16), w_dn[e].to(torch.bfloat16)))
-        elif kind == "int8":
-            pair = []
-            for w in (w_gu[e], w_dn[e]):
-                s = w.abs().amax(1) / 127
-                pair.append(((w / s[:, None]).round().to(torch.int8), s.to(torch.bfloat16)))
-            experts.append(tuple(pair))
-        else:  # int4, group 32, asymmetric scale+zero as torch expects
-            pair = []
-            for w in (w_gu[e], w_dn[e]):
-                n, k = w.shape
-                q = torch.randint(0, 16, (n, k), dtype=torch.int32)
-                sz = torch.randn(k // 32, n, 2).to(torch.bfloat16)
-                pair.append((torch._convert_weight_to_int4pack_for_cpu(q, 1), sz))
-            experts.append(tuple(pair))
-    first = experts[0]
-    nbytes = sum(t.numel() * t.element_size() for pair in first for t in (pair if isinstance(pair, tuple) else (pair,)))
-    return experts, nbytes
-
-
-def clone_tree(obj):
-    """Deep copy of nested lists/tuples of tensors (a distinct copy of a layer's weights)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    return type(obj)(clone_tree(o) for o in obj)
-
-
-def torch_moe(kind: str, experts: list, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Routed MoE with per-expert torch ops (the baseline kernels, same routing and grouping)."""
-    out = torch.zeros(x.shape[0], H)
-    xa = x if kind == "fp32" else x.to(torch.bfloat16)
-
-    def lin(a: torch.Tensor, p) -> torch.Tensor:
-        if kind in ("fp32", "bf16"):
-            return F.linear(a, p)
-        if kind == "int8":
-            return torch._weight_int8pack_mm(a, p[0], p[1])
-        return torch._weight_int4pack_mm_for_cpu(a, p[0], 32, p[1])
-
-    for e in torch.unique(ids).tolist():
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        gu = lin(xa[tok], experts[e][0])  # [n, 2I]
-        h = F.silu(gu[:, :I]) * gu[:, I:]
-        out.index_add_(0, tok, lin(h, experts[e][1]).float() * w[tok, slot, None])
-    return out
-
-
-TORCH_KIND = {"bf16": "bf16", "int8": "int8", "int4": "int4", "int4_asym": "int4", "fp32": "fp32", "bf16_a16": "bf16",
-              "int8_a8": "int8"}
-
-
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="evals/out/kernels")
     ap.add_argument("--formats", default="bf16,int8,int4,int4_asym")
@@ -208,12 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-triad", type=float, default=16.0,
                     help="STREAM triad GB/s of this machine when idle (DESIGN.md: 15.6-16.5), a second yardstick "
                          "when other processes share the cores")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.quick:
         args.seconds, args.ms = 0.3, "1,8"
     torch.set_num_threads(args.threads)
     ms = [int(m) for m in args.ms.split(",")]
-    working_set = args.working_set << 20
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     variant = kernel_variant()
@@ -229,9 +163,27 @@ def main(argv: list[str] | None = None) -> int:
     report["stream"] = stream_triad(args.threads)
     triad = report["stream"][f"triad_gbps_{args.threads}t"]
     g = torch.Generator().manual_seed(0)
+    formats = [f for f in args.formats.split(",") if f]
+    results, ratios = expert_points(lib, old, old_formats, formats, ms, args, g, triad)
+    for rows, more in (dense_points(lib, old, old_formats, formats, ms, args, g, triad),
+                       attention_points(lib, old, ms, args, g, triad)):
+        results += rows
+        ratios += more
+    report.update(results=results, ratios=ratios, loadavg_after=os.getloadavg(), busy_after=cpu_busy_fraction(),
+                  stream_after=stream_triad(args.threads), idle_triad=args.idle_triad)
+    (out_dir / "kernel_bench.json").write_text(json.dumps(report, indent=2))
+    plot(report, out_dir / "kernel_bench.png")
+    print_summary(report, args.threads)
+    return 0
+
+
+def expert_points(lib, old, old_formats: tuple[str, ...], formats: list[str], ms: list[int], args,
+                  g: torch.Generator, triad: float) -> tuple[list[dict], list[dict]]:
+    """The routed experts per format (and the torch baselines, the formats they match first) at each M, this kernel,
+    --compare-rev's and torch alternating: (result rows, speedup ratios)."""
+    working_set = args.working_set << 20
     w_gu, w_dn = torch.randn(E, 2 * I, H, generator=g) * 0.02, torch.randn(E, H, I, generator=g) * 0.02
     baselines = [b for b in args.baselines.split(",") if b]
-    formats = [f for f in args.formats.split(",") if f]
     extra = [b for b in baselines if b not in {TORCH_KIND[f] for f in formats}]  # baselines with no format
     results, ratios = [], []
     expert_formats = [] if args.dense_only else formats + extra
@@ -289,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
             bar.update()
         del layers, torch_ls
     bar.close()
+    return results, ratios
+
+
+def dense_points(lib, old, old_formats: tuple[str, ...], formats: list[str], ms: list[int], args,
+                 g: torch.Generator, triad: float) -> tuple[list[dict], list[dict]]:
+    """Each --dense projection per linear format at each M (`dense_point`): (result rows, speedup ratios)."""
+    results, ratios = [], []
     for shape in [d for d in args.dense.split(",") if d]:
         n, k = (int(v) for v in shape.split(":"))
         for fmt in [f for f in formats if f in LINEAR_FORMATS]:
@@ -303,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
                     if other != ours_name:
                         ratios.append({"M": m, "fmt": fmt, "dense": f"{n}x{k}", "vs": other,
                                        "speedup": res["ms_median"] / point[ours_name]["ms_median"]})
+    return results, ratios
+
+
+def attention_points(lib, old, ms: list[int], args, g: torch.Generator, triad: float) -> tuple[list[dict], list[dict]]:
+    """Each --attention shape at each M (`attention_point`): (result rows, speedup ratios)."""
+    results, ratios = [], []
     for shape in [a for a in args.attention.split(",") if a]:
         for m in ms:
             point = attention_point(lib, old, args.compare_rev, *(int(v) for v in shape.split(":")), m, args, g)
@@ -312,12 +277,14 @@ def main(argv: list[str] | None = None) -> int:
             ratios += [{"M": m, "fmt": "fp32", "dense": res["dense"], "vs": other,
                         "speedup": res["ms_median"] / point["moegate fp32"]["ms_median"]}
                        for other, res in point.items() if other != "moegate fp32"]
-    report.update(results=results, ratios=ratios, loadavg_after=os.getloadavg(), busy_after=cpu_busy_fraction(),
-                  stream_after=stream_triad(args.threads), idle_triad=args.idle_triad)
-    (out_dir / "kernel_bench.json").write_text(json.dumps(report, indent=2))
-    plot(report, out_dir / "kernel_bench.png")
-    print(f"{report['cpu_model']}: {report['cpu']}; kernel {variant} ({report['simd_path']}); "
-          f"STREAM triad {triad:.1f} GB/s ({args.threads} threads); loadavg before {report['loadavg_before']}")
+    return results, ratios
+
+
+def print_summary(report: dict, threads: int) -> None:
+    """The run's rows and ratios, with the machine's load and STREAM triad before and after."""
+    triad, results, ratios = report["stream"][f"triad_gbps_{threads}t"], report["results"], report["ratios"]
+    print(f"{report['cpu_model']}: {report['cpu']}; kernel {report['variant']} ({report['simd_path']}); "
+          f"STREAM triad {triad:.1f} GB/s ({threads} threads); loadavg before {report['loadavg_before']}")
     for r in results:
         print(f"{r['impl']:16s} {r['fmt']:9s} {r.get('dense', 'experts'):12s} M={r['M']:3d}  {r['gbps_median']:6.2f} GB/s median "
               f"({r['gbps_best']:6.2f} best)  {r['pct_stream']:5.1f}% of this run's triad (median), "
@@ -327,7 +294,6 @@ def main(argv: list[str] | None = None) -> int:
               "(median ms per call)")
     print(f"STREAM triad after: {report['stream_after']}; loadavg after {report['loadavg_after']}; "
           f"busy {report['busy_before']:.2f} before / {report['busy_after']:.2f} after")
-    return 0
 
 
 def dense_point(lib, old, rev: str | None, fmt: str, n: int, k: int, m: int, args, g: torch.Generator) -> dict:
@@ -361,8 +327,6 @@ def attention_point(lib, old, rev: str | None, nh: int, kv: int, d: int, m: int,
     """Prefill attention of m tokens (one sequence, each over its causal context in a paged fp32 cache) through
     moegate_attention (this kernel and, with ``old``, revision ``rev``'s), alternating. Bytes per call: the K and
     V rows the (token, head) pairs read."""
-    from kernels.attention import causal_contexts
-
     k_cache, v_cache = torch.randn(m + 8, kv, d, generator=g), torch.randn(m + 8, kv, d, generator=g)
     q = torch.randn(m, nh, d, generator=g)
     slots, start, length = (a.to(torch.int64).contiguous()
@@ -383,35 +347,6 @@ def attention_point(lib, old, rev: str | None, nh: int, kv: int, d: int, m: int,
     timed = interleaved(contenders, lambda i: nbytes, args.seconds * len(contenders), args.rounds, CLOCKS[args.clock])
     return {name: dict(res, impl=name.split(" ")[0], fmt="fp32", M=m, dense=f"attention {nh}x{kv}x{d}",
                        bytes_per_call=nbytes) for name, res in timed.items()}
-
-
-def formats_at(rev: str) -> tuple[str, ...]:
-    """The expert formats kernels/formats.py of git revision ``rev`` defines (an older kernel must not be
-    called with a format code it does not know)."""
-    import ast
-    import subprocess
-
-    root = Path(__file__).resolve().parents[2]
-    src = subprocess.run(["git", "show", f"{rev}:kernels/formats.py"], cwd=root, check=True, capture_output=True,
-                         text=True).stdout
-    for node in ast.parse(src).body:  # REGISTRY's keys (a literal FORMATS tuple before the registry)
-        targets = {getattr(t, "id", "") for t in getattr(node, "targets", [getattr(node, "target", None)])}
-        value = getattr(node, "value", None)
-        if "REGISTRY" in targets and isinstance(value, ast.Dict):
-            return tuple(ast.literal_eval(k) for k in value.keys)
-        if "FORMATS" in targets and isinstance(value, ast.Tuple):
-            return tuple(ast.literal_eval(value))
-    return ()
-
-
-def simd_path(lib) -> str | None:
-    """The SIMD path a loaded kernel library reports (builds before moegate_simd_path existed: by flags)."""
-    if lib is None:
-        return None
-    if hasattr(lib, "moegate_simd_path"):
-        return lib.moegate_simd_path().decode()
-    return ("avx512: W4A8 ymm vpdpbusd" if lib.moegate_is_vnni() else "avx2: W4A8 maddubs" if lib.moegate_is_avx2()
-            else "generic: plain loops")
 
 
 def plot(report: dict, path: Path) -> None:

@@ -291,11 +291,11 @@ def shortest_completion(
 
 
 # (compiled constraint, max depth, digest of the ids consumed) -> the completion path from that state
-# (Constraint._completion_path), least recently used dropped past the bound; masks are filled on the engine thread
+# (ClosingPlanner.completion_path), least recently used dropped past the bound; masks are filled on the engine thread
 # and the mask-prefetch thread
 _PATHS: dict[tuple[object, int, bytes], tuple[int, ...] | None] = {}
 _PATHS_MAX = 256
-# The closing planner tries at most this many suffixes of the last path found before it searches (Constraint._known_path)
+# The closing planner tries at most this many suffixes of the last path found before it searches (ClosingPlanner.known_path)
 KNOWN_SUFFIXES = 256
 _PATHS_LOCK = threading.Lock()
 

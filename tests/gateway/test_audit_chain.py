@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from gateway import audit_cli
-from gateway.audit import AuditLog, AuditLogError, audit_data, canonical_json, record_hash, verify
+from gateway.audit import AuditLog, audit_data
+from gateway.audit_record import AuditLogError, canonical_json, record_hash
+from gateway.audit_verify import verify
 from policies import load_policy
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "policies" / "examples"

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.audit import verify
+from gateway.audit_verify import verify
 from tests.gateway.conftest import serve_process
 
 MSG = [{"role": "user", "content": "hi"}]

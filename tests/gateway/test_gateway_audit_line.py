@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from gateway.audit import AuditLog, canonical_json, record_hash, verify
+from gateway.audit import AuditLog
+from gateway.audit_record import canonical_json, record_hash
+from gateway.audit_verify import verify
 
 DATA = [
     {},

@@ -226,7 +226,7 @@ def test_processor_failure_ends_only_its_sequence(tok):
 
 def test_decisions_reach_the_audit_log_and_traces(gateway_server):
     """The mode decisions of a response are in its hash-chained audit record and in its trace."""
-    from gateway.audit import verify
+    from gateway.audit_verify import verify
 
     open_id = gateway_server.state.generator.tool_open
     r = gateway_server.client().chat.completions.create(

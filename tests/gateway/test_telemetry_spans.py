@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from gateway.audit import AuditLog, verify
+from gateway.audit import AuditLog
+from gateway.audit_verify import verify
 from gateway.telemetry import extract_context, inject_headers, setup_tracing
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -193,11 +193,11 @@ def test_completion_paths_shared_by_requests(tokinfo, monkeypatch):
     same ids as an earlier one searches nothing and decodes the same ids; with only the start states' paths kept
     (drop_shared_paths), every search but the start's runs again."""
     import gateway.structured.closing as closing_mod
-    import gateway.structured.constraint as constraint_mod
+    import gateway.structured.closing_planner as planner_mod
 
     calls = []
-    real = constraint_mod.shortest_completion
-    monkeypatch.setattr(constraint_mod, "shortest_completion", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    real = planner_mod.shortest_completion
+    monkeypatch.setattr(planner_mod, "shortest_completion", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
     monkeypatch.setattr(closing_mod, "_PATHS", {})
     cache, spec, outs, searches = ConstraintCache(), json_schema_spec(ORDER), [], []
     for run in ("unshared", 0, 1, 2):
@@ -205,7 +205,7 @@ def test_completion_paths_shared_by_requests(tokinfo, monkeypatch):
             closing_mod.drop_shared_paths()
         with monkeypatch.context() as m:
             if run == "unshared":  # every search runs, nothing is kept
-                m.setattr(constraint_mod, "shared_path", lambda key, search: (search(), True))
+                m.setattr(planner_mod, "shared_path", lambda key, search: (search(), True))
             calls.clear()
             c = build_constraint(spec, tokinfo, max_tokens=60, cache=cache)
             outs.append(decode(c, random_logits(tokinfo.vocab_size, 9), max_tokens=60).ids)  # (a seed whose output
@@ -224,21 +224,21 @@ def test_closing_planner_answers_are_completions_inside_the_budget(schema, tokin
     """Every path the closing planner answers a check with (a suffix of the last path found, or a search's) takes a
     copy of the matcher to an accepting state the guard keeps, in no more ids than the budget leaves; the suffixes
     answer most checks; the outputs close inside the budget and validate."""
-    import gateway.structured.constraint as constraint_mod
+    from gateway.structured.closing_planner import ClosingPlanner
 
-    real, answered_by_suffix = constraint_mod.Constraint._completion_path, []
+    real, answered_by_suffix = ClosingPlanner.completion_path, []
 
-    def checked(self, llg, max_depth):
-        reuses = self.plan_reuses
-        path = real(self, llg, max_depth)
+    def checked(self, llg, guard, max_depth, closing):
+        reuses = self.reuses
+        path = real(self, llg, guard, max_depth, closing)
         if path is not None:
             copy = llg.deep_copy()
             assert len(path) <= max_depth and copy.try_consume_tokens(path) == len(path) and copy.is_accepting()
-            assert self.guard is None or self.guard.allows(path, True)
-        answered_by_suffix.append(self.plan_reuses > reuses)
+            assert guard is None or guard.allows(path, True)
+        answered_by_suffix.append(self.reuses > reuses)
         return path
 
-    monkeypatch.setattr(constraint_mod.Constraint, "_completion_path", checked)
+    monkeypatch.setattr(ClosingPlanner, "completion_path", checked)
     for seed in range(4):
         c = build_constraint(json_schema_spec(schema), tokinfo, max_tokens=64, cache=ConstraintCache())
         out = decode(c, random_logits(tokinfo.vocab_size, seed), max_tokens=64)

@@ -190,10 +190,10 @@ def test_failed_completion_searches_stop_at_their_time_limit(tokinfo, monkeypatc
     4 tokens of the closing window: a 504 instead of a quick validation error), and the output still ends in budget."""
     import numpy as np
 
-    import gateway.structured.constraint as constraint
+    import gateway.structured.closing_planner as planner
     from gateway.structured.bitmask import allocate_bitmask
 
-    monkeypatch.setattr(constraint, "PLAN_SEARCH_LIMIT_S", 0.0)
+    monkeypatch.setattr(planner, "PLAN_SEARCH_LIMIT_S", 0.0)
     prefix = tokinfo.encode("SELECT " + ", ".join(f"q{i}.x{i}" for i in range(8)))
     budget = len(prefix) + 40
     c = build_constraint(sql_spec(DB), tokinfo, max_tokens=budget, cache=ConstraintCache())
