@@ -132,7 +132,7 @@ class LLMEngine:
             PrefixCacheConfig(
                 ram_bytes=int(c.ram_cache_gib * 2**30), disk_dir=c.disk_cache_dir,
                 disk_bytes=int(c.disk_cache_gib * 2**30), redis_url=c.redis_url, redis_ttl_s=c.redis_cache_ttl_s,
-                exact_chunk=c.max_num_batched_tokens,
+                exact_chunk=c.max_num_batched_tokens, chunk_invariant=self.runner.model.batch_invariant(True),
             ),
             self.blocks, self.runner, BlockHasher(self._fingerprint, spec.block_size),
             EntryCodec(self._fingerprint, shape, c.torch_dtype), states=self.runner.states,
