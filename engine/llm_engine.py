@@ -232,7 +232,8 @@ class LLMEngine:
     ) -> None:
         """Queues a request. `cache_salt` is set by the server (the tenant), never by a client: prefix-cache
         blocks are only reused between requests with the same salt and the same `numerics_fingerprint(mode)`.
-        Execution requests reuse whole prefill chunks only, so a hit is bit-identical to a miss.
+        Execution requests reuse whole prefill chunks only, so a hit is bit-identical to a miss; on the chunk-
+        invariant fused execution path, any full block (a token's KV there does not depend on its chunk).
         """
         if request_id in self._seqs:
             raise RequestError(f"request id {request_id!r} is already in flight")
