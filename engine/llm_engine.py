@@ -132,7 +132,7 @@ class LLMEngine:
             PrefixCacheConfig(
                 ram_bytes=int(c.ram_cache_gib * 2**30), disk_dir=c.disk_cache_dir,
                 disk_bytes=int(c.disk_cache_gib * 2**30), redis_url=c.redis_url, redis_ttl_s=c.redis_cache_ttl_s,
-                exact_chunk=c.max_num_batched_tokens,
+                exact_chunk=c.max_num_batched_tokens, chunk_invariant=self.runner.model.batch_invariant(True),
             ),
             self.blocks, self.runner, BlockHasher(self._fingerprint, spec.block_size),
             EntryCodec(self._fingerprint, shape, c.torch_dtype), states=self.runner.states,
@@ -232,7 +232,8 @@ class LLMEngine:
     ) -> None:
         """Queues a request. `cache_salt` is set by the server (the tenant), never by a client: prefix-cache
         blocks are only reused between requests with the same salt and the same `numerics_fingerprint(mode)`.
-        Execution requests reuse whole prefill chunks only, so a hit is bit-identical to a miss.
+        Execution requests reuse whole prefill chunks only, so a hit is bit-identical to a miss; on the chunk-
+        invariant fused execution path, any full block (a token's KV there does not depend on its chunk).
         """
         if request_id in self._seqs:
             raise RequestError(f"request id {request_id!r} is already in flight")

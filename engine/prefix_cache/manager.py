@@ -26,6 +26,9 @@ class PrefixCacheConfig:
     redis_url: str | None = None  # None: no redis tier
     redis_ttl_s: int = 24 * 3600
     exact_chunk: int = 512  # prefill chunk of exact requests: reuse only whole chunks (see `attach`)
+    # exact KV does not depend on how a prompt is chunked or batched (the fused execution path): exact requests then
+    # reuse and register any full block, as exploration ones do
+    chunk_invariant: bool = False
     write_queue_bytes: int = 256 * 2**20  # per lower tier: pending writes beyond this are dropped (counted)
 
     def __post_init__(self) -> None:
@@ -54,7 +57,10 @@ class PrefixCacheManager:
     Exact (execution-mode) requests: CPU GEMMs give a row different bits depending on how many rows share
     the call, so a suffix computed from a mid-chunk offset would not match a cold prefill bit for bit.
     Exact sequences therefore only register blocks of whole, aligned, single-sequence prefill chunks and
-    only reuse whole chunks, so the hit computes exactly the cold run's last chunk.
+    only reuse whole chunks, so the hit computes exactly the cold run's last chunk. Where the execution path
+    computes each row in an order fixed by the row alone (`chunk_invariant`: the fused execution path, whose
+    numerics fingerprint differs from the serial path's), a token's KV is the same whatever chunk or batch
+    computed it, so exact sequences reuse and register every full block, their outputs' blocks included.
     """
 
     def __init__(self, config: PrefixCacheConfig, blocks: BlockManager, io: KVBlockIO, hasher: BlockHasher,
@@ -102,7 +108,7 @@ class PrefixCacheManager:
         bs = self.blocks.block_size
         limit = (seq.num_tokens - 1) // bs
         per_chunk = 1
-        if seq.cache_exact:
+        if seq.cache_exact and not self.config.chunk_invariant:
             chunk = self.config.exact_chunk
             per_chunk = chunk // bs if chunk % bs == 0 else 0
             limit = (seq.num_tokens - 1) // chunk * per_chunk if per_chunk else 0
@@ -156,7 +162,7 @@ class PrefixCacheManager:
         if seq.cache_root is None:
             return
         bs, end = self.blocks.block_size, (start + num_tokens) // self.blocks.block_size
-        if seq.cache_exact:
+        if seq.cache_exact and not self.config.chunk_invariant:
             chunk = self.config.exact_chunk
             if not (alone and chunk % bs == 0 and start % chunk == 0 and num_tokens == chunk):
                 return

@@ -119,7 +119,9 @@ class BatchMasker:
         known = [_forced_known(c) if f and self.lazy_candidates else None
                  for (c, _), f in zip(items, forcing, strict=True)]
         forcing = [f and k is None for f, k in zip(forcing, known, strict=True)]
-        words = self._words or items[0][0].tok_words
+        # the last `masks` call's width, unless these constraints need wider rows (the process-wide masker serves
+        # every engine of the process: that call may have been another model's, of a smaller vocabulary)
+        words = max(self._words, *(c.tok_words for c, _ in items))
         stale = [c for (c, _), f in zip(items, forcing, strict=True) if f and not self._current(c, words)]
         if stale:
             self._keep(stale, words)

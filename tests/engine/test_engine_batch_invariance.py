@@ -63,7 +63,7 @@ def test_engine_builds_the_fused_execution_path(ckpt):
 
 
 def test_execution_shares_one_forward_and_keeps_its_bytes_beside_1_to_8_others(ckpt):
-    llm = _llm(ckpt)
+    llm = _llm(ckpt, prefix_cache=False)  # each run prefills its whole prompt (a hit leaves a step the one-call path takes)
     forwards = []
     real_forward = llm.engine.runner.forward
     llm.engine.runner.forward = lambda batch: (forwards.append((batch.exact, len(batch.query_lens))),
@@ -116,6 +116,44 @@ def test_prefix_cache_hit_gives_the_bytes_of_a_miss(ckpt):
         hits += [o.num_cached_tokens for o in llm.engine.step() if o.finished]
     assert hits[0] > 0  # the blocks are in the cache
     assert _run(llm, [_target(prompt)])["x"] == want
+
+
+def test_prefix_hits_at_any_block_keep_the_bytes_of_a_miss(ckpt):
+    """On the fused path a token's KV does not depend on its chunk or batch: execution requests reuse every full
+    block (the blocks of a batched prefill, a sibling's shared blocks, a finished request's output blocks) and
+    sample the bytes of a cold run; the serial path keeps reusing whole prefill chunks only."""
+    prompt = _prompt(45, 6)
+    sibling = prompt[:27] + _prompt(18, 7)  # three whole blocks of 8 in common, and a bit more
+    cold = _llm(ckpt, prefix_cache=False)
+    first = _run(cold, [_target(prompt)])["x"]
+    longer = prompt + first[0][:9]  # the prompt and 9 of its output tokens: 54 tokens, 6 whole blocks
+    want = {name: _run(cold, [_target(p)])["x"] for name, p in (("sibling", sibling), ("longer", longer))}
+    llm = _llm(ckpt)
+    crowd = [(f"o{i}", _prompt(9 + 5 * i, 30 + i), SamplingParams(max_tokens=6, temperature=0.9, seed=i,
+                                                                 ignore_eos=True), "execution") for i in range(3)]
+    assert _run(llm, [*crowd, _target(prompt)])["x"] == first  # computed beside others: its blocks still register
+    cached = {}
+
+    def run(p: list[int]):
+        llm.engine.add_request("x", p, SamplingParams(max_tokens=10, temperature=0.7, seed=42, ignore_eos=True,
+                                                      logits_processors=[rec := LogitsRecorder()]), mode="execution")
+        while llm.engine.has_work():
+            for out in llm.engine.step():
+                if out.finished:
+                    cached[len(cached)] = out.num_cached_tokens
+                    return out.token_ids, rec.bytes()
+        raise AssertionError("no output")
+
+    assert run(sibling) == want["sibling"] and cached[0] == 24
+    assert run(prompt) == first and cached[1] == 40  # every whole block but the one holding the last prompt token
+    assert run(longer) == want["longer"] and cached[2] == 48  # the first run's output blocks too
+    serial = _llm(ckpt, batch_invariant_execution=False, max_num_batched_tokens=16)
+    _run(serial, [_target(prompt)])
+    serial.engine.add_request("again", prompt, SamplingParams(max_tokens=1), mode="execution")
+    hits = []
+    while serial.engine.has_work():
+        hits += [o.num_cached_tokens for o in serial.engine.step() if o.finished]
+    assert hits == [32]  # whole prefill chunks of 16, which the serial path's bits need
 
 
 def test_tokens_computed_as_one_chunk_equal_token_by_token(ckpt):

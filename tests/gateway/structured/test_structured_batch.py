@@ -110,6 +110,19 @@ def test_batched_forced_tokens_equal_per_constraint(tokinfo, lazy):
     masker.close()
 
 
+def test_forced_tokens_fill_rows_wide_enough_after_a_narrower_model(tokinfo):
+    """The process-wide masker may last have masked another model's logits, of a smaller vocabulary: forced_tokens
+    then fills rows as wide as its constraints need (it failed with "bitmask has N words per row")."""
+    masker = BatchMasker(num_threads=2, prefetch=False, lazy_candidates=0)  # every row's mask filled
+    masker.masks([], 2)  # a narrow model's step
+    schema = {"type": "object", "properties": {"side": {"enum": ["buy", "sell"]}}, "required": ["side"],
+              "additionalProperties": False}
+    c = build_constraint(json_schema_spec(schema), tokinfo, cache=ConstraintCache(), mask_batcher=masker)
+    alone = build_constraint(json_schema_spec(schema), tokinfo, cache=ConstraintCache())
+    assert masker.forced_tokens([(c, [])]) == [alone.forced_token([])]
+    masker.close()
+
+
 def test_lru_evicts_and_keys_by_tokenizer(tokinfo):
     cache = ConstraintCache(CompileConfig(cache_entries=2))
     a, b, c = (regex_spec(p) for p in ("a+", "b+", "c+"))
