@@ -30,7 +30,15 @@ import numpy as np
 import torch
 
 from engine.mode import Mode
-from engine.sampler import LogitsView, SamplingError, apply_top_k_top_p, greedy, sample, skip_race_draw
+from engine.sampler import (
+    LogitsView,
+    SamplingError,
+    apply_top_k_top_p,
+    greedy,
+    kernel_picks,
+    sample,
+    skip_race_draw,
+)
 from engine.sampling_params import MIN_TEMPERATURE
 from engine.sequence import Sequence
 
@@ -150,6 +158,9 @@ class MultiTokenDecoder:
         if view is None or view.tensor is not logits:
             view = self._view = LogitsView(logits)
         if len(seqs) == view.rows:  # one row per sequence: no drafts anywhere, every row samples as it is
+            if first_max is not None and (picked := kernel_picks(view, seqs, vocab_limit, first_max)) is not None:
+                self.stats.sampled_tokens += len(picked)  # every row plain greedy: the forward's picks stand
+                return picked  # type: ignore[return-value]
             chosen: list[list[int] | SamplingError] = []
             sampled = 0
             for t in sample(logits, seqs, vocab_limit, first_max, view):
