@@ -137,15 +137,13 @@ class MultiTokenDecoder:
                         "state that rejected drafts would change")
             config = dataclasses.replace(config, speculative_tokens=0)
         self.config = config
+        # whether `observe` / `extend` can do anything: the step skips both where neither source is on
+        self.extends = bool(config.jump_forward_tokens or config.speculative_tokens)
         self.chunk_invariant = chunk_invariant
         self.drafter = drafter  # draft_source "mtp": engine.mtp.MtpDrafter (`observe` each step, `propose`)
         self.stats = MultiTokenStats()
         self._view: LogitsView | None = None  # the last step's logits, read again while the runner hands the same
 
-    @property
-    def extends(self) -> bool:
-        """Whether `observe` / `extend` can do anything: the step skips both where neither source is on."""
-        return bool(self.config.jump_forward_tokens or self.config.speculative_tokens)
 
     def choose(self, logits: torch.Tensor, seqs: list[Sequence], vocab_limit: int | None,
                first_max: np.ndarray | None = None) -> list[list[int] | SamplingError]:
