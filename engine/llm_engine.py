@@ -120,9 +120,8 @@ class LLMEngine:
             numerics.defer,
         )
 
-    def _numerics(self) -> str:
-        c = self.config
-        return f"kv_dtype={c.dtype};block_size={c.block_size}"  # per-mode settings salt each request
+    def _numerics(self) -> str:  # per-mode settings salt each request
+        return f"kv_dtype={self.config.dtype};block_size={self.config.block_size}"
 
     def _build_prefix_cache(self, spec: KVCacheSpec) -> PrefixCacheManager:
         c, m = self.config, self.model_config
@@ -299,21 +298,18 @@ class LLMEngine:
         if not chunks:
             return []
         logits = self.runner.run(chunks, self.blocks)  # [S, V]: 1 + drafts rows per sampling chunk
-        sampling: list[ScheduledChunk] = []
         seqs: list[Sequence] = []
         for c in chunks:
-            c.seq.num_computed = c.start + c.num_tokens
+            (seq := c.seq).num_computed = c.start + c.num_tokens
             if c.samples:
-                sampling.append(c)
-                seqs.append(c.seq)
+                seqs.append(seq)
+        sampling = chunks if len(seqs) == len(chunks) else [c for c in chunks if c.samples]
         picks = self.decoder.choose(logits, seqs, self.vocab_limit, self.runner.first_max)  # drafts verified
-        cache, alone = self.prefix_cache, len(chunks) == 1
-        if cache is not None and len(sampling) < len(chunks):
+        cache, alone, reasons, going = self.prefix_cache, len(chunks) == 1, {}, []  # reasons: request id -> why
+        if cache is not None and sampling is not chunks:
             for c in chunks:
                 if not c.samples:
                     self._register(c, alone)
-        reasons: dict[str, str] = {}  # request id -> finish reason
-        going: list[Sequence] = []
         for c, pick in zip(sampling, picks, strict=True):
             seq, reason = c.seq, None
             if isinstance(pick, SamplingError):

@@ -30,7 +30,15 @@ import numpy as np
 import torch
 
 from engine.mode import Mode
-from engine.sampler import LogitsView, SamplingError, apply_top_k_top_p, greedy, sample, skip_race_draw
+from engine.sampler import (
+    LogitsView,
+    SamplingError,
+    apply_top_k_top_p,
+    greedy,
+    kernel_picks,
+    sample,
+    skip_race_draw,
+)
 from engine.sampling_params import MIN_TEMPERATURE
 from engine.sequence import Sequence
 
@@ -129,15 +137,13 @@ class MultiTokenDecoder:
                         "state that rejected drafts would change")
             config = dataclasses.replace(config, speculative_tokens=0)
         self.config = config
+        # whether `observe` / `extend` can do anything: the step skips both where neither source is on
+        self.extends = bool(config.jump_forward_tokens or config.speculative_tokens)
         self.chunk_invariant = chunk_invariant
         self.drafter = drafter  # draft_source "mtp": engine.mtp.MtpDrafter (`observe` each step, `propose`)
         self.stats = MultiTokenStats()
         self._view: LogitsView | None = None  # the last step's logits, read again while the runner hands the same
 
-    @property
-    def extends(self) -> bool:
-        """Whether `observe` / `extend` can do anything: the step skips both where neither source is on."""
-        return bool(self.config.jump_forward_tokens or self.config.speculative_tokens)
 
     def choose(self, logits: torch.Tensor, seqs: list[Sequence], vocab_limit: int | None,
                first_max: np.ndarray | None = None) -> list[list[int] | SamplingError]:
@@ -150,6 +156,9 @@ class MultiTokenDecoder:
         if view is None or view.tensor is not logits:
             view = self._view = LogitsView(logits)
         if len(seqs) == view.rows:  # one row per sequence: no drafts anywhere, every row samples as it is
+            if first_max is not None and (picked := kernel_picks(view, seqs, vocab_limit, first_max)) is not None:
+                self.stats.sampled_tokens += len(picked)  # every row plain greedy: the forward's picks stand
+                return picked  # type: ignore[return-value]
             chosen: list[list[int] | SamplingError] = []
             sampled = 0
             for t in sample(logits, seqs, vocab_limit, first_max, view):

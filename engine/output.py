@@ -123,21 +123,10 @@ def make_output(seq: Sequence) -> RequestOutput:
     events = []
     if tracker is not None:
         events, tracker.events = tracker.events, []
-    return RequestOutput(
-        request_id=seq.request_id,
-        prompt_token_ids=seq.prompt_token_ids,
-        output_ids=seq.output_token_ids,
-        num_output_ids=seq.num_reported,
-        all_text=text,
-        num_chars=seq.emitted,
-        new_token_ids=seq.output_token_ids[prev:],
-        new_text=new_text,
-        finished=finished,
-        finish_reason=seq.finish_reason,
-        num_cached_tokens=seq.num_cached_tokens,
-        cache_hits=seq.cache_hits,  # replaced at each admission, never changed in place: no copy
-        error=seq.error,
-        segment_events=events,
-        open_segment=tracker.open.kind if finished and tracker is not None and tracker.open is not None else None,
-        segment_error=tracker.error if tracker is not None else None,
+    return RequestOutput(  # positional, in field order (a keyword call matches each name: slower per step)
+        seq.request_id, seq.prompt_token_ids, seq.output_token_ids[prev:], new_text, finished, seq.finish_reason,
+        seq.error, seq.num_cached_tokens,
+        seq.cache_hits,  # replaced at each admission, never changed in place: no copy
+        events, tracker.open.kind if finished and tracker is not None and tracker.open is not None else None,
+        tracker.error if tracker is not None else None, seq.output_token_ids, seq.num_reported, text, seq.emitted,
     )

@@ -294,6 +294,25 @@ def _greedy_plain_rows(view: LogitsView, seqs: list[Sequence], tokens: list, voc
     return done == len(seqs)
 
 
+def kernel_picks(view: LogitsView, seqs: list[Sequence], vocab_limit: int | None,
+                 first_max: np.ndarray) -> list[list[int]] | None:
+    """[[token]] per row where every row is plain greedy and the forward's pick stands (first_max[i] below the
+    vocabulary limit, its logit finite): `_greedy_plain_rows`' token for each, without its general loop; else None
+    (`sample` decides every row)."""
+    values = view.values
+    if values is None:
+        return None
+    limit = view.width if vocab_limit is None else min(vocab_limit, view.width)
+    chosen = []
+    for i, token in enumerate(first_max.tolist()):
+        p = seqs[i].params
+        if p.logits_processors or p.temperature >= MIN_TEMPERATURE or token >= limit or not math.isfinite(
+                values.item(i, token)):
+            return None
+        chosen.append([token])
+    return chosen
+
+
 def _race_plain_rows(view: LogitsView, seqs: list[Sequence], tokens: list, vocab_limit: int | None) -> bool:
     """Sets tokens[i] for the plain temperature rows (no logits processor, no top-k / top-p) of fp32 CPU logits: the
     race over the row's first `vocab_limit` logits in one kernel call, read in place (`sample_row`'s token: the

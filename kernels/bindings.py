@@ -2,7 +2,8 @@
 entry point): the logits mask of constrained decoding (`moegate_apply_bitmask`, csrc/logits_mask.h), the
 one-call decoder layer (`moegate_decode_layer`, csrc/decode_layer.h) and the whole stack of them in one call
 (`moegate_decode_stack`); `DecodeStackCall` and `LinearCall`: the stack and a packed projection over buffers kept
-between calls, their arguments checked and converted once (a decode step passes its row count)."""
+between calls, their arguments checked and converted once (a decode step passes its row count); `DecodeStepCall`:
+both in one call (`moegate_decode_step`)."""
 
 from __future__ import annotations
 
@@ -192,6 +193,37 @@ class LinearCall:
             rc = self.lib.moegate_linear_first_max(*head, rows, *self._tail, first_max.data_ptr())
         if rc != 0:
             raise RuntimeError(f"moegate_linear failed with code {rc} for format {self.linear.fmt}")
+
+
+class DecodeStepCall:
+    """A decode step's two kernel calls, the stack (`DecodeStackCall`) and the lm_head over its first rows of the
+    stack's norm output (`LinearCall`, the greedy pick where asked), as one `moegate_decode_step` call, which also
+    lets the pool's helpers rest: both calls' checked and converted arguments sit in one kept struct
+    (kernels/build.py `DecodeStepArgs`), so a step passes its rows, the lm_head's rows and whether it picks.
+    The entry point is looked up on the library at each call (a timer wrapped around it sees every call)."""
+
+    def __init__(self, stack: DecodeStackCall, head: LinearCall) -> None:
+        from kernels.build import DecodeStepArgs
+
+        if stack.lib is not head.lib or head._head[0].value != stack._tail[12].value:
+            raise ValueError("the lm_head must read the stack's norm output, in the same kernel library")
+        values = [a.value if isinstance(a, ctypes._SimpleCData) else ctypes.addressof(a)
+                  for a in (*stack._head, *stack._tail, head._head[1], *head._tail, head._first_max)]
+        self.lib, self.stack, self.head = stack.lib, stack, head
+        self.rows, self.logit_rows = stack.rows, head.rows
+        self._args = ctypes.pointer(DecodeStepArgs(*values))
+
+    def __call__(self, rows: int, logit_rows: int, pick: bool) -> None:
+        """The stack over rows [0, rows), then the lm_head over its first `logit_rows` rows of the norm output into
+        the head's kept output (and its kept first_max where `pick`), then the pool rests."""
+        if not (0 < logit_rows <= self.logit_rows and 0 < rows <= self.rows) or (pick and not self.head._first_max.value):
+            raise ValueError(f"rows must be in [1, {self.rows}], logit rows in [1, {self.logit_rows}] (a first_max "
+                             f"buffer kept to pick), got {rows}, {logit_rows}")
+        rc = self.lib.moegate_decode_step(self._args, rows, logit_rows, pick)
+        if rc <= -100:
+            raise RuntimeError(f"moegate_linear failed with code {rc + 100} for format {self.head.linear.fmt}")
+        if rc != 0:
+            _decode_rc("moegate_decode_stack", rc, self.stack.slots_per_cache, self.stack.ctx_total)
 
 
 def _check_first_max(first_max: torch.Tensor, rows: int) -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kernels.bindings import DecodeStackCall, LinearCall, cache_slots
+from kernels.bindings import DecodeStackCall, DecodeStepCall, LinearCall, cache_slots
 
 if TYPE_CHECKING:
     from engine.models.fused_decode import FusedStack
@@ -24,7 +24,8 @@ class FusedDecodeStep:
     prefill chunks, each token a row of the stack's call. The embedding rows, RoPE rows, KV slots and contexts are
     written through numpy into buffers kept between steps (a step of decodes that go on from the last step's rows:
     item by item through flat memoryviews of them, `_decodes`), then one `moegate_decode_stack` call (every layer and the
-    final norm) and one lm_head call (`moegate_linear`) over the rows that sample. The same kernels on the same inputs as `MoeForCausalLM.forward` and
+    final norm) and one lm_head call (`moegate_linear`) over the rows that sample: where every row samples and none has
+    logits processors, both in one call (`moegate_decode_step`). The same kernels on the same inputs as `MoeForCausalLM.forward` and
     `compute_logits` over a ForwardBatch (the embedding and RoPE rows are copies of the same rows), so the same
     bits, without the batch's tensors and the ~20 torch ops and module calls around the two kernel calls."""
 
@@ -45,11 +46,7 @@ class FusedDecodeStep:
         self._rope = torch.empty(2, rows, cfg.head_dim)  # cos, sin rows [R, D]
         self._ints = torch.empty(5, rows, dtype=torch.int64)  # ids, positions, new slots, context start, length
         self._ids = torch.empty(rows, stack.layers[0].top_k, dtype=torch.int64)  # [R, K] scratch
-        # the chunks' contexts: chunk i's slots at [i * region, i * region + its end); grown on demand (`_grow`). What
-        # each chunk held at the last step (sequence, table, end): a chunk that goes on writes its new slots only
-        self._slots, self._region = torch.empty(0, dtype=torch.int64), 0
-        self._kept: list[tuple] = []
-        self._frees, self._blocks = -1, None
+        self.contexts = StepContexts()  # the chunks' context slots, kept between steps
         self._x_np, self._rope_np, self._ints_np = self._x.numpy(), self._rope.numpy(), self._ints.numpy()
         self._normed_np = self._normed.numpy()
         # flat memoryviews of the same memory: a decode row's writes (`_decodes`) as item and slice assignments, a
@@ -63,16 +60,16 @@ class FusedDecodeStep:
         self._cache_slots = cache_slots(stack.params, kv_caches)
         self._norm = (model.model.norm.weight.detach(), model.model.norm.eps)
         self._stack_call: DecodeStackCall | None = None
+        self._step_call: DecodeStepCall | None = None  # the stack and the lm_head in one call (`_grow` builds both)
         # [R, V rounded up to 8]: the logits, kept (valid until the next step, as the runner's token buffer): a fresh
         # 0.6 MB tensor per step cost ~20 us of page faults here. Not where a row has logits processors: they are
         # handed rows and may keep them, so those steps' logits are fresh
         self._logits = torch.empty(rows, head.padded_out)
-        self._logits_views: dict[int, torch.Tensor] = {}  # its first rows [T, V] by T
+        self._kept_views: dict[int, tuple] = {}  # its first rows [T, V] and first_max's [T] by T (`_views`)
         # [R]: each row's first largest logit, found in the lm_head's call by the threads that wrote the columns (the
         # stepping thread would read the row back from the other core's cache: ~240 us for 152k logits at 1 row)
         self._first_max = torch.empty(rows, dtype=torch.int64)
         self._first_max_np = self._first_max.numpy()
-        self._picks_views: dict[int, np.ndarray] = {}  # its first rows [n] by n
         self._head_call = LinearCall(stack.lib, head, self._normed, self._logits, head_threads, self._first_max)
         # the lm_head is the step's last kernel call: the pool's helpers sleep now instead of spinning ~200 us for a job
         # that comes only with the next step, on a core the stepping thread (and anything else) could use
@@ -97,17 +94,18 @@ class FusedDecodeStep:
             t, greedy, processors, every = len(chunks), *rows, True
         else:
             t, greedy, processors, every = self._inputs(chunks, blocks)
+        pick = self.pick_in_kernel and greedy
+        if every and not processors:  # the stack, the lm_head (its picks) and the pool's rest in one call
+            self._step_call(t, t, pick)
+            self.hidden = self._normed[:t].clone() if self.keep_hidden else None
+            return self._views(t, pick)
         self._stack_call(t)
         self.hidden = self._normed[:t].clone() if self.keep_hidden else None
         n = t if every else self._compact(chunks)
         if n == 0:
             return torch.empty(0, self.head.out_features), None
-        pick = self.pick_in_kernel and greedy
-        if pick and (picks := self._picks_views.get(n)) is None:
-            picks = self._picks_views[n] = self._first_max_np[:n]
-        elif not pick:
-            picks = None
         if processors:
+            picks = self._views(n, pick)[1]
             logits = torch.empty(n, self.head.padded_out)
             self._head_call(n, logits, self._first_max if pick else None)
             self._rest()
@@ -117,17 +115,22 @@ class FusedDecodeStep:
         else:
             self._head_call(n)
         self._rest()
-        if (logits := self._logits_views.get(n)) is None:
-            logits = self._logits_views[n] = self._logits[:n, :self.head.out_features]
-        return logits, picks
+        return self._views(n, pick)
+
+    def _views(self, n: int, pick: bool) -> tuple[torch.Tensor, np.ndarray | None]:
+        """The kept logits' first n rows [n, V] and, where `pick`, the kept picks' [n] (views kept by n)."""
+        if (views := self._kept_views.get(n)) is None:
+            views = self._kept_views[n] = (self._logits[:n, :self.head.out_features], self._first_max_np[:n])
+        return views if pick else (views[0], None)
 
     def _decodes(self, chunks: list, blocks) -> tuple[bool, bool] | None:
         """A step of decodes whose contexts the last step wrote (each chunk one token that samples, its sequence and
         table in the same region as then, no table freed since, within the region and the RoPE table): each row's
         inputs written item by item through the flat views, its context's one new slot included -> (a row is plain
         greedy, a row has logits processors); else None, nothing written (`_inputs` then writes every row)."""
-        kept, region, bs = self._kept, self._region, blocks.block_size
-        if (len(chunks) > len(kept) or blocks.frees != self._frees or blocks is not self._blocks
+        ctx, bs = self.contexts, blocks.block_size
+        kept, region, slots = ctx.kept, ctx.region, ctx.slots_mv
+        if (len(chunks) > len(kept) or blocks.frees != ctx.frees or blocks is not ctx.blocks
                 or self.rotary._tables.get(self._f32) is not self._tables):
             return None
         for c, k in zip(chunks, kept, strict=False):
@@ -145,7 +148,7 @@ class FusedDecodeStep:
             processors = processors or bool(params.logits_processors)
             token, slot, at = seq.tokens(pos, pos + 1)[0], table[pos // bs] * bs + pos % bs, i * region
             iv[i], iv[R + i], iv[2 * R + i], iv[3 * R + i], iv[4 * R + i] = token, pos, slot, at, pos + 1
-            self._slots_mv[at + pos] = slot  # the context's new slot, as `_write_contexts`
+            slots[at + pos] = slot  # the context's new slot, as `StepContexts.write`
             rope[i * D:(i + 1) * D] = cos[pos * D:(pos + 1) * D]  # `_rope`'s rows: cos [R, D], then sin [R, D]
             rope[(R + i) * D:(R + i + 1) * D] = sin[pos * D:(pos + 1) * D]
             x[i * H:(i + 1) * H] = embed[token * H:(token + 1) * H]  # the embedding row
@@ -175,9 +178,9 @@ class FusedDecodeStep:
             spans.append((seq, table, pos, pos + k, t))
             longest = max(longest, pos + k)
             t += k
-        if longest > self._region or len(chunks) * self._region > self._slots.shape[0] or self._stack_call is None:
+        if not self.contexts.fits(len(chunks), longest) or self._stack_call is None:
             self._grow(len(chunks), longest)
-        self._write_contexts(spans, t, blocks)
+        self.contexts.write(spans, ints, t, blocks)
         table = self.rotary._table(longest, torch.float32)  # cos, sin [P, D]
         if table[0] is not self._table:
             self._table, self._table_np = table[0], (table[0].numpy(), table[1].numpy())
@@ -200,16 +203,52 @@ class FusedDecodeStep:
             self._normed_np[:len(rows)] = self._normed_np[rows]  # a gather: the source is read before it is written
         return len(rows)
 
-    def _write_contexts(self, spans: list, t: int, blocks) -> None:
+    def _grow(self, n: int, longest: int) -> None:
+        """The contexts hold `n` chunks' regions of at least `longest` slots, and the kernel calls point at them."""
+        self.contexts.grow(n, longest)
+        i = self._ints
+        self._stack_call = DecodeStackCall(
+            self.stack.lib, self.stack.params, self._x, self._rope[0], self._rope[1], *self._kv, i[2], self.contexts.slots,
+            i[3], i[4], self._ids, self.stack.counts, self.stack.num_threads, (*self._norm, self._normed),
+            self._cache_slots)
+        self._step_call = DecodeStepCall(self._stack_call, self._head_call)
+
+
+class StepContexts:
+    """The chunks' context slots of a fused step, kept between steps: chunk i's (its sequence's positions 0..end-1) at
+    [i * region, i * region + end) of one int64 buffer, grown on demand (doubling), and what each chunk held at the
+    last step (sequence, table, end): a chunk that goes on writes its new slots only."""
+
+    def __init__(self) -> None:
+        self.slots, self.region = torch.empty(0, dtype=torch.int64), 0
+        self.slots_np, self.slots_mv = self.slots.numpy(), None
+        self.kept: list[tuple] = []
+        self.frees, self.blocks = -1, None
+
+    def fits(self, n: int, longest: int) -> bool:
+        return longest <= self.region and n * self.region <= self.slots.shape[0]
+
+    def grow(self, n: int, longest: int) -> None:
+        """Room for `n` chunks' regions of at least `longest` slots; every chunk's context is written again."""
+        if longest > self.region:
+            self.region = max(longest, 2 * self.region, 256)
+        if self.slots.shape[0] < n * self.region:
+            self.slots = torch.empty(max(n, 4) * self.region, dtype=torch.int64)
+            self.slots_np = self.slots.numpy()
+            self.slots_mv = _flat(self.slots_np)
+        self.kept.clear()
+
+    def write(self, spans: list, ints: np.ndarray, t: int, blocks) -> None:
         """spans [(sequence, table, start, end, first token row)] per chunk: chunk i's context slots (its sequence's
         positions 0..end-1) at the start of region i of the contexts' buffer, and each of the t token rows' context
         (that region, its position + 1 slots). A chunk that holds the same sequence and table as the last step's chunk
         i, starting at or before where that one ended, with no table freed since (a running sequence's table only
-        grows; rejected drafts move the start back), gets its new tokens' slots only; any other its whole context."""
-        ints, slots, kept, region = self._ints_np, self._slots_np, self._kept, self._region
-        if blocks.frees != self._frees or blocks is not self._blocks:
+        grows; rejected drafts move the start back), gets its new tokens' slots only; any other its whole context.
+        ints: the step's [5, R] int64 rows (new slots in row 2; context starts and lengths written to rows 3, 4)."""
+        slots, kept, region = self.slots_np, self.kept, self.region
+        if blocks.frees != self.frees or blocks is not self.blocks:
             kept.clear()
-            self._frees, self._blocks = blocks.frees, blocks
+            self.frees, self.blocks = blocks.frees, blocks
         for i, (seq, table, start, end, row) in enumerate(spans):
             at = i * region
             if i < len(kept) and (k := kept[i])[0] is seq and k[1] is table and start <= k[2]:
@@ -219,22 +258,6 @@ class FusedDecodeStep:
             ints[3, row:row + end - start] = at
         np.add(ints[1, :t], 1, out=ints[4, :t])
         kept[:] = [(seq, table, end) for seq, table, _, end, _ in spans]
-
-    def _grow(self, n: int, longest: int) -> None:
-        """The contexts' buffer holds `n` chunks' regions of at least `longest` slots (doubling), and the stack's call
-        points at it; every chunk's context is written again."""
-        if longest > self._region:
-            self._region = max(longest, 2 * self._region, 256)
-        if self._slots.shape[0] < n * self._region:
-            self._slots = torch.empty(max(n, 4) * self._region, dtype=torch.int64)
-            self._slots_np = self._slots.numpy()
-            self._slots_mv = _flat(self._slots_np)
-        self._kept.clear()
-        i = self._ints
-        self._stack_call = DecodeStackCall(
-            self.stack.lib, self.stack.params, self._x, self._rope[0], self._rope[1], *self._kv, i[2], self._slots,
-            i[3], i[4], self._ids, self.stack.counts, self.stack.num_threads, (*self._norm, self._normed),
-            self._cache_slots)
 
 
 def _flat(a: np.ndarray) -> memoryview:

@@ -845,6 +845,52 @@ int moegate_linear_first_max(const float* x, float* out, int64_t M, int64_t N, i
   return linear_dispatch(fmt, A, x, out, M, K, (N + 7) / 8, std::max(nthreads, 1), N, first_max);
 }
 
+// A decode step's two kernel calls in one: moegate_decode_stack over rows [0, T) (every layer and the final norm into
+// norm_out), then the lm_head (moegate_linear, or moegate_linear_first_max where pick is set) over the first n rows of
+// norm_out into logits, then the pool's helpers rest (no kernel call is coming before the next step). The arguments
+// are kept in one struct between steps (kernels/build.py DecodeStepArgs mirrors it), so a step passes T, n and pick.
+// Returns the stack's code (-4: a slot or context outside the caches, nothing written), else -100 + the lm_head's.
+struct DecodeStepArgs {  // mirrored by kernels/build.py (ctypes): keep in sync
+  const DecodeLayerParams* layers;
+  int64_t L;
+  float* x;
+  const float* cos;
+  const float* sin;
+  float* const* k_caches;
+  float* const* v_caches;
+  const int64_t* slot_mapping;
+  const int64_t* ctx_slots;
+  const int64_t* ctx_start;
+  const int64_t* ctx_len;
+  int64_t* topk_ids;
+  int64_t* const* counts;
+  const float* norm_w;
+  double norm_eps;
+  float* norm_out;
+  int64_t nthreads, cache_slots, ctx_total;
+  float* logits;  // [>= n, ceil(N/8)*8]
+  int64_t N, K, fmt, gs;
+  const void* w;
+  const uint16_t* s;
+  const uint16_t* mins;
+  int64_t head_threads;
+  int64_t* first_max;  // [>= n] (pick)
+};
+
+int moegate_decode_step(const DecodeStepArgs* a, int64_t T, int64_t n, int pick) {
+  int rc = moegate_decode_stack(a->layers, a->L, a->x, T, a->cos, a->sin, a->k_caches, a->v_caches, a->slot_mapping,
+                                a->ctx_slots, a->ctx_start, a->ctx_len, a->topk_ids, a->counts, a->norm_w, a->norm_eps,
+                                a->norm_out, (int)a->nthreads, a->cache_slots, a->ctx_total);
+  if (rc == 0) {
+    const Mat A{a->w, a->s, a->mins, padded_k(a->K, a->fmt, a->gs), a->gs};
+    rc = linear_dispatch(a->fmt, A, a->norm_out, a->logits, n, a->K, (a->N + 7) / 8,
+                         std::max((int)a->head_threads, 1), pick ? a->N : 0, pick ? a->first_max : nullptr);
+    if (rc != 0) rc -= 100;
+  }
+  moegate::WorkPool::instance().rest();
+  return rc;
+}
+
 int moegate_is_avx2() {
 #ifdef MOEGATE_AVX2
   return 1;

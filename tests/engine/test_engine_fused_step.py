@@ -78,7 +78,7 @@ def test_decode_rows_write_what_every_row_path_writes(engine, mode, monkeypatch)
     def inputs(step, t):
         ints = step._ints_np
         return [ints[:, :t].copy(), step._rope_np[:, :t].copy(), step._x_np[:t].copy(),
-                [step._slots_np[ints[3, i]:ints[3, i] + ints[4, i]].copy() for i in range(t)]]
+                [step.contexts.slots_np[ints[3, i]:ints[3, i] + ints[4, i]].copy() for i in range(t)]]
 
     def checked(chunks):
         step = decode_step(chunks)
@@ -216,7 +216,7 @@ def test_mixed_chunks_equal_the_forward_and_token_by_token(engine, mode):
     c.output_token_ids, c.draft_token_ids = [7, 21, 23], [24]  # 22 rejected: c starts again at its position
     check([ScheduledChunk(a, 10, 1, True, 1), ScheduledChunk(b, 17, 2, True, 1), ScheduledChunk(c, 8, 2, True, 2),
            ScheduledChunk(d, 4, 6, True, 1)])
-    assert step._kept  # the contexts went on from the first step
+    assert step.contexts.kept  # the contexts went on from the first step
     a.output_token_ids += [9, 10]  # a's 11th token through a batch forward: past what the step's context holds
     runner.forward(runner.build_batch([ScheduledChunk(a, 11, 1, True, 1)], blocks, exact))
     b.output_token_ids += [16, 17]
@@ -293,10 +293,10 @@ def test_kept_contexts_follow_every_table_change(engine):
             spans.append((s, tab, start, end, t))
             t += end - start
         longest = max(end for *_, end in chunks)
-        if longest > step._region or len(chunks) * step._region > step._slots.shape[0] or step._stack_call is None:
+        if not step.contexts.fits(len(chunks), longest) or step._stack_call is None:
             step._grow(len(chunks), longest)
-        step._write_contexts(spans, t, blocks)
-        return [step._slots_np[ints[3, i]:ints[3, i] + ints[4, i]].tolist() for i in range(t)]
+        step.contexts.write(spans, ints, t, blocks)
+        return [step.contexts.slots_np[ints[3, i]:ints[3, i] + ints[4, i]].tolist() for i in range(t)]
 
     def want(chunks):
         return [blocks.slots(tab, 0, p + 1).tolist() for _, tab, start, end in chunks for p in range(start, end)]
@@ -355,3 +355,53 @@ def test_jump_forward_steps_take_the_one_call_step():
         for t in (0.0, 0.7)])
     assert engine.decoder.stats.forced_tokens > 0 and any(multi)
     assert compared and all(compared)
+
+
+@pytest.mark.parametrize("mode", ["exploration", "execution"])
+def test_one_call_step_equals_the_stack_and_lm_head_calls(engine, mode, monkeypatch):
+    """`moegate_decode_step` (`DecodeStepCall`: the stack, the lm_head and its picks in one call) writes the bits of
+    the stack's call followed by the lm_head's (`DecodeStackCall`, `LinearCall.picking`) on the same inputs, at every
+    step that takes it, batched and alone; a new slot outside the caches raises DecodeSlotsError from it, nothing
+    written."""
+    from kernels.bindings import DecodeSlotsError, DecodeStepCall
+
+    runner, compared, one_call = engine.runner, [], DecodeStepCall.__call__
+
+    def state(step, t, n):  # what the calls write: the hidden rows, KV, routing counts, normed rows, logits, picks
+        return [step._x.clone(), *(b.clone() for kv in runner.layer_caches for b in kv),
+                *(f.packed.counts.clone() for f in step.stack.layers), step._normed[:t].clone(), step._logits[:n].clone(),
+                step._first_max[:n].clone()]
+
+    def both(call, t, n, pick):
+        step = next(s for s in runner._decode_steps.values() if s._step_call is call)
+        before = state(step, t, n)
+        call.stack(t)
+        call.head.picking(n) if pick else call.head(n)
+        want = state(step, t, n)
+        inputs = [step._x, *(b for kv in runner.layer_caches for b in kv), *(f.packed.counts for f in step.stack.layers)]
+        for buf, saved in zip(inputs, before, strict=False):  # the inputs as they were before the two calls
+            buf.copy_(saved)
+        for out in (step._normed, step._logits):  # what the one call must write itself
+            out.fill_(float("nan"))
+        step._first_max.fill_(-1)
+        one_call(call, t, n, pick)
+        got = state(step, t, n)
+        if not pick:  # the picks are not written then
+            got, want = got[:-1], want[:-1]
+        compared.append((t, all(torch.equal(g, w) for g, w in zip(got, want, strict=True))))
+
+    monkeypatch.setattr(DecodeStepCall, "__call__", both)
+    run_requests(engine, _requests(mode, f"one-{mode}"))
+    assert {4, 3, 2, 1} <= {t for t, _ in compared}
+    assert all(ok for _, ok in compared)
+    monkeypatch.undo()
+    step = runner._decode_steps[mode == "execution"]
+    before = [t.clone() for kv in runner.layer_caches for t in kv]
+    slot = int(step._ints[2, 0])
+    step._ints[2, 0] = step._step_call.stack.slots_per_cache  # the first row's new slot past every cache
+    try:
+        with pytest.raises(DecodeSlotsError, match="bad block table"):
+            step._step_call(1, 1, True)
+    finally:
+        step._ints[2, 0] = slot
+    assert all(torch.equal(t, b) for t, b in zip((t for kv in runner.layer_caches for t in kv), before, strict=True))
