@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kernels.bindings import DecodeStackCall, LinearCall, cache_slots
+from engine.sampler import HeadPicks, coming_draw
+from kernels.bindings import DecodeStackCall, HeadRaceCall, LinearCall, cache_slots
 
 if TYPE_CHECKING:
     from engine.models.fused_decode import FusedStack
 
+_M64 = (1 << 64) - 1  # the race's key and counter are taken mod 2^64 (kernels/race_noise.py)
 SMALL_BATCH_TOKENS = 16  # the one-call step's rows (its kept buffers); a step of more tokens takes the batch forward
 
 
@@ -28,7 +30,9 @@ class FusedDecodeStep:
     `compute_logits` over a ForwardBatch (the embedding and RoPE rows are copies of the same rows), so the same
     bits, without the batch's tensors and the ~20 torch ops and module calls around the two kernel calls."""
 
-    pick_in_kernel = True  # the lm_head's call finds the plain greedy rows' picks (off: the sampler reads the logits)
+    pick_in_kernel = True  # the lm_head's call finds the plain greedy rows' picks and runs the plain temperature rows'
+    # races (off: the sampler reads the logits)
+    vocab_limit: int | None = None  # the sampler's (the runner sets it): the races run over the first vocab_limit logits
     keep_hidden = False  # MTP drafts: a copy of every row's final hidden state in `hidden` [T, H]
 
     def __init__(self, model, stack: FusedStack, head, head_threads: int, kv_caches: list) -> None:
@@ -74,6 +78,10 @@ class FusedDecodeStep:
         self._first_max_np = self._first_max.numpy()
         self._picks_views: dict[int, np.ndarray] = {}  # its first rows [n] by n
         self._head_call = LinearCall(stack.lib, head, self._normed, self._logits, head_threads, self._first_max)
+        # the same call with each plain temperature row's race scored while its columns are hot (the sampler's
+        # `moegate_race_sample` read the row back from the other core's cache) and the other rows' first largest
+        self._race_call = HeadRaceCall(self._head_call)
+        self._race_views: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # (picks, best) [n] by n
         # the lm_head is the step's last kernel call: the pool's helpers sleep now instead of spinning ~200 us for a job
         # that comes only with the next step, on a core the stepping thread (and anything else) could use
         self._rest = getattr(stack.lib, "moegate_pool_rest", lambda: None)
@@ -85,12 +93,13 @@ class FusedDecodeStep:
         return (e.dtype == n.weight.dtype == torch.float32 and e.device.type == n.weight.device.type == "cpu"
                 and e.is_contiguous() and not n.zero_centred)
 
-    def __call__(self, chunks: list, blocks) -> tuple[torch.Tensor, np.ndarray | None]:
+    def __call__(self, chunks: list, blocks) -> tuple[torch.Tensor, np.ndarray | HeadPicks | None]:
         """chunks: ScheduledChunks of at most SMALL_BATCH_TOKENS tokens in all -> fp32 logits [S, V]: the `num_logits`
         last rows of each chunk, in chunk order (as `ModelRunner.run`), a view of a buffer the next call overwrites
         unless a row has logits processors (then a tensor of their own); and where a row is plain greedy
         (`pick_in_kernel`), each logits row's first largest logit [S] int64 found by the lm_head's call (a view of a
-        buffer the next call overwrites), else None. Every token is a row of the stack's call over its own context:
+        buffer the next call overwrites), else None; where a row is a plain temperature row, a HeadPicks: those picks and
+        the races run in the same call (`_races`). Every token is a row of the stack's call over its own context:
         its sequence's positions 0..its own, the chunk's earlier tokens included (the kernel writes all rows' K/V
         before any row attends), as the batch forward's fused layers compute a chunk."""
         if (rows := self._decodes(chunks, blocks)) is not None:
@@ -102,6 +111,8 @@ class FusedDecodeStep:
         n = t if every else self._compact(chunks)
         if n == 0:
             return torch.empty(0, self.head.out_features), None
+        if self.pick_in_kernel and (draws := self._races(chunks)) is not None:
+            return self._racing(n, draws, processors)
         pick = self.pick_in_kernel and greedy
         if pick and (picks := self._picks_views.get(n)) is None:
             picks = self._picks_views[n] = self._first_max_np[:n]
@@ -120,6 +131,40 @@ class FusedDecodeStep:
         if (logits := self._logits_views.get(n)) is None:
             logits = self._logits_views[n] = self._logits[:n, :self.head.out_features]
         return logits, picks
+
+    def _races(self, chunks: list) -> list | None:
+        """The race inputs of the rows that sample, in order (HeadRaceCall's temps, keys, counters): a plain
+        temperature row (`SamplingParams.plain_race`) of a chunk that samples one row races its sequence's next draw,
+        any other takes its first largest logit -> each row's (key, counter), None where it does not race; None where
+        no row races."""
+        race = self._race_call
+        draws: list = []
+        for c in chunks:
+            if c.num_logits == 1 and c.seq.params.plain_race:
+                key, counter = coming_draw(c.seq)
+                i = len(draws)
+                race.temps[i], race.keys[i], race.counters[i] = c.seq.params.temperature, key & _M64, counter & _M64
+                draws.append((key, counter))
+            elif c.num_logits:
+                race.temps[len(draws):len(draws) + c.num_logits] = 0.0
+                draws += [None] * c.num_logits
+        return draws if any(d is not None for d in draws) else None
+
+    def _racing(self, n: int, draws: list, processors: bool) -> tuple[torch.Tensor, HeadPicks]:
+        """The lm_head's call over the n rows that sample with the races `_races` set up -> (logits, their picks)."""
+        limit = self.head.out_features if self.vocab_limit is None else min(self.vocab_limit, self.head.out_features)
+        if (views := self._race_views.get(n)) is None:
+            views = self._race_views[n] = (self._race_call.picks[:n], self._race_call.best[:n])
+        if processors:
+            logits = torch.empty(n, self.head.padded_out)
+            self._race_call(n, limit, logits)
+            self._rest()
+            return logits[:, :self.head.out_features], HeadPicks(*views, draws, limit)
+        self._race_call(n, limit)
+        self._rest()
+        if (logits := self._logits_views.get(n)) is None:
+            logits = self._logits_views[n] = self._logits[:n, :self.head.out_features]
+        return logits, HeadPicks(*views, draws, limit)
 
     def _decodes(self, chunks: list, blocks) -> tuple[bool, bool] | None:
         """A step of decodes whose contexts the last step wrote (each chunk one token that samples, its sequence and
