@@ -11,7 +11,9 @@ import torch
 from engine.experts import PlacementConfig
 from engine.llm_engine import LLM
 from engine.models.fused_step import FusedDecodeStep
+from engine.sampler import HeadPicks
 from engine.sampling_params import SamplingParams
+from kernels.race_noise import race_sample
 from tests.engine.conftest import run_requests
 
 
@@ -191,7 +193,9 @@ def test_mixed_chunks_equal_the_forward_and_token_by_token(engine, mode):
         assert isinstance(step, FusedDecodeStep)
         got, picks = step(chunks, blocks)
         got, kv = got.clone(), _kv(runner, blocks, chunks)
-        picks = None if picks is None else picks.copy()
+        races = picks if isinstance(picks, HeadPicks) else None  # b, a temperature row, raced in the lm_head's call
+        picks = None if picks is None else (races.tokens if races is not None else picks).copy()
+        draws = list(races.draws) if races is not None else []
         ref = runner.forward(runner.build_batch(chunks, blocks, exact))
         assert torch.equal(got, ref) and torch.equal(kv, _kv(runner, blocks, chunks))
         one = []  # token by token: each token a forward of its own, the chunk's logits rows kept
@@ -206,6 +210,9 @@ def test_mixed_chunks_equal_the_forward_and_token_by_token(engine, mode):
         firsts = [i for i, s in enumerate(r for ch in chunks for r in [ch.seq] * ch.num_logits)
                   if s.params.plain_greedy]
         assert [int(picks[i]) for i in firsts] == got[firsts].numpy().argmax(-1).tolist()
+        for i, draw in enumerate(draws):  # the races: the sampler's race over the same row and draw
+            if draw is not None:
+                assert int(picks[i]) == race_sample(got[i, :races.limit].numpy(), 0.8, *draw)[0]
 
     b.output_token_ids += [11, 12, 13]  # forced tokens: a chunk of 4, the last one samples
     c.draft_token_ids = [21, 22]  # a token and its drafts: 3 rows sample
