@@ -129,7 +129,7 @@ class ModelRunner:
             if (not self._one_thread or self.keep_hidden) and torch.get_num_threads() != 1:  # (MTP's layer sets them)
                 torch.set_num_threads(1)  # a small forward's rule (`forward`): nothing here runs on torch's
             self._one_thread = True
-            step.keep_hidden, step.vocab_limit = self.keep_hidden, self.vocab_limit
+            step.keep_hidden = self.keep_hidden
             logits, self.first_max = step(chunks, blocks)  # and the greedy picks from the lm_head's own call
             if self.keep_hidden:
                 self.hidden = list(step.hidden.split([c.num_tokens for c in chunks]))
@@ -185,6 +185,7 @@ class ModelRunner:
             if not FusedDecodeStep.takes(model):
                 return None
             step = self._decode_steps[exact] = FusedDecodeStep(model, stack, head, threads, self.layer_caches)
+        step.vocab_limit = self.vocab_limit
         return step
 
     @torch.inference_mode()
