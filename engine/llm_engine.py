@@ -109,6 +109,7 @@ class LLMEngine:
         self.vocab_limit = (
             self.tokenizer.vocab_size if self.tokenizer is not None and config.mask_unused_vocab else None
         )
+        self.runner.vocab_limit = self.vocab_limit
         self._seqs: dict[str, Sequence] = {}
         self.decoder = MultiTokenDecoder(config.multi_token, bool(model.batch_invariant(True)), rollback=states is None,
                                          drafter=MtpDrafter.build(config.multi_token, self.runner, self.blocks))

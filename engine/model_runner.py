@@ -21,6 +21,7 @@ from engine.kv_cache import BlockManager, KVCacheSpec, allocate_kv_cache
 from engine.models.causal_lm import MoeForCausalLM
 from engine.models.fused_step import SMALL_BATCH_TOKENS, FusedDecodeStep
 from engine.recurrent_state import RecurrentStates, layer_caches
+from engine.sampler import HeadPicks
 from engine.scheduler import ScheduledChunk
 
 # Forwards of at most this many tokens run the dense path on one torch thread: their matmuls are
@@ -53,7 +54,8 @@ class ModelRunner:
         self._token_buffer = torch.empty(3, 0, dtype=torch.long)
         self._token_views: dict[int, tuple[torch.Tensor, ...]] = {}
         self._decode_steps: dict[bool, FusedDecodeStep] = {}  # per profile (exact): `_decode_step`
-        self.first_max: np.ndarray | None = None  # the last `run`'s in-kernel greedy picks, one per row (or None)
+        self.first_max: np.ndarray | HeadPicks | None = None  # the last `run`'s in-kernel picks, one per row (or None)
+        self.vocab_limit: int | None = None  # the sampler's (the engine sets it): the in-kernel races run over it
         self.keep_hidden = False  # MTP drafts: `run` keeps each chunk's final hidden states in `hidden`
         self.hidden: list[torch.Tensor] | None = None  # [num_tokens, H] per chunk of the last `run`, in chunk order
         self._hidden: torch.Tensor | None = None
@@ -183,6 +185,7 @@ class ModelRunner:
             if not FusedDecodeStep.takes(model):
                 return None
             step = self._decode_steps[exact] = FusedDecodeStep(model, stack, head, threads, self.layer_caches)
+        step.vocab_limit = self.vocab_limit
         return step
 
     @torch.inference_mode()

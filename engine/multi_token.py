@@ -31,6 +31,7 @@ import torch
 
 from engine.mode import Mode
 from engine.sampler import (
+    HeadPicks,
     LogitsView,
     SamplingError,
     apply_top_k_top_p,
@@ -146,10 +147,11 @@ class MultiTokenDecoder:
 
 
     def choose(self, logits: torch.Tensor, seqs: list[Sequence], vocab_limit: int | None,
-               first_max: np.ndarray | None = None) -> list[list[int] | SamplingError]:
+               first_max: np.ndarray | HeadPicks | None = None) -> list[list[int] | SamplingError]:
         """logits [sum of 1 + drafts per seq, V] -> the tokens each sequence keeps this step. Drafts are
         verified here: rejected ones leave the sequence and its computed KV is rolled back before them.
-        first_max [rows]: each row's first largest logit, where the forward found it (`sampler.sample`)."""
+        first_max [rows]: each row's first largest logit, where the forward found it, or the HeadPicks of the
+        lm_head's races (`sampler.sample`)."""
         if not seqs:
             return []
         view = self._view

@@ -55,10 +55,29 @@ def race_noise(width: int, seq: Sequence) -> torch.Tensor:
 
 def next_draw(seq: Sequence) -> tuple[int, int]:
     """(key, counter) of `seq`'s next race draw, used up."""
+    draw = coming_draw(seq)
+    seq.noise_draws += 1
+    return draw
+
+
+def coming_draw(seq: Sequence) -> tuple[int, int]:
+    """(key, counter) of `seq`'s next race draw, not used up (the fused decode step races in the lm_head's call)."""
     if seq.noise_key is None:
         seq.noise_key = int(torch.randint(0, 2**63 - 1, (1,)))  # unseeded: torch's global generator decides
-    seq.noise_draws += 1
-    return seq.noise_key, seq.noise_draws - 1
+    return seq.noise_key, seq.noise_draws
+
+
+class HeadPicks:
+    """Each logits row's pick found by the lm_head's call (engine/models/fused_step.py, kernels/bindings.py
+    HeadRaceCall): `tokens` [S] int64, the plain greedy rows' first largest logit and the raced rows' race winner;
+    `best` [S] fp32 the race's score; `draws[i]` the (key, counter) row i raced with, None where it did not race;
+    `limit` the logits the races ran over. The sampler takes a raced row's pick where that draw is the sequence's
+    next and the limit its own, else races the row's logits itself."""
+
+    __slots__ = ("tokens", "best", "draws", "limit")
+
+    def __init__(self, tokens: np.ndarray, best: np.ndarray, draws: list, limit: int) -> None:
+        self.tokens, self.best, self.draws, self.limit = tokens, best, draws, limit
 
 
 def skip_race_draw(seq: Sequence) -> None:
@@ -84,18 +103,21 @@ class LogitsView:
 
 
 def sample(
-    logits: torch.Tensor, seqs: list[Sequence], vocab_limit: int | None = None, first_max: np.ndarray | None = None,
-    view: LogitsView | None = None,
+    logits: torch.Tensor, seqs: list[Sequence], vocab_limit: int | None = None,
+    first_max: np.ndarray | HeadPicks | None = None, view: LogitsView | None = None,
 ) -> list[int | SamplingError]:
     """logits [S, V] fp32 (one row per sequence) -> a token id per sequence, or the error that
     sequence hit (it fails alone; the other rows are unaffected). first_max [S] int64: each row's first largest
-    logit where the lm_head's call found it (engine/models/fused_decode.py), for the plain greedy rows. `view`: the
-    logits' LogitsView where the caller keeps one."""
+    logit where the lm_head's call found it (engine/models/fused_decode.py), for the plain greedy rows; a HeadPicks:
+    those and the plain temperature rows' races run there. `view`: the logits' LogitsView where the caller keeps one."""
     tokens: list[int | SamplingError | None] = [None] * len(seqs)
     view = view if view is not None else LogitsView(logits)
+    races = first_max if isinstance(first_max, HeadPicks) else None
+    if races is not None:
+        first_max = races.tokens
     if _greedy_plain_rows(view, seqs, tokens, vocab_limit, first_max):
         return tokens  # type: ignore[return-value]  # every row was plain greedy: nothing written, no torch call
-    if _race_plain_rows(view, seqs, tokens, vocab_limit):
+    if _race_plain_rows(view, seqs, tokens, vocab_limit, races):
         return tokens  # type: ignore[return-value]  # every row was plain (greedy or temperature): no torch call
     with torch.inference_mode():  # the vocabulary mask and the processors edit the rows in place (forward's: inference)
         if vocab_limit is not None and vocab_limit < logits.shape[-1]:
@@ -295,12 +317,12 @@ def _greedy_plain_rows(view: LogitsView, seqs: list[Sequence], tokens: list, voc
 
 
 def kernel_picks(view: LogitsView, seqs: list[Sequence], vocab_limit: int | None,
-                 first_max: np.ndarray) -> list[list[int]] | None:
+                 first_max: np.ndarray | HeadPicks) -> list[list[int]] | None:
     """[[token]] per row where every row is plain greedy and the forward's pick stands (first_max[i] below the
     vocabulary limit, its logit finite): `_greedy_plain_rows`' token for each, without its general loop; else None
-    (`sample` decides every row)."""
+    (`sample` decides every row; always for a HeadPicks: a row raced)."""
     values = view.values
-    if values is None:
+    if values is None or isinstance(first_max, HeadPicks):
         return None
     limit = view.width if vocab_limit is None else min(vocab_limit, view.width)
     chosen = []
@@ -313,25 +335,31 @@ def kernel_picks(view: LogitsView, seqs: list[Sequence], vocab_limit: int | None
     return chosen
 
 
-def _race_plain_rows(view: LogitsView, seqs: list[Sequence], tokens: list, vocab_limit: int | None) -> bool:
+def _race_plain_rows(view: LogitsView, seqs: list[Sequence], tokens: list, vocab_limit: int | None,
+                     races: HeadPicks | None = None) -> bool:
     """Sets tokens[i] for the plain temperature rows (no logits processor, no top-k / top-p) of fp32 CPU logits: the
     race over the row's first `vocab_limit` logits in one kernel call, read in place (`sample_row`'s token: the
-    masked ids are -inf there and win only where every id is -inf, and such a row fails either way). Returns whether
-    every row now has its token."""
+    masked ids are -inf there and win only where every id is -inf, and such a row fails either way), or the race the
+    lm_head's call ran (`races`) where it drew the row's next draw over the same logits (the same id and score).
+    Returns whether every row now has its token."""
     if view.values is None:
         return False
     from kernels.race_noise import race_sample
 
     limit = view.width if vocab_limit is None else min(vocab_limit, view.width)
-    done = True
+    done, draws = True, races.draws if races is not None and races.limit == limit else None
     for i, seq in enumerate(seqs):
         p = seq.params
         if tokens[i] is not None:
             continue
-        if p.logits_processors or p.temperature < MIN_TEMPERATURE or p.top_k or p.top_p < 1.0:
+        if not p.plain_race:
             done = False
             continue
-        token, best = race_sample(view.values[i, :limit], p.temperature, *next_draw(seq))
+        draw = next_draw(seq)
+        if draws is not None and draws[i] == draw:
+            token, best = races.tokens.item(i), races.best.item(i)  # type: ignore[union-attr]
+        else:
+            token, best = race_sample(view.values[i, :limit], p.temperature, *draw)
         tokens[i] = token if math.isfinite(best) else SamplingError(
             f"request {seq.request_id}: no token is allowed at this step")
     return done

@@ -116,3 +116,9 @@ class SamplingParams:
         """The sampler takes the row's first largest logit as it stands: no logits processor, temperature below
         MIN_TEMPERATURE (`sampler._greedy_plain_rows`; the fused decode step's in-kernel pick)."""
         return not self.logits_processors and self.temperature < MIN_TEMPERATURE
+
+    @property
+    def plain_race(self) -> bool:
+        """The sampler's race reads the row as it stands: no logits processor, temperature at least MIN_TEMPERATURE,
+        no top-k / top-p (`sampler._race_plain_rows`; the fused decode step's race in the lm_head's call)."""
+        return not self.logits_processors and self.temperature >= MIN_TEMPERATURE and not self.top_k and self.top_p >= 1

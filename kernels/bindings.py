@@ -3,7 +3,8 @@ entry point): the logits mask of constrained decoding (`moegate_apply_bitmask`, 
 one-call decoder layer (`moegate_decode_layer`, csrc/decode_layer.h) and the whole stack of them in one call
 (`moegate_decode_stack`); `DecodeStackCall` and `LinearCall`: the stack and a packed projection over buffers kept
 between calls, their arguments checked and converted once (a decode step passes its row count); `DecodeStepCall`:
-both in one call (`moegate_decode_step`)."""
+both in one call (`moegate_decode_step`); `HeadRaceCall`: the lm_head with each row's temperature pick in the same
+call (`moegate_linear_race`)."""
 
 from __future__ import annotations
 
@@ -224,6 +225,43 @@ class DecodeStepCall:
             raise RuntimeError(f"moegate_linear failed with code {rc + 100} for format {self.head.linear.fmt}")
         if rc != 0:
             _decode_rc("moegate_decode_stack", rc, self.stack.slots_per_cache, self.stack.ctx_total)
+
+
+class HeadRaceCall:
+    """A LinearCall's lm_head with each row's pick in the same call (`moegate_linear_race`, csrc/race_noise.h): a row
+    whose `temps` entry is > 0 races at that temperature over the draw `counters` of the stream `keys`
+    (kernels/race_noise.py `race_sample`'s id and score over the row's first `limit` logits, bit for bit), scored by
+    the threads that wrote its columns; any other row takes its first largest logit there (`best`: that logit). The
+    logits are written as by the LinearCall. Kept numpy buffers [R]: temps fp32, keys and counters uint64 (the
+    caller's inputs), picks int64 and best fp32 (the outputs)."""
+
+    def __init__(self, call: LinearCall) -> None:
+        import numpy as np
+
+        rows = call.rows
+        self.call = call
+        self.temps, self.keys, self.counters = np.zeros(rows, np.float32), np.zeros(rows, np.uint64), np.zeros(
+            rows, np.uint64)
+        self.picks, self.best = np.zeros(rows, np.int64), np.zeros(rows, np.float32)
+        self._race = tuple(ctypes.c_void_p(a.ctypes.data) for a in (self.temps, self.keys, self.counters, self.picks,
+                                                                     self.best))
+
+    def __call__(self, rows: int, limit: int, out: torch.Tensor | None = None) -> None:
+        """The first `rows` rows into the LinearCall's kept output (`out` given: into it, [>= rows, N8*8] contiguous
+        fp32), and their picks among the first `limit` (<= N) columns into picks[:rows], best[:rows]."""
+        call = self.call
+        if not 0 < rows <= call.rows or not 0 <= limit <= call.linear.out_features:
+            raise ValueError(f"rows must be in [1, {call.rows}] and limit in [0, {call.linear.out_features}], got "
+                             f"{rows} and {limit}")
+        head = call._head
+        if out is not None:
+            if not (out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
+                    and out.dim() == 2 and out.shape[0] >= rows and out.shape[1] == call.linear.padded_out):
+                raise ValueError(f"out must be contiguous fp32 [>= {rows}, {call.linear.padded_out}] on the CPU")
+            head = (head[0], out.data_ptr())
+        rc = call.lib.moegate_linear_race(*head, rows, *call._tail, limit, *self._race)
+        if rc != 0:
+            raise RuntimeError(f"moegate_linear_race failed with code {rc} for format {call.linear.fmt}")
 
 
 def _check_first_max(first_max: torch.Tensor, rows: int) -> None:

@@ -194,6 +194,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "moegate_linear_first_max"):  # absent from an earlier revision's kernel (benchmarks)
         lib.moegate_linear_first_max.restype = ctypes.c_int
         lib.moegate_linear_first_max.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, p, ctypes.c_int, p]
+    if hasattr(lib, "moegate_linear_race"):
+        lib.moegate_linear_race.restype = ctypes.c_int
+        lib.moegate_linear_race.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, p, ctypes.c_int, i64, p, p, p, p, p]
     if hasattr(lib, "moegate_rms_norm"):  # absent from an earlier revision's kernel (benchmarks)
         lib.moegate_rms_norm.restype = ctypes.c_int
         lib.moegate_rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_double]

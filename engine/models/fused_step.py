@@ -10,26 +10,31 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kernels.bindings import DecodeStackCall, DecodeStepCall, LinearCall, cache_slots
+from engine.sampler import HeadPicks, coming_draw
+from kernels.bindings import DecodeStackCall, DecodeStepCall, HeadRaceCall, LinearCall, cache_slots
 
 if TYPE_CHECKING:
     from engine.models.fused_decode import FusedStack
 
+_M64 = (1 << 64) - 1  # the race's key and counter are taken mod 2^64 (kernels/race_noise.py)
 SMALL_BATCH_TOKENS = 16  # the one-call step's rows (its kept buffers); a step of more tokens takes the batch forward
 
 
 class FusedDecodeStep:
-    """A step of up to SMALL_BATCH_TOKENS tokens on a fused stack, token ids to logits: decodes (one token, one logits
-    row), jump-forward chunks (several tokens, the last samples), a token and its drafts (every row samples) and short
-    prefill chunks, each token a row of the stack's call. The embedding rows, RoPE rows, KV slots and contexts are
-    written through numpy into buffers kept between steps (a step of decodes that go on from the last step's rows:
-    item by item through flat memoryviews of them, `_decodes`), then one `moegate_decode_stack` call (every layer and the
-    final norm) and one lm_head call (`moegate_linear`) over the rows that sample: where every row samples and none has
-    logits processors, both in one call (`moegate_decode_step`). The same kernels on the same inputs as `MoeForCausalLM.forward` and
-    `compute_logits` over a ForwardBatch (the embedding and RoPE rows are copies of the same rows), so the same
-    bits, without the batch's tensors and the ~20 torch ops and module calls around the two kernel calls."""
+    """A step of up to SMALL_BATCH_TOKENS tokens on a fused stack, token ids to logits: decodes (one token, one
+    logits row), jump-forward chunks (several tokens, the last samples), a token and its drafts (every row samples)
+    and short prefill chunks, each token a row of the stack's call. The embedding rows, RoPE rows, KV slots and
+    contexts are written through numpy into buffers kept between steps (a step of decodes that go on from the last
+    step's rows: item by item through flat memoryviews of them, `_decodes`), then one `moegate_decode_stack` call
+    (every layer and the final norm) and one lm_head call (`moegate_linear`) over the rows that sample: where every
+    row samples and none has logits processors or races (`_races`), both in one call (`moegate_decode_step`). The
+    same kernels on the same inputs as `MoeForCausalLM.forward` and `compute_logits` over a ForwardBatch (the
+    embedding and RoPE rows are copies of the same rows), so the same bits, without the batch's tensors and the ~20
+    torch ops and module calls around the two kernel calls."""
 
-    pick_in_kernel = True  # the lm_head's call finds the plain greedy rows' picks (off: the sampler reads the logits)
+    pick_in_kernel = True  # the lm_head's call finds the plain greedy rows' picks and runs the plain temperature rows'
+    # races (off: the sampler reads the logits)
+    vocab_limit: int | None = None  # the sampler's (the runner sets it): the races run over the first vocab_limit logits
     keep_hidden = False  # MTP drafts: a copy of every row's final hidden state in `hidden` [T, H]
 
     def __init__(self, model, stack: FusedStack, head, head_threads: int, kv_caches: list) -> None:
@@ -71,6 +76,10 @@ class FusedDecodeStep:
         self._first_max = torch.empty(rows, dtype=torch.int64)
         self._first_max_np = self._first_max.numpy()
         self._head_call = LinearCall(stack.lib, head, self._normed, self._logits, head_threads, self._first_max)
+        # the same call with each plain temperature row's race scored while its columns are hot (the sampler's
+        # `moegate_race_sample` read the row back from the other core's cache) and the other rows' first largest
+        self._race_call = HeadRaceCall(self._head_call)
+        self._race_views: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # (picks, best) [n] by n
         # the lm_head is the step's last kernel call: the pool's helpers sleep now instead of spinning ~200 us for a job
         # that comes only with the next step, on a core the stepping thread (and anything else) could use
         self._rest = getattr(stack.lib, "moegate_pool_rest", lambda: None)
@@ -82,12 +91,13 @@ class FusedDecodeStep:
         return (e.dtype == n.weight.dtype == torch.float32 and e.device.type == n.weight.device.type == "cpu"
                 and e.is_contiguous() and not n.zero_centred)
 
-    def __call__(self, chunks: list, blocks) -> tuple[torch.Tensor, np.ndarray | None]:
+    def __call__(self, chunks: list, blocks) -> tuple[torch.Tensor, np.ndarray | HeadPicks | None]:
         """chunks: ScheduledChunks of at most SMALL_BATCH_TOKENS tokens in all -> fp32 logits [S, V]: the `num_logits`
         last rows of each chunk, in chunk order (as `ModelRunner.run`), a view of a buffer the next call overwrites
         unless a row has logits processors (then a tensor of their own); and where a row is plain greedy
         (`pick_in_kernel`), each logits row's first largest logit [S] int64 found by the lm_head's call (a view of a
-        buffer the next call overwrites), else None. Every token is a row of the stack's call over its own context:
+        buffer the next call overwrites), else None; where a row is a plain temperature row, a HeadPicks: those picks and
+        the races run in the same call (`_races`). Every token is a row of the stack's call over its own context:
         its sequence's positions 0..its own, the chunk's earlier tokens included (the kernel writes all rows' K/V
         before any row attends), as the batch forward's fused layers compute a chunk."""
         if (rows := self._decodes(chunks, blocks)) is not None:
@@ -95,7 +105,9 @@ class FusedDecodeStep:
         else:
             t, greedy, processors, every = self._inputs(chunks, blocks)
         pick = self.pick_in_kernel and greedy
-        if every and not processors:  # the stack, the lm_head (its picks) and the pool's rest in one call
+        # a plain temperature row: the stack's call, then the lm_head's with the races (`_racing`), not the one call
+        draws = self._races(chunks) if self.pick_in_kernel else None
+        if draws is None and every and not processors:  # the stack, the lm_head (its picks), the pool's rest: one call
             self._step_call(t, t, pick)
             self.hidden = self._normed[:t].clone() if self.keep_hidden else None
             return self._views(t, pick)
@@ -104,6 +116,8 @@ class FusedDecodeStep:
         n = t if every else self._compact(chunks)
         if n == 0:
             return torch.empty(0, self.head.out_features), None
+        if draws is not None:
+            return self._racing(n, draws, processors)
         if processors:
             picks = self._views(n, pick)[1]
             logits = torch.empty(n, self.head.padded_out)
@@ -122,6 +136,38 @@ class FusedDecodeStep:
         if (views := self._kept_views.get(n)) is None:
             views = self._kept_views[n] = (self._logits[:n, :self.head.out_features], self._first_max_np[:n])
         return views if pick else (views[0], None)
+
+    def _races(self, chunks: list) -> list | None:
+        """The race inputs of the rows that sample, in order (HeadRaceCall's temps, keys, counters): a plain
+        temperature row (`SamplingParams.plain_race`) of a chunk that samples one row races its sequence's next draw,
+        any other takes its first largest logit -> each row's (key, counter), None where it does not race; None where
+        no row races."""
+        race = self._race_call
+        draws: list = []
+        for c in chunks:
+            if c.num_logits == 1 and c.seq.params.plain_race:
+                key, counter = coming_draw(c.seq)
+                i = len(draws)
+                race.temps[i], race.keys[i], race.counters[i] = c.seq.params.temperature, key & _M64, counter & _M64
+                draws.append((key, counter))
+            elif c.num_logits:
+                race.temps[len(draws):len(draws) + c.num_logits] = 0.0
+                draws += [None] * c.num_logits
+        return draws if any(d is not None for d in draws) else None
+
+    def _racing(self, n: int, draws: list, processors: bool) -> tuple[torch.Tensor, HeadPicks]:
+        """The lm_head's call over the n rows that sample with the races `_races` set up -> (logits, their picks)."""
+        limit = self.head.out_features if self.vocab_limit is None else min(self.vocab_limit, self.head.out_features)
+        if (views := self._race_views.get(n)) is None:
+            views = self._race_views[n] = (self._race_call.picks[:n], self._race_call.best[:n])
+        if processors:
+            logits = torch.empty(n, self.head.padded_out)
+            self._race_call(n, limit, logits)
+            self._rest()
+            return logits[:, :self.head.out_features], HeadPicks(*views, draws, limit)
+        self._race_call(n, limit)
+        self._rest()
+        return self._views(n, False)[0], HeadPicks(*views, draws, limit)
 
     def _decodes(self, chunks: list, blocks) -> tuple[bool, bool] | None:
         """A step of decodes whose contexts the last step wrote (each chunk one token that samples, its sequence and

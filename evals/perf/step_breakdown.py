@@ -32,7 +32,7 @@ from pathlib import Path
 
 _MISSING = object()
 KERNEL_ENTRY_POINTS = ("moegate_decode_layer", "moegate_decode_stack", "moegate_decode_step", "moegate_linear",
-                       "moegate_linear_first_max", "moegate_rms_norm",
+                       "moegate_linear_first_max", "moegate_linear_race", "moegate_rms_norm",
                        "moegate_rope", "moegate_fused_moe", "moegate_apply_bitmask")
 
 

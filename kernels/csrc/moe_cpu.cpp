@@ -372,6 +372,7 @@ inline bool cpu_has_bf16_dot() { return false; }
 }  // namespace
 
 #include "activation.h"
+#include "race_noise.h"  // (run_linear's race in the lm_head)
 
 namespace {
 
@@ -642,10 +643,11 @@ inline void first_max_update(const float* v, int64_t n, int64_t col, float& best
 // row's arithmetic is the same fixed sequence as in the MoE kernel, whatever M or the thread count.
 // first_max (nullable, [M] int64): each row's first largest of its N real columns, as numpy's argmax of out[m, :N].
 // Each claimed chunk of output tiles gets its own candidate per row, read from the columns its thread just wrote
-// (hot in that core's cache); the caller combines the chunks' candidates in column order.
+// (hot in that core's cache); the caller combines the chunks' candidates in column order. race (with first_max):
+// the rows it names race instead (race_span per chunk, race_merge in column order: moegate_race_sample's pick).
 template <int FMT>
 void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, int64_t n8, int nthreads,
-                int64_t N = 0, int64_t* first_max = nullptr) {
+                int64_t N = 0, int64_t* first_max = nullptr, const HeadRace* race = nullptr) {
   constexpr bool w4a8 = FMT == INT4 || FMT == INT4A || FMT == I8A8;  // int8 activations (W4A8, W8A8)
   const int64_t kp = A.kp, ng = w4a8 ? kp / A.gs : 0, ldo = n8 * 8;
   constexpr bool zmm = w4a8 && kZmm;  // an item is a unit of two tiles (w4a8_zmm.h, bf16_zmm.h, fp_zmm.h)
@@ -739,6 +741,11 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
           Cand& k = cand(c, m);
           k = Cand{0.f, -1};
           const float* row = out + m * ldo;
+          if (race && race->temps[m] > 0.f) {
+            const RacePick p = race_span(row, col0, col1, race->temps[m], race->k0[m], race->k1[m], race->floor[m]);
+            k = Cand{p.score, p.id};
+            continue;
+          }
           for (int64_t col = col0; col < col1; col += 16)
             first_max_update(row + col, std::min<int64_t>(16, col1 - col), col, k.best, k.at);
         }
@@ -748,9 +755,17 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
   for (int64_t m = 0; m < M && first_max; ++m) {  // the chunks' candidates in column order
     float best = 0.f;
     int64_t at = -1;
-    for (int64_t c = 0; c < chunks; ++c)
-      if (cand(c, m).at >= 0) first_max_update(&cand(c, m).best, 1, cand(c, m).at, best, at);
+    if (race && race->temps[m] > 0.f) {
+      RacePick win{0.f, -1};
+      for (int64_t c = 0; c < chunks; ++c) win = race_merge(win, RacePick{cand(c, m).best, cand(c, m).at});
+      best = win.score;
+      at = win.id;
+    } else {
+      for (int64_t c = 0; c < chunks; ++c)
+        if (cand(c, m).at >= 0) first_max_update(&cand(c, m).best, 1, cand(c, m).at, best, at);
+    }
     first_max[m] = at;
+    if (race) race->best[m] = at >= 0 ? best : -std::numeric_limits<float>::infinity();
   }
 }
 
@@ -787,15 +802,15 @@ int moe_dispatch(int64_t fmt, const Problem& P, const float* x, const int64_t* i
 }
 
 int linear_dispatch(int64_t fmt, const Mat& A, const float* x, float* out, int64_t M, int64_t K, int64_t n8,
-                    int nthreads, int64_t N = 0, int64_t* first_max = nullptr) {
+                    int nthreads, int64_t N = 0, int64_t* first_max = nullptr, const HeadRace* race = nullptr) {
   switch (fmt) {
-    case FP32: run_linear<FP32>(A, x, out, M, K, n8, nthreads, N, first_max); return 0;
-    case BF16: run_linear<BF16>(A, x, out, M, K, n8, nthreads, N, first_max); return 0;
-    case INT8: run_linear<INT8>(A, x, out, M, K, n8, nthreads, N, first_max); return 0;
-    case INT4: run_linear<INT4>(A, x, out, M, K, n8, nthreads, N, first_max); return 0;
-    case INT4A: run_linear<INT4A>(A, x, out, M, K, n8, nthreads, N, first_max); return 0;
-    case BF16A: run_linear<BF16A>(A, x, out, M, K, n8, nthreads, N, first_max); return 0;
-    case I8A8: run_linear<I8A8>(A, x, out, M, K, n8, nthreads, N, first_max); return 0;
+    case FP32: run_linear<FP32>(A, x, out, M, K, n8, nthreads, N, first_max, race); return 0;
+    case BF16: run_linear<BF16>(A, x, out, M, K, n8, nthreads, N, first_max, race); return 0;
+    case INT8: run_linear<INT8>(A, x, out, M, K, n8, nthreads, N, first_max, race); return 0;
+    case INT4: run_linear<INT4>(A, x, out, M, K, n8, nthreads, N, first_max, race); return 0;
+    case INT4A: run_linear<INT4A>(A, x, out, M, K, n8, nthreads, N, first_max, race); return 0;
+    case BF16A: run_linear<BF16A>(A, x, out, M, K, n8, nthreads, N, first_max, race); return 0;
+    case I8A8: run_linear<I8A8>(A, x, out, M, K, n8, nthreads, N, first_max, race); return 0;
     default: return -2;
   }
 }
@@ -807,7 +822,6 @@ int linear_dispatch(int64_t fmt, const Mat& A, const float* x, float* out, int64
 #include "decode_layer.h"
 #include "norm.h"
 #include "logits_mask.h"
-#include "race_noise.h"
 
 extern "C" {
 
@@ -889,6 +903,27 @@ int moegate_decode_step(const DecodeStepArgs* a, int64_t T, int64_t n, int pick)
   }
   moegate::WorkPool::instance().rest();
   return rc;
+}
+
+// moegate_linear, and each row's pick among its first V columns (V <= N) into picks [M] int64 and best [M] fp32:
+// where temps[m] > 0, the race at temperature temps[m] over the draw counters[m] of the stream keys[m] (the id and
+// score of moegate_race_sample over out[m, :V], bit for bit: a NaN logit's row gets its first NaN), scored by
+// each thread over the columns it just wrote; else the first largest logit (moegate_linear_first_max's over V
+// columns, best its logit). No column: pick -1, best -inf. Returns 0, or -2 for an unknown format or V outside [0, N].
+int moegate_linear_race(const float* x, float* out, int64_t M, int64_t N, int64_t K, int64_t fmt, int64_t gs,
+                        const void* w, const uint16_t* s, const uint16_t* mins, int nthreads, int64_t V,
+                        const float* temps, const uint64_t* keys, const uint64_t* counters, int64_t* picks,
+                        float* best) {
+  if (V < 0 || V > N) return -2;
+  std::vector<uint32_t> k0(M), k1(M);
+  std::unique_ptr<std::atomic<uint32_t>[]> floor(new std::atomic<uint32_t>[M]);
+  for (int64_t m = 0; m < M; ++m) {
+    race_key(keys[m], counters[m], &k0[m], &k1[m]);
+    floor[m].store(float_order(-std::numeric_limits<float>::infinity()), std::memory_order_relaxed);
+  }
+  const HeadRace race{temps, k0.data(), k1.data(), floor.get(), best};
+  const Mat A{w, s, mins, padded_k(K, fmt, gs), gs};
+  return linear_dispatch(fmt, A, x, out, M, K, (N + 7) / 8, std::max(nthreads, 1), V, picks, &race);
 }
 
 int moegate_is_avx2() {

@@ -228,6 +228,49 @@ inline int64_t race_top(const float* logits, int64_t n, bool* nan) {
   return 0;  // every logit NaN
 }
 
+// The race inside the lm_head's call (moegate_linear_race): each row's logits scored span by span while the span's
+// columns are still in the cache of the thread that wrote them, pruned by the row's best score so far over every
+// span (`floor`, in the floats' order), and the spans' picks merged in column order (`race_merge`): the id and score
+// of moegate_race_sample over the same logits, whatever the spans, threads or their order.
+struct HeadRace {
+  const float* temps;        // [M]: > 0 races the row at that temperature; else its first largest logit is taken
+  const uint32_t* k0;        // [M] each row's hashed key (race_key)
+  const uint32_t* k1;
+  std::atomic<uint32_t>* floor;  // [M] the best score any span of the row has found (float_order), -inf at first
+  float* best;               // [M] out: the pick's score (race) or logit (first largest); -inf where none
+};
+
+// The best of ids [b, e) of one row, as race_chunk, from the larger of the row's shared best and the span's own
+// largest logit's score (the span then has a pick); a NaN logit: the span's first NaN (score NaN), nothing drawn.
+inline RacePick race_span(const float* logits, int64_t b, int64_t e, float t, uint32_t k0, uint32_t k1,
+                          std::atomic<uint32_t>& floor) {
+  if (e <= b) return RacePick{0.f, -1};
+  bool nan;
+  const int64_t top = b + race_top(logits + b, e - b, &nan);
+  if (nan) {
+    int64_t i = b;
+    while (logits[i] == logits[i]) ++i;
+    return RacePick{logits[i], i};
+  }
+  const float own = logits[top] / t + race_gumbel(static_cast<uint32_t>(top), k0, k1);
+  const float shared = order_float(floor.load(std::memory_order_relaxed));
+  const RacePick pick = race_chunk(logits, b, e, t, k0, k1, own > shared ? own : shared);
+  if (pick.id >= 0) {
+    const uint32_t got = float_order(pick.score);
+    uint32_t was = floor.load(std::memory_order_relaxed);
+    while (got > was && !floor.compare_exchange_weak(was, got, std::memory_order_relaxed)) {}
+  }
+  return pick;
+}
+
+// The row's pick from its spans' picks in column order: the first NaN span's NaN, else the largest score, the
+// lowest id on ties (an earlier span's); id -1 where no span has one.
+inline RacePick race_merge(RacePick win, const RacePick& p) {
+  if (p.id < 0 || (win.id >= 0 && win.score != win.score)) return win;
+  if (p.score != p.score || win.id < 0 || p.score > win.score) return p;
+  return win;
+}
+
 }  // namespace
 
 extern "C" int moegate_race_noise(float* out, int64_t n, uint64_t key, uint64_t counter) {

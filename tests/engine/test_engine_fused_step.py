@@ -11,7 +11,9 @@ import torch
 from engine.experts import PlacementConfig
 from engine.llm_engine import LLM
 from engine.models.fused_step import FusedDecodeStep
+from engine.sampler import HeadPicks
 from engine.sampling_params import SamplingParams
+from kernels.race_noise import race_sample
 from tests.engine.conftest import run_requests
 
 
@@ -28,10 +30,12 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(1, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _requests(mode: str, tag: str) -> list:
-    """Four requests of different lengths (batches of 4, 3, 2 and 1 decodes), greedy and seeded."""
+def _requests(mode: str, tag: str, **sampled) -> list:
+    """Four requests of different lengths (batches of 4, 3, 2 and 1 decodes), greedy and seeded (`sampled`: more
+    parameters of the seeded ones)."""
     def params(i: int) -> SamplingParams:
-        return SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True, **({"temperature": 0.8, "seed": i} if i % 2 else {}))
+        return SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True,
+                              **({"temperature": 0.8, "seed": i, **sampled} if i % 2 else {}))
 
     return [(f"{tag}-{i}", _prompt(5 + 7 * i, i), params(i), mode) for i in range(4)]
 
@@ -191,7 +195,9 @@ def test_mixed_chunks_equal_the_forward_and_token_by_token(engine, mode):
         assert isinstance(step, FusedDecodeStep)
         got, picks = step(chunks, blocks)
         got, kv = got.clone(), _kv(runner, blocks, chunks)
-        picks = None if picks is None else picks.copy()
+        races = picks if isinstance(picks, HeadPicks) else None  # b, a temperature row, raced in the lm_head's call
+        picks = None if picks is None else (races.tokens if races is not None else picks).copy()
+        draws = list(races.draws) if races is not None else []
         ref = runner.forward(runner.build_batch(chunks, blocks, exact))
         assert torch.equal(got, ref) and torch.equal(kv, _kv(runner, blocks, chunks))
         one = []  # token by token: each token a forward of its own, the chunk's logits rows kept
@@ -206,6 +212,9 @@ def test_mixed_chunks_equal_the_forward_and_token_by_token(engine, mode):
         firsts = [i for i, s in enumerate(r for ch in chunks for r in [ch.seq] * ch.num_logits)
                   if s.params.plain_greedy]
         assert [int(picks[i]) for i in firsts] == got[firsts].numpy().argmax(-1).tolist()
+        for i, draw in enumerate(draws):  # the races: the sampler's race over the same row and draw
+            if draw is not None:
+                assert int(picks[i]) == race_sample(got[i, :races.limit].numpy(), 0.8, *draw)[0]
 
     b.output_token_ids += [11, 12, 13]  # forced tokens: a chunk of 4, the last one samples
     c.draft_token_ids = [21, 22]  # a token and its drafts: 3 rows sample
@@ -361,8 +370,8 @@ def test_jump_forward_steps_take_the_one_call_step():
 def test_one_call_step_equals_the_stack_and_lm_head_calls(engine, mode, monkeypatch):
     """`moegate_decode_step` (`DecodeStepCall`: the stack, the lm_head and its picks in one call) writes the bits of
     the stack's call followed by the lm_head's (`DecodeStackCall`, `LinearCall.picking`) on the same inputs, at every
-    step that takes it, batched and alone; a new slot outside the caches raises DecodeSlotsError from it, nothing
-    written."""
+    step that takes it, batched and alone (the seeded rows with a top-k: a plain temperature row races in the lm_head's
+    own call instead); a new slot outside the caches raises DecodeSlotsError from it, nothing written."""
     from kernels.bindings import DecodeSlotsError, DecodeStepCall
 
     runner, compared, one_call = engine.runner, [], DecodeStepCall.__call__
@@ -391,7 +400,7 @@ def test_one_call_step_equals_the_stack_and_lm_head_calls(engine, mode, monkeypa
         compared.append((t, all(torch.equal(g, w) for g, w in zip(got, want, strict=True))))
 
     monkeypatch.setattr(DecodeStepCall, "__call__", both)
-    run_requests(engine, _requests(mode, f"one-{mode}"))
+    run_requests(engine, _requests(mode, f"one-{mode}", top_k=50))
     assert {4, 3, 2, 1} <= {t for t, _ in compared}
     assert all(ok for _, ok in compared)
     monkeypatch.undo()
@@ -405,3 +414,28 @@ def test_one_call_step_equals_the_stack_and_lm_head_calls(engine, mode, monkeypa
     finally:
         step._ints[2, 0] = slot
     assert all(torch.equal(t, b) for t, b in zip((t for kv in runner.layer_caches for t in kv), before, strict=True))
+
+
+def test_racing_rows_take_the_lm_head_race_not_the_one_call(engine, monkeypatch):
+    """A step with a plain temperature row runs the stack's call, then the lm_head's call with the races (`_racing`),
+    never `moegate_decode_step`; the same steps with top-k rows (no race) take the one call."""
+    from kernels.bindings import DecodeStepCall
+
+    calls: list[str] = []
+    one_call, racing = DecodeStepCall.__call__, FusedDecodeStep._racing
+
+    def counted_one_call(call, *args):
+        calls.append("one")
+        return one_call(call, *args)
+
+    def counted_racing(step, *args):
+        calls.append("race")
+        return racing(step, *args)
+
+    monkeypatch.setattr(DecodeStepCall, "__call__", counted_one_call)
+    monkeypatch.setattr(FusedDecodeStep, "_racing", counted_racing)
+    run_requests(engine, _requests("exploration", "race-one"))  # a seeded row in every decode step
+    assert calls and set(calls) == {"race"}
+    calls.clear()
+    run_requests(engine, _requests("exploration", "race-none", top_k=50))
+    assert calls and set(calls) == {"one"}
