@@ -142,6 +142,8 @@ class FusedDecodeStep:
         temperature row (`SamplingParams.plain_race`) of a chunk that samples one row races its sequence's next draw,
         any other takes its first largest logit -> each row's (key, counter), None where it does not race; None where
         no row races."""
+        if not any(c.num_logits == 1 and c.seq.params.plain_race for c in chunks):
+            return None  # no row races: nothing written
         race = self._race_call
         draws: list = []
         for c in chunks:
@@ -153,7 +155,7 @@ class FusedDecodeStep:
             elif c.num_logits:
                 race.temps[len(draws):len(draws) + c.num_logits] = 0.0
                 draws += [None] * c.num_logits
-        return draws if any(d is not None for d in draws) else None
+        return draws
 
     def _racing(self, n: int, draws: list, processors: bool) -> tuple[torch.Tensor, HeadPicks]:
         """The lm_head's call over the n rows that sample with the races `_races` set up -> (logits, their picks)."""
