@@ -174,6 +174,16 @@ class LinearCall:
         if rc != 0:
             raise RuntimeError(f"moegate_linear failed with code {rc} for format {self.linear.fmt}")
 
+    def head_into(self, out: torch.Tensor | None, rows: int) -> tuple:
+        """The call's leading arguments (input, output), the output `out` where given ([>= rows, N8*8] contiguous
+        fp32 on the CPU, checked) instead of the kept one."""
+        if out is None:
+            return self._head
+        if not (out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
+                and out.dim() == 2 and out.shape[0] >= rows and out.shape[1] == self.linear.padded_out):
+            raise ValueError(f"out must be contiguous fp32 [>= {rows}, {self.linear.padded_out}] on the CPU")
+        return (self._head[0], out.data_ptr())
+
     def __call__(self, rows: int, out: torch.Tensor | None = None, first_max: torch.Tensor | None = None) -> None:
         """out[:rows] = x[:rows] W^T (padded columns past N included); `out` [>= rows, N8*8] contiguous fp32
         given: into it instead of the kept one. `first_max` [>= rows] contiguous int64 given: first_max[m] = the
@@ -181,12 +191,7 @@ class LinearCall:
         wins), found in the same call by each thread over the columns it wrote."""
         if not 0 < rows <= self.rows:
             raise ValueError(f"rows must be in [1, {self.rows}], got {rows}")
-        head = self._head
-        if out is not None:
-            if not (out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
-                    and out.dim() == 2 and out.shape[0] >= rows and out.shape[1] == self.linear.padded_out):
-                raise ValueError(f"out must be contiguous fp32 [>= {rows}, {self.linear.padded_out}] on the CPU")
-            head = (head[0], out.data_ptr())
+        head = self.head_into(out, rows)
         if first_max is None:
             rc = self.lib.moegate_linear(*head, rows, *self._tail)
         else:
@@ -253,12 +258,7 @@ class HeadRaceCall:
         if not 0 < rows <= call.rows or not 0 <= limit <= call.linear.out_features:
             raise ValueError(f"rows must be in [1, {call.rows}] and limit in [0, {call.linear.out_features}], got "
                              f"{rows} and {limit}")
-        head = call._head
-        if out is not None:
-            if not (out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
-                    and out.dim() == 2 and out.shape[0] >= rows and out.shape[1] == call.linear.padded_out):
-                raise ValueError(f"out must be contiguous fp32 [>= {rows}, {call.linear.padded_out}] on the CPU")
-            head = (head[0], out.data_ptr())
+        head = call.head_into(out, rows)
         rc = call.lib.moegate_linear_race(*head, rows, *call._tail, limit, *self._race)
         if rc != 0:
             raise RuntimeError(f"moegate_linear_race failed with code {rc} for format {call.linear.fmt}")
