@@ -253,21 +253,26 @@ def test_mixed_chunks_equal_the_forward_and_token_by_token(engine, mode):
         blocks.free(s.block_table)
 
 
+def picks_per_run(monkeypatch, runner, seen) -> list:
+    """`seen(runner.first_max)` after each of the runner's forwards, appended to the list returned."""
+    run, out = runner.run, []
+
+    def recorded(chunks, blocks):
+        logits = run(chunks, blocks)
+        out.append(seen(runner.first_max))
+        return logits
+
+    monkeypatch.setattr(runner, "run", recorded)
+    return out
+
+
 @pytest.mark.parametrize("mode", ["exploration", "execution"])
 @pytest.mark.parametrize("limit", [None, 300])
 def test_tokens_equal_with_the_in_kernel_pick_off(engine, mode, limit, monkeypatch):
     """The plain greedy rows' picks from the lm_head's call (`first_max`) give the tokens the sampler reads from
     the logits, batched with seeded rows, over the whole row and under a vocabulary limit (then a pick past the
     limit sends the row back to the logits)."""
-    runner, used = engine.runner, []
-    run = runner.run
-
-    def counted(chunks, blocks):
-        logits = run(chunks, blocks)
-        used.append(runner.first_max is not None)
-        return logits
-
-    monkeypatch.setattr(runner, "run", counted)
+    used = picks_per_run(monkeypatch, engine.runner, lambda first_max: first_max is not None)
     monkeypatch.setattr(engine, "vocab_limit", limit)
     on = run_requests(engine, _requests(mode, "pick-on"))
     assert any(used)

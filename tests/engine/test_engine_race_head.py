@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 
+import kernels.race_noise as race_noise
 from engine.models.fused_step import FusedDecodeStep
 from engine.sampler import HeadPicks, sample
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from kernels.race_noise import race_sample_reference
 from tests.engine.conftest import run_requests
-from tests.engine.test_engine_fused_step import _prompt, engine  # noqa: F401 - the module's engine fixture
+from tests.engine.test_engine_fused_step import _prompt, engine, picks_per_run  # noqa: F401 - the module's engine fixture
 
 
 def _requests(mode: str, tag: str) -> list:
@@ -35,20 +36,11 @@ def _requests(mode: str, tag: str) -> list:
 @pytest.mark.parametrize("mode", ["exploration", "execution"])
 @pytest.mark.parametrize("limit", [None, 300])
 def test_tokens_equal_with_the_race_in_the_head_off(engine, mode, limit, monkeypatch):  # noqa: F811
-    runner, raced = engine.runner, []
-    run = runner.run
-
-    def counted(chunks, blocks):
-        logits = run(chunks, blocks)
-        raced.append(isinstance(runner.first_max, HeadPicks))
-        return logits
-
-    monkeypatch.setattr(runner, "run", counted)
+    runner = engine.runner
+    raced = picks_per_run(monkeypatch, runner, lambda first_max: isinstance(first_max, HeadPicks))
     monkeypatch.setattr(engine, "vocab_limit", limit)
     monkeypatch.setattr(runner, "vocab_limit", limit)
     taken = []
-    import kernels.race_noise as race_noise
-
     own = race_noise.race_sample
     monkeypatch.setattr(race_noise, "race_sample", lambda *a, **kw: taken.append(1) or own(*a, **kw))
     on = run_requests(engine, _requests(mode, "race-on"))
