@@ -146,15 +146,37 @@ def prune(directory: Path, variant: str, stale_s: float = STALE_S) -> list[Path]
 _FALLBACK = {"avx512": "avx2"}  # a variant whose build fails -> the one to use instead (same results)
 
 
+# Run-time path levels of the avx512 build (kernels/csrc/paths.h): the widest one a kernel may use.
+PATH_LEVELS = {"amx": 2, "bf16": 1, "zmm": 0}
+
+
+def path_level_from_env() -> int | None:
+    """$MOEGATE_PATH_LIMIT (amx | bf16 | zmm) as a level, or None where it is unset."""
+    name = os.environ.get("MOEGATE_PATH_LIMIT", "").strip().lower()
+    if not name:
+        return None
+    if name not in PATH_LEVELS:
+        raise KernelBuildError(f"MOEGATE_PATH_LIMIT={name!r}: choose from {', '.join(PATH_LEVELS)}")
+    return PATH_LEVELS[name]
+
+
 def _open(variant: str, source: Path | None = None) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build(variant) if source is None else build(variant, source)))
     _declare(lib)
+    level = path_level_from_env()
+    if level is not None and hasattr(lib, "moegate_path_limit"):
+        lib.moegate_path_limit(level)
     return lib
 
 
 def load_source(variant: str, source: Path) -> ctypes.CDLL:
     """``variant`` of another kernel source, built and loaded (raises KernelBuildError): benchmarks only."""
     return _open(variant, source)
+
+
+def loaded() -> list[ctypes.CDLL]:
+    """The kernel libraries loaded so far (one per variant)."""
+    return [lib for lib in list(_loaded.values()) if lib is not None]
 
 
 def load(variant: str) -> ctypes.CDLL | None:
@@ -220,6 +242,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "moegate_simd_path"):  # absent from an earlier revision's kernel (benchmarks)
         lib.moegate_simd_path.restype = ctypes.c_char_p
         lib.moegate_has_bf16_dot.restype = ctypes.c_int
+    if hasattr(lib, "moegate_path_limit"):
+        lib.moegate_path_limit.restype = ctypes.c_int
+        lib.moegate_path_limit.argtypes = [ctypes.c_int]
+        lib.moegate_has_amx.restype = ctypes.c_int
     lib.moegate_apply_bitmask.restype = ctypes.c_int
     lib.moegate_apply_bitmask.argtypes = [p, p, i64, i64, i64, i64]
     if hasattr(lib, "moegate_race_noise"):  # absent from an earlier revision's kernel (benchmarks)

@@ -17,6 +17,7 @@ Determinism: a row's output is bitwise identical whatever else is in the batch, 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -59,6 +60,23 @@ def kernel_library(variant: str | None = None):
 
 def kernel_available(variant: str | None = None) -> bool:
     return kernel_library(variant) is not None
+
+
+@contextlib.contextmanager
+def path_limit(name: str):
+    """Within the block, the loaded kernel libraries use no instruction path wider than `name` ("amx": all
+    the CPU has, "bf16": no AMX, "zmm": neither AMX nor vdpbf16ps), so tests and benchmarks can force each
+    narrower path on a machine that has the wider ones (every library loaded so far). Process-wide: not for use beside other kernel
+    calls on other threads."""
+    level = build.PATH_LEVELS[name]
+    kernel_library()  # this machine's variant loaded, so the limit reaches it
+    libs = [lib for lib in build.loaded() if hasattr(lib, "moegate_path_limit")]
+    before = [lib.moegate_path_limit(level) for lib in libs]
+    try:
+        yield
+    finally:
+        for lib, old in zip(libs, before, strict=True):
+            lib.moegate_path_limit(old)
 
 
 def backend_summary() -> str:

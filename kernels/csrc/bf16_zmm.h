@@ -127,7 +127,7 @@ void zmm_bf16_unit_rows(const Mat& M, int64_t first, int64_t u, int64_t n8, cons
 
 inline bool cpu_has_bf16_dot() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
+  return has && moegate::path_allowed(moegate::kBf16Dot);
 }
 
 }  // namespace

@@ -27,6 +27,7 @@
 
 #include <omp.h>
 
+#include "paths.h"
 #include "scratch.h"
 #include "simd.h"
 #include "work_pool.h"
@@ -936,6 +937,15 @@ int moegate_is_avx2() {
 
 // Whether bf16_a16 runs on AVX-512 BF16 vdpbf16ps here (the avx512 build on a CPU that has it).
 int moegate_has_bf16_dot() { return cpu_has_bf16_dot() ? 1 : 0; }
+
+// The run-time path limit (paths.h: 2 = every path the CPU has, 1 = no AMX, 0 = plain zmm): set it where
+// `level` >= 0; returns the previous limit.
+int moegate_path_limit(int level) {
+  return level >= 0 ? moegate::path_limit().exchange(level > 2 ? 2 : level) : moegate::path_limit().load();
+}
+
+// AMX here (CPU and OS permission, whatever the limit): bit 0 AMX-INT8, bit 1 AMX-BF16.
+int moegate_has_amx() { return (moegate::amx_support().int8 ? 1 : 0) | (moegate::amx_support().bf16 ? 2 : 0); }
 
 // The SIMD path of this build, for logs and benchmark reports.
 const char* moegate_simd_path() {
