@@ -72,12 +72,12 @@ MOEGATE_AMX_BF16_TARGET void amx_bf16_pass(const uint16_t* w0, const uint16_t* w
   if constexpr (NF >= 2) _tile_zero(1);
   if constexpr (NF >= 3) _tile_zero(2);
   _tile_zero(3);
+  if (repack) amx_bf16_repack<MODE>(w0, w1, stride, kp, 0, b);
   for (int64_t kc = 0; kc < nk; ++kc) {
     uint16_t* bk = b + kc * 512;
-    if (repack) {
-      amx_bf16_repack<MODE>(w0, w1, stride, kp, kc, bk);
-      asm volatile("" : : : "memory");  // the B tile's stores before tileloadd reads them
-    }
+    // one chunk ahead: tileloadd reads a B tile whose stores have had a chunk's time to reach L1
+    if (repack && kc + 1 < nk) amx_bf16_repack<MODE>(w0, w1, stride, kp, kc + 1, bk + 512);
+    asm volatile("" : : : "memory");  // the B tile's stores before tileloadd reads them
     _tile_loadd(6, bk, 64);
     const uint16_t* ak = a + kc * kAmxK;
     if constexpr (NF >= 1) {
