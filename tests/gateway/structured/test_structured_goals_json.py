@@ -11,6 +11,8 @@ import jsonschema
 import openai
 import pytest
 
+from gateway.structured.json_enforce import grammar_schema
+
 OBJ = {"type": "object", "additionalProperties": False}
 INT = {"type": "integer", "minimum": 0, "maximum": 99}
 
@@ -20,6 +22,15 @@ def _json(server, schema, max_tokens=96):
         model="moegate-demo", temperature=0, max_tokens=max_tokens,
         messages=[{"role": "user", "content": "Buy 10 AAPL"}],
         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+
+
+def _keys(node) -> set[str]:
+    """Every key anywhere in a JSON value (a superset of the schema keywords it writes)."""
+    if isinstance(node, dict):
+        return set(node).union(*(_keys(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_keys(v) for v in node))
+    return set()
 
 
 def _retries(server) -> float:
@@ -40,7 +51,8 @@ CASES = {
     "dependencies-schema": ({**OBJ, "properties": {"a": INT, "b": INT}, "required": ["a"],
                              "dependencies": {"a": {"properties": {"b": {"maximum": 50}}}}},
                             {"dependencies": "validation"}),
-    "dependentRequired": ({**OBJ, "properties": {"a": INT, "b": INT}, "required": ["a"], "dependentRequired": {"a": ["b"]}},
+    "dependentRequired": ({**OBJ, "properties": {"a": INT, "b": INT}, "required": ["a"],
+                           "dependentRequired": {"a": ["b"]}},
                           {"dependentRequired": "grammar"}),
     "dependentSchemas": ({**OBJ, "properties": {"a": INT, "b": INT}, "required": ["a", "b"],
                           "dependentSchemas": {"a": {"properties": {"b": {"minimum": 1}}}}},
@@ -50,13 +62,15 @@ CASES = {
                       "else": {"properties": {"qty": {"maximum": 90}}}},
                      {"if": "validation", "then": "validation", "else": "validation"}),
     "uniqueItems": ({"type": "array", "items": INT, "maxItems": 3, "uniqueItems": True}, {"uniqueItems": "validation"}),
-    "patternProperties": ({"type": "object", "patternProperties": {"^x_[a-z]{1,3}$": INT}, "additionalProperties": False,
-                           "minProperties": 1, "maxProperties": 2}, {"patternProperties": "grammar"}),
+    "patternProperties": ({"type": "object", "patternProperties": {"^x_[a-z]{1,3}$": INT},
+                           "additionalProperties": False, "minProperties": 1, "maxProperties": 2},
+                          {"patternProperties": "grammar"}),
     "recursive-$ref": ({"$defs": {"node": {**OBJ, "properties": {"v": INT, "next": {"$ref": "#/$defs/node"}},
                                            "required": ["v"]}}, "$ref": "#/$defs/node"}, {"$ref": "grammar"}),
     "formats": ({**OBJ, "properties": {"n": {"type": "integer", "format": "int32"},
                                        "u": {"type": "string", "format": "url", "maxLength": 8},
-                                       "p": {"type": "string", "format": "json-pointer", "pattern": "^(/[a-z]{1,3}){0,2}$"},
+                                       "p": {"type": "string", "format": "json-pointer",
+                                             "pattern": "^(/[a-z]{1,3}){0,2}$"},
                                        "e": {"type": "string", "format": "email", "maxLength": 24}},
                  "required": ["n", "u", "p", "e"]},
                 {"format:int32": "annotation", "format:url": "annotation", "format:json-pointer": "validation",
@@ -73,6 +87,20 @@ def test_keyword_method_in_the_response_and_the_output_is_valid(gateway_server, 
     assert r.choices[0].finish_reason == "stop"
     reported = r.model_extra["moegate"]["choices"][0]["enforcement"]["keywords"]
     assert {k: reported.get(k) for k in methods} == methods, reported
+    # only keywords the caller wrote: not the allOf / anyOf a dependencies or oneOf rewrite adds
+    assert {k for k in reported if not k.startswith(("format:", "subschema:"))} <= _keys(schema), reported
+
+
+@pytest.mark.parametrize("schema", [
+    {**OBJ, "properties": {"a": INT, "b": INT}, "dependencies": {"a": ["b"]}},
+    {**OBJ, "properties": {"a": INT, "b": INT}, "dependentRequired": {"a": ["b"]}},
+    {"type": "object", "properties": {"a": {}, "b": {}, "c": {}},
+     "oneOf": [{"required": ["a"]}, {"required": ["b", "c"]}]},
+])
+def test_rewrites_report_only_the_keywords_written(schema):
+    """A rewrite's allOf / anyOf is how the grammar enforces the caller's keyword, not a keyword of theirs."""
+    reported = grammar_schema(schema).enforcement.keywords
+    assert set(reported) <= _keys(schema) and not {"allOf", "anyOf"} & set(reported), reported
 
 
 # every output the grammar admits violates the validation-only keyword: the first attempt fails
@@ -83,7 +111,8 @@ NEVER_VALID = {
                 "if": {"properties": {"side": {"const": "buy"}}}, "then": {"required": ["qty"]}},
     "dependentSchemas": {**OBJ, "properties": {"a": {"const": 1}}, "required": ["a"],
                          "dependentSchemas": {"a": {"required": ["b"]}}},
-    "dependencies": {**OBJ, "properties": {"a": {"const": 1}}, "required": ["a"], "dependencies": {"a": {"required": ["b"]}}},
+    "dependencies": {**OBJ, "properties": {"a": {"const": 1}}, "required": ["a"],
+                     "dependencies": {"a": {"required": ["b"]}}},
     "format:json-pointer": {"type": "string", "format": "json-pointer", "pattern": "^ab$"},
 }
 
