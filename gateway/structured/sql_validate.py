@@ -23,7 +23,9 @@ _FORBIDDEN_NAMES = (
     "Detach", "Transaction", "Commit", "Rollback", "Analyze", "Use", "LoadData", "Cache", "Uncache",
     "Refresh", "Describe", "Kill", "Summarize", "Export", "Declare", "Execute", "Replace", "Vacuum",
 )
-_FORBIDDEN = tuple(getattr(exp, n) for n in _FORBIDDEN_NAMES if hasattr(exp, n))
+# (a function node of the same name is not a statement: sqlglot's Replace is the string function REPLACE(x, a, b))
+_FORBIDDEN = tuple(getattr(exp, n) for n in _FORBIDDEN_NAMES
+                   if hasattr(exp, n) and not issubclass(getattr(exp, n), exp.Func))
 _SYNTAX_FUNCS = (exp.Cast, exp.TryCast, exp.Case, exp.If, exp.Paren, exp.Connector, exp.Binary, exp.Unary, exp.Predicate)
 
 

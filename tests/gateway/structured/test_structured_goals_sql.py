@@ -52,6 +52,16 @@ def test_common_functions_allowed_by_default(tokinfo, dialect, sql):
 
 
 @pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
+def test_replace_is_a_string_function_not_a_statement(tokinfo, dialect):
+    """sqlglot names the string function REPLACE(x, a, b) `Replace`, like the statement: the function is
+    allowed, a REPLACE statement (SQLite's INSERT OR REPLACE) still refused."""
+    policy = SQLPolicy(dialect=dialect, max_limit=None)
+    assert _verdicts(tokinfo, "SELECT replace(symbol, 'A', 'B') FROM trades", policy) == (True, True)
+    with pytest.raises(SQLPolicyViolation):
+        check_sql("REPLACE INTO trades (id) VALUES (1)", DB, policy)
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
 def test_a_policy_narrows_window_functions(tokinfo, dialect):
     narrow = SQLPolicy(dialect=dialect, max_limit=None, allowed_functions=("count", "sum"))
     assert _verdicts(tokinfo, "SELECT rank() OVER (ORDER BY qty) FROM trades", narrow) == (False, False)
