@@ -1,6 +1,7 @@
 """The fused decode step: a step of up to SMALL_BATCH_TOKENS tokens (decodes, jump-forward chunks, a token and its
-drafts, short prefill chunks) on a fused stack (engine/models/fused_decode.py), token ids to logits in two kernel
-calls over buffers kept between steps, which `ModelRunner.run` takes instead of the batch forward (the same bits)."""
+drafts, short prefill chunks) on a fused stack (engine/models/fused_decode.py), token ids to logits (and the lm_head's
+greedy picks or temperature races) in one kernel call, or two where a row does not sample or has logits processors,
+over buffers kept between steps, which `ModelRunner.run` takes instead of the batch forward (the same bits)."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ class FusedDecodeStep:
     contexts are written through numpy into buffers kept between steps (a step of decodes that go on from the last
     step's rows: item by item through flat memoryviews of them, `_decodes`), then one `moegate_decode_stack` call
     (every layer and the final norm) and one lm_head call (`moegate_linear`) over the rows that sample: where every
-    row samples and none has logits processors or races (`_races`), both in one call (`moegate_decode_step`). The
-    same kernels on the same inputs as `MoeForCausalLM.forward` and `compute_logits` over a ForwardBatch (the
-    embedding and RoPE rows are copies of the same rows), so the same bits, without the batch's tensors and the ~20
-    torch ops and module calls around the two kernel calls."""
+    row samples and none has logits processors, both in one call (`moegate_decode_step`, with the greedy picks or the
+    plain temperature rows' races: `_races`). The same kernels on the same inputs as `MoeForCausalLM.forward` and
+    `compute_logits` over a ForwardBatch (the embedding and RoPE rows are copies of the same rows), so the same bits,
+    without the batch's tensors and the ~20 torch ops and module calls around the kernel calls."""
 
     pick_in_kernel = True  # the lm_head's call finds the plain greedy rows' picks and runs the plain temperature rows'
     # races (off: the sampler reads the logits)
@@ -65,7 +66,7 @@ class FusedDecodeStep:
         self._cache_slots = cache_slots(stack.params, kv_caches)
         self._norm = (model.model.norm.weight.detach(), model.model.norm.eps)
         self._stack_call: DecodeStackCall | None = None
-        self._step_call: DecodeStepCall | None = None  # the stack and the lm_head in one call (`_grow` builds both)
+        self._step_call: DecodeStepCall | None = None  # the stack and the lm_head (its picks or races) in one call
         # [R, V rounded up to 8]: the logits, kept (valid until the next step, as the runner's token buffer): a fresh
         # 0.6 MB tensor per step cost ~20 us of page faults here. Not where a row has logits processors: they are
         # handed rows and may keep them, so those steps' logits are fresh
@@ -105,12 +106,16 @@ class FusedDecodeStep:
         else:
             t, greedy, processors, every = self._inputs(chunks, blocks)
         pick = self.pick_in_kernel and greedy
-        # a plain temperature row: the stack's call, then the lm_head's with the races (`_racing`), not the one call
         draws = self._races(chunks) if self.pick_in_kernel else None
-        if draws is None and every and not processors:  # the stack, the lm_head (its picks), the pool's rest: one call
-            self._step_call(t, t, pick)
+        if every and not processors:  # the stack, the lm_head (its picks or races), the pool's rest: one call
+            if draws is None:
+                self._step_call(t, t, pick)
+                self.hidden = self._normed[:t].clone() if self.keep_hidden else None
+                return self._views(t, pick)
+            limit = self._limit()
+            self._step_call.racing(t, t, limit)
             self.hidden = self._normed[:t].clone() if self.keep_hidden else None
-            return self._views(t, pick)
+            return self._views(t, False)[0], HeadPicks(*self._race_picks(t), draws, limit)
         self._stack_call(t)
         self.hidden = self._normed[:t].clone() if self.keep_hidden else None
         n = t if every else self._compact(chunks)
@@ -159,9 +164,7 @@ class FusedDecodeStep:
 
     def _racing(self, n: int, draws: list, processors: bool) -> tuple[torch.Tensor, HeadPicks]:
         """The lm_head's call over the n rows that sample with the races `_races` set up -> (logits, their picks)."""
-        limit = self.head.out_features if self.vocab_limit is None else min(self.vocab_limit, self.head.out_features)
-        if (views := self._race_views.get(n)) is None:
-            views = self._race_views[n] = (self._race_call.picks[:n], self._race_call.best[:n])
+        limit, views = self._limit(), self._race_picks(n)
         if processors:
             logits = torch.empty(n, self.head.padded_out)
             self._race_call(n, limit, logits)
@@ -170,6 +173,16 @@ class FusedDecodeStep:
         self._race_call(n, limit)
         self._rest()
         return self._views(n, False)[0], HeadPicks(*views, draws, limit)
+
+    def _limit(self) -> int:
+        """The logits the races run over: the sampler's vocabulary limit, at most the lm_head's outputs."""
+        return self.head.out_features if self.vocab_limit is None else min(self.vocab_limit, self.head.out_features)
+
+    def _race_picks(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The race call's kept picks' and best's first n rows (views kept by n)."""
+        if (views := self._race_views.get(n)) is None:
+            views = self._race_views[n] = (self._race_call.picks[:n], self._race_call.best[:n])
+        return views
 
     def _decodes(self, chunks: list, blocks) -> tuple[bool, bool] | None:
         """A step of decodes whose contexts the last step wrote (each chunk one token that samples, its sequence and
@@ -259,7 +272,7 @@ class FusedDecodeStep:
             self.stack.lib, self.stack.params, self._x, self._rope[0], self._rope[1], *self._kv, i[2], self.contexts.slots,
             i[3], i[4], self._ids, self.stack.counts, self.stack.num_threads, (*self._norm, self._normed),
             self._cache_slots)
-        self._step_call = DecodeStepCall(self._stack_call, self._head_call)
+        self._step_call = DecodeStepCall(self._stack_call, self._head_call, self._race_call)
 
 
 class StepContexts:
