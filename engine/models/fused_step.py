@@ -80,7 +80,9 @@ class FusedDecodeStep:
         # the same call with each plain temperature row's race scored while its columns are hot (the sampler's
         # `moegate_race_sample` read the row back from the other core's cache) and the other rows' first largest
         self._race_call = HeadRaceCall(self._head_call)
-        self._race_views: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # (picks, best) [n] by n
+        self._race_views: dict[int, tuple] = {}  # (logits [n, V], picks, best [n]) by n (`_race_picks`)
+        # flat memoryviews of the races' inputs: temps 'f', keys and counters 'Q' (`_decodes` writes them item by item)
+        self._race_mv = tuple(_flat(a) for a in (self._race_call.temps, self._race_call.keys, self._race_call.counters))
         # the lm_head is the step's last kernel call: the pool's helpers sleep now instead of spinning ~200 us for a job
         # that comes only with the next step, on a core the stepping thread (and anything else) could use
         self._rest = getattr(stack.lib, "moegate_pool_rest", lambda: None)
@@ -102,11 +104,11 @@ class FusedDecodeStep:
         its sequence's positions 0..its own, the chunk's earlier tokens included (the kernel writes all rows' K/V
         before any row attends), as the batch forward's fused layers compute a chunk."""
         if (rows := self._decodes(chunks, blocks)) is not None:
-            t, greedy, processors, every = len(chunks), *rows, True
+            t, (greedy, processors, draws), every = len(chunks), rows, True
         else:
             t, greedy, processors, every = self._inputs(chunks, blocks)
+            draws = self._races(chunks) if self.pick_in_kernel else None
         pick = self.pick_in_kernel and greedy
-        draws = self._races(chunks) if self.pick_in_kernel else None
         if every and not processors:  # the stack, the lm_head (its picks or races), the pool's rest: one call
             if draws is None:
                 self._step_call(t, t, pick)
@@ -115,7 +117,8 @@ class FusedDecodeStep:
             limit = self._limit()
             self._step_call.racing(t, t, limit)
             self.hidden = self._normed[:t].clone() if self.keep_hidden else None
-            return self._views(t, False)[0], HeadPicks(*self._race_picks(t), draws, limit)
+            logits, picks, best = self._race_picks(t)
+            return logits, HeadPicks(picks, best, draws, limit)
         self._stack_call(t)
         self.hidden = self._normed[:t].clone() if self.keep_hidden else None
         n = t if every else self._compact(chunks)
@@ -164,31 +167,33 @@ class FusedDecodeStep:
 
     def _racing(self, n: int, draws: list, processors: bool) -> tuple[torch.Tensor, HeadPicks]:
         """The lm_head's call over the n rows that sample with the races `_races` set up -> (logits, their picks)."""
-        limit, views = self._limit(), self._race_picks(n)
+        limit, (kept, picks, best) = self._limit(), self._race_picks(n)
         if processors:
             logits = torch.empty(n, self.head.padded_out)
             self._race_call(n, limit, logits)
             self._rest()
-            return logits[:, :self.head.out_features], HeadPicks(*views, draws, limit)
+            return logits[:, :self.head.out_features], HeadPicks(picks, best, draws, limit)
         self._race_call(n, limit)
         self._rest()
-        return self._views(n, False)[0], HeadPicks(*views, draws, limit)
+        return kept, HeadPicks(picks, best, draws, limit)
 
     def _limit(self) -> int:
         """The logits the races run over: the sampler's vocabulary limit, at most the lm_head's outputs."""
         return self.head.out_features if self.vocab_limit is None else min(self.vocab_limit, self.head.out_features)
 
-    def _race_picks(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """The race call's kept picks' and best's first n rows (views kept by n)."""
+    def _race_picks(self, n: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """The kept logits' first n rows [n, V] and the race call's kept picks' and best's [n] (views kept by n)."""
         if (views := self._race_views.get(n)) is None:
-            views = self._race_views[n] = (self._race_call.picks[:n], self._race_call.best[:n])
+            race = self._race_call
+            views = self._race_views[n] = (self._views(n, False)[0], race.picks[:n], race.best[:n])
         return views
 
-    def _decodes(self, chunks: list, blocks) -> tuple[bool, bool] | None:
+    def _decodes(self, chunks: list, blocks) -> tuple[bool, bool, list | None] | None:
         """A step of decodes whose contexts the last step wrote (each chunk one token that samples, its sequence and
         table in the same region as then, no table freed since, within the region and the RoPE table): each row's
-        inputs written item by item through the flat views, its context's one new slot included -> (a row is plain
-        greedy, a row has logits processors); else None, nothing written (`_inputs` then writes every row)."""
+        inputs written item by item through the flat views, its context's one new slot included, and where the
+        lm_head picks (`pick_in_kernel`) its race's inputs as `_races` writes them -> (a row is plain greedy, a row
+        has logits processors, `_races`' draws); else None, nothing written (`_inputs` then writes every row)."""
         ctx, bs = self.contexts, blocks.block_size
         kept, region, slots = ctx.kept, ctx.region, ctx.slots_mv
         if (len(chunks) > len(kept) or blocks.frees != ctx.frees or blocks is not ctx.blocks
@@ -202,11 +207,22 @@ class FusedDecodeStep:
         iv, R, D, H = self._ints_mv, SMALL_BATCH_TOKENS, self._head_dim, self._hidden
         rope, (cos, sin), x, embed = self._rope_mv, self._table_mv, self._x_mv, self._embed_mv
         greedy = processors = False
+        race, draws = self.pick_in_kernel, None
         for i, c in enumerate(chunks):
             seq, pos = c.seq, c.start
             table, params = seq.block_table, seq.params
             greedy = greedy or params.plain_greedy
             processors = processors or bool(params.logits_processors)
+            if race and params.plain_race:
+                temps, keys, counters = self._race_mv
+                if draws is None:
+                    draws = [None] * len(chunks)
+                    for j in range(i):
+                        temps[j] = 0.0
+                draws[i] = key, counter = coming_draw(seq)
+                temps[i], keys[i], counters[i] = params.temperature, key & _M64, counter & _M64
+            elif draws is not None:
+                self._race_mv[0][i] = 0.0
             token, slot, at = seq.tokens(pos, pos + 1)[0], table[pos // bs] * bs + pos % bs, i * region
             iv[i], iv[R + i], iv[2 * R + i], iv[3 * R + i], iv[4 * R + i] = token, pos, slot, at, pos + 1
             slots[at + pos] = slot  # the context's new slot, as `StepContexts.write`
@@ -215,7 +231,7 @@ class FusedDecodeStep:
             x[i * H:(i + 1) * H] = embed[token * H:(token + 1) * H]  # the embedding row
             kept[i] = (seq, table, pos + 1)
         del kept[len(chunks):]
-        return greedy, processors
+        return greedy, processors, draws
 
     def _inputs(self, chunks: list, blocks) -> tuple[int, bool, bool, bool]:
         """Every row's inputs (ids, positions, new slots, contexts, RoPE and embedding rows) for any step the fused
@@ -322,5 +338,5 @@ class StepContexts:
 
 
 def _flat(a: np.ndarray) -> memoryview:
-    """A C-contiguous array's memory as a flat memoryview of its items (float32 'f', int64 'q')."""
-    return memoryview(a).cast("B").cast({np.float32: "f", np.int64: "q"}[a.dtype.type])
+    """A C-contiguous array's memory as a flat memoryview of its items (float32 'f', int64 'q', uint64 'Q')."""
+    return memoryview(a).cast("B").cast({np.float32: "f", np.int64: "q", np.uint64: "Q"}[a.dtype.type])

@@ -74,8 +74,8 @@ def test_step_logits_equal_the_forward_over_a_batch(engine, mode, monkeypatch):
 def test_decode_rows_write_what_every_row_path_writes(engine, mode, monkeypatch):
     """A step of decodes whose contexts the last step wrote (`_decodes`: item by item through flat views) leaves the
     ids, positions, slots, contexts, RoPE and embedding rows the general path (`_inputs`) writes over them, batched
-    and alone; the tokens then follow from `test_step_logits_equal_the_forward_over_a_batch`."""
-
+    and alone, and the races' inputs `_races` writes; the tokens then follow from
+    `test_step_logits_equal_the_forward_over_a_batch`."""
     runner, taken, compared = engine.runner, [], []
     decode_step = runner._decode_step
 
@@ -90,12 +90,19 @@ def test_decode_rows_write_what_every_row_path_writes(engine, mode, monkeypatch)
             decodes = step._decodes
 
             def both(chunks, blocks):
+                for a in (step._race_call.temps, step._race_call.keys, step._race_call.counters):
+                    a.fill(7)  # poisoned: the rows' race inputs are what `_decodes` writes
                 rows = decodes(chunks, blocks)
                 if rows is not None:
                     t = len(chunks)
                     taken.append(t)
                     got = inputs(step, t)
-                    assert step._inputs(chunks, blocks) == (t, *rows, True)
+                    race = step._race_call
+                    race_inputs = [a[:t].copy() for a in (race.temps, race.keys, race.counters)]
+                    assert step._inputs(chunks, blocks) == (t, *rows[:2], True)
+                    races = step._races(chunks)  # the races' inputs as the general path writes them
+                    assert rows[2] == races and (races is None or all(np.array_equal(a[:t], w) for a, w in zip(
+                        (race.temps, race.keys, race.counters), race_inputs, strict=True)))
                     want = inputs(step, t)
                     compared.append(all(np.array_equal(g, w) for g, w in zip(got[:3], want[:3], strict=True))
                                     and all(np.array_equal(g, w) for g, w in zip(got[3], want[3], strict=True)))
