@@ -221,6 +221,7 @@ class DecodeStepCall:
                             *(race._race if race is not None else ()))]
         self.lib, self.stack, self.head, self.race = stack.lib, stack, head, race
         self.rows, self.logit_rows = stack.rows, head.rows
+        self._vocab = head.linear.out_features if race is not None else -1  # a race's limit at most (-1: no race)
         self._args = ctypes.pointer(DecodeStepArgs(*values))
 
     def __call__(self, rows: int, logit_rows: int, pick: bool) -> None:
@@ -229,24 +230,23 @@ class DecodeStepCall:
         if not (0 < logit_rows <= self.logit_rows and 0 < rows <= self.rows) or (pick and not self.head._first_max.value):
             raise ValueError(f"rows must be in [1, {self.rows}], logit rows in [1, {self.logit_rows}] (a first_max "
                              f"buffer kept to pick), got {rows}, {logit_rows}")
-        self._run(rows, logit_rows, 1 if pick else 0, 0)
+        if rc := self.lib.moegate_decode_step(self._args, rows, logit_rows, 1 if pick else 0, 0):
+            self._failed(rc)
 
     def racing(self, rows: int, logit_rows: int, limit: int) -> None:
         """As the call, the lm_head's rows picked as `HeadRaceCall(logit_rows, limit)` picks them: each row whose
         kept temperature is > 0 races over its first `limit` logits, any other takes its first largest there (the
         race's kept picks and best)."""
-        if self.race is None or not (0 < logit_rows <= self.logit_rows and 0 < rows <= self.rows
-                                     and 0 <= limit <= self.head.linear.out_features):
+        if not (0 < logit_rows <= self.logit_rows and 0 < rows <= self.rows and 0 <= limit <= self._vocab):
             raise ValueError(f"a HeadRaceCall kept, rows in [1, {self.rows}], logit rows in [1, {self.logit_rows}] "
                              f"and limit in [0, {self.head.linear.out_features}]: got {rows}, {logit_rows}, {limit}")
-        self._run(rows, logit_rows, 2, limit)
+        if rc := self.lib.moegate_decode_step(self._args, rows, logit_rows, 2, limit):
+            self._failed(rc)
 
-    def _run(self, rows: int, logit_rows: int, pick: int, limit: int) -> None:
-        rc = self.lib.moegate_decode_step(self._args, rows, logit_rows, pick, limit)
+    def _failed(self, rc: int) -> None:
         if rc <= -100:
             raise RuntimeError(f"the lm_head's kernel failed with code {rc + 100} for format {self.head.linear.fmt}")
-        if rc != 0:
-            _decode_rc("moegate_decode_stack", rc, self.stack.slots_per_cache, self.stack.ctx_total)
+        _decode_rc("moegate_decode_stack", rc, self.stack.slots_per_cache, self.stack.ctx_total)
 
 
 class HeadRaceCall:
