@@ -42,6 +42,19 @@ H, I, E, TOPK = 1024, 512, 64, 8  # noqa: E741 (the DESIGN.md notation)
 WORKING_SET_MIB = 768  # per format (default): >> 32 MiB L3
 
 
+def path_limited(fn: Callable[[int], None], lib, path: str) -> Callable[[int], None]:
+    """fn under the path limit `path` (kernels/csrc/paths.h) for each call, the limit restored after it."""
+    level = build.PATH_LEVELS[path]
+
+    def call(i: int) -> None:
+        old = lib.moegate_path_limit(level)
+        try:
+            fn(i)
+        finally:
+            lib.moegate_path_limit(old)
+    return call
+
+
 def stream_triad(threads: int, n: int = 1 << 26) -> dict[str, float]:
     """STREAM triad (a = b + s*c, 3 x 4 bytes per element) in C with OpenMP; best of 8 runs."""
     lib = build.load(kernel_variant())
@@ -135,6 +148,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--working-set", type=int, default=WORKING_SET_MIB,
                     help="MiB of weight copies cycled per format (1: one copy, in cache when it fits: the kernel's "
                          "compute ceiling)")
+    ap.add_argument("--paths", default="",
+                    help="narrower kernel paths (amx, bf16, zmm: kernels.fused_moe.path_limit) timed beside this machine's "
+                         "widest, alternating in one process, as contenders moegate/PATH (e.g. bf16,zmm: bf16_a16 on "
+                         "vdpbf16ps and on fp32 FMA against AMX)")
     ap.add_argument("--quick", action="store_true", help="short run: 0.3 s per point, M=1,8")
     ap.add_argument("--idle-triad", type=float, default=16.0,
                     help="STREAM triad GB/s of this machine when idle (DESIGN.md: 15.6-16.5), a second yardstick "
@@ -212,6 +229,9 @@ def expert_points(lib, old, old_formats: tuple[str, ...], formats: list[str], ms
                     run_kernel(kl, x, ids_list[i % len(ids_list)], w, layers[i % len(layers)], args.threads)
 
                 contenders[f"moegate {fmt}"], pe[f"moegate {fmt}"] = ours, per_expert
+                for path in [p for p in args.paths.split(",") if p]:
+                    contenders[f"moegate/{path} {fmt}"] = path_limited(ours, lib, path)
+                    pe[f"moegate/{path} {fmt}"] = per_expert
                 if old is not None and fmt in old_formats:
                     contenders[f"moegate@{args.compare_rev} {fmt}"] = functools.partial(ours, kl=old)
                     pe[f"moegate@{args.compare_rev} {fmt}"] = per_expert
@@ -315,6 +335,8 @@ def dense_point(lib, old, rev: str | None, fmt: str, n: int, k: int, m: int, arg
             raise RuntimeError(f"moegate_linear failed with code {rc}")
 
     contenders = {f"moegate {fmt}": call}
+    for path in [p for p in args.paths.split(",") if p]:
+        contenders[f"moegate/{path} {fmt}"] = path_limited(call, lib, path)
     if old is not None:
         contenders[f"moegate@{rev} {fmt}"] = functools.partial(call, kl=old)
     seconds = args.seconds * len(contenders)
