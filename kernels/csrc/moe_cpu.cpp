@@ -884,10 +884,28 @@ int moegate_linear_first_max(const float* x, float* out, int64_t M, int64_t N, i
   return linear_dispatch(fmt, A, x, out, M, K, (N + 7) / 8, std::max(nthreads, 1), N, first_max);
 }
 
+// The lm_head with each row's pick among its first V columns (moegate_linear_race's work, below): the rows' race keys
+// hashed and their floors set, then the projection with the races scored by the threads that write the columns.
+static int linear_race(int64_t fmt, const Mat& A, const float* x, float* out, int64_t M, int64_t N, int64_t K,
+                       int nthreads, int64_t V, const float* temps, const uint64_t* keys, const uint64_t* counters,
+                       int64_t* picks, float* best) {
+  if (V < 0 || V > N) return -2;
+  std::vector<uint32_t> k0(M), k1(M);
+  std::unique_ptr<std::atomic<uint32_t>[]> floor(new std::atomic<uint32_t>[M]);
+  for (int64_t m = 0; m < M; ++m) {
+    race_key(keys[m], counters[m], &k0[m], &k1[m]);
+    floor[m].store(float_order(-std::numeric_limits<float>::infinity()), std::memory_order_relaxed);
+  }
+  const HeadRace race{temps, k0.data(), k1.data(), floor.get(), best};
+  return linear_dispatch(fmt, A, x, out, M, K, (N + 7) / 8, std::max(nthreads, 1), V, picks, &race);
+}
+
 // A decode step's two kernel calls in one: moegate_decode_stack over rows [0, T) (every layer and the final norm into
-// norm_out), then the lm_head (moegate_linear, or moegate_linear_first_max where pick is set) over the first n rows of
-// norm_out into logits, then the pool's helpers rest (no kernel call is coming before the next step). The arguments
-// are kept in one struct between steps (kernels/build.py DecodeStepArgs mirrors it), so a step passes T, n and pick.
+// norm_out), then the lm_head over the first n rows of norm_out into logits, then the pool's helpers rest (no kernel
+// call is coming before the next step). pick: 0 the lm_head alone (moegate_linear), 1 with each row's first largest
+// logit into first_max (moegate_linear_first_max), 2 with the rows' races over their first V logits into picks and
+// best (moegate_linear_race over the kept temps, keys and counters). The arguments are kept in one struct between
+// steps (kernels/build.py DecodeStepArgs mirrors it), so a step passes T, n, pick and V.
 // Returns the stack's code (-4: a slot or context outside the caches, nothing written), else -100 + the lm_head's.
 struct DecodeStepArgs {  // mirrored by kernels/build.py (ctypes): keep in sync
   const DecodeLayerParams* layers;
@@ -913,17 +931,26 @@ struct DecodeStepArgs {  // mirrored by kernels/build.py (ctypes): keep in sync
   const uint16_t* s;
   const uint16_t* mins;
   int64_t head_threads;
-  int64_t* first_max;  // [>= n] (pick)
+  int64_t* first_max;  // [>= n] (pick 1)
+  const float* temps;  // [>= n] each, pick 2: the race's inputs (temperature > 0 races), then its outputs
+  const uint64_t* keys;
+  const uint64_t* counters;
+  int64_t* picks;
+  float* best;
 };
 
-int moegate_decode_step(const DecodeStepArgs* a, int64_t T, int64_t n, int pick) {
+int moegate_decode_step(const DecodeStepArgs* a, int64_t T, int64_t n, int pick, int64_t V) {
   int rc = moegate_decode_stack(a->layers, a->L, a->x, T, a->cos, a->sin, a->k_caches, a->v_caches, a->slot_mapping,
                                 a->ctx_slots, a->ctx_start, a->ctx_len, a->topk_ids, a->counts, a->norm_w, a->norm_eps,
                                 a->norm_out, (int)a->nthreads, a->cache_slots, a->ctx_total);
   if (rc == 0) {
     const Mat A{a->w, a->s, a->mins, padded_k(a->K, a->fmt, a->gs), a->gs};
-    rc = linear_dispatch(a->fmt, A, a->norm_out, a->logits, n, a->K, (a->N + 7) / 8,
-                         std::max((int)a->head_threads, 1), pick ? a->N : 0, pick ? a->first_max : nullptr);
+    if (pick == 2)
+      rc = linear_race(a->fmt, A, a->norm_out, a->logits, n, a->N, a->K, (int)a->head_threads, V, a->temps, a->keys,
+                       a->counters, a->picks, a->best);
+    else
+      rc = linear_dispatch(a->fmt, A, a->norm_out, a->logits, n, a->K, (a->N + 7) / 8,
+                           std::max((int)a->head_threads, 1), pick ? a->N : 0, pick ? a->first_max : nullptr);
     if (rc != 0) rc -= 100;
   }
   moegate::WorkPool::instance().rest();
@@ -939,16 +966,8 @@ int moegate_linear_race(const float* x, float* out, int64_t M, int64_t N, int64_
                         const void* w, const uint16_t* s, const uint16_t* mins, int nthreads, int64_t V,
                         const float* temps, const uint64_t* keys, const uint64_t* counters, int64_t* picks,
                         float* best) {
-  if (V < 0 || V > N) return -2;
-  std::vector<uint32_t> k0(M), k1(M);
-  std::unique_ptr<std::atomic<uint32_t>[]> floor(new std::atomic<uint32_t>[M]);
-  for (int64_t m = 0; m < M; ++m) {
-    race_key(keys[m], counters[m], &k0[m], &k1[m]);
-    floor[m].store(float_order(-std::numeric_limits<float>::infinity()), std::memory_order_relaxed);
-  }
-  const HeadRace race{temps, k0.data(), k1.data(), floor.get(), best};
   const Mat A{w, s, mins, padded_k(K, fmt, gs), gs};
-  return linear_dispatch(fmt, A, x, out, M, K, (N + 7) / 8, std::max(nthreads, 1), V, picks, &race);
+  return linear_race(fmt, A, x, out, M, N, K, nthreads, V, temps, keys, counters, picks, best);
 }
 
 int moegate_is_avx2() {
