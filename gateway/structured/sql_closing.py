@@ -86,17 +86,29 @@ def closing_texts(scope: SQLScope) -> list[str]:
     unbound: the longest first (the whole statement where the grammar stands after a complete operand),
     then each shorter prefix of it. Empty inside a string or quoted name and where a scope has not
     begun its SELECT (the search takes those steps first)."""
+    return _closing(scope)[0]
+
+
+def closing_text(scope: SQLScope) -> str | None:
+    """The text that closes every open scope and parenthesis ("" where none is open), or None where
+    closing_texts cannot write one (a scope not begun, a name no FROM item can bind, inside quotes)."""
+    texts, whole = _closing(scope)
+    return (texts[0] if texts else "") if whole else None
+
+
+def _closing(scope: SQLScope) -> tuple[list[str], bool]:
+    """closing_texts, and whether the longest of them closes the whole statement."""
     if scope.mode:
-        return []
+        return [], False
     texts, suffix = [], ""
     for i in range(len(scope.stack) - 1, -1, -1):
         f = scope.stack[i]
         if (f.scope and f.phase == "start") or f.fresh:
-            break
+            return texts[::-1], False
         if f.scope and (f.pending or f.bare) and f.phase in ("select", "from"):
             items = _declarations(scope, f)
             if items is None:
-                break
+                return texts[::-1], False
             if items:
                 suffix += (" FROM " if f.phase == "select" else ", ") + ", ".join(items)
         if i:
@@ -105,4 +117,4 @@ def closing_texts(scope: SQLScope) -> list[str]:
             texts.append(suffix)
         if f.cte is not None:
             break
-    return texts[::-1]
+    return texts[::-1], True
