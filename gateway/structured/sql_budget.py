@@ -53,9 +53,11 @@ class ClosingBudget:
 
     def bound(self, scope: SQLScope) -> int:
         """Bytes at least as many as the closing text's (so at least its tokens), without writing it."""
-        total = 0
+        total = len(scope.mode)  # (a string's closing quote)
         for f in scope.stack:
-            total += len(") SELECT 0")
+            total += len(") SELECT 0")  # (or a window call's `) OVER ()`)
+            if f.func and scope.words is not None:  # the arguments a call still needs: `, 0` each (`0` first)
+                total += len(", 0") * (max(0, scope.words.arity[f.func][0] - f.args) + 1)
             if f.scope:
                 total += len(" FROM ") + sum(len(q) + self.longest_table + _QUALIFIED + sum(len(c) + 9 for c in cols)
                                              for q, cols in f.pending.items())

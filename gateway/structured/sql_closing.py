@@ -11,6 +11,7 @@ closed inside its token budget.
 
 from __future__ import annotations
 
+from .sql_functions import WINDOW
 from .sql_scope import _BARE, SQLScope, _Frame
 
 
@@ -98,12 +99,13 @@ def closing_text(scope: SQLScope) -> str | None:
 
 def _closing(scope: SQLScope) -> tuple[list[str], bool]:
     """closing_texts, and whether the longest of them closes the whole statement."""
-    if scope.mode:
+    suffix = _quote_end(scope)
+    if suffix is None:
         return [], False
-    texts, suffix = [], ""
+    texts = []
     for i in range(len(scope.stack) - 1, -1, -1):
         f = scope.stack[i]
-        if (f.scope and f.phase == "start") or f.fresh:
+        if (f.scope and f.phase == "start") or (f.fresh and not f.func):  # (a call's parenthesis is no query)
             return texts[::-1], False
         if f.scope and (f.pending or f.bare) and f.phase in ("select", "from"):
             items = _declarations(scope, f)
@@ -112,9 +114,31 @@ def _closing(scope: SQLScope) -> tuple[list[str], bool]:
             if items:
                 suffix += (" FROM " if f.phase == "select" else ", ") + ", ".join(items)
         if i:
-            suffix += ") SELECT 0" if f.cte is not None else ")"
-        if suffix:
+            suffix += ") SELECT 0" if f.cte is not None else _call_end(scope, f) if f.func else ")"
+        if suffix and (not texts or texts[-1] != suffix):
             texts.append(suffix)
         if f.cte is not None:
             break
     return texts[::-1], True
+
+
+def _quote_end(scope: SQLScope) -> str | None:
+    """The text that ends the string literal being written ("" outside one); None inside a quoted name (its
+    name is checked as it is written: the search writes it)."""
+    if not scope.mode:
+        return ""
+    if scope.mode == scope.string or (scope.words is not None and scope.pool is None and scope.word
+                                      and scope.mode in scope.words.strings):
+        return scope.mode  # (SQLite's "...": a string where it is not a column or a source)
+    return None
+
+
+def _call_end(scope: SQLScope, f: _Frame) -> str:
+    """`)` of a call with arity `f.func`: the arguments it still needs first (`, 0`; `0` where the one begun is
+    empty), and OVER () after a window function's (the grammar requires it; the scope guard refuses too few
+    arguments)."""
+    need = max(0, (scope.words.arity[f.func][0] if scope.words is not None else 0) - f.args)
+    empty = f is scope.stack[-1] and not scope.word and scope.at in ("(", ",")  # (after "," args counts it)
+    zeros = ["0"] * (need + (1 if empty and f.args else 0))
+    text = (", ".join(zeros) if empty else "".join(", " + z for z in zeros)) + ")"
+    return text + " OVER ()" if f.func in WINDOW else text

@@ -472,12 +472,11 @@ class SQLScope:
             return WordPool(bare({f.source_name}), frozenset())
         if at not in self.words.before_operand:
             return None
+        if not (f.phase in ("select", "after") or (f.phase == "from" and f.expect == "on")):
+            return None  # (not an operand: a CTE's name, a query's first keyword, a FROM source or alias)
         # a scope before its FROM may bind new names: checked only where the token budget narrows them
         budgeted = any(g.phase in ("start", "select") for g in scopes)
-        if budgeted:
-            if (tier := self.tier()) == ANY:
-                return None
-        elif not (f.phase == "after" or (f.phase == "from" and f.expect == "on")):
+        if budgeted and (tier := self.tier()) == ANY:
             return None
         # names that can be written unquoted (the others are not checked)
         cols = {c for g in scopes for src in g.declared.values() for c in self._cols(src)}
