@@ -56,6 +56,10 @@ class ClosingBudget:
         total = len(scope.mode)  # (a string's closing quote)
         for f in scope.stack:
             total += len(") SELECT 0")  # (or a window call's `) OVER ()`)
+            if f.scope and f.phase == "start":  # a WITH clause's end (sql_closing._WITH_END)
+                total += len(" c999 AS (SELECT 0) SELECT 0")
+            elif f.fresh:  # (a query in a parenthesis that has nothing yet)
+                total += len("SELECT 0")
             if f.func and scope.words is not None:  # the arguments a call still needs: `, 0` each (`0` first)
                 total += len(", 0") * (max(0, scope.words.arity[f.func][0] - f.args) + 1)
             if f.scope:

@@ -103,10 +103,16 @@ def _closing(scope: SQLScope) -> tuple[list[str], bool]:
     if suffix is None:
         return [], False
     texts = []
+    queried = False  # the scope below has its query written (by a CTE's `) SELECT 0`)
     for i in range(len(scope.stack) - 1, -1, -1):
         f = scope.stack[i]
-        if (f.scope and f.phase == "start") or (f.fresh and not f.func):  # (a call's parenthesis is no query)
-            return texts[::-1], False
+        if f.scope and f.phase == "start" and not queried:
+            if (rest := _WITH_END.get(f.with_state)) is None:
+                return texts[::-1], False
+            cte = next(n for n in (f"c{k}" for k in range(1, 1000)) if n not in scope.ctes)
+            suffix += rest.format(cte=cte)
+        elif f.fresh and not f.scope and not f.func:  # nothing inside yet: a query (a value in an aggregate's)
+            suffix += "" if f.over else "0" if f.call else "SELECT 0"
         if f.scope and (f.pending or f.bare) and f.phase in ("select", "from"):
             items = _declarations(scope, f)
             if items is None:
@@ -117,9 +123,13 @@ def _closing(scope: SQLScope) -> tuple[list[str], bool]:
             suffix += ") SELECT 0" if f.cte is not None else _call_end(scope, f) if f.func else ")"
         if suffix and (not texts or texts[-1] != suffix):
             texts.append(suffix)
-        if f.cte is not None:
-            break
+        queried = f.cte is not None
     return texts[::-1], True
+
+
+# what ends a WITH clause, by where it stands (SQLScope._with_word): a CTE's name is next, its AS, its body, the query
+_WITH_END = {"name": " {cte} AS (SELECT 0) SELECT 0", "as": " AS (SELECT 0) SELECT 0", "body": " (SELECT 0) SELECT 0",
+             "after": " SELECT 0"}
 
 
 def _quote_end(scope: SQLScope) -> str | None:
