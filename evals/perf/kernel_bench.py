@@ -110,6 +110,22 @@ def interleaved(contenders: dict[str, Callable[[int], None]], bytes_of: Callable
 
 
 
+def path_contenders(lib, fn: Callable[[int], None], fmt: str, limits: list[str]) -> dict[str, Callable[[int], None]]:
+    """This kernel's contender(s) for one point: fn as is ("moegate FMT"), or once per --path-limit entry
+    ("moegate[amx] FMT", ...), each call under that limit (kernels/csrc/paths.h)."""
+    if not limits:
+        return {f"moegate {fmt}": fn}
+
+    def limited(i: int, level: int) -> None:
+        old = lib.moegate_path_limit(level)
+        try:
+            fn(i)
+        finally:
+            lib.moegate_path_limit(old)
+
+    return {f"moegate[{name}] {fmt}": functools.partial(limited, level=build.PATH_LEVELS[name]) for name in limits}
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="evals/out/kernels")
@@ -135,6 +151,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--working-set", type=int, default=WORKING_SET_MIB,
                     help="MiB of weight copies cycled per format (1: one copy, in cache when it fits: the kernel's "
                          "compute ceiling)")
+    ap.add_argument("--path-limit", default="",
+                    help="instruction paths timed side by side, alternating (kernels.build.PATH_LEVELS, e.g. amx,zmm: "
+                         "AMX tiles vs zmm on one machine); ratios are against the first. '' : all the CPU has")
+    ap.add_argument("--amx-min-rows", type=int, default=0,
+                    help="rows of an expert or dense batch from which every a8 format runs on AMX int8 tiles "
+                         "(moegate_amx_min_rows; 0: the kernel's defaults, int8_a8 from 16, int4 formats never)")
     ap.add_argument("--quick", action="store_true", help="short run: 0.3 s per point, M=1,8")
     ap.add_argument("--idle-triad", type=float, default=16.0,
                     help="STREAM triad GB/s of this machine when idle (DESIGN.md: 15.6-16.5), a second yardstick "
@@ -152,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     variant = kernel_variant()
     lib = build.load(variant)
+    if args.amx_min_rows > 0 and hasattr(lib, "moegate_amx_min_rows"):
+        for fmt in ("int4", "int4_asym", "int8_a8"):
+            lib.moegate_amx_min_rows(FORMAT_CODE[fmt], args.amx_min_rows)
     old = previous_kernel(args.compare_rev, variant) if args.compare_rev else None
     old_formats = formats_at(args.compare_rev) if args.compare_rev else ()
     report: dict = {"shape": {"H": H, "I": I, "E": E, "topk": TOPK}, "threads": args.threads,
@@ -159,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                     "variant": variant, "simd_path": simd_path(lib),
                     "compare_rev": args.compare_rev,
                     "compare_simd_path": simd_path(old), "torch": torch.__version__, "clock": args.clock,
+                    "path_limit": args.path_limit, "amx_min_rows": args.amx_min_rows,
                     "loadavg_before": os.getloadavg(), "busy_before": cpu_busy_fraction()}
     report["stream"] = stream_triad(args.threads)
     triad = report["stream"][f"triad_gbps_{args.threads}t"]
@@ -186,6 +212,7 @@ def expert_points(lib, old, old_formats: tuple[str, ...], formats: list[str], ms
     baselines = [b for b in args.baselines.split(",") if b]
     extra = [b for b in baselines if b not in {TORCH_KIND[f] for f in formats}]  # baselines with no format
     results, ratios = [], []
+    limits = [p for p in args.path_limit.split(",") if p]
     expert_formats = [] if args.dense_only else formats + extra
     bar = tqdm(total=len(expert_formats) * len(ms), desc="kernel bench", unit="point")
     for fmt in expert_formats:
@@ -211,7 +238,8 @@ def expert_points(lib, old, old_formats: tuple[str, ...], formats: list[str], ms
                 def ours(i: int, kl=lib, layers=layers, ids_list=ids_list, x=x, w=w) -> None:
                     run_kernel(kl, x, ids_list[i % len(ids_list)], w, layers[i % len(layers)], args.threads)
 
-                contenders[f"moegate {fmt}"], pe[f"moegate {fmt}"] = ours, per_expert
+                for name, fn in path_contenders(lib, ours, fmt, limits).items():
+                    contenders[name], pe[name] = fn, per_expert
                 if old is not None and fmt in old_formats:
                     contenders[f"moegate@{args.compare_rev} {fmt}"] = functools.partial(ours, kl=old)
                     pe[f"moegate@{args.compare_rev} {fmt}"] = per_expert
@@ -231,7 +259,7 @@ def expert_points(lib, old, old_formats: tuple[str, ...], formats: list[str], ms
                            pct_idle_triad_best=100 * res["gbps_best"] / args.idle_triad)
                 results.append(res)
                 point[name] = res
-            ours_name = f"moegate {fmt}"
+            ours_name = f"moegate[{limits[0]}] {fmt}" if limits else f"moegate {fmt}"
             if ours_name in point:
                 for other, res in point.items():
                     if other != ours_name:  # time ratio: the other's ms per call / ours (same routings)
@@ -257,7 +285,7 @@ def dense_points(lib, old, old_formats: tuple[str, ...], formats: list[str], ms:
                     res["pct_stream"] = 100 * res["gbps_median"] / triad
                     res["pct_idle_triad_best"] = 100 * res["gbps_best"] / args.idle_triad
                     results.append(res)
-                ours_name = f"moegate {fmt}"
+                ours_name = next(iter(point))
                 for other, res in point.items():
                     if other != ours_name:
                         ratios.append({"M": m, "fmt": fmt, "dense": f"{n}x{k}", "vs": other,
@@ -314,7 +342,7 @@ def dense_point(lib, old, rev: str | None, fmt: str, n: int, k: int, m: int, arg
         if rc != 0:
             raise RuntimeError(f"moegate_linear failed with code {rc}")
 
-    contenders = {f"moegate {fmt}": call}
+    contenders = path_contenders(lib, call, fmt, [p for p in args.path_limit.split(",") if p])
     if old is not None:
         contenders[f"moegate@{rev} {fmt}"] = functools.partial(call, kl=old)
     seconds = args.seconds * len(contenders)
