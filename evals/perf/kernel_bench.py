@@ -156,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
                          "AMX tiles vs zmm on one machine); ratios are against the first. '' : all the CPU has")
     ap.add_argument("--amx-min-rows", type=int, default=0,
                     help="rows of an expert or dense batch from which every a8 format runs on AMX int8 tiles "
-                         "(moegate_amx_min_rows; 0: the kernel's defaults, int8_a8 from 16, int4 formats never)")
+                         "(moegate_amx_min_rows; 0: the kernel's defaults, int8_a8 from 32, int4 formats never)")
     ap.add_argument("--quick", action="store_true", help="short run: 0.3 s per point, M=1,8")
     ap.add_argument("--idle-triad", type=float, default=16.0,
                     help="STREAM triad GB/s of this machine when idle (DESIGN.md: 15.6-16.5), a second yardstick "
@@ -263,7 +263,7 @@ def expert_points(lib, old, old_formats: tuple[str, ...], formats: list[str], ms
             if ours_name in point:
                 for other, res in point.items():
                     if other != ours_name:  # time ratio: the other's ms per call / ours (same routings)
-                        ratios.append({"M": m, "fmt": fmt, "vs": other,
+                        ratios.append({"M": m, "fmt": fmt, "vs": other, "of": ours_name.split(" ")[0],
                                        "speedup": res["ms_median"] / point[ours_name]["ms_median"]})
             bar.set_postfix_str(" ".join(f"{n}={r['gbps_median']:.1f}" for n, r in point.items()) + f" M={m}")
             bar.update()
@@ -288,7 +288,7 @@ def dense_points(lib, old, old_formats: tuple[str, ...], formats: list[str], ms:
                 ours_name = next(iter(point))
                 for other, res in point.items():
                     if other != ours_name:
-                        ratios.append({"M": m, "fmt": fmt, "dense": f"{n}x{k}", "vs": other,
+                        ratios.append({"M": m, "fmt": fmt, "dense": f"{n}x{k}", "vs": other, "of": ours_name.split(" ")[0],
                                        "speedup": res["ms_median"] / point[ours_name]["ms_median"]})
     return results, ratios
 
@@ -318,8 +318,8 @@ def print_summary(report: dict, threads: int) -> None:
               f"({r['gbps_best']:6.2f} best)  {r['pct_stream']:5.1f}% of this run's triad (median), "
               f"{r['pct_idle_triad_best']:5.1f}% of idle triad (best)  {r['ms_median']:.3f} ms/call")
     for r in ratios:
-        print(f"moegate {r['fmt']:9s} {r.get('dense', 'experts'):12s} M={r['M']:3d}  {r['speedup']:5.2f}x vs {r['vs']} "
-              "(median ms per call)")
+        print(f"{r.get('of', 'moegate')} {r['fmt']:9s} {r.get('dense', 'experts'):12s} M={r['M']:3d}  {r['speedup']:5.2f}x "
+              f"vs {r['vs']} (median ms per call)")
     print(f"STREAM triad after: {report['stream_after']}; loadavg after {report['loadavg_after']}; "
           f"busy {report['busy_before']:.2f} before / {report['busy_after']:.2f} after")
 

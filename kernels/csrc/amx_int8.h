@@ -21,13 +21,13 @@ namespace {
 constexpr int kAmxNever = 1 << 30;
 
 // Per format code (int4, int4_asym, int8_a8), the rows of an expert (or a dense projection's batch) from which
-// the AMX path runs instead of zmm vpdpbusd; measured (docs/kernels.md "AMX int8 tiles"): int8_a8 from 16 rows
+// the AMX path runs instead of zmm vpdpbusd; measured (docs/kernels.md "AMX int8 tiles"): int8_a8 from 32 rows
 // (below, the tiles' fixed cost per group of 32 loses to vpdpbusd); int4's zmm path (two nibble chains over
 // interleaved rows) ran as fast as the tiles at every row count, so int4 formats stay on zmm unless asked
 // (moegate_amx_min_rows, for tests and benchmarks).
 inline std::atomic<int>& amx_min_rows(int fmt) {
   static std::atomic<int> rows[7] = {{kAmxNever}, {kAmxNever}, {kAmxNever}, {kAmxNever}, {kAmxNever}, {kAmxNever},
-                                     {16}};
+                                     {32}};
   return rows[fmt >= 0 && fmt < 7 ? fmt : 0];
 }
 

@@ -985,7 +985,7 @@ const char* moegate_simd_path() {
 #if defined(MOEGATE_ZMM)
   if (moegate::amx_int8_here() && cpu_has_bf16_dot())
     return "avx512: W4A8 / W8A8 AMX int8 tiles (tdpbssd, 16 tokens x 16 rows) where an expert or batch has >= "
-           "moegate_amx_min_rows(fmt) rows (int8_a8: 16), else zmm vpdpbusd (16 rows x up to 8 tokens per weight "
+           "moegate_amx_min_rows(fmt) rows (int8_a8: 32), else zmm vpdpbusd (16 rows x up to 8 tokens per weight "
            "block), bf16_a16 zmm vdpbf16ps, fp32/bf16/int8 zmm fma (16 rows x up to 15 tokens per weight vector)";
   if (cpu_has_bf16_dot())
     return "avx512: W4A8 / W8A8 zmm vpdpbusd (16 rows x up to 8 tokens per weight block), bf16_a16 zmm vdpbf16ps, "

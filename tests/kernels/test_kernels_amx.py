@@ -79,7 +79,7 @@ def test_int8_tiles_experts_equal_zmm(fmt: str, gs: int, h: int, i: int) -> None
 
 
 def test_int8_tiles_rows_batch_invariant() -> None:
-    """With int8_a8's default threshold (16 rows) a row's experts switch from zmm to tiles as the batch grows: its
+    """With int8_a8's default threshold (32 rows) a row's experts switch from zmm to tiles as the batch grows: its
     bits do not change (each row alone vs inside 64- and 128-row batches, 32 and 64 rows per expert)."""
     packed = pack_experts(*random_experts(8, 256, 96, seed=1), "int8_a8", progress=False)
     x = torch.randn(128, 256, generator=torch.Generator().manual_seed(2))
