@@ -447,7 +447,8 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   // AMX int8 tiles (amx_int8.h) for experts with amx_int8_rows rows: their layer input rows gathered per sorted
   // row (xa / xasx / xaqs; the down input hq already is).
   const bool amx = zmm && moegate::amx_int8_here();
-  auto amx_e = [&](int64_t e) { return amx && amx_int8_rows(FMT, count[e + 1] - count[e]); };
+  const int64_t amx_rows = amx ? amx_min_rows(FMT).load(std::memory_order_relaxed) : 0;  // read once per call
+  auto amx_e = [&](int64_t e) { return amx && count[e + 1] - count[e] >= amx_rows; };
   int8_t* xa = scratch.take<int8_t>(amx ? S * hp : 0);
   float* xasx = scratch.take<float>(amx ? S * ngh : 0);
   float* xaqs = scratch.take<float>(amx ? S * ngh : 0);
