@@ -26,6 +26,7 @@ from evals.perf.kernel_baselines import (
     TORCH_KIND,
     clone_tree,
     formats_at,
+    path_contenders,
     previous_kernel,
     simd_path,
     torch_layers,
@@ -108,22 +109,6 @@ def interleaved(contenders: dict[str, Callable[[int], None]], bytes_of: Callable
                      "zero_time_calls": len(rows) - len(timed)}
     return out
 
-
-
-def path_contenders(lib, fn: Callable[[int], None], fmt: str, limits: list[str]) -> dict[str, Callable[[int], None]]:
-    """This kernel's contender(s) for one point: fn as is ("moegate FMT"), or once per --path-limit entry
-    ("moegate[amx] FMT", ...), each call under that limit (kernels/csrc/paths.h)."""
-    if not limits:
-        return {f"moegate {fmt}": fn}
-
-    def limited(i: int, level: int) -> None:
-        old = lib.moegate_path_limit(level)
-        try:
-            fn(i)
-        finally:
-            lib.moegate_path_limit(old)
-
-    return {f"moegate[{name}] {fmt}": functools.partial(limited, level=build.PATH_LEVELS[name]) for name in limits}
 
 
 def _parser() -> argparse.ArgumentParser:

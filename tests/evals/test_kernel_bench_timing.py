@@ -4,7 +4,8 @@ import itertools
 
 import pytest
 
-from evals.perf.kernel_bench import interleaved, path_contenders
+from evals.perf.kernel_baselines import path_contenders
+from evals.perf.kernel_bench import interleaved
 from kernels import build
 from kernels.fused_moe import kernel_library
 
