@@ -50,7 +50,7 @@ def numerics_from_policy(policy: Policy, defer: int = 0):
     if fast.formatting_layers:
         log.warning("exploration profile sets formatting_layers=%d: formatting layers apply to execution only",
                     fast.formatting_layers)
-    if exact.lm_head in ("int8", "int8_a8", "int4"):
+    if exact.lm_head in ("int8", "int8_a8", "int4", "bf16_a16"):
         log.warning("execution lm_head %s is not available: execution keeps the model's lm_head", exact.lm_head)
     if exact.attention != "model":
         log.warning("execution attention %s is not available: execution keeps the model's weights", exact.attention)

@@ -64,7 +64,7 @@ REGISTRY: dict[str, WeightFormat] = {
     "int8": WeightFormat(8, 64),
     "int4": WeightFormat(4, 32, a8=True),
     "int4_asym": WeightFormat(4, 32, parts=("linear",), a8=True),
-    "bf16_a16": WeightFormat(16, family="bf16", parts=("linear",)),  # bf16 weights, bf16-rounded activations
+    "bf16_a16": WeightFormat(16, family="bf16"),  # bf16 weights, bf16-rounded activations (llama.cpp BF16's arithmetic)
     "int8_a8": WeightFormat(8, 32, a8=True),  # W8A8, groups of 32 as llama.cpp's Q8_0 blocks
 }
 FORMATS = tuple(REGISTRY)  # every format the kernel packs

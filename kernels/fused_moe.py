@@ -8,9 +8,10 @@ optional per-expert biases (added to gate/up before act, to down before w) come 
 
 Tolerance vs the reference (tests/kernels): fp32 / bf16 / int8 multiply by exactly the dequantized
 weights the reference uses and only the fp32 summation order differs (bf16_a16: the reference rounds
-both projections' inputs to bf16 as the kernel does; vdpbf16ps rounds its pair sums its own way); int4 formats are W4A8 (both
-projections' inputs quantized per token and group to int8; int8_a8 the same, W8A8) and their reference (kernels/w4a8.py)
-replays the kernel's arithmetic, so they agree to the last bit but for ~2^-29-rare double roundings.
+both projections' inputs to bf16 as the kernel does; vdpbf16ps and AMX tdpbf16ps round their sums their own
+ways); int4 formats are W4A8 (both projections' inputs quantized per token and group to int8; int8_a8 the same,
+W8A8) and their reference (kernels/w4a8.py) replays the kernel's arithmetic, so they agree to the last bit but
+for ~2^-29-rare double roundings.
 |kernel - reference| <= 1e-4 * max|reference| + 1e-5 for every format.
 Determinism: a row's output is bitwise identical whatever else is in the batch, for any thread count.
 """

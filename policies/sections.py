@@ -67,11 +67,11 @@ class HotExperts(StrictModel):
 
 
 class PrecisionProfile(StrictModel):
-    routed_experts: Literal["int4", "int8", "int8_a8", "bf16"] = "int4"
+    routed_experts: Literal["int4", "int8", "int8_a8", "bf16", "bf16_a16"] = "int4"
     formatting_layers: Annotated[int, Field(ge=0, description="last N layers kept at formatting_dtype")] = 0
     formatting_dtype: Literal["int8", "bf16", "fp32"] = "bf16"
-    lm_head: Literal["int4", "int8", "int8_a8", "bf16", "fp32"] = "bf16"
-    attention: Annotated[Literal["model", "int8", "int8_a8", "int4", "bf16"], Field(
+    lm_head: Literal["int4", "int8", "int8_a8", "bf16", "bf16_a16", "fp32"] = "bf16"
+    attention: Annotated[Literal["model", "int8", "int8_a8", "int4", "bf16", "bf16_a16"], Field(
         description="attention q/k/v/o projections on CPU; 'model' keeps the checkpoint's weights")] = "model"
     hot_experts: HotExperts | None = None
 

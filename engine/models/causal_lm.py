@@ -136,10 +136,10 @@ class MoeForCausalLM(nn.Module):
 
 
 class QuantizedLMHead:
-    """lm_head for exploration: bf16, int8, int4 or int8_a8. On the CPU each runs the compiled kernel
+    """lm_head for exploration: bf16, int8, int4, int8_a8 or bf16_a16. On the CPU each runs the compiled kernel
     (kernels.linear.PackedLinear: bf16 weights with fp32 activations, int8 per row and group of 64 with fp32
-    activations, int4 W4A8 and int8_a8 W8A8 groups of 32); elsewhere bf16 runs as a matmul and int8 as a
-    weight-only matmul with one scale per row."""
+    activations, int4 W4A8 and int8_a8 W8A8 groups of 32, bf16_a16 bf16 weights and bf16 activations); elsewhere
+    bf16 runs as a matmul and int8 as a weight-only matmul with one scale per row."""
 
     FORMATS = formats_for("lm_head")
 
@@ -154,7 +154,7 @@ class QuantizedLMHead:
             self.packed = PackedLinear.pack(weight, fmt)
             self.num_threads = torch.get_num_threads()  # the kernel's own pool: torch's may be at 1 in decode
             return
-        if fmt in ("int4", "int8_a8"):
+        if fmt in ("int4", "int8_a8", "bf16_a16"):
             raise ValueError(f"an {fmt} lm_head runs on the CPU kernel only; use bf16 or int8 on CUDA")
         w = weight.detach().float()  # [V, H]
         if fmt == "bf16":

@@ -169,7 +169,8 @@ class PrefixCacheManager:
             first = start // bs
         else:
             first = seq.num_cache_checked
-        self.hasher.extend(seq.block_hashes, seq.cache_root, seq.token_ids, end)
+        if end > len(seq.block_hashes):  # a block completed: most decode steps complete none (no token list joined)
+            self.hasher.extend(seq.block_hashes, seq.cache_root, seq.token_ids, end)
         for i in range(first, end):
             self.blocks.register(seq.block_table[i], seq.block_hashes[i])
             if self.through:

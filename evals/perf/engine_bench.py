@@ -138,7 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--formats", default="int4,int8,bf16")
     ap.add_argument("--dense", default="float32", help="dtype of the dense path for moegate")
     ap.add_argument("--lm-head", default="int8,int4",
-                    help="exploration lm_heads of the moegate-*+fast runs (comma list of int4|int8|bf16)")
+                    help="exploration lm_heads of the moegate-*+fast runs (comma list of int4|int8|bf16|bf16_a16|int8_a8, "
+                         "or 'match' for the experts' format: with --fast-dense match the MATCHED rows' "
+                         "'everything' runs)")
     ap.add_argument("--fast-dense", default="match",
                     help="exploration attention projections of the +fast runs: int4|int8|bf16, or 'match' for the "
                          "experts' format (as llama.cpp's Q4_0 / Q8_0 quantize attention like the experts)")
@@ -237,8 +239,11 @@ def _format_plan(args, model: str, prompt: list[int], pack: str) -> list[tuple]:
     def attn(f: str) -> str:
         return f if args.fast_dense == "match" else args.fast_dense
 
-    plan += [(f"moegate-{f}+fast-lmhead-{h}-attn-{attn(f)}", _moegate, (model, f, args.dense, prompt, args.decode),
-              {"pack_dir": pack, "lm_head": h, "fast_dense": attn(f)})
+    def head(f: str, h: str) -> str:
+        return f if h == "match" else h
+
+    plan += [(f"moegate-{f}+fast-lmhead-{head(f, h)}-attn-{attn(f)}", _moegate,
+              (model, f, args.dense, prompt, args.decode), {"pack_dir": pack, "lm_head": head(f, h), "fast_dense": attn(f)})
              for f in args.formats.split(",") for h in args.lm_head.split(",") if h]
     if args.compare_rev:  # each moegate run beside the same run on the earlier kernel, alternating
         from evals.perf.kernel_baselines import kernel_source_at

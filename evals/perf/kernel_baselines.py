@@ -1,14 +1,12 @@
 """What the kernel benchmark (kernel_bench.py) runs beside this checkout's kernel: routed MoE through per-expert
-torch ops (the torch baselines, per matching format), another git revision's compiled kernel (its source,
-its formats, the SIMD path it reports), and this kernel under narrower instruction paths (--path-limit)."""
+torch ops (the torch baselines, per matching format), and another git revision's compiled kernel (its source,
+its formats, the SIMD path it reports)."""
 
 from __future__ import annotations
 
 import ast
-import functools
 import subprocess
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -118,19 +116,3 @@ def simd_path(lib) -> str | None:
         return lib.moegate_simd_path().decode()
     return ("avx512: W4A8 ymm vpdpbusd" if lib.moegate_is_vnni() else "avx2: W4A8 maddubs" if lib.moegate_is_avx2()
             else "generic: plain loops")
-
-
-def path_contenders(lib, fn: Callable[[int], None], fmt: str, limits: list[str]) -> dict[str, Callable[[int], None]]:
-    """This kernel's contender(s) for one point: fn as is ("moegate FMT"), or once per --path-limit entry
-    ("moegate[amx] FMT", ...), each call under that limit (kernels/csrc/paths.h)."""
-    if not limits:
-        return {f"moegate {fmt}": fn}
-
-    def limited(i: int, level: int) -> None:
-        old = lib.moegate_path_limit(level)
-        try:
-            fn(i)
-        finally:
-            lib.moegate_path_limit(old)
-
-    return {f"moegate[{name}] {fmt}": functools.partial(limited, level=build.PATH_LEVELS[name]) for name in limits}

@@ -26,7 +26,6 @@ from evals.perf.kernel_baselines import (
     TORCH_KIND,
     clone_tree,
     formats_at,
-    path_contenders,
     previous_kernel,
     simd_path,
     torch_layers,
@@ -41,6 +40,19 @@ from kernels.linear import LINEAR_FORMATS, PackedLinear
 
 H, I, E, TOPK = 1024, 512, 64, 8  # noqa: E741 (the DESIGN.md notation)
 WORKING_SET_MIB = 768  # per format (default): >> 32 MiB L3
+
+
+def path_limited(fn: Callable[[int], None], lib, path: str) -> Callable[[int], None]:
+    """fn under the path limit `path` (kernels/csrc/paths.h) for each call, the limit restored after it."""
+    level = build.PATH_LEVELS[path]
+
+    def call(i: int) -> None:
+        old = lib.moegate_path_limit(level)
+        try:
+            fn(i)
+        finally:
+            lib.moegate_path_limit(old)
+    return call
 
 
 def stream_triad(threads: int, n: int = 1 << 26) -> dict[str, float]:
@@ -136,9 +148,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--working-set", type=int, default=WORKING_SET_MIB,
                     help="MiB of weight copies cycled per format (1: one copy, in cache when it fits: the kernel's "
                          "compute ceiling)")
-    ap.add_argument("--path-limit", default="",
-                    help="instruction paths timed side by side, alternating (kernels.build.PATH_LEVELS, e.g. amx,zmm: "
-                         "AMX tiles vs zmm on one machine); ratios are against the first. '' : all the CPU has")
+    ap.add_argument("--paths", default="",
+                    help="narrower kernel paths (amx, bf16, zmm: kernels.fused_moe.path_limit) timed beside this machine's "
+                         "widest, alternating in one process, as contenders moegate/PATH (e.g. bf16,zmm: bf16_a16 on "
+                         "vdpbf16ps and on fp32 FMA against AMX)")
     ap.add_argument("--amx-min-rows", type=int, default=0,
                     help="rows of an expert or dense batch from which every a8 format runs on AMX int8 tiles "
                          "(moegate_amx_min_rows; 0: the kernel's defaults, int8_a8 from 32, int4 formats never)")
@@ -169,7 +182,6 @@ def main(argv: list[str] | None = None) -> int:
                     "variant": variant, "simd_path": simd_path(lib),
                     "compare_rev": args.compare_rev,
                     "compare_simd_path": simd_path(old), "torch": torch.__version__, "clock": args.clock,
-                    "path_limit": args.path_limit, "amx_min_rows": args.amx_min_rows,
                     "loadavg_before": os.getloadavg(), "busy_before": cpu_busy_fraction()}
     report["stream"] = stream_triad(args.threads)
     triad = report["stream"][f"triad_gbps_{args.threads}t"]
@@ -197,7 +209,6 @@ def expert_points(lib, old, old_formats: tuple[str, ...], formats: list[str], ms
     baselines = [b for b in args.baselines.split(",") if b]
     extra = [b for b in baselines if b not in {TORCH_KIND[f] for f in formats}]  # baselines with no format
     results, ratios = [], []
-    limits = [p for p in args.path_limit.split(",") if p]
     expert_formats = [] if args.dense_only else formats + extra
     bar = tqdm(total=len(expert_formats) * len(ms), desc="kernel bench", unit="point")
     for fmt in expert_formats:
@@ -223,8 +234,10 @@ def expert_points(lib, old, old_formats: tuple[str, ...], formats: list[str], ms
                 def ours(i: int, kl=lib, layers=layers, ids_list=ids_list, x=x, w=w) -> None:
                     run_kernel(kl, x, ids_list[i % len(ids_list)], w, layers[i % len(layers)], args.threads)
 
-                for name, fn in path_contenders(lib, ours, fmt, limits).items():
-                    contenders[name], pe[name] = fn, per_expert
+                contenders[f"moegate {fmt}"], pe[f"moegate {fmt}"] = ours, per_expert
+                for path in [p for p in args.paths.split(",") if p]:
+                    contenders[f"moegate/{path} {fmt}"] = path_limited(ours, lib, path)
+                    pe[f"moegate/{path} {fmt}"] = per_expert
                 if old is not None and fmt in old_formats:
                     contenders[f"moegate@{args.compare_rev} {fmt}"] = functools.partial(ours, kl=old)
                     pe[f"moegate@{args.compare_rev} {fmt}"] = per_expert
@@ -244,11 +257,11 @@ def expert_points(lib, old, old_formats: tuple[str, ...], formats: list[str], ms
                            pct_idle_triad_best=100 * res["gbps_best"] / args.idle_triad)
                 results.append(res)
                 point[name] = res
-            ours_name = f"moegate[{limits[0]}] {fmt}" if limits else f"moegate {fmt}"
+            ours_name = f"moegate {fmt}"
             if ours_name in point:
                 for other, res in point.items():
                     if other != ours_name:  # time ratio: the other's ms per call / ours (same routings)
-                        ratios.append({"M": m, "fmt": fmt, "vs": other, "of": ours_name.split(" ")[0],
+                        ratios.append({"M": m, "fmt": fmt, "vs": other,
                                        "speedup": res["ms_median"] / point[ours_name]["ms_median"]})
             bar.set_postfix_str(" ".join(f"{n}={r['gbps_median']:.1f}" for n, r in point.items()) + f" M={m}")
             bar.update()
@@ -270,10 +283,10 @@ def dense_points(lib, old, old_formats: tuple[str, ...], formats: list[str], ms:
                     res["pct_stream"] = 100 * res["gbps_median"] / triad
                     res["pct_idle_triad_best"] = 100 * res["gbps_best"] / args.idle_triad
                     results.append(res)
-                ours_name = next(iter(point))
+                ours_name = f"moegate {fmt}"
                 for other, res in point.items():
                     if other != ours_name:
-                        ratios.append({"M": m, "fmt": fmt, "dense": f"{n}x{k}", "vs": other, "of": ours_name.split(" ")[0],
+                        ratios.append({"M": m, "fmt": fmt, "dense": f"{n}x{k}", "vs": other,
                                        "speedup": res["ms_median"] / point[ours_name]["ms_median"]})
     return results, ratios
 
@@ -303,8 +316,8 @@ def print_summary(report: dict, threads: int) -> None:
               f"({r['gbps_best']:6.2f} best)  {r['pct_stream']:5.1f}% of this run's triad (median), "
               f"{r['pct_idle_triad_best']:5.1f}% of idle triad (best)  {r['ms_median']:.3f} ms/call")
     for r in ratios:
-        print(f"{r.get('of', 'moegate')} {r['fmt']:9s} {r.get('dense', 'experts'):12s} M={r['M']:3d}  {r['speedup']:5.2f}x "
-              f"vs {r['vs']} (median ms per call)")
+        print(f"moegate {r['fmt']:9s} {r.get('dense', 'experts'):12s} M={r['M']:3d}  {r['speedup']:5.2f}x vs {r['vs']} "
+              "(median ms per call)")
     print(f"STREAM triad after: {report['stream_after']}; loadavg after {report['loadavg_after']}; "
           f"busy {report['busy_before']:.2f} before / {report['busy_after']:.2f} after")
 
@@ -327,7 +340,9 @@ def dense_point(lib, old, rev: str | None, fmt: str, n: int, k: int, m: int, arg
         if rc != 0:
             raise RuntimeError(f"moegate_linear failed with code {rc}")
 
-    contenders = path_contenders(lib, call, fmt, [p for p in args.path_limit.split(",") if p])
+    contenders = {f"moegate {fmt}": call}
+    for path in [p for p in args.paths.split(",") if p]:
+        contenders[f"moegate/{path} {fmt}"] = path_limited(call, lib, path)
     if old is not None:
         contenders[f"moegate@{rev} {fmt}"] = functools.partial(call, kl=old)
     seconds = args.seconds * len(contenders)

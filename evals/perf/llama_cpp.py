@@ -208,8 +208,9 @@ class MatchedRow:
 
 # int4 is W4A8: Q4_0's weights (w = (u - 8)·s, fp16 s per 32) and int8 activations per 32 like the Q8_0
 # activations llama.cpp's Q4_0 dot uses. int8_a8 is W8A8: Q8_0's weights and int8 activations per 32, as
-# llama.cpp's Q8_0 dot. int8 and bf16 weights meet fp32 activations here, where llama.cpp quantizes
-# activations to Q8_0 / rounds them to bf16.
+# llama.cpp's Q8_0 dot. bf16_a16 is BF16's arithmetic: bf16 weights times bf16-rounded activations, fp32 sums
+# (AMX tdpbf16ps where the CPU has it, else vdpbf16ps, as llama.cpp's BF16). int8 and bf16 weights meet fp32
+# activations here, where llama.cpp quantizes activations to Q8_0 / rounds them to bf16: moegate the higher precision.
 MATCHED = (
     MatchedRow("int4 experts + int4 attention + int8 lm_head", "Q4_0",
                "experts and attention matched; lm_head int8 vs Q6_K (moegate 1.26x the lm_head bytes)",
@@ -219,7 +220,10 @@ MATCHED = (
                "int8", "int8", "int8"),
     MatchedRow("int8_a8 everything (W8A8)", "Q8_0", "matched: int8 weights and int8 activations, both per 32",
                "int8_a8", "int8_a8", "int8_a8"),
-    MatchedRow("bf16 everything", "BF16", "weights matched; moegate fp32 activations vs bf16", "bf16", "bf16", "bf16"),
+    MatchedRow("bf16_a16 everything (bf16 activations)", "BF16",
+               "matched: bf16 weights and bf16-rounded activations, fp32 sums", "bf16_a16", "bf16_a16", "bf16_a16"),
+    MatchedRow("bf16 everything (fp32 activations)", "BF16",
+               "weights matched; moegate higher precision: fp32 activations vs bf16", "bf16", "bf16", "bf16"),
     MatchedRow("int4 experts, default fp32 attention + lm_head", "Q4_0",
                "moegate higher: fp32 attention and lm_head vs Q4_0 and Q6_K", "int4"),
     MatchedRow("execution mode (dev policy: bf16 experts, the checkpoint's bf16 attention + lm_head)", "BF16",

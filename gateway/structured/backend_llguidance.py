@@ -34,12 +34,14 @@ class LLGuidanceMatcher(Matcher):
     def __init__(self, native: llguidance.LLMatcher, n_words: int) -> None:
         self.llg = native
         self._n_words = n_words  # words llguidance writes: ceil(tokenizer vocab / 32)
-        # this state's forced tokens (compute_ff_tokens, ~20-40 us a call) once asked: the lazy checks ask for
-        # each candidate and jump-forward twice per token, all in one state; a consumed token starts a new one
+        # this state's forced tokens (compute_ff_tokens, ~20-60 us a call) and forced bytes once asked: the lazy
+        # checks ask for each candidate and jump-forward twice per token, all in one state; a consumed token starts
+        # a new one
         self._forced: list[int] | None = None
+        self._forces: bool | None = None
 
     def consume(self, token_id: int) -> bool:
-        self._forced = None
+        self._forced = self._forces = None
         return self.llg.consume_token(token_id)
 
     def fill_bitmask(self, row_ptr: int, n_words: int) -> None:
@@ -66,11 +68,13 @@ class LLGuidanceMatcher(Matcher):
         return self.llg.validate_tokens([token_id]) == 1
 
     def forces(self) -> bool:
-        return bool(self._forced) or bool(self.llg.compute_ff_bytes())  # (forced tokens are forced bytes)
+        if self._forces is None:
+            self._forces = bool(self._forced) or bool(self.llg.compute_ff_bytes())  # (forced tokens are forced bytes)
+        return self._forces
 
     def forced_token(self) -> int | None:
-        if self._forced is None:
-            self._forced = self.llg.compute_ff_tokens()
+        if self._forced is None:  # no forced bytes: no forced token, without llguidance's tokenizing search
+            self._forced = self.llg.compute_ff_tokens() if self.forces() else []
         return self._forced[0] if self._forced else None
 
 

@@ -212,3 +212,14 @@ class FiniteNumberGuard:
         fed = candidates[at] == tokens if len(candidates) else np.zeros(len(tokens), dtype=bool)
         return np.array([not (f and self._overflows(t)) for t, f in zip(tokens.tolist(), fed.tolist(), strict=True)],
                         dtype=bool)
+
+    def keeps_one(self, token: int) -> bool:
+        """`keeps` of one id without its arrays (~1 us against ~15): the lazy checks ask it for each candidate."""
+        digit = self.tables.has_digit
+        if not self.active or (token < len(digit) and not digit[token]):
+            return True
+        candidates = self._candidates()
+        if not len(candidates):
+            return True
+        at = min(int(candidates.searchsorted(token)), len(candidates) - 1)
+        return not (candidates[at] == token and self._overflows(token))

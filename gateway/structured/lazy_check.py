@@ -114,7 +114,7 @@ class LazyCheck:
             return False
         if (grammar := self.matcher.allows(token)) is not True:
             return grammar
-        if self.guard is not None and not self.guard.keeps(np.array([token], dtype=np.int64))[0]:
+        if self.guard is not None and not self.guard.keeps_one(token):
             return False  # (the full row's filter, run over this token alone)
         piece = self._token_bytes[token] if token < len(self._token_bytes) else None
         if self._ws_run >= self.max_whitespace_run and piece and not piece.strip():

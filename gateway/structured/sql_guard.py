@@ -95,6 +95,10 @@ class SQLScopeGuard:
         self._filter(row, self.table.subset(tokens))
         return np.unpackbits(row.view(np.uint8), bitorder="little")[: len(tokens)].astype(bool)
 
+    def keeps_one(self, token: int) -> bool:
+        """`keeps` of one id (the lazy checks' question for each candidate)."""
+        return bool(self.keeps(np.array([token], dtype=np.int64))[0])
+
     def _filter(self, out: np.ndarray, tt: TokenTable) -> None:
         """`filter` over the tokens of table `tt` (bit j of `out`: tt's token j).
 

@@ -349,6 +349,7 @@ constexpr int kMaxMT = 4;
 
 #include "w4a8_zmm.h"
 #include "bf16_zmm.h"
+#include "amx_bf16.h"
 #include "fp_zmm.h"
 #include "w8a8.h"
 #include "amx_int8.h"
@@ -364,6 +365,10 @@ template <int FMT, int R8>
 void zmm_unit_rows(const Mat&, int64_t, int64_t, int64_t, const ZmmActs&, float* const*, int) {}
 template <int R8>
 void zmm_bf16_unit_rows(const Mat&, int64_t, int64_t, int64_t, const uint16_t* const*, float* const*, int) {}
+template <int R8>
+void amx_bf16_unit_rows(const Mat&, int64_t, int64_t, int64_t, const uint16_t*, int64_t, float*, int64_t, int) {}
+inline int64_t amx_bf16_kp(int64_t kp) { return kp; }
+inline bool amx_bf16_used() { return false; }
 template <int FMT, int R8>
 void zmm_fp_unit_rows(const Mat&, int64_t, int64_t, int64_t, const float* const*, float* const*, int) {}
 template <int FMT, int R8>
@@ -445,23 +450,26 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
   };
   const ZmmActs xi = interleaved(hp, ngh), hi = interleaved(ip, ngi);
   // AMX int8 tiles (amx_int8.h) for experts with amx_int8_rows rows: their layer input rows gathered per sorted
-  // row (xa / xasx / xaqs; the down input hq already is).
+  // row (xg / xgsx / xgqs; the down input hq already is).
   const bool amx = zmm && moegate::amx_int8_here();
   const int64_t amx_rows = amx ? amx_min_rows(FMT).load(std::memory_order_relaxed) : 0;  // read once per call
   auto amx_e = [&](int64_t e) { return amx && count[e + 1] - count[e] >= amx_rows; };
-  int8_t* xa = scratch.take<int8_t>(amx ? S * hp : 0);
-  float* xasx = scratch.take<float>(amx ? S * ngh : 0);
-  float* xaqs = scratch.take<float>(amx ? S * ngh : 0);
-  // bf16_a16: activations rounded to bf16 (both projections' inputs); on vdpbf16ps also as bf16 bits
-  // (xbits / hbits, rows of even length).
-  const bool dot16 = FMT == BF16A && cpu_has_bf16_dot();
+  int8_t* xg = scratch.take<int8_t>(amx ? S * hp : 0);
+  float* xgsx = scratch.take<float>(amx ? S * ngh : 0);
+  float* xgqs = scratch.take<float>(amx ? S * ngh : 0);
+  // bf16_a16: activations rounded to bf16 (both projections' inputs); on AMX tdpbf16ps (amx_bf16.h) or
+  // vdpbf16ps also as bf16 bits (xbits / hbits, rows of even length; on AMX hbits rows and the per sorted row
+  // copies xa of xbits whole 32-k chunks, zero-padded).
+  const bool amx16 = FMT == BF16A && kZmm && amx_bf16_used();
+  const bool dot16 = FMT == BF16A && !amx16 && cpu_has_bf16_dot(), bits16 = amx16 || dot16;
   // fp32 activations on zmm FMA (fp_zmm.h); experts with more than kSequentialRows rows read theirs
   // interleaved (FpActs: xf per sorted row from row count[e], hf likewise).
-  const bool fpz = kZmm && !w4a8 && !dot16;
+  const bool fpz = kZmm && !w4a8 && !bits16;
   const FpActs xf{scratch.take<float>(fpz ? S * hp : 0), hp}, hf{scratch.take<float>(fpz ? S * ip : 0), ip};
   auto many = [&](int64_t e) { return fpz && count[e + 1] - count[e] > kSequentialRows; };
-  const int64_t xbl = hp + (hp & 1), hbl = hbuf + 1;
-  std::vector<uint16_t> xbits(dot16 ? T * xbl : 1), hbits(dot16 ? S * hbl : 1);
+  const int64_t xbl = hp + (hp & 1), hbl = amx16 ? amx_bf16_kp(ip) : hbuf + 1, kah = amx_bf16_kp(hp);
+  std::vector<uint16_t> xbits(bits16 ? T * xbl : 1), hbits(bits16 ? S * hbl : 1);
+  uint16_t* xa = scratch.take<uint16_t>(amx16 ? S * kah : 0);
   auto& pool = moegate::WorkPool::instance();
   // The activations' copies, quantization and interleaving: token rows, then experts, over the pool at prefill
   // sizes (each row's bytes are the same whatever thread writes them).
@@ -470,15 +478,20 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
     std::memcpy(&xp[t * hp], x + t * P.H, sizeof(float) * P.H);
     std::fill(xp + t * hp + P.H, xp + (t + 1) * hp, 0.f);
     if (w4a8) quantize_row(&xp[t * hp], hp, P.gs, &xq[t * hp], &xsx[t * ngh], &xqs[t * ngh], &xn8[t * ngh]);
-    if (FMT == BF16A) round_row_bf16(&xp[t * hp], hp, dot16 ? &xbits[t * xbl] : nullptr);
+    if (FMT == BF16A) round_row_bf16(&xp[t * hp], hp, bits16 ? &xbits[t * xbl] : nullptr);
   });
-  pool.parallel_for(E, 1, interleave || fpz || amx ? prep : 1, [&](int64_t e) {
+  pool.parallel_for(E, 1, interleave || fpz || amx || amx16 ? prep : 1, [&](int64_t e) {
+    if (amx16)
+      for (int64_t r = count[e]; r < count[e + 1]; ++r) {
+        std::memcpy(&xa[r * kah], &xbits[src_token[r] * xbl], sizeof(uint16_t) * xbl);
+        std::fill(&xa[r * kah] + xbl, &xa[(r + 1) * kah], uint16_t(0));
+      }
     if (amx_e(e))
       for (int64_t r = count[e]; r < count[e + 1]; ++r) {
         const int64_t t = src_token[r];
-        std::memcpy(&xa[r * hp], &xq[t * hp], hp);
-        std::memcpy(&xasx[r * ngh], &xsx[t * ngh], sizeof(float) * ngh);
-        std::memcpy(&xaqs[r * ngh], &xqs[t * ngh], sizeof(float) * ngh);
+        std::memcpy(&xg[r * hp], &xq[t * hp], hp);
+        std::memcpy(&xgsx[r * ngh], &xsx[t * ngh], sizeof(float) * ngh);
+        std::memcpy(&xgqs[r * ngh], &xqs[t * ngh], sizeof(float) * ngh);
       }
     else if constexpr (interleave)
       for (int64_t r = count[e]; r < count[e + 1]; ++r) {
@@ -490,9 +503,9 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       for (int64_t r = count[e]; r < count[e + 1]; ++r)
         xf.rows(count[e]).put(r - count[e], count[e + 1] - count[e], &xp[src_token[r] * hp]);
   });
-  // On zmm (W4A8, and bf16_a16 on vdpbf16ps) a down item is a unit of two 8-row tiles (w4a8_zmm.h),
+  // On zmm (W4A8, and bf16_a16 on AMX or vdpbf16ps) a down item is a unit of two 8-row tiles (w4a8_zmm.h),
   // a gate_up item one 16-row tile.
-  const bool units = zmm || dot16 || fpz;
+  const bool units = zmm || bits16 || fpz;
   const int64_t dn_items = units ? (P.h8 + 1) / 2 : P.h8;
   const int64_t n1 = na * P.i8, n2 = na * dn_items;
   // One job: items [0, n1) are gate_up tiles, [n1, n1 + n2) down tiles. A down item of expert e
@@ -528,10 +541,11 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
         orow[i] = tmp[i];
       }
       // experts are contiguous runs of tiles: global tile = e * i8 + tile
-      if (dot16) zmm_bf16_unit_rows<2>(P.gu, e * P.i8, tile, P.i8, br, orow, n);
+      if (amx16) amx_bf16_unit_rows<2>(P.gu, e * P.i8, tile, P.i8, &xa[r0 * kah], kah, tmp[0], 16, n);
+      else if (dot16) zmm_bf16_unit_rows<2>(P.gu, e * P.i8, tile, P.i8, br, orow, n);
       else if (amx_e(e))
         amx_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8,
-                              AmxActs{xa + r0 * hp, hp, xasx + r0 * ngh, xaqs + r0 * ngh, ngh}, tmp[0], 16, n);
+                              AmxActs{xg + r0 * hp, hp, xgsx + r0 * ngh, xgqs + r0 * ngh, ngh}, tmp[0], 16, n);
       else if constexpr (FMT == I8A8) w8a8_rows<2>(P.gu, e * P.i8, tile, P.i8, qr, sxr, qsr, orow, n);
       else if constexpr (zmm) zmm_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8, xi.rows(r0), orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 2>(P.gu, e * P.i8 + tile, qr, sxr, qsr, orow, n);
@@ -559,8 +573,10 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
                                   &hqs[r * ngi], &hn8[r * ngi]);
         }
       if constexpr (FMT == BF16A)
-        for (int64_t r = count[e]; r < count[e + 1]; ++r)
-          round_row_bf16(&hb[r * hbuf], ip, dot16 ? &hbits[r * hbl] : nullptr);
+        for (int64_t r = count[e]; r < count[e + 1]; ++r) {
+          round_row_bf16(&hb[r * hbuf], ip, bits16 ? &hbits[r * hbl] : nullptr);
+          if (amx16) std::fill(&hbits[r * hbl + ip + (ip & 1)], &hbits[(r + 1) * hbl], uint16_t(0));
+        }
       if (many(e))
         for (int64_t r = count[e]; r < count[e + 1]; ++r)
           hf.rows(count[e]).put(r - count[e], count[e + 1] - count[e], &hb[r * hbuf]);
@@ -590,7 +606,9 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
         br[i] = &hbits[dot16 ? r * hbl : 0];
         orow[i] = &y[r * ldy + tile * 8];
       }
-      if (dot16) zmm_bf16_unit_rows<1>(P.dn, e * P.h8, item, P.h8, br, orow, n);
+      if (amx16)
+        amx_bf16_unit_rows<1>(P.dn, e * P.h8, item, P.h8, &hbits[r0 * hbl], hbl, &y[r0 * ldy + tile * 8], ldy, n);
+      else if (dot16) zmm_bf16_unit_rows<1>(P.dn, e * P.h8, item, P.h8, br, orow, n);
       else if (amx_e(e))
         amx_unit_rows<FMT, 1>(P.dn, e * P.h8, item, P.h8,
                               AmxActs{hq + r0 * hbuf, hbuf, hsx + r0 * ngi, hqs + r0 * ngi, ngi}, &y[r0 * ldy + tile * 8],
@@ -694,11 +712,13 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
   const int64_t nz = interleave ? M : 0;
   const ZmmActs xl{scratch.take<int8_t>(nz * kp), scratch.take<float>(nz * ng), scratch.take<float>(nz * ng),
                    scratch.take<int32_t>(nz * ng), kp, ng};
-  const bool dot16 = FMT == BF16A && cpu_has_bf16_dot();
+  // bf16_a16's bf16 bits (rows of even length; on AMX whole 32-k chunks, zero-padded)
+  const bool amx16 = FMT == BF16A && kZmm && amx_bf16_used();
+  const bool dot16 = FMT == BF16A && !amx16 && cpu_has_bf16_dot(), bits16 = amx16 || dot16;
   // fp32 activations on zmm FMA (fp_zmm.h): more than kSequentialRows rows interleaved (FpActs)
-  const bool fpz = kZmm && !w4a8 && !dot16, many = fpz && M > kSequentialRows;
-  const int64_t xbl = kp + (kp & 1);
-  std::vector<uint16_t> xbits(dot16 ? M * xbl : 1);
+  const bool fpz = kZmm && !w4a8 && !bits16, many = fpz && M > kSequentialRows;
+  const int64_t xbl = amx16 ? amx_bf16_kp(kp) : kp + (kp & 1);
+  std::vector<uint16_t> xbits(bits16 ? M * xbl : 1);
   const FpActs xf{scratch.take<float>(many ? M * kp : 0), kp};
   // Each row's copy, int8 or bf16 activations and interleaved chunk: over the pool at prefill sizes (a row's
   // bytes are the same whatever thread writes them)
@@ -711,7 +731,10 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
       quantize_row(&xp[m * kp], kp, A.gs, &xq[m * kp], &xsx[m * ng], &xqs[m * ng], &xn8[m * ng]);
       if (interleave) xl.put(m, M, &xq[m * kp], &xsx[m * ng], &xqs[m * ng], &xn8[m * ng]);
     }
-    if constexpr (FMT == BF16A) round_row_bf16(&xp[m * kp], kp, dot16 ? &xbits[m * xbl] : nullptr);
+    if constexpr (FMT == BF16A) {
+      round_row_bf16(&xp[m * kp], kp, bits16 ? &xbits[m * xbl] : nullptr);
+      if (amx16) std::fill(&xbits[m * xbl + kp + (kp & 1)], &xbits[(m + 1) * xbl], uint16_t(0));
+    }
     if (many) xf.put(m, M, xrows + m * kp);
   });
   std::vector<const float*> xr(M);
@@ -729,7 +752,7 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
   }
   constexpr int kRows = kMaxMT * 16;
   static_assert(kRows % kFpSegment == 0, "a block of rows holds whole FpActs segments");
-  const bool units = zmm || dot16 || fpz;
+  const bool units = zmm || bits16 || fpz;
   const int64_t items = units ? (n8 + 1) / 2 : n8;
   // ~16 claims per thread, as in run(): few enough to keep the shared counter quiet, enough to balance
   const int threads = moegate::threads_for(weight_bytes(FMT, n8 * 8 * kp), nthreads);
@@ -750,8 +773,9 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
   moegate::WorkPool::instance().parallel_for(items, chunk, threads, [&](int64_t item) {
     const int64_t tile = units ? 2 * item : item;
     float* orow[kRows];
+    if (amx16) amx_bf16_unit_rows<1>(A, 0, item, n8, xbits.data(), xbl, out + tile * 8, ldo, (int)M);
     if (amx) amx_unit_rows<FMT, 1>(A, 0, item, n8, AmxActs{xq, kp, xsx, xqs, ng}, out + tile * 8, ldo, M);
-    for (int64_t m0 = 0; m0 < M && !amx; m0 += kRows) {
+    for (int64_t m0 = 0; m0 < M && !amx16 && !amx; m0 += kRows) {
       const int n = (int)std::min<int64_t>(kRows, M - m0);
       for (int i = 0; i < n; ++i) orow[i] = out + (m0 + i) * ldo + tile * 8;
       if (dot16) zmm_bf16_unit_rows<1>(A, 0, item, n8, &br[m0], orow, n);
@@ -966,6 +990,9 @@ int moegate_is_avx2() {
 // Whether bf16_a16 runs on AVX-512 BF16 vdpbf16ps here (the avx512 build on a CPU that has it).
 int moegate_has_bf16_dot() { return cpu_has_bf16_dot() ? 1 : 0; }
 
+// The path bf16_a16 takes now (under the path limit): 2 AMX tdpbf16ps, 1 vdpbf16ps, 0 fp32 FMA.
+int moegate_bf16_a16_path() { return kZmm && amx_bf16_used() ? 2 : cpu_has_bf16_dot() ? 1 : 0; }
+
 // The run-time path limit (paths.h: 2 = every path the CPU has, 1 = no AMX, 0 = plain zmm): set it where
 // `level` >= 0; returns the previous limit.
 int moegate_path_limit(int level) {
@@ -984,10 +1011,17 @@ int moegate_amx_min_rows(int fmt, int rows) {
 // The SIMD path of this build, for logs and benchmark reports.
 const char* moegate_simd_path() {
 #if defined(MOEGATE_ZMM)
+  if (moegate::amx_int8_here() && amx_bf16_used())
+    return "avx512: W4A8 / W8A8 AMX int8 tiles (tdpbssd, 16 tokens x 16 rows) where an expert or batch has >= "
+           "moegate_amx_min_rows(fmt) rows (int8_a8: 32), else zmm vpdpbusd (16 rows x up to 8 tokens per weight "
+           "block), bf16_a16 AMX tdpbf16ps, fp32/bf16/int8 zmm fma (16 rows x up to 15 tokens per weight vector)";
   if (moegate::amx_int8_here() && cpu_has_bf16_dot())
     return "avx512: W4A8 / W8A8 AMX int8 tiles (tdpbssd, 16 tokens x 16 rows) where an expert or batch has >= "
            "moegate_amx_min_rows(fmt) rows (int8_a8: 32), else zmm vpdpbusd (16 rows x up to 8 tokens per weight "
            "block), bf16_a16 zmm vdpbf16ps, fp32/bf16/int8 zmm fma (16 rows x up to 15 tokens per weight vector)";
+  if (amx_bf16_used())
+    return "avx512: W4A8 / W8A8 zmm vpdpbusd (16 rows x up to 8 tokens per weight block), bf16_a16 AMX tdpbf16ps, "
+           "fp32/bf16/int8 zmm fma (16 rows x up to 15 tokens per weight vector)";
   if (cpu_has_bf16_dot())
     return "avx512: W4A8 / W8A8 zmm vpdpbusd (16 rows x up to 8 tokens per weight block), bf16_a16 zmm vdpbf16ps, "
            "fp32/bf16/int8 zmm fma (16 rows x up to 15 tokens per weight vector)";

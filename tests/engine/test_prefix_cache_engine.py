@@ -254,3 +254,34 @@ def test_code_identity_names_the_kernel_build(monkeypatch):
     monkeypatch.setenv("MOEGATE_KERNEL_VARIANT", "avx2")
     assert len({torch_only, generic, code_identity()}) == 3
     assert code_identity() == code_identity()
+
+
+def test_a_step_that_completes_no_block_hashes_nothing(hf_checkpoint, monkeypatch):
+    """Registration after a step hashes (and joins the sequence's token list) only where the step completed a block:
+    most decode steps complete none. The chain it keeps is the whole prefix's, block by block."""
+    eng = _engine(hf_checkpoint("qwen3_moe"))
+    cache, calls, registering = eng.prefix_cache, [], []
+    real_extend, real_register = cache.hasher.extend, cache.register
+
+    def extend(hashes, root, token_ids, num_blocks):
+        if registering:
+            calls.append(num_blocks - len(hashes))
+        real_extend(hashes, root, token_ids, num_blocks)
+
+    def register(seq, *args, **kw):
+        registering.append(seq)
+        try:
+            real_register(seq, *args, **kw)
+        finally:
+            registering.pop()
+
+    monkeypatch.setattr(cache.hasher, "extend", extend)
+    monkeypatch.setattr(cache, "register", register)
+    seqs = []
+    monkeypatch.setattr(eng.scheduler, "add", lambda seq, add=eng.scheduler.add: (seqs.append(seq), add(seq))[1])
+    out, _ = _run(eng, "d", _prompt(10, 3), max_tokens=13)
+    assert len(out.token_ids) == 13 and calls and min(calls) > 0, calls
+    seq = seqs[0]
+    want: list[str] = []
+    real_extend(want, seq.cache_root, [*seq.prompt_token_ids, *seq.output_token_ids], (10 + 13 - 1) // BLOCK)
+    assert seq.block_hashes == want

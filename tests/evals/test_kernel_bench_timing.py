@@ -4,10 +4,7 @@ import itertools
 
 import pytest
 
-from evals.perf.kernel_baselines import path_contenders
 from evals.perf.kernel_bench import interleaved
-from kernels import build
-from kernels.fused_moe import kernel_library
 
 
 def _clock(readings):
@@ -26,19 +23,3 @@ def test_zero_time_calls_are_counted_not_divided():
 def test_a_clock_that_never_moves_is_a_clear_error():
     with pytest.raises(ValueError, match="--clock wall"):
         interleaved({"k": lambda i: None}, lambda i: 1, 0.0, 1, lambda: 5.0)
-
-
-def test_path_limit_contenders_run_under_their_limit_and_restore_it():
-    """--path-limit amx,zmm: one contender per limit, each call under its limit, the kernel's limit restored after."""
-    lib = kernel_library()
-    if lib is None or not hasattr(lib, "moegate_path_limit"):
-        pytest.skip("no compiled kernel here")
-    seen = []
-    contenders = path_contenders(lib, lambda i: seen.append(lib.moegate_path_limit(-1)), "int8_a8", ["amx", "zmm"])
-    assert list(contenders) == ["moegate[amx] int8_a8", "moegate[zmm] int8_a8"]
-    before = lib.moegate_path_limit(-1)
-    for fn in contenders.values():
-        fn(0)
-    assert seen == [build.PATH_LEVELS["amx"], build.PATH_LEVELS["zmm"]]
-    assert lib.moegate_path_limit(-1) == before
-    assert list(path_contenders(lib, lambda i: None, "int4", [])) == ["moegate int4"]

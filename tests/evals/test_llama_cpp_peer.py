@@ -139,3 +139,16 @@ def test_repeats_keep_the_facts_the_rows_report():
     m = pair_rows(median_runs(runs), [row])[0]
     assert m["peer_types"] == {"lm_head": "Q6_K"} and m["moegate_precision"] == {"lm_head": "int8"}
     assert m["decode_ratio"] == pytest.approx(6.0 / 2.0) and m["prefill_ratio"] == pytest.approx(60.0 / 20.0)
+
+
+def test_format_plan_names_the_matched_everything_runs():
+    """`--formats bf16_a16,bf16 --lm-head match --fast-dense match --fast-only` (no --llama-cpp) runs exactly the
+    moegate side of the two BF16 rows: bf16 activations (matched) and fp32 activations (moegate higher)."""
+    from evals.perf.engine_bench import _format_plan, _parser
+
+    args = _parser().parse_args(["--formats", "bf16_a16,bf16", "--lm-head", "match", "--fast-only"])
+    plan = _format_plan(args, "model", [1, 2], "pack")
+    rows = [r for r in MATCHED if r.peer == "BF16" and r.fmt is not None]
+    assert [name for name, *_ in plan] == [r.run for r in rows]
+    assert [(kw["lm_head"], kw["fast_dense"]) for *_, kw in plan] == [(r.lm_head, r.attention) for r in rows]
+    assert [r.fmt for r in rows] == ["bf16_a16", "bf16"]

@@ -318,6 +318,28 @@ def test_aappend_runs_on_the_loop_unless_it_may_wait_on_the_disk(tmp_path, monke
     append = log._append_locked
     monkeypatch.setattr(log, "_append_locked", lambda *a, **k: (appended_on.append(threading.current_thread()),
                                                                 append(*a, **k))[1])
+    free = []  # per append on the loop: whether the lock was free (the `interval` syncer may hold it)
+
+    class Lock:
+        def __init__(self, lock):
+            self.lock = lock
+
+        def acquire(self, blocking=True, timeout=-1):
+            got = self.lock.acquire(blocking, timeout)
+            if not blocking and threading.current_thread() is threading.main_thread():
+                free.append(got)
+            return got
+
+        def release(self):
+            self.lock.release()
+
+        def __enter__(self):
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
+
+    log._lock = Lock(log._lock)
 
     async def main():
         recs = []
@@ -333,7 +355,11 @@ def test_aappend_runs_on_the_loop_unless_it_may_wait_on_the_disk(tmp_path, monke
     recs = asyncio.run(main())
     assert [r.seq for r in recs] == [0, 1, 2, 3]
     main_thread = threading.main_thread()
-    assert [t is main_thread for t in appended_on] == [not in_thread] * 3 + [False]
+    on_loop = [t is main_thread for t in appended_on]
+    if in_thread:
+        assert on_loop == [False] * 4 and not free  # `always` never tries the loop
+    else:  # on the loop exactly where the lock was free (under load the syncer's fsync may hold it)
+        assert free[3] is False and on_loop == free and any(free[:3]), (on_loop, free)
     assert main_thread not in synced_on  # nothing on the loop waits on the disk
     assert len(synced_on) >= (4 if policy == "always" else 1 if policy == "interval" else 0)
     log.close()

@@ -106,8 +106,8 @@ def test_registry_bits_match_packed_bytes_and_parts_drive_every_list() -> None:
         weights = packed.tensors["gate_up"].numel() * packed.tensors["gate_up"].element_size()
         assert weights * 8 == e * 2 * i * h * spec.bits, name  # h, i multiples of 8 and of every group
         assert packed.group_size == spec.group_size, name
-    assert EXPERT_FORMATS == formats_for("experts") == ("fp32", "bf16", "int8", "int4", "int8_a8")
-    assert LINEAR_FORMATS == FORMATS and QuantizedLMHead.FORMATS == ("bf16", "int8", "int4", "int8_a8")
+    assert EXPERT_FORMATS == formats_for("experts") == ("fp32", "bf16", "int8", "int4", "bf16_a16", "int8_a8")
+    assert LINEAR_FORMATS == FORMATS and QuantizedLMHead.FORMATS == ("bf16", "int8", "int4", "bf16_a16", "int8_a8")
     with pytest.raises(ValueError, match="int4_asym"):
         PlacementConfig(fast_format="int4_asym")
     with pytest.raises(ValueError, match="fp32"):

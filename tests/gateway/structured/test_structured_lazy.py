@@ -289,6 +289,7 @@ def test_guard_keeps_agrees_with_its_filter(tokinfo, sql):
         assert np.array_equal(c.guard.keeps(ids), want), (sql, tokinfo.decode([token]))
         for j in range(0, len(ids), max(1, len(ids) // 50)):
             assert c.guard.keeps(ids[j:j + 1])[0] == want[j], (tokinfo.decode([int(ids[j])]), sql)
+            assert c.guard.keeps_one(int(ids[j])) is bool(want[j]), (tokinfo.decode([int(ids[j])]), sql)
         vetoes += int((~want).sum())
         assert c.consume(token)
     assert vetoes, "the guard vetoed some grammar-allowed token along the way"
@@ -308,6 +309,8 @@ def test_number_guard_keeps_agrees_with_its_filter(tokinfo):
         # one token at a time, as the lazy checks ask (those without a digit answered without the search)
         for t in [*range(0, tokinfo.vocab_size, 97), *np.flatnonzero(~want).tolist()[:50]]:
             assert c.guard.keeps(np.array([t], dtype=np.int64))[0] == want[t], (token, t)
+        # keeps_one (the lazy check's question) on every id: digit-free ones, candidates kept and vetoed
+        assert [c.guard.keeps_one(t) for t in range(tokinfo.vocab_size)] == want.tolist(), token
         checked, vetoes = checked + 1, vetoes + int((~want).sum())
         assert c.consume(token)
     assert checked > 10 and vetoes
@@ -348,6 +351,44 @@ def test_forced_tokens_kept_per_state_follow_the_matcher(tokinfo, kind):
         forced += bool(want)
         assert c.consume(token)
     assert forced >= 3 or kind == "sql"  # (SQL forces no whole token along this text: the answers are None)
+
+
+class _Counting:
+    """An llguidance matcher that counts its forced-bytes and forced-tokens queries."""
+
+    def __init__(self, llg) -> None:
+        self.llg, self.calls = llg, {"compute_ff_bytes": 0, "compute_ff_tokens": 0}
+
+    def __getattr__(self, name):
+        if name in self.calls:
+            self.calls[name] += 1
+        return getattr(self.llg, name)
+
+
+@pytest.mark.parametrize("kind", ["json", "tools", "sql"])
+def test_a_state_is_asked_for_its_forced_bytes_once(tokinfo, kind):
+    """The lazy checks and jump-forward ask `forces` and `forced_token` many times per state: llguidance answers
+    the forced bytes once per state, and the forced tokens (its tokenizing search) only where bytes are forced;
+    the answers stay a fresh copy's."""
+    spec, ids = _specs(tokinfo)[kind], tokinfo.encode(TEXTS[kind])
+    c = build_constraint(spec, tokinfo, max_tokens=256, cache=CACHE)
+    counting = c.matcher.llg = _Counting(c.matcher.llg)
+    unforced = 0
+    for token in ids:
+        fresh = counting.llg.deep_copy()
+        before = dict(counting.calls)
+        for _ in range(3):
+            assert c.matcher.forces() is bool(fresh.compute_ff_bytes())
+            assert c.matcher.forced_token() == next(iter(fresh.compute_ff_tokens()), None)
+            c.allows_token(token)
+            c.may_force()
+        asked = {k: counting.calls[k] - before[k] for k in before}
+        assert asked["compute_ff_bytes"] <= 1 and asked["compute_ff_tokens"] <= 1, (tokinfo.decode([token]), asked)
+        if not fresh.compute_ff_bytes():
+            assert asked["compute_ff_tokens"] == 0, tokinfo.decode([token])
+            unforced += 1
+        assert c.consume(token)
+    assert unforced >= 3
 
 
 @pytest.mark.parametrize("kind", ["json", "tools"])
