@@ -319,12 +319,14 @@ def _greedy_plain_rows(view: LogitsView, seqs: list[Sequence], tokens: list, voc
 def kernel_picks(view: LogitsView, seqs: list[Sequence], vocab_limit: int | None,
                  first_max: np.ndarray | HeadPicks) -> list[list[int]] | None:
     """[[token]] per row where every row is plain greedy and the forward's pick stands (first_max[i] below the
-    vocabulary limit, its logit finite): `_greedy_plain_rows`' token for each, without its general loop; else None
-    (`sample` decides every row; always for a HeadPicks: a row raced)."""
+    vocabulary limit, its logit finite): `_greedy_plain_rows`' token for each, without its general loop; for a
+    HeadPicks `head_picks`; else None (`sample` decides every row)."""
     values = view.values
-    if values is None or isinstance(first_max, HeadPicks):
+    if values is None:
         return None
     limit = view.width if vocab_limit is None else min(vocab_limit, view.width)
+    if isinstance(first_max, HeadPicks):
+        return head_picks(first_max, values, seqs, limit)
     chosen = []
     for i, token in enumerate(first_max.tolist()):
         p = seqs[i].params
@@ -332,6 +334,28 @@ def kernel_picks(view: LogitsView, seqs: list[Sequence], vocab_limit: int | None
                 values.item(i, token)):
             return None
         chosen.append([token])
+    return chosen
+
+
+def head_picks(races: HeadPicks, values: np.ndarray, seqs: list[Sequence], limit: int) -> list[list[int]] | None:
+    """[[token]] per row where every row is plain greedy or a plain race the lm_head's call ran with the row's next
+    draw over `limit` logits, and each pick stands (its logit or score finite, the greedy pick below the limit): the
+    tokens `_greedy_plain_rows` and `_race_plain_rows` take, each raced row's draw used up; else None, no draw used
+    (`sample` decides every row)."""
+    if races.limit != limit:
+        return None
+    tokens, best, draws, chosen = races.tokens.tolist(), races.best.tolist(), races.draws, []
+    for i, seq in enumerate(seqs):
+        p, token = seq.params, tokens[i]
+        if draws[i] is not None:
+            if not p.plain_race or draws[i] != coming_draw(seq) or not math.isfinite(best[i]):
+                return None
+        elif not p.plain_greedy or not 0 <= token < limit or not math.isfinite(values.item(i, token)):
+            return None
+        chosen.append([token])
+    for i, seq in enumerate(seqs):
+        if draws[i] is not None:
+            seq.noise_draws += 1  # `next_draw`: the raced row's draw used up
     return chosen
 
 

@@ -3,8 +3,8 @@ entry point): the logits mask of constrained decoding (`moegate_apply_bitmask`, 
 one-call decoder layer (`moegate_decode_layer`, csrc/decode_layer.h) and the whole stack of them in one call
 (`moegate_decode_stack`); `DecodeStackCall` and `LinearCall`: the stack and a packed projection over buffers kept
 between calls, their arguments checked and converted once (a decode step passes its row count); `DecodeStepCall`:
-both in one call (`moegate_decode_step`); `HeadRaceCall`: the lm_head with each row's temperature pick in the same
-call (`moegate_linear_race`)."""
+both in one call (`moegate_decode_step`, the lm_head's greedy picks or races included); `HeadRaceCall`: the lm_head
+with each row's temperature pick in the same call (`moegate_linear_race`)."""
 
 from __future__ import annotations
 
@@ -203,20 +203,25 @@ class LinearCall:
 
 class DecodeStepCall:
     """A decode step's two kernel calls, the stack (`DecodeStackCall`) and the lm_head over its first rows of the
-    stack's norm output (`LinearCall`, the greedy pick where asked), as one `moegate_decode_step` call, which also
-    lets the pool's helpers rest: both calls' checked and converted arguments sit in one kept struct
-    (kernels/build.py `DecodeStepArgs`), so a step passes its rows, the lm_head's rows and whether it picks.
-    The entry point is looked up on the library at each call (a timer wrapped around it sees every call)."""
+    stack's norm output (`LinearCall`, the greedy pick where asked; `HeadRaceCall`'s races with `racing`), as one
+    `moegate_decode_step` call, which also lets the pool's helpers rest: both calls' checked and converted arguments
+    sit in one kept struct (kernels/build.py `DecodeStepArgs`), so a step passes its rows, the lm_head's rows and
+    whether it picks or races. The entry point is looked up on the library at each call (a timer wrapped around it
+    sees every call)."""
 
-    def __init__(self, stack: DecodeStackCall, head: LinearCall) -> None:
+    def __init__(self, stack: DecodeStackCall, head: LinearCall, race: HeadRaceCall | None = None) -> None:
         from kernels.build import DecodeStepArgs
 
         if stack.lib is not head.lib or head._head[0].value != stack._tail[12].value:
             raise ValueError("the lm_head must read the stack's norm output, in the same kernel library")
+        if race is not None and race.call is not head:
+            raise ValueError("the races must be the lm_head's own (HeadRaceCall over the same LinearCall)")
         values = [a.value if isinstance(a, ctypes._SimpleCData) else ctypes.addressof(a)
-                  for a in (*stack._head, *stack._tail, head._head[1], *head._tail, head._first_max)]
-        self.lib, self.stack, self.head = stack.lib, stack, head
+                  for a in (*stack._head, *stack._tail, head._head[1], *head._tail, head._first_max,
+                            *(race._race if race is not None else ()))]
+        self.lib, self.stack, self.head, self.race = stack.lib, stack, head, race
         self.rows, self.logit_rows = stack.rows, head.rows
+        self._vocab = head.linear.out_features if race is not None else -1  # a race's limit at most (-1: no race)
         self._args = ctypes.pointer(DecodeStepArgs(*values))
 
     def __call__(self, rows: int, logit_rows: int, pick: bool) -> None:
@@ -225,11 +230,23 @@ class DecodeStepCall:
         if not (0 < logit_rows <= self.logit_rows and 0 < rows <= self.rows) or (pick and not self.head._first_max.value):
             raise ValueError(f"rows must be in [1, {self.rows}], logit rows in [1, {self.logit_rows}] (a first_max "
                              f"buffer kept to pick), got {rows}, {logit_rows}")
-        rc = self.lib.moegate_decode_step(self._args, rows, logit_rows, pick)
+        if rc := self.lib.moegate_decode_step(self._args, rows, logit_rows, 1 if pick else 0, 0):
+            self._failed(rc)
+
+    def racing(self, rows: int, logit_rows: int, limit: int) -> None:
+        """As the call, the lm_head's rows picked as `HeadRaceCall(logit_rows, limit)` picks them: each row whose
+        kept temperature is > 0 races over its first `limit` logits, any other takes its first largest there (the
+        race's kept picks and best)."""
+        if not (0 < logit_rows <= self.logit_rows and 0 < rows <= self.rows and 0 <= limit <= self._vocab):
+            raise ValueError(f"a HeadRaceCall kept, rows in [1, {self.rows}], logit rows in [1, {self.logit_rows}] "
+                             f"and limit in [0, {self.head.linear.out_features}]: got {rows}, {logit_rows}, {limit}")
+        if rc := self.lib.moegate_decode_step(self._args, rows, logit_rows, 2, limit):
+            self._failed(rc)
+
+    def _failed(self, rc: int) -> None:
         if rc <= -100:
-            raise RuntimeError(f"moegate_linear failed with code {rc + 100} for format {self.head.linear.fmt}")
-        if rc != 0:
-            _decode_rc("moegate_decode_stack", rc, self.stack.slots_per_cache, self.stack.ctx_total)
+            raise RuntimeError(f"the lm_head's kernel failed with code {rc + 100} for format {self.head.linear.fmt}")
+        _decode_rc("moegate_decode_stack", rc, self.stack.slots_per_cache, self.stack.ctx_total)
 
 
 class HeadRaceCall:

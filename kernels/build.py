@@ -50,14 +50,15 @@ class DecodeLayerParams(ctypes.Structure):
 
 class DecodeStepArgs(ctypes.Structure):
     """Mirror of struct DecodeStepArgs in kernels/csrc/moe_cpu.cpp: `moegate_decode_step`'s kept arguments (the
-    stack's, then the lm_head's; pointers as addresses)."""
+    stack's, then the lm_head's, then its races' buffers; pointers as addresses)."""
 
     _fields_ = [(n, _P) for n in ("layers",)] + [("L", ctypes.c_int64)] + [
         (n, _P) for n in ("x", "cos", "sin", "k_caches", "v_caches", "slot_mapping", "ctx_slots", "ctx_start", "ctx_len",
                           "topk_ids", "counts", "norm_w")] + [("norm_eps", ctypes.c_double), ("norm_out", _P)] + [
         (n, ctypes.c_int64) for n in ("nthreads", "cache_slots", "ctx_total")] + [("logits", _P)] + [
         (n, ctypes.c_int64) for n in ("N", "K", "fmt", "gs")] + [(n, _P) for n in ("w", "s", "mins")] + [
-        ("head_threads", ctypes.c_int64), ("first_max", _P)]
+        ("head_threads", ctypes.c_int64), ("first_max", _P)] + [
+        (n, _P) for n in ("temps", "keys", "counters", "picks", "best")]
 
 
 class KernelBuildError(RuntimeError):
@@ -274,4 +275,4 @@ def _declare(lib: ctypes.CDLL) -> None:
                                              p, p, p, ctypes.c_double, p, ctypes.c_int, i64, i64]
     if hasattr(lib, "moegate_decode_step"):
         lib.moegate_decode_step.restype = ctypes.c_int
-        lib.moegate_decode_step.argtypes = [ctypes.POINTER(DecodeStepArgs), i64, i64, ctypes.c_int]
+        lib.moegate_decode_step.argtypes = [ctypes.POINTER(DecodeStepArgs), i64, i64, ctypes.c_int, i64]

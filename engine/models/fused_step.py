@@ -1,6 +1,7 @@
 """The fused decode step: a step of up to SMALL_BATCH_TOKENS tokens (decodes, jump-forward chunks, a token and its
-drafts, short prefill chunks) on a fused stack (engine/models/fused_decode.py), token ids to logits in two kernel
-calls over buffers kept between steps, which `ModelRunner.run` takes instead of the batch forward (the same bits)."""
+drafts, short prefill chunks) on a fused stack (engine/models/fused_decode.py), token ids to logits (and the lm_head's
+greedy picks or temperature races) in one kernel call, or two where a row does not sample or has logits processors,
+over buffers kept between steps, which `ModelRunner.run` takes instead of the batch forward (the same bits)."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ class FusedDecodeStep:
     contexts are written through numpy into buffers kept between steps (a step of decodes that go on from the last
     step's rows: item by item through flat memoryviews of them, `_decodes`), then one `moegate_decode_stack` call
     (every layer and the final norm) and one lm_head call (`moegate_linear`) over the rows that sample: where every
-    row samples and none has logits processors or races (`_races`), both in one call (`moegate_decode_step`). The
-    same kernels on the same inputs as `MoeForCausalLM.forward` and `compute_logits` over a ForwardBatch (the
-    embedding and RoPE rows are copies of the same rows), so the same bits, without the batch's tensors and the ~20
-    torch ops and module calls around the two kernel calls."""
+    row samples and none has logits processors, both in one call (`moegate_decode_step`, with the greedy picks or the
+    plain temperature rows' races: `_races`). The same kernels on the same inputs as `MoeForCausalLM.forward` and
+    `compute_logits` over a ForwardBatch (the embedding and RoPE rows are copies of the same rows), so the same bits,
+    without the batch's tensors and the ~20 torch ops and module calls around the kernel calls."""
 
     pick_in_kernel = True  # the lm_head's call finds the plain greedy rows' picks and runs the plain temperature rows'
     # races (off: the sampler reads the logits)
@@ -65,7 +66,7 @@ class FusedDecodeStep:
         self._cache_slots = cache_slots(stack.params, kv_caches)
         self._norm = (model.model.norm.weight.detach(), model.model.norm.eps)
         self._stack_call: DecodeStackCall | None = None
-        self._step_call: DecodeStepCall | None = None  # the stack and the lm_head in one call (`_grow` builds both)
+        self._step_call: DecodeStepCall | None = None  # the stack and the lm_head (its picks or races) in one call
         # [R, V rounded up to 8]: the logits, kept (valid until the next step, as the runner's token buffer): a fresh
         # 0.6 MB tensor per step cost ~20 us of page faults here. Not where a row has logits processors: they are
         # handed rows and may keep them, so those steps' logits are fresh
@@ -79,7 +80,9 @@ class FusedDecodeStep:
         # the same call with each plain temperature row's race scored while its columns are hot (the sampler's
         # `moegate_race_sample` read the row back from the other core's cache) and the other rows' first largest
         self._race_call = HeadRaceCall(self._head_call)
-        self._race_views: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # (picks, best) [n] by n
+        self._race_views: dict[int, tuple] = {}  # (logits [n, V], picks, best [n]) by n (`_race_picks`)
+        # flat memoryviews of the races' inputs: temps 'f', keys and counters 'Q' (`_decodes` writes them item by item)
+        self._race_mv = tuple(_flat(a) for a in (self._race_call.temps, self._race_call.keys, self._race_call.counters))
         # the lm_head is the step's last kernel call: the pool's helpers sleep now instead of spinning ~200 us for a job
         # that comes only with the next step, on a core the stepping thread (and anything else) could use
         self._rest = getattr(stack.lib, "moegate_pool_rest", lambda: None)
@@ -101,16 +104,21 @@ class FusedDecodeStep:
         its sequence's positions 0..its own, the chunk's earlier tokens included (the kernel writes all rows' K/V
         before any row attends), as the batch forward's fused layers compute a chunk."""
         if (rows := self._decodes(chunks, blocks)) is not None:
-            t, greedy, processors, every = len(chunks), *rows, True
+            t, (greedy, processors, draws), every = len(chunks), rows, True
         else:
             t, greedy, processors, every = self._inputs(chunks, blocks)
+            draws = self._races(chunks) if self.pick_in_kernel else None
         pick = self.pick_in_kernel and greedy
-        # a plain temperature row: the stack's call, then the lm_head's with the races (`_racing`), not the one call
-        draws = self._races(chunks) if self.pick_in_kernel else None
-        if draws is None and every and not processors:  # the stack, the lm_head (its picks), the pool's rest: one call
-            self._step_call(t, t, pick)
+        if every and not processors:  # the stack, the lm_head (its picks or races), the pool's rest: one call
+            if draws is None:
+                self._step_call(t, t, pick)
+                self.hidden = self._normed[:t].clone() if self.keep_hidden else None
+                return self._views(t, pick)
+            limit = self._limit()
+            self._step_call.racing(t, t, limit)
             self.hidden = self._normed[:t].clone() if self.keep_hidden else None
-            return self._views(t, pick)
+            logits, picks, best = self._race_picks(t)
+            return logits, HeadPicks(picks, best, draws, limit)
         self._stack_call(t)
         self.hidden = self._normed[:t].clone() if self.keep_hidden else None
         n = t if every else self._compact(chunks)
@@ -159,23 +167,33 @@ class FusedDecodeStep:
 
     def _racing(self, n: int, draws: list, processors: bool) -> tuple[torch.Tensor, HeadPicks]:
         """The lm_head's call over the n rows that sample with the races `_races` set up -> (logits, their picks)."""
-        limit = self.head.out_features if self.vocab_limit is None else min(self.vocab_limit, self.head.out_features)
-        if (views := self._race_views.get(n)) is None:
-            views = self._race_views[n] = (self._race_call.picks[:n], self._race_call.best[:n])
+        limit, (kept, picks, best) = self._limit(), self._race_picks(n)
         if processors:
             logits = torch.empty(n, self.head.padded_out)
             self._race_call(n, limit, logits)
             self._rest()
-            return logits[:, :self.head.out_features], HeadPicks(*views, draws, limit)
+            return logits[:, :self.head.out_features], HeadPicks(picks, best, draws, limit)
         self._race_call(n, limit)
         self._rest()
-        return self._views(n, False)[0], HeadPicks(*views, draws, limit)
+        return kept, HeadPicks(picks, best, draws, limit)
 
-    def _decodes(self, chunks: list, blocks) -> tuple[bool, bool] | None:
+    def _limit(self) -> int:
+        """The logits the races run over: the sampler's vocabulary limit, at most the lm_head's outputs."""
+        return self.head.out_features if self.vocab_limit is None else min(self.vocab_limit, self.head.out_features)
+
+    def _race_picks(self, n: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """The kept logits' first n rows [n, V] and the race call's kept picks' and best's [n] (views kept by n)."""
+        if (views := self._race_views.get(n)) is None:
+            race = self._race_call
+            views = self._race_views[n] = (self._views(n, False)[0], race.picks[:n], race.best[:n])
+        return views
+
+    def _decodes(self, chunks: list, blocks) -> tuple[bool, bool, list | None] | None:
         """A step of decodes whose contexts the last step wrote (each chunk one token that samples, its sequence and
         table in the same region as then, no table freed since, within the region and the RoPE table): each row's
-        inputs written item by item through the flat views, its context's one new slot included -> (a row is plain
-        greedy, a row has logits processors); else None, nothing written (`_inputs` then writes every row)."""
+        inputs written item by item through the flat views, its context's one new slot included, and where the
+        lm_head picks (`pick_in_kernel`) its race's inputs as `_races` writes them -> (a row is plain greedy, a row
+        has logits processors, `_races`' draws); else None, nothing written (`_inputs` then writes every row)."""
         ctx, bs = self.contexts, blocks.block_size
         kept, region, slots = ctx.kept, ctx.region, ctx.slots_mv
         if (len(chunks) > len(kept) or blocks.frees != ctx.frees or blocks is not ctx.blocks
@@ -189,11 +207,22 @@ class FusedDecodeStep:
         iv, R, D, H = self._ints_mv, SMALL_BATCH_TOKENS, self._head_dim, self._hidden
         rope, (cos, sin), x, embed = self._rope_mv, self._table_mv, self._x_mv, self._embed_mv
         greedy = processors = False
+        race, draws = self.pick_in_kernel, None
         for i, c in enumerate(chunks):
             seq, pos = c.seq, c.start
             table, params = seq.block_table, seq.params
             greedy = greedy or params.plain_greedy
             processors = processors or bool(params.logits_processors)
+            if race and params.plain_race:
+                temps, keys, counters = self._race_mv
+                if draws is None:
+                    draws = [None] * len(chunks)
+                    for j in range(i):
+                        temps[j] = 0.0
+                draws[i] = key, counter = coming_draw(seq)
+                temps[i], keys[i], counters[i] = params.temperature, key & _M64, counter & _M64
+            elif draws is not None:
+                self._race_mv[0][i] = 0.0
             token, slot, at = seq.tokens(pos, pos + 1)[0], table[pos // bs] * bs + pos % bs, i * region
             iv[i], iv[R + i], iv[2 * R + i], iv[3 * R + i], iv[4 * R + i] = token, pos, slot, at, pos + 1
             slots[at + pos] = slot  # the context's new slot, as `StepContexts.write`
@@ -202,7 +231,7 @@ class FusedDecodeStep:
             x[i * H:(i + 1) * H] = embed[token * H:(token + 1) * H]  # the embedding row
             kept[i] = (seq, table, pos + 1)
         del kept[len(chunks):]
-        return greedy, processors
+        return greedy, processors, draws
 
     def _inputs(self, chunks: list, blocks) -> tuple[int, bool, bool, bool]:
         """Every row's inputs (ids, positions, new slots, contexts, RoPE and embedding rows) for any step the fused
@@ -259,7 +288,7 @@ class FusedDecodeStep:
             self.stack.lib, self.stack.params, self._x, self._rope[0], self._rope[1], *self._kv, i[2], self.contexts.slots,
             i[3], i[4], self._ids, self.stack.counts, self.stack.num_threads, (*self._norm, self._normed),
             self._cache_slots)
-        self._step_call = DecodeStepCall(self._stack_call, self._head_call)
+        self._step_call = DecodeStepCall(self._stack_call, self._head_call, self._race_call)
 
 
 class StepContexts:
@@ -309,5 +338,5 @@ class StepContexts:
 
 
 def _flat(a: np.ndarray) -> memoryview:
-    """A C-contiguous array's memory as a flat memoryview of its items (float32 'f', int64 'q')."""
-    return memoryview(a).cast("B").cast({np.float32: "f", np.int64: "q"}[a.dtype.type])
+    """A C-contiguous array's memory as a flat memoryview of its items (float32 'f', int64 'q', uint64 'Q')."""
+    return memoryview(a).cast("B").cast({np.float32: "f", np.int64: "q", np.uint64: "Q"}[a.dtype.type])

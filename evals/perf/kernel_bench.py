@@ -152,6 +152,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="narrower kernel paths (amx, bf16, zmm: kernels.fused_moe.path_limit) timed beside this machine's "
                          "widest, alternating in one process, as contenders moegate/PATH (e.g. bf16,zmm: bf16_a16 on "
                          "vdpbf16ps and on fp32 FMA against AMX)")
+    ap.add_argument("--amx-min-rows", type=int, default=0,
+                    help="rows of an expert or dense batch from which every a8 format runs on AMX int8 tiles "
+                         "(moegate_amx_min_rows; 0: the kernel's defaults, int8_a8 from 32, int4 formats never)")
     ap.add_argument("--quick", action="store_true", help="short run: 0.3 s per point, M=1,8")
     ap.add_argument("--idle-triad", type=float, default=16.0,
                     help="STREAM triad GB/s of this machine when idle (DESIGN.md: 15.6-16.5), a second yardstick "
@@ -169,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     variant = kernel_variant()
     lib = build.load(variant)
+    if args.amx_min_rows > 0 and hasattr(lib, "moegate_amx_min_rows"):
+        for fmt in ("int4", "int4_asym", "int8_a8"):
+            lib.moegate_amx_min_rows(FORMAT_CODE[fmt], args.amx_min_rows)
     old = previous_kernel(args.compare_rev, variant) if args.compare_rev else None
     old_formats = formats_at(args.compare_rev) if args.compare_rev else ()
     report: dict = {"shape": {"H": H, "I": I, "E": E, "topk": TOPK}, "threads": args.threads,

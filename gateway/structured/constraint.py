@@ -50,7 +50,8 @@ class Constraint(LazyCheck):
         # SQL: binds aliases and table qualifiers to FROM while decoding (sql_scope.py tracks scopes, sql_guard.py filters tokens)
         # JSON Schema and tool calls: keeps every number a finite double (json_numbers.py)
         self.guard_fallbacks = 0  # dead ends: the guard vetoed every token (the sequence ends with an error)
-        self.guard = (SQLScopeGuard.from_grammar(compiled.spec.source, tok) if compiled.spec.kind is ConstraintKind.SQL
+        self.guard = (SQLScopeGuard.from_grammar(compiled.spec.source, tok, max_tokens)  # (new names within the budget)
+                      if compiled.spec.kind is ConstraintKind.SQL
                       else FiniteNumberGuard(tok, compiled.spec.json_starts or ())
                       if compiled.spec.kind is ConstraintKind.JSON_SCHEMA
                       else FiniteNumberGuard(tok, compiled.spec.json_starts)

@@ -11,6 +11,7 @@ closed inside its token budget.
 
 from __future__ import annotations
 
+from .sql_functions import WINDOW
 from .sql_scope import _BARE, SQLScope, _Frame
 
 
@@ -86,23 +87,68 @@ def closing_texts(scope: SQLScope) -> list[str]:
     unbound: the longest first (the whole statement where the grammar stands after a complete operand),
     then each shorter prefix of it. Empty inside a string or quoted name and where a scope has not
     begun its SELECT (the search takes those steps first)."""
-    if scope.mode:
-        return []
-    texts, suffix = [], ""
+    return _closing(scope)[0]
+
+
+def closing_text(scope: SQLScope) -> str | None:
+    """The text that closes every open scope and parenthesis ("" where none is open), or None where
+    closing_texts cannot write one (a scope not begun, a name no FROM item can bind, inside quotes)."""
+    texts, whole = _closing(scope)
+    return (texts[0] if texts else "") if whole else None
+
+
+def _closing(scope: SQLScope) -> tuple[list[str], bool]:
+    """closing_texts, and whether the longest of them closes the whole statement."""
+    suffix = _quote_end(scope)
+    if suffix is None:
+        return [], False
+    texts = []
+    queried = False  # the scope below has its query written (by a CTE's `) SELECT 0`)
     for i in range(len(scope.stack) - 1, -1, -1):
         f = scope.stack[i]
-        if (f.scope and f.phase == "start") or f.fresh:
-            break
+        if f.scope and f.phase == "start" and not queried:
+            if (rest := _WITH_END.get(f.with_state)) is None:
+                return texts[::-1], False
+            cte = next(n for n in (f"c{k}" for k in range(1, 1000)) if n not in scope.ctes)
+            suffix += rest.format(cte=cte)
+        elif f.fresh and not f.scope and not f.func:  # nothing inside yet: a query (a value in an aggregate's)
+            suffix += "" if f.over else "0" if f.call else "SELECT 0"
         if f.scope and (f.pending or f.bare) and f.phase in ("select", "from"):
             items = _declarations(scope, f)
             if items is None:
-                break
+                return texts[::-1], False
             if items:
                 suffix += (" FROM " if f.phase == "select" else ", ") + ", ".join(items)
         if i:
-            suffix += ") SELECT 0" if f.cte is not None else ")"
-        if suffix:
+            suffix += ") SELECT 0" if f.cte is not None else _call_end(scope, f) if f.func else ")"
+        if suffix and (not texts or texts[-1] != suffix):
             texts.append(suffix)
-        if f.cte is not None:
-            break
-    return texts[::-1]
+        queried = f.cte is not None
+    return texts[::-1], True
+
+
+# what ends a WITH clause, by where it stands (SQLScope._with_word): a CTE's name is next, its AS, its body, the query
+_WITH_END = {"name": " {cte} AS (SELECT 0) SELECT 0", "as": " AS (SELECT 0) SELECT 0", "body": " (SELECT 0) SELECT 0",
+             "after": " SELECT 0"}
+
+
+def _quote_end(scope: SQLScope) -> str | None:
+    """The text that ends the string literal being written ("" outside one); None inside a quoted name (its
+    name is checked as it is written: the search writes it)."""
+    if not scope.mode:
+        return ""
+    if scope.mode == scope.string or (scope.words is not None and scope.pool is None and scope.word
+                                      and scope.mode in scope.words.strings):
+        return scope.mode  # (SQLite's "...": a string where it is not a column or a source)
+    return None
+
+
+def _call_end(scope: SQLScope, f: _Frame) -> str:
+    """`)` of a call with arity `f.func`: the arguments it still needs first (`, 0`; `0` where the one begun is
+    empty), and OVER () after a window function's (the grammar requires it; the scope guard refuses too few
+    arguments)."""
+    need = max(0, (scope.words.arity[f.func][0] if scope.words is not None else 0) - f.args)
+    empty = f is scope.stack[-1] and not scope.word and scope.at in ("(", ",")  # (after "," args counts it)
+    zeros = ["0"] * (need + (1 if empty and f.args else 0))
+    text = (", ".join(zeros) if empty else "".join(", " + z for z in zeros)) + ")"
+    return text + " OVER ()" if f.func in WINDOW else text

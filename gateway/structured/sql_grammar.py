@@ -48,6 +48,9 @@ _TYPES = ("integer", "int", "bigint", "real", "float", "double", "text", "numeri
 _PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # SQLite and MySQL also write LIMIT offset, count
 _LIMIT_COMMA = ("sqlite", "mysql")
+# Functions sqlglot parses with a syntax of their own (SUBSTRING(x FROM n), TRIM(BOTH c FROM x), DATE_PART): their
+# arguments are values, not predicates (`trim(a = 1)` does not parse); the scope guard's word check knows them too
+VALUE_ARGS = ("substring", "trim", "date_part")
 
 _KEYWORDS = (
     "select", "distinct", "from", "where", "group", "by", "having", "order", "limit", "offset",
@@ -206,18 +209,20 @@ def _function_rules(functions: tuple[str, ...], dialect: str) -> tuple[list[str]
     """`funcs` (calls without arguments, window functions with OVER, the rest) and each function's
     argument counts from sqlglot's parser for `dialect` (the scope guard enforces them: per-arity
     grammar rules multiply the parser's items past llguidance's limits)."""
-    groups: dict[str, list[str]] = {"FUNC_NONE": [], "FUNC_WINDOW": [], "FUNC": []}
+    groups: dict[str, list[str]] = {"FUNC_NONE": [], "FUNC_WINDOW": [], "FUNC_VALUE": [], "FUNC": []}
     arity: dict[str, list] = {}
     for f in functions:
         sig = signature(dialect, f)
         if f in AGGREGATES or sig is None or not _PLAIN.match(f) or f.lower() in _KEYWORDS:
             continue
         arity[f] = list(sig)
-        groups["FUNC_NONE" if sig == (0, 0) else "FUNC_WINDOW" if f in WINDOW else "FUNC"].append(f)
+        groups["FUNC_NONE" if sig == (0, 0) else "FUNC_WINDOW" if f in WINDOW
+               else "FUNC_VALUE" if f.lower() in VALUE_ARGS else "FUNC"].append(f)
     rules = {"FUNC_NONE": 'FUNC_NONE _O? "(" _O? ")"',
              "FUNC_WINDOW": 'FUNC_WINDOW _O? "(" _O? expr_list? _O? ")" over',
+             "FUNC_VALUE": 'FUNC_VALUE _O? "(" _O? sum_expr (_O? "," _O? sum_expr)* _O? ")"',
              "FUNC": 'FUNC _O? "(" _O? expr_list? _O? ")"'}
-    lines = ["funcs: " + " | ".join(rules[g] for g, names in groups.items() if names)]
+    lines = ["funcs: " + " | ".join(rules[g] for g, names in groups.items() if names)] if any(groups.values()) else []
     lines += [f"{g}: " + " | ".join(_lit(n) for n in sorted(names)) for g, names in groups.items() if names]
     return lines, arity
 
@@ -251,6 +256,8 @@ def sql_grammar(schema: DatabaseSchema, policy: SQLPolicy | None = None) -> str:
     lines.append("AGG: " + (" | ".join(_lit(f) for f in aggs) if aggs else '"\\u0000never"'))
     func_lines, arity = _function_rules(functions, dialect)
     lines += func_lines
+    if not func_lines:  # an allow-list of aggregates alone: no other call (an empty `funcs` would match nothing written)
+        lines[0] = lines[0].replace("\n    | funcs\n", "\n")
     lines.append('COUNT: "count"i' if "count" in functions else 'COUNT: "\\u0000never"')
     for kw in _KEYWORDS:
         lines.append(f"{kw.upper()}: {_lit(kw)}")
@@ -260,7 +267,7 @@ def sql_grammar(schema: DatabaseSchema, policy: SQLPolicy | None = None) -> str:
         "keywords": _KEYWORDS, "functions": list(functions),
         "before_operand": _BEFORE_OPERAND, "operand": _OPERAND_KEYWORDS,
         "after": _OPERAND_AFTER, "quotes": "".join(_QUOTES[dialect]),
-        "strings": "'" + ('"' if dialect in _STRINGS else ""), "arity": arity}))
+        "strings": "'" + ('"' if dialect in _STRINGS else ""), "arity": arity, "value_args": VALUE_ARGS}))
     return "\n".join(lines) + "\n"
 
 

@@ -11,7 +11,8 @@ import json
 
 import numpy as np
 
-from .sql_closing import closing_texts
+from .sql_budget import ANY, ClosingBudget
+from .sql_closing import closing_text, closing_texts
 from .sql_scope import _BANNED, _ID, SCHEMA_COMMENT, WORDS_COMMENT, SQLScope, SQLWords, WordPool, _Veto
 from .sql_tokens import (
     NONE,
@@ -38,16 +39,32 @@ def _trie_members(node: dict) -> np.ndarray:
 
 
 class SQLScopeGuard:
-    """Per-sequence guard: `consume` each generated token, `filter` each mask row, `allows_end`."""
+    """Per-sequence guard: `consume` each generated token, `filter` each mask row, `allows_end`. With
+    `max_tokens`, new names are admitted only while the tokens left cover closing the output after them
+    (sql_budget.py)."""
 
     def __init__(self, tables: dict[str, frozenset[str]], tokenizer: TokenizerInfo, fenced: bool,
-                 words: SQLWords | None = None) -> None:
+                 words: SQLWords | None = None, max_tokens: int | None = None) -> None:
         self.scope = SQLScope(tables, fenced, words)
         self.table = token_table(tokenizer)
         self.tokenizer = tokenizer
+        self._costs: dict[str, int] = {}  # closing text -> its tokens
+        if max_tokens is not None:
+            self.scope.left = max_tokens
+            self.scope.budget = ClosingBudget.for_tables(tables, self._closing_cost, lambda t: len(tokenizer.encode(t)))
+
+    def _closing_cost(self, scope: SQLScope) -> int | None:
+        """Tokens of the text that closes `scope` (sql_closing.closing_text), None where it has none."""
+        if (text := closing_text(scope)) is None:
+            return None
+        if (n := self._costs.get(text)) is None:
+            if len(self._costs) > 4096:
+                self._costs.clear()
+            n = self._costs[text] = len(self.tokenizer.encode(text))
+        return n
 
     @classmethod
-    def from_grammar(cls, grammar: str, tokenizer: TokenizerInfo) -> SQLScopeGuard | None:
+    def from_grammar(cls, grammar: str, tokenizer: TokenizerInfo, max_tokens: int | None = None) -> SQLScopeGuard | None:
         """The guard of an SQL grammar from sql_grammar.py (None for grammars without its tables line)."""
         at = grammar.find(SCHEMA_COMMENT)
         if at < 0:
@@ -57,7 +74,7 @@ class SQLScopeGuard:
         at = grammar.find(WORDS_COMMENT)
         words = (SQLWords.from_json(json.loads(grammar[at + len(WORDS_COMMENT):].split("\n", 1)[0]))
                  if at >= 0 else None)
-        return cls(tables, tokenizer, fenced='"\\n```"' in grammar, words=words)
+        return cls(tables, tokenizer, fenced='"\\n```"' in grammar, words=words, max_tokens=max_tokens)
 
     def _text(self, token: int) -> str:
         return self.table.texts[token] if token < len(self.table.texts) else ""
@@ -65,6 +82,8 @@ class SQLScopeGuard:
     def consume(self, token: int) -> None:
         with contextlib.suppress(_Veto):  # only reachable if a vetoed token was forced in; validation reports it
             self.scope.feed(self._text(token))
+        if self.scope.left is not None:
+            self.scope.left -= 1
 
     def allows(self, tokens: list[int], final: bool) -> bool:
         """Whether `tokens` (after the text so far) keep every qualifier bindable (and, `final`, bound)."""
@@ -295,6 +314,9 @@ class SQLScopeGuard:
                 base.feed(" ")
             except _Veto:  # those tokens are vetoed by the word check already
                 base = None
+        if base is not None and base.tier() != ANY:
+            sim[checks] = True  # a budget's pool (sql_budget.py) depends on the scopes the head opens: simulated
+            return NONE
         if base is not None:
             f = base._scope()
             comma = not (f.phase == "from" and base.stack[-1] is f)  # "," there starts a new source
@@ -330,13 +352,16 @@ class SQLScopeGuard:
                     continue
             if state.mode:
                 continue  # inside a string or a quoted name
+            new: frozenset[str] | None = frozenset()
             if any(f.scope and f.phase in ("start", "select") for f in state.stack):
-                continue  # any name may be bound later (its columns are checked as they are written)
+                # (the budget's tier where the word starts: here, or where the word being written did)
+                if (new := state.new_qualifiers(state.tier() if after_space else state.word_tier)) is None:
+                    continue  # any name may be bound later (its columns are checked as they are written)
             prefix = "" if after_space else state.word
             if prefix[:1].isdigit():  # a number's decimal point (not in an output position)
                 veto += [] if state.ordinal_ok(prefix + ".") else group.tolist()
                 continue
-            bound = {q for f in state.stack if f.scope for q in f.declared}
+            bound = {q for f in state.stack if f.scope for q in f.declared} | new  # (and those the budget admits)
             ok = np.zeros(len(tt.texts), dtype=bool)
             if not prefix:  # a "." after no word: a number's decimal point (`.5`)
                 ok[tt.quals.get("", NONE)] = True
@@ -369,6 +394,8 @@ class _PathStates:
             try:
                 for t in key[cut:]:
                     state.feed(self.guard._text(t))
+                    if state.left is not None:
+                        state.left -= 1
             except _Veto:
                 state = None
         self.states[key] = state

@@ -28,6 +28,8 @@ import functools
 import re
 from dataclasses import dataclass, field
 
+from .sql_budget import ANY, SCHEMA, ClosingBudget
+
 SCHEMA_COMMENT = "// moegate-sql-tables: "  # sql_grammar.py writes the tables it allows after this
 WORDS_COMMENT = "// moegate-sql-words: "  # and its keywords, functions and operand positions after this
 _ID = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
@@ -39,9 +41,13 @@ _AFTER_SOURCE = frozenset(("join", "inner", "left", "right", "full", "cross", "o
                            "having", "order", "limit", "union", "intersect", "except"))
 _WINDOW_WORDS = frozenset(("partition", "order", "rows", "range"))  # after "(" only in OVER (...)
 _AFTER_ALIAS = frozenset(("from",))
-_AFTER_SOURCE_ALIAS = _JOIN_WORDS | {"join", "on", "using"}
-_AFTER_USING = _JOIN_WORDS | {"join"}
+# after a FROM source's alias: a join (the grammar's join kinds), and ON / USING only where that source was joined
+_AFTER_SOURCE_ALIAS = frozenset(("inner", "left", "right", "full", "cross", "join"))
+_AFTER_USING = _AFTER_SOURCE_ALIAS
 _QUERY_WORDS = frozenset(("select", "with", "values"))
+# after an arithmetic or comparison operator, LIKE or BETWEEN the grammar wants a sum_expr: no NOT / EXISTS there
+_IN_SUM = frozenset(("=", "<", ">", "!", "+", "-", "*", "/", "%", "|", "like", "between"))
+_PREDICATE_WORDS = frozenset(("not", "exists"))
 _BANNED = ("where", "group", "having", "order", "limit", "union", "intersect", "except", "offset")
 
 
@@ -73,6 +79,8 @@ class _Frame:
     with_state: str = ""  # in WITH: name (a CTE name is next) | as | body | after
     over: bool = False  # the parenthesis of a window (OVER (...))
     func: str = ""  # the parenthesis of this function's arguments
+    call: bool = False  # the parenthesis of any call's arguments (an aggregate's too: no arity kept for those)
+    joined: bool = False  # in FROM: the source being read came after JOIN (so ON / USING may follow it)
     args: int = 0  # arguments begun so far
     items: int = 0  # items of its current SELECT list that ended
 
@@ -97,13 +105,16 @@ class SQLWords:
     arity: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # function -> (least, most) arguments
     quotes: str = '"`['  # characters that open a quoted name
     strings: str = "'"  # characters that open a string literal (in both: either, e.g. SQLite's ")
+    value_args: frozenset[str] = frozenset()  # functions whose arguments are values, not predicates
 
     @classmethod
     def from_json(cls, d: dict) -> SQLWords:
-        functions = frozenset(d["functions"])
-        return cls(frozenset(d["keywords"]), functions, frozenset(d["before_operand"]),
-                   frozenset(d["operand"]) | functions, {k: frozenset(v) for k, v in d["after"].items()},
-                   {f: tuple(a) for f, a in d.get("arity", {}).items()}, d.get("quotes", '"`['), d.get("strings", "'"))
+        functions, keywords = frozenset(d["functions"]), frozenset(d["keywords"])
+        # (a function named like a keyword, e.g. Postgres' RIGHT, is no call in the grammar: not an operand)
+        return cls(keywords, functions, frozenset(d["before_operand"]),
+                   frozenset(d["operand"]) | (functions - keywords), {k: frozenset(v) for k, v in d["after"].items()},
+                   {f: tuple(a) for f, a in d.get("arity", {}).items()}, d.get("quotes", '"`['), d.get("strings", "'"),
+                   frozenset(d.get("value_args", ())))
 
 
 @dataclass(frozen=True)
@@ -144,6 +155,11 @@ class SQLScope:
         self.derived: dict[str, frozenset[str]] = {}  # CTE names and "#n" derived tables -> columns
         self.ctes: set[str] = set()
         self.done = False  # the statement ended (the closing fence of a segment)
+        # the token budget (sql_budget.py): tokens the output may still take (None: no limit), and the rule
+        self.left: int | None = None
+        self.budget: ClosingBudget | None = None
+        self.dot_limit: frozenset[str] | None = None  # the columns `q.` may go on with where the budget narrows them
+        self.word_tier = ANY  # the budget's tier where the last word started (its qualifier keeps it)
 
     def clone(self) -> SQLScope:
         new = object.__new__(SQLScope)
@@ -169,6 +185,12 @@ class SQLScope:
 
     def _is_source(self, name: str) -> bool:
         return name in self.tables or name in self.ctes
+
+    def _at_source(self) -> bool:
+        """Where FROM expects a source: a double-quoted word there names a table (SQLite reads it as a string
+        only where a value may stand)."""
+        f = self._scope()
+        return f.phase == "from" and f.expect == "source" and self.stack[-1] is f and f.with_state in ("", "after")
 
     def _lookup(self, q: str) -> str | None:
         for f in reversed(self.stack):
@@ -333,7 +355,7 @@ class SQLScope:
             f.phase, f.declared, f.pending, f.bare, f.expect, f.items = "select", {}, {}, set(), "source", 0
             f.with_state = ""
         elif kw == "from" and f.phase == "select":
-            f.phase, f.expect = "from", "source"
+            f.phase, f.expect, f.joined = "from", "source", False
         elif kw in _CLAUSE_END and f.phase in ("select", "from") and level:
             self._end_scope(f)
         elif kw in ("union", "intersect", "except") and level:
@@ -386,7 +408,7 @@ class SQLScope:
             self._add_source(f, w, w)
             f.expect = "after_source"
         elif kw == "join":
-            f.expect = "source"
+            f.expect, f.joined = "source", True
         elif kw in ("on", "using") and f.expect in ("after_source", "aliased"):
             f.expect = kw  # (USING names a column of both sides)
         elif f.expect in ("on", "using", "aliased") or kw in _JOIN_WORDS:
@@ -415,6 +437,8 @@ class SQLScope:
         src = self._lookup(q)
         if src is None:
             src = q if self._is_source(q) else None
+        if src is None and self.dot_limit is not None and q == self.dot_q:  # (the budget: sql_budget.py)
+            return self.dot_limit if quoted else _bare(self.dot_limit, self._keywords())
         if src is None and not quoted:
             return None
         cols = self._cols(src) if src is not None else self._all_columns()
@@ -448,13 +472,18 @@ class SQLScope:
             return WordPool(bare({f.source_name}), frozenset())
         if at not in self.words.before_operand:
             return None
-        if not (f.phase == "after" or (f.phase == "from" and f.expect == "on")):
-            return None
-        if any(g.phase in ("start", "select") for g in scopes):
+        if not (f.phase in ("select", "after") or (f.phase == "from" and f.expect == "on")):
+            return None  # (not an operand: a CTE's name, a query's first keyword, a FROM source or alias)
+        # a scope before its FROM may bind new names: checked only where the token budget narrows them
+        budgeted = any(g.phase in ("start", "select") for g in scopes)
+        if budgeted and (tier := self.tier()) == ANY:
             return None
         # names that can be written unquoted (the others are not checked)
         cols = {c for g in scopes for src in g.declared.values() for c in self._cols(src)}
         ends = {c for c in bare(cols) if self._resolves(f, c)}
+        if budgeted:  # and those that add no FROM item, or (the SCHEMA tier) a short one
+            schema = {c for t in self.tables.values() for c in t} if tier == SCHEMA else set()
+            ends |= bare(self._host().bare | schema)
         if f.clause in ("group", "having", "order"):  # a SELECT-list alias
             ends |= bare(f.aliases)
         if quoted:
@@ -462,19 +491,45 @@ class SQLScope:
         after = self.words.after.get(at, frozenset())
         if at == "(" and not self.stack[-1].over:
             after = after - _WINDOW_WORDS
-        if at == "(" and self.stack[-1].func:  # a call's argument is an operand: `f((SELECT ...))`, not `f(SELECT`
+        if at == "(" and self.stack[-1].call:  # a call's argument is an operand: `f((SELECT ...))`, not `f(SELECT`
             after = after - _QUERY_WORDS
-        ends |= self.words.operand | after
+        in_sum = at in _IN_SUM or (at in ("(", ",") and self.stack[-1].func in self.words.value_args)
+        ends |= (self.words.operand - _PREDICATE_WORDS if in_sum else self.words.operand) | after
         quals = {q for g in scopes for q in g.declared}
+        if budgeted:
+            quals |= self.new_qualifiers(tier)
         return WordPool(frozenset(ends), bare(quals - ends))
 
     def _qualifier(self, q: str) -> None:
+        self.dot_limit = None
         if self._lookup(q) is None:
             if not any(f.scope and f.phase in ("start", "select") for f in self.stack):
                 raise _Veto(f"qualifier {q} is not bound")
+            if (names := self.new_qualifiers(self.word_tier)) is not None:  # (the tier where the word started)
+                if q not in names:
+                    raise _Veto(f"qualifier {q}: its FROM item would not fit in the tokens left")
+                if not self._is_source(q):  # only the columns it was used with (a new one lengthens its FROM item)
+                    self.dot_limit = frozenset(self._host().pending[q])
         self._item(self._scope(), "w", q)
         self._item(self._scope(), "p", ".")
         self.dot_q = q
+
+    def _host(self) -> _Frame | None:
+        """The innermost scope whose FROM is still to come (it binds new qualifiers and bare names)."""
+        return next((f for f in reversed(self.stack) if f.scope and f.phase in ("start", "select")), None)
+
+    def tier(self) -> int:
+        """What the token budget admits as a new name here (sql_budget.py): ANY where no scope before its FROM
+        could bind one or there is no budget."""
+        return ANY if self.budget is None or self._host() is None else self.budget.tier(self)
+
+    def new_qualifiers(self, tier: int) -> frozenset[str] | None:
+        """The undeclared names a `q.` may use at budget `tier` (sql_budget.py): None where any name may; else
+        those already pending in the scope that binds them (with a column), and at the SCHEMA tier the tables."""
+        if tier == ANY or (host := self._host()) is None:
+            return None
+        names = {q for q, cols in host.pending.items() if cols or self._is_source(q)}
+        return frozenset(names | set(self.tables) if tier == SCHEMA else names)
 
     def ordinal_ok(self, digits: str) -> bool:
         """Whether a number written here may begin with `digits`: a number that starts an ORDER BY or
@@ -512,7 +567,7 @@ class SQLScope:
                 len(parts) == 1 or parts[-2] in (("p", "."), ("p", ","))):  # after a `*` item: as after an alias
             return _AFTER_ALIAS
         if f.phase == "from" and f.expect == "aliased":
-            return _AFTER_SOURCE_ALIAS
+            return _AFTER_SOURCE_ALIAS | {"on", "using"} if f.joined else _AFTER_SOURCE_ALIAS
         if f.phase == "from" and f.expect == "using" and self.at == ")":  # the USING list closed
             return _AFTER_USING
         return None
@@ -550,7 +605,8 @@ class SQLScope:
         if self.mode:
             if ch == self.mode:
                 self.mode = ""
-                if self.words is not None and ch in self.words.strings and not self._is_column(self.word):
+                if (self.words is not None and ch in self.words.strings and not self._is_column(self.word)
+                        and not self._at_source()):
                     self.word, self.pool, self.at = "", None, ""  # a string literal (SQLite's rule)
                     self._item(self._scope(), "v", "'")
                     return
@@ -568,6 +624,7 @@ class SQLScope:
                 self.pool = None if ch.isdigit() else self.word_pool()
                 self.banned = () if ch.isdigit() or self.dot_q is not None else self._bans()
                 self.word_at = self.at
+                self.word_tier = self.tier()
             self.word += ch.lower()
             if self.word[:1].isdigit() and not self.ordinal_ok(self.word):
                 raise _Veto(f"ORDER BY / GROUP BY {self.word}: no such output column")
@@ -606,6 +663,7 @@ class SQLScope:
         elif ch in _QUOTE_CLOSE:
             self.mode, self.quoted = _QUOTE_CLOSE[ch], True
             self.word_at = before
+            self.word_tier = self.tier()
             # a name: a prefix of one that can be written here (a quote that may also open a string: any)
             either = self.words is not None and ch in self.words.strings
             self.pool = self.word_pool(before, quoted=True) if self.dot_q is None and not either else None
@@ -615,7 +673,8 @@ class SQLScope:
             source = f.phase == "from" and f.expect == "source" and self.stack[-1] is f
             self._item(f, "p", "(")
             frame = _Frame(scope=False, source=source, over=before == "over",
-                           func=before if self.words is not None and before in self.words.arity else "")
+                           func=before if self.words is not None and before in self.words.arity else "",
+                           call=self.words is not None and before in self.words.functions)
             if f.with_state == "body" and self.stack[-1] is f:
                 frame.cte, f.with_state = f.source_name, "after"
             self.stack.append(frame)
@@ -639,7 +698,7 @@ class SQLScope:
             if f.with_state == "after":
                 f.with_state = "name"
             elif f.phase == "from":
-                f.expect = "source"
+                f.expect, f.joined = "source", False
             elif f.phase == "select":
                 self._finish_item(f)
         elif ch == ";":

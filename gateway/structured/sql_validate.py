@@ -24,8 +24,7 @@ _FORBIDDEN_NAMES = (
     "Refresh", "Describe", "Kill", "Summarize", "Export", "Declare", "Execute", "Replace", "Vacuum",
 )
 # (a function node of the same name is not a statement: sqlglot's Replace is the string function REPLACE(x, a, b))
-_FORBIDDEN = tuple(getattr(exp, n) for n in _FORBIDDEN_NAMES
-                   if hasattr(exp, n) and not issubclass(getattr(exp, n), exp.Func))
+_FORBIDDEN = tuple(getattr(exp, n) for n in _FORBIDDEN_NAMES if hasattr(exp, n) and not issubclass(getattr(exp, n), exp.Func))
 _SYNTAX_FUNCS = (exp.Cast, exp.TryCast, exp.Case, exp.If, exp.Paren, exp.Connector, exp.Binary, exp.Unary, exp.Predicate)
 
 
@@ -56,7 +55,8 @@ def _check_sql(sql: str, schema: DatabaseSchema, policy: SQLPolicy | None) -> SQ
     dialect = policy.dialect
     try:
         statements = [s for s in sqlglot.parse(sql, read=dialect) if s is not None]
-    except (ParseError, sqlglot.errors.TokenError) as e:
+    except (ParseError, sqlglot.errors.TokenError, ValueError) as e:  # (ValueError: sqlglot's builders, e.g. an
+        # empty DATE_PART unit)
         raise SQLPolicyViolation("parse", f"not valid {dialect} SQL: {str(e).splitlines()[0][:200]}") from None
     if len(statements) != 1:
         raise SQLPolicyViolation("single_statement", f"expected exactly one statement, got {len(statements)}")

@@ -352,6 +352,7 @@ constexpr int kMaxMT = 4;
 #include "amx_bf16.h"
 #include "fp_zmm.h"
 #include "w8a8.h"
+#include "amx_int8.h"
 
 namespace {
 
@@ -372,6 +373,8 @@ template <int FMT, int R8>
 void zmm_fp_unit_rows(const Mat&, int64_t, int64_t, int64_t, const float* const*, float* const*, int) {}
 template <int FMT, int R8>
 void zmm_fp_unit_chunks(const Mat&, int64_t, int64_t, int64_t, const FpActs&, float* const*, int) {}
+template <int FMT, int R8>
+void amx_unit_rows(const Mat&, int64_t, int64_t, int64_t, const AmxActs&, float*, int64_t, int64_t) {}
 inline bool cpu_has_bf16_dot() { return false; }
 #endif
 
@@ -446,6 +449,14 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
                    scratch.take<int32_t>(n * ng), kp, ng};
   };
   const ZmmActs xi = interleaved(hp, ngh), hi = interleaved(ip, ngi);
+  // AMX int8 tiles (amx_int8.h) for experts with amx_int8_rows rows: their layer input rows gathered per sorted
+  // row (xg / xgsx / xgqs; the down input hq already is).
+  const bool amx = zmm && moegate::amx_int8_here();
+  const int64_t amx_rows = amx ? amx_min_rows(FMT).load(std::memory_order_relaxed) : 0;  // read once per call
+  auto amx_e = [&](int64_t e) { return amx && count[e + 1] - count[e] >= amx_rows; };
+  int8_t* xg = scratch.take<int8_t>(amx ? S * hp : 0);
+  float* xgsx = scratch.take<float>(amx ? S * ngh : 0);
+  float* xgqs = scratch.take<float>(amx ? S * ngh : 0);
   // bf16_a16: activations rounded to bf16 (both projections' inputs); on AMX tdpbf16ps (amx_bf16.h) or
   // vdpbf16ps also as bf16 bits (xbits / hbits, rows of even length; on AMX hbits rows and the per sorted row
   // copies xa of xbits whole 32-k chunks, zero-padded).
@@ -469,13 +480,20 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
     if (w4a8) quantize_row(&xp[t * hp], hp, P.gs, &xq[t * hp], &xsx[t * ngh], &xqs[t * ngh], &xn8[t * ngh]);
     if (FMT == BF16A) round_row_bf16(&xp[t * hp], hp, bits16 ? &xbits[t * xbl] : nullptr);
   });
-  pool.parallel_for(E, 1, interleave || fpz || amx16 ? prep : 1, [&](int64_t e) {
+  pool.parallel_for(E, 1, interleave || fpz || amx || amx16 ? prep : 1, [&](int64_t e) {
     if (amx16)
       for (int64_t r = count[e]; r < count[e + 1]; ++r) {
         std::memcpy(&xa[r * kah], &xbits[src_token[r] * xbl], sizeof(uint16_t) * xbl);
         std::fill(&xa[r * kah] + xbl, &xa[(r + 1) * kah], uint16_t(0));
       }
-    if constexpr (interleave)
+    if (amx_e(e))
+      for (int64_t r = count[e]; r < count[e + 1]; ++r) {
+        const int64_t t = src_token[r];
+        std::memcpy(&xg[r * hp], &xq[t * hp], hp);
+        std::memcpy(&xgsx[r * ngh], &xsx[t * ngh], sizeof(float) * ngh);
+        std::memcpy(&xgqs[r * ngh], &xqs[t * ngh], sizeof(float) * ngh);
+      }
+    else if constexpr (interleave)
       for (int64_t r = count[e]; r < count[e + 1]; ++r) {
         const int64_t t = src_token[r];
         xi.rows(count[e]).put(r - count[e], count[e + 1] - count[e], &xq[t * hp], &xsx[t * ngh], &xqs[t * ngh],
@@ -525,6 +543,9 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       // experts are contiguous runs of tiles: global tile = e * i8 + tile
       if (amx16) amx_bf16_unit_rows<2>(P.gu, e * P.i8, tile, P.i8, &xa[r0 * kah], kah, tmp[0], 16, n);
       else if (dot16) zmm_bf16_unit_rows<2>(P.gu, e * P.i8, tile, P.i8, br, orow, n);
+      else if (amx_e(e))
+        amx_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8,
+                              AmxActs{xg + r0 * hp, hp, xgsx + r0 * ngh, xgqs + r0 * ngh, ngh}, tmp[0], 16, n);
       else if constexpr (FMT == I8A8) w8a8_rows<2>(P.gu, e * P.i8, tile, P.i8, qr, sxr, qsr, orow, n);
       else if constexpr (zmm) zmm_unit_rows<FMT, 2>(P.gu, e * P.i8, tile, P.i8, xi.rows(r0), orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 2>(P.gu, e * P.i8 + tile, qr, sxr, qsr, orow, n);
@@ -547,7 +568,7 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       if constexpr (w4a8)
         for (int64_t r = count[e]; r < count[e + 1]; ++r) {
           quantize_row(&hb[r * hbuf], ip, P.gs, &hq[r * hbuf], &hsx[r * ngi], &hqs[r * ngi], &hn8[r * ngi]);
-          if constexpr (interleave)
+          if (interleave && !amx_e(e))
             hi.rows(count[e]).put(r - count[e], count[e + 1] - count[e], &hq[r * hbuf], &hsx[r * ngi],
                                   &hqs[r * ngi], &hn8[r * ngi]);
         }
@@ -588,6 +609,10 @@ int run(const Problem& P, const float* x, const int64_t* ids, const float* wts, 
       if (amx16)
         amx_bf16_unit_rows<1>(P.dn, e * P.h8, item, P.h8, &hbits[r0 * hbl], hbl, &y[r0 * ldy + tile * 8], ldy, n);
       else if (dot16) zmm_bf16_unit_rows<1>(P.dn, e * P.h8, item, P.h8, br, orow, n);
+      else if (amx_e(e))
+        amx_unit_rows<FMT, 1>(P.dn, e * P.h8, item, P.h8,
+                              AmxActs{hq + r0 * hbuf, hbuf, hsx + r0 * ngi, hqs + r0 * ngi, ngi}, &y[r0 * ldy + tile * 8],
+                              ldy, n);
       else if constexpr (FMT == I8A8) w8a8_rows<1>(P.dn, e * P.h8, item, P.h8, qr, sxr, qsr, orow, n);
       else if constexpr (zmm) zmm_unit_rows<FMT, 1>(P.dn, e * P.h8, item, P.h8, hi.rows(r0), orow, n);
       else if constexpr (w4a8) tile_rows_w4a8<FMT, 1>(P.dn, e * P.h8 + tile, qr, sxr, qsr, orow, n);
@@ -670,7 +695,9 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
   constexpr bool w4a8 = FMT == INT4 || FMT == INT4A || FMT == I8A8;  // int8 activations (W4A8, W8A8)
   const int64_t kp = A.kp, ng = w4a8 ? kp / A.gs : 0, ldo = n8 * 8;
   constexpr bool zmm = w4a8 && kZmm;  // an item is a unit of two tiles (w4a8_zmm.h, bf16_zmm.h, fp_zmm.h)
-  constexpr bool interleave = zmm && FMT != I8A8;
+  // AMX int8 tiles (amx_int8.h) from amx_int8_rows rows: the row-major int8 activations, not interleaved
+  const bool amx = zmm && moegate::amx_int8_here() && amx_int8_rows(FMT, M);
+  const bool interleave = zmm && FMT != I8A8 && !amx;
   // Padded copies, int8 activations and (zmm) their interleaved chunks from this thread's scratch.
   moegate::Scratch& scratch = moegate::Scratch::local();
   scratch.reset();
@@ -702,7 +729,7 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
     }
     if constexpr (w4a8) {
       quantize_row(&xp[m * kp], kp, A.gs, &xq[m * kp], &xsx[m * ng], &xqs[m * ng], &xn8[m * ng]);
-      if constexpr (interleave) xl.put(m, M, &xq[m * kp], &xsx[m * ng], &xqs[m * ng], &xn8[m * ng]);
+      if (interleave) xl.put(m, M, &xq[m * kp], &xsx[m * ng], &xqs[m * ng], &xn8[m * ng]);
     }
     if constexpr (FMT == BF16A) {
       round_row_bf16(&xp[m * kp], kp, bits16 ? &xbits[m * xbl] : nullptr);
@@ -747,7 +774,8 @@ void run_linear(const Mat& A, const float* x, float* out, int64_t M, int64_t K, 
     const int64_t tile = units ? 2 * item : item;
     float* orow[kRows];
     if (amx16) amx_bf16_unit_rows<1>(A, 0, item, n8, xbits.data(), xbl, out + tile * 8, ldo, (int)M);
-    for (int64_t m0 = 0; m0 < M && !amx16; m0 += kRows) {
+    if (amx) amx_unit_rows<FMT, 1>(A, 0, item, n8, AmxActs{xq, kp, xsx, xqs, ng}, out + tile * 8, ldo, M);
+    for (int64_t m0 = 0; m0 < M && !amx16 && !amx; m0 += kRows) {
       const int n = (int)std::min<int64_t>(kRows, M - m0);
       for (int i = 0; i < n; ++i) orow[i] = out + (m0 + i) * ldo + tile * 8;
       if (dot16) zmm_bf16_unit_rows<1>(A, 0, item, n8, &br[m0], orow, n);
@@ -884,10 +912,28 @@ int moegate_linear_first_max(const float* x, float* out, int64_t M, int64_t N, i
   return linear_dispatch(fmt, A, x, out, M, K, (N + 7) / 8, std::max(nthreads, 1), N, first_max);
 }
 
+// The lm_head with each row's pick among its first V columns (moegate_linear_race's work, below): the rows' race keys
+// hashed and their floors set, then the projection with the races scored by the threads that write the columns.
+static int linear_race(int64_t fmt, const Mat& A, const float* x, float* out, int64_t M, int64_t N, int64_t K,
+                       int nthreads, int64_t V, const float* temps, const uint64_t* keys, const uint64_t* counters,
+                       int64_t* picks, float* best) {
+  if (V < 0 || V > N) return -2;
+  std::vector<uint32_t> k0(M), k1(M);
+  std::unique_ptr<std::atomic<uint32_t>[]> floor(new std::atomic<uint32_t>[M]);
+  for (int64_t m = 0; m < M; ++m) {
+    race_key(keys[m], counters[m], &k0[m], &k1[m]);
+    floor[m].store(float_order(-std::numeric_limits<float>::infinity()), std::memory_order_relaxed);
+  }
+  const HeadRace race{temps, k0.data(), k1.data(), floor.get(), best};
+  return linear_dispatch(fmt, A, x, out, M, K, (N + 7) / 8, std::max(nthreads, 1), V, picks, &race);
+}
+
 // A decode step's two kernel calls in one: moegate_decode_stack over rows [0, T) (every layer and the final norm into
-// norm_out), then the lm_head (moegate_linear, or moegate_linear_first_max where pick is set) over the first n rows of
-// norm_out into logits, then the pool's helpers rest (no kernel call is coming before the next step). The arguments
-// are kept in one struct between steps (kernels/build.py DecodeStepArgs mirrors it), so a step passes T, n and pick.
+// norm_out), then the lm_head over the first n rows of norm_out into logits, then the pool's helpers rest (no kernel
+// call is coming before the next step). pick: 0 the lm_head alone (moegate_linear), 1 with each row's first largest
+// logit into first_max (moegate_linear_first_max), 2 with the rows' races over their first V logits into picks and
+// best (moegate_linear_race over the kept temps, keys and counters). The arguments are kept in one struct between
+// steps (kernels/build.py DecodeStepArgs mirrors it), so a step passes T, n, pick and V.
 // Returns the stack's code (-4: a slot or context outside the caches, nothing written), else -100 + the lm_head's.
 struct DecodeStepArgs {  // mirrored by kernels/build.py (ctypes): keep in sync
   const DecodeLayerParams* layers;
@@ -913,17 +959,26 @@ struct DecodeStepArgs {  // mirrored by kernels/build.py (ctypes): keep in sync
   const uint16_t* s;
   const uint16_t* mins;
   int64_t head_threads;
-  int64_t* first_max;  // [>= n] (pick)
+  int64_t* first_max;  // [>= n] (pick 1)
+  const float* temps;  // [>= n] each, pick 2: the race's inputs (temperature > 0 races), then its outputs
+  const uint64_t* keys;
+  const uint64_t* counters;
+  int64_t* picks;
+  float* best;
 };
 
-int moegate_decode_step(const DecodeStepArgs* a, int64_t T, int64_t n, int pick) {
+int moegate_decode_step(const DecodeStepArgs* a, int64_t T, int64_t n, int pick, int64_t V) {
   int rc = moegate_decode_stack(a->layers, a->L, a->x, T, a->cos, a->sin, a->k_caches, a->v_caches, a->slot_mapping,
                                 a->ctx_slots, a->ctx_start, a->ctx_len, a->topk_ids, a->counts, a->norm_w, a->norm_eps,
                                 a->norm_out, (int)a->nthreads, a->cache_slots, a->ctx_total);
   if (rc == 0) {
     const Mat A{a->w, a->s, a->mins, padded_k(a->K, a->fmt, a->gs), a->gs};
-    rc = linear_dispatch(a->fmt, A, a->norm_out, a->logits, n, a->K, (a->N + 7) / 8,
-                         std::max((int)a->head_threads, 1), pick ? a->N : 0, pick ? a->first_max : nullptr);
+    if (pick == 2)
+      rc = linear_race(a->fmt, A, a->norm_out, a->logits, n, a->N, a->K, (int)a->head_threads, V, a->temps, a->keys,
+                       a->counters, a->picks, a->best);
+    else
+      rc = linear_dispatch(a->fmt, A, a->norm_out, a->logits, n, a->K, (a->N + 7) / 8,
+                           std::max((int)a->head_threads, 1), pick ? a->N : 0, pick ? a->first_max : nullptr);
     if (rc != 0) rc -= 100;
   }
   moegate::WorkPool::instance().rest();
@@ -939,16 +994,8 @@ int moegate_linear_race(const float* x, float* out, int64_t M, int64_t N, int64_
                         const void* w, const uint16_t* s, const uint16_t* mins, int nthreads, int64_t V,
                         const float* temps, const uint64_t* keys, const uint64_t* counters, int64_t* picks,
                         float* best) {
-  if (V < 0 || V > N) return -2;
-  std::vector<uint32_t> k0(M), k1(M);
-  std::unique_ptr<std::atomic<uint32_t>[]> floor(new std::atomic<uint32_t>[M]);
-  for (int64_t m = 0; m < M; ++m) {
-    race_key(keys[m], counters[m], &k0[m], &k1[m]);
-    floor[m].store(float_order(-std::numeric_limits<float>::infinity()), std::memory_order_relaxed);
-  }
-  const HeadRace race{temps, k0.data(), k1.data(), floor.get(), best};
   const Mat A{w, s, mins, padded_k(K, fmt, gs), gs};
-  return linear_dispatch(fmt, A, x, out, M, K, (N + 7) / 8, std::max(nthreads, 1), V, picks, &race);
+  return linear_race(fmt, A, x, out, M, N, K, nthreads, V, temps, keys, counters, picks, best);
 }
 
 int moegate_is_avx2() {
@@ -974,9 +1021,23 @@ int moegate_path_limit(int level) {
 // AMX here (CPU and OS permission, whatever the limit): bit 0 AMX-INT8, bit 1 AMX-BF16.
 int moegate_has_amx() { return (moegate::amx_support().int8 ? 1 : 0) | (moegate::amx_support().bf16 ? 2 : 0); }
 
+// Rows of an expert or dense batch from which format `fmt` (int4, int4_asym, int8_a8) runs on AMX int8 tiles where
+// the CPU has them (amx_int8.h; the same bits as below it): set it where rows >= 1; returns the previous value.
+int moegate_amx_min_rows(int fmt, int rows) {
+  return rows >= 1 ? amx_min_rows(fmt).exchange(rows) : amx_min_rows(fmt).load();
+}
+
 // The SIMD path of this build, for logs and benchmark reports.
 const char* moegate_simd_path() {
 #if defined(MOEGATE_ZMM)
+  if (moegate::amx_int8_here() && amx_bf16_used())
+    return "avx512: W4A8 / W8A8 AMX int8 tiles (tdpbssd, 16 tokens x 16 rows) where an expert or batch has >= "
+           "moegate_amx_min_rows(fmt) rows (int8_a8: 32), else zmm vpdpbusd (16 rows x up to 8 tokens per weight "
+           "block), bf16_a16 AMX tdpbf16ps, fp32/bf16/int8 zmm fma (16 rows x up to 15 tokens per weight vector)";
+  if (moegate::amx_int8_here() && cpu_has_bf16_dot())
+    return "avx512: W4A8 / W8A8 AMX int8 tiles (tdpbssd, 16 tokens x 16 rows) where an expert or batch has >= "
+           "moegate_amx_min_rows(fmt) rows (int8_a8: 32), else zmm vpdpbusd (16 rows x up to 8 tokens per weight "
+           "block), bf16_a16 zmm vdpbf16ps, fp32/bf16/int8 zmm fma (16 rows x up to 15 tokens per weight vector)";
   if (amx_bf16_used())
     return "avx512: W4A8 / W8A8 zmm vpdpbusd (16 rows x up to 8 tokens per weight block), bf16_a16 AMX tdpbf16ps, "
            "fp32/bf16/int8 zmm fma (16 rows x up to 15 tokens per weight vector)";

@@ -5,6 +5,7 @@ at every step, and the same tokens end to end, in both profiles, alone and batch
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -73,9 +74,8 @@ def test_step_logits_equal_the_forward_over_a_batch(engine, mode, monkeypatch):
 def test_decode_rows_write_what_every_row_path_writes(engine, mode, monkeypatch):
     """A step of decodes whose contexts the last step wrote (`_decodes`: item by item through flat views) leaves the
     ids, positions, slots, contexts, RoPE and embedding rows the general path (`_inputs`) writes over them, batched
-    and alone; the tokens then follow from `test_step_logits_equal_the_forward_over_a_batch`."""
-    import numpy as np
-
+    and alone, and the races' inputs `_races` writes; the tokens then follow from
+    `test_step_logits_equal_the_forward_over_a_batch`."""
     runner, taken, compared = engine.runner, [], []
     decode_step = runner._decode_step
 
@@ -90,12 +90,19 @@ def test_decode_rows_write_what_every_row_path_writes(engine, mode, monkeypatch)
             decodes = step._decodes
 
             def both(chunks, blocks):
+                for a in (step._race_call.temps, step._race_call.keys, step._race_call.counters):
+                    a.fill(7)  # poisoned: the rows' race inputs are what `_decodes` writes
                 rows = decodes(chunks, blocks)
                 if rows is not None:
                     t = len(chunks)
                     taken.append(t)
                     got = inputs(step, t)
-                    assert step._inputs(chunks, blocks) == (t, *rows, True)
+                    race = step._race_call
+                    race_inputs = [a[:t].copy() for a in (race.temps, race.keys, race.counters)]
+                    assert step._inputs(chunks, blocks) == (t, *rows[:2], True)
+                    races = step._races(chunks)  # the races' inputs as the general path writes them
+                    assert rows[2] == races and (races is None or all(np.array_equal(a[:t], w) for a, w in zip(
+                        (race.temps, race.keys, race.counters), race_inputs, strict=True)))
                     want = inputs(step, t)
                     compared.append(all(np.array_equal(g, w) for g, w in zip(got[:3], want[:3], strict=True))
                                     and all(np.array_equal(g, w) for g, w in zip(got[3], want[3], strict=True)))
@@ -371,26 +378,38 @@ def test_jump_forward_steps_take_the_one_call_step():
     assert compared and all(compared)
 
 
+def _all_greedy(mode: str, tag: str) -> list:
+    """Three greedy requests of different lengths (batches of 3, 2 and 1 greedy decodes)."""
+    return [(f"{tag}-{i}", _prompt(6 + 5 * i, 20 + i), SamplingParams(max_tokens=5 + 3 * i, ignore_eos=True), mode)
+            for i in range(3)]
+
+
 @pytest.mark.parametrize("mode", ["exploration", "execution"])
-def test_one_call_step_equals_the_stack_and_lm_head_calls(engine, mode, monkeypatch):
-    """`moegate_decode_step` (`DecodeStepCall`: the stack, the lm_head and its picks in one call) writes the bits of
-    the stack's call followed by the lm_head's (`DecodeStackCall`, `LinearCall.picking`) on the same inputs, at every
-    step that takes it, batched and alone (the seeded rows with a top-k: a plain temperature row races in the lm_head's
-    own call instead); a new slot outside the caches raises DecodeSlotsError from it, nothing written."""
+@pytest.mark.parametrize("limit", [None, 300])
+def test_one_call_step_equals_the_stack_and_lm_head_calls(engine, mode, limit, monkeypatch):
+    """`moegate_decode_step` (`DecodeStepCall`: the stack, the lm_head and its picks or races in one call) writes the
+    bits of the stack's call followed by the lm_head's (`DecodeStackCall`, then `LinearCall.picking` or `HeadRaceCall`)
+    on the same inputs, its outputs poisoned first, at every step that takes it, batched and alone: greedy rows only,
+    temperature rows only, both, and seeded rows with a top-k (no race, no pick), over the whole vocabulary and under
+    a limit; a new slot outside the caches raises DecodeSlotsError from it, nothing written."""
     from kernels.bindings import DecodeSlotsError, DecodeStepCall
 
-    runner, compared, one_call = engine.runner, [], DecodeStepCall.__call__
+    runner, compared = engine.runner, []
+    one_call, one_race = DecodeStepCall.__call__, DecodeStepCall.racing
+    monkeypatch.setattr(engine, "vocab_limit", limit)
+    monkeypatch.setattr(runner, "vocab_limit", limit)
 
     def state(step, t, n):  # what the calls write: the hidden rows, KV, routing counts, normed rows, logits, picks
+        race = step._race_call
         return [step._x.clone(), *(b.clone() for kv in runner.layer_caches for b in kv),
                 *(f.packed.counts.clone() for f in step.stack.layers), step._normed[:t].clone(), step._logits[:n].clone(),
-                step._first_max[:n].clone()]
+                step._first_max[:n].clone(), torch.from_numpy(race.picks[:n].copy()),
+                torch.from_numpy(race.best[:n].copy())]
 
-    def both(call, t, n, pick):
+    def compare(call, t, n, kind, two_calls, the_call):
         step = next(s for s in runner._decode_steps.values() if s._step_call is call)
         before = state(step, t, n)
-        call.stack(t)
-        call.head.picking(n) if pick else call.head(n)
+        two_calls(step)
         want = state(step, t, n)
         inputs = [step._x, *(b for kv in runner.layer_caches for b in kv), *(f.packed.counts for f in step.stack.layers)]
         for buf, saved in zip(inputs, before, strict=False):  # the inputs as they were before the two calls
@@ -398,49 +417,83 @@ def test_one_call_step_equals_the_stack_and_lm_head_calls(engine, mode, monkeypa
         for out in (step._normed, step._logits):  # what the one call must write itself
             out.fill_(float("nan"))
         step._first_max.fill_(-1)
-        one_call(call, t, n, pick)
+        step._race_call.picks.fill(-1)
+        step._race_call.best.fill(np.nan)
+        the_call()
         got = state(step, t, n)
-        if not pick:  # the picks are not written then
-            got, want = got[:-1], want[:-1]
-        compared.append((t, all(torch.equal(g, w) for g, w in zip(got, want, strict=True))))
+        # the picks it writes: first_max (greedy), the race's picks and best (race), none
+        skip = {"greedy": (-2, -1), "race": (-3,), "none": (-3, -2, -1)}[kind[0]]
+        keep = [i for i in range(len(got)) if i - len(got) not in skip]
+        compared.append((t, kind[1], all(torch.equal(got[i], want[i]) for i in keep)))
+
+    def both(call, t, n, pick):
+        def two(step):
+            call.stack(t)
+            call.head.picking(n) if pick else call.head(n)
+
+        compare(call, t, n, ("greedy" if pick else "none", "greedy" if pick else "none"), two,
+                lambda: one_call(call, t, n, pick))
+
+    def racing(call, t, n, lim):
+        temps = call.race.temps[:n]
+        kind = "race" if (temps > 0).all() else "mixed"
+
+        def two(step):
+            call.stack(t)
+            call.race(n, lim)
+
+        compare(call, t, n, ("race", kind), two, lambda: one_race(call, t, n, lim))
 
     monkeypatch.setattr(DecodeStepCall, "__call__", both)
-    run_requests(engine, _requests(mode, f"one-{mode}", top_k=50))
-    assert {4, 3, 2, 1} <= {t for t, _ in compared}
-    assert all(ok for _, ok in compared)
+    monkeypatch.setattr(DecodeStepCall, "racing", racing)
+    run_requests(engine, _requests(mode, f"one-{mode}-{limit}"))  # greedy and temperature rows, then one alone
+    run_requests(engine, _all_greedy(mode, f"one-greedy-{mode}-{limit}"))
+    run_requests(engine, _requests(mode, f"one-topk-{mode}-{limit}", top_k=50))
+    seen = {(t, kind) for t, kind, _ in compared}
+    assert {(4, "mixed"), (3, "mixed"), (1, "race"), (3, "greedy"), (1, "greedy"), (1, "none")} <= seen, seen
+    assert all(ok for *_, ok in compared)
     monkeypatch.undo()
     step = runner._decode_steps[mode == "execution"]
     before = [t.clone() for kv in runner.layer_caches for t in kv]
     slot = int(step._ints[2, 0])
     step._ints[2, 0] = step._step_call.stack.slots_per_cache  # the first row's new slot past every cache
     try:
-        with pytest.raises(DecodeSlotsError, match="bad block table"):
-            step._step_call(1, 1, True)
+        for call in (lambda: step._step_call(1, 1, True), lambda: step._step_call.racing(1, 1, 100)):
+            with pytest.raises(DecodeSlotsError, match="bad block table"):
+                call()
     finally:
         step._ints[2, 0] = slot
     assert all(torch.equal(t, b) for t, b in zip((t for kv in runner.layer_caches for t in kv), before, strict=True))
 
 
-def test_racing_rows_take_the_lm_head_race_not_the_one_call(engine, monkeypatch):
-    """A step with a plain temperature row runs the stack's call, then the lm_head's call with the races (`_racing`),
-    never `moegate_decode_step`; the same steps with top-k rows (no race) take the one call."""
+def test_racing_rows_take_the_one_call(engine, monkeypatch):
+    """A step of decodes with a plain temperature row runs the stack, the lm_head and its races in one call
+    (`DecodeStepCall.racing`), never the stack's call then the racing lm_head's (`_racing`); its tokens are those of
+    the sampler's own race over the logits (the in-kernel picks off)."""
     from kernels.bindings import DecodeStepCall
 
     calls: list[str] = []
-    one_call, racing = DecodeStepCall.__call__, FusedDecodeStep._racing
+    one_race, racing, step_call = DecodeStepCall.racing, FusedDecodeStep._racing, FusedDecodeStep.__call__
 
-    def counted_one_call(call, *args):
+    def counted_one_race(call, *args):
         calls.append("one")
-        return one_call(call, *args)
+        return one_race(call, *args)
 
     def counted_racing(step, *args):
-        calls.append("race")
+        calls.append("two")
         return racing(step, *args)
 
-    monkeypatch.setattr(DecodeStepCall, "__call__", counted_one_call)
+    def stepped(step, chunks, blocks):
+        calls.append("decodes" if all(c.num_tokens == 1 for c in chunks) else "other")
+        return step_call(step, chunks, blocks)
+
+    monkeypatch.setattr(DecodeStepCall, "racing", counted_one_race)
     monkeypatch.setattr(FusedDecodeStep, "_racing", counted_racing)
-    run_requests(engine, _requests("exploration", "race-one"))  # a seeded row in every decode step
-    assert calls and set(calls) == {"race"}
-    calls.clear()
-    run_requests(engine, _requests("exploration", "race-none", top_k=50))
-    assert calls and set(calls) == {"one"}
+    monkeypatch.setattr(FusedDecodeStep, "__call__", stepped)
+    on = run_requests(engine, _requests("exploration", "race-one"))  # a seeded row in every decode step
+    decodes = [calls[i + 1] for i, c in enumerate(calls) if c == "decodes"]
+    assert decodes and set(decodes) == {"one"}
+    with monkeypatch.context() as m:
+        m.setattr(FusedDecodeStep, "pick_in_kernel", False)
+        off = run_requests(engine, _requests("exploration", "race-off"))
+    assert [on[f"race-one-{i}"] for i in range(4)] == [off[f"race-off-{i}"] for i in range(4)]

@@ -1,7 +1,8 @@
 """The plain temperature rows' races in the fused decode step's lm_head call (engine/models/fused_step.py `_races`,
-kernels/bindings.py HeadRaceCall) and the sampler's use of them (engine/sampler.py HeadPicks): the same tokens as the
-sampler's own race over the logits, batched with greedy, top-k and logits-processor rows, in both profiles, over the
-whole row and under a vocabulary limit; a pick whose draw or limit is not the row's own is not taken."""
+kernels/bindings.py HeadRaceCall) and the sampler's use of them (engine/sampler.py HeadPicks, `head_picks`): the same
+tokens as the sampler's own race over the logits, batched with greedy, top-k and logits-processor rows, in both
+profiles, over the whole row and under a vocabulary limit; a pick whose draw or limit is not the row's own is not
+taken."""
 
 from __future__ import annotations
 
@@ -75,3 +76,39 @@ def test_sampler_takes_a_head_pick_only_for_the_rows_own_draw_and_limit():
         s.noise_draws = 4
     inf = HeadPicks(fake, np.full(3, -np.inf, np.float32), draws, 50)
     assert isinstance(sample(logits, seqs, None, inf)[0], Exception)  # the head's non-finite best fails the row
+
+
+def test_kernel_picks_take_the_head_races_whole_or_not_at_all():
+    """`kernel_picks` over a HeadPicks (engine/sampler.py `head_picks`): every row plain greedy or raced with its
+    own next draw and the limit: the head's tokens, each raced row's draw used up once, as `sample` takes them; any
+    row that `sample` must decide (a stale draw, another limit, a non-finite best, a pick past the limit, a top-k
+    row): None and no draw used."""
+    from engine.sampler import LogitsView, kernel_picks
+
+    rng = np.random.default_rng(1)
+    logits = torch.from_numpy(rng.standard_normal((3, 50)).astype(np.float32))
+    params = [SamplingParams(temperature=0.7, seed=0), SamplingParams(), SamplingParams(temperature=1.1, seed=2)]
+    seqs = [Sequence(f"k{i}", [1], p) for i, p in enumerate(params)]
+    for i, s in enumerate(seqs):
+        s.noise_key, s.noise_draws = 200 + i, 3
+    tokens = np.array([race_sample_reference(logits[0].numpy(), 0.7, 200, 3)[0], int(logits[1].argmax()),
+                       race_sample_reference(logits[2].numpy(), 1.1, 202, 3)[0]], dtype=np.int64)
+    draws, zeros = [(200, 3), None, (202, 3)], np.zeros(3, np.float32)
+
+    def picks(tokens=tokens, best=zeros, draws=draws, limit=50, seqs=seqs):
+        return kernel_picks(LogitsView(logits), seqs, None, HeadPicks(tokens, best, draws, limit))
+
+    assert picks() == [[int(t)] for t in tokens]
+    assert [s.noise_draws for s in seqs] == [4, 3, 4]  # the raced rows' draws used up, the greedy row's not
+    for s in seqs:
+        s.noise_draws = 3
+    assert sample(logits, seqs, None, HeadPicks(tokens, zeros, draws, 50)) == tokens.tolist()
+    for s in seqs:
+        s.noise_draws = 3
+    stale, wide = [(200, 3), None, (202, 2)], np.array([tokens[0], 50, tokens[2]], dtype=np.int64)
+    top_k = [*seqs[:2], Sequence("k3", [1], SamplingParams(temperature=1.1, seed=2, top_k=5))]
+    top_k[2].noise_key, top_k[2].noise_draws = 202, 3
+    for kw in ({"draws": stale}, {"limit": 49}, {"best": np.array([0, 0, np.inf], np.float32)}, {"tokens": wide},
+               {"seqs": top_k}):
+        assert picks(**kw) is None, kw
+        assert [s.noise_draws for s in (*seqs, top_k[2])] == [3, 3, 3, 3]
