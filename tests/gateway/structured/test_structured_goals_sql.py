@@ -74,6 +74,7 @@ def test_a_policy_narrows_window_functions(tokinfo, dialect):
     ("sqlite", "SELECT T1.[T-CHO] FROM Laboratory AS T1"),
     ("sqlite", 'SELECT T1."T-CHO" FROM Laboratory AS T1'),
     ("sqlite", "SELECT `T-CHO` FROM `Laboratory`"),
+    ("sqlite", 'SELECT "T-CHO" FROM "Laboratory"'),
     ("postgres", 'SELECT t."T-CHO" FROM "laboratory" AS t'),
     ("mysql", "SELECT t.`T-CHO` FROM Laboratory AS t"),
 ])
@@ -90,7 +91,12 @@ def test_dialect_limit_forms(tokinfo, dialect, sql):
     assert _verdicts(tokinfo, sql, SQLPolicy(dialect=dialect, max_limit=None)) == (True, True), sql
 
 
-@pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
+@pytest.mark.parametrize("dialect", [
+    # main 80b95a4: a walk ends `WITH x AS (SELECT ... accounts.[NaMe] ...)), SELECT0 AS (SELECT 0) SELECT 0`:
+    # the CTE body's qualifier `accounts` is never declared (no FROM), yet grammar + guard accept the end
+    pytest.param("sqlite", marks=pytest.mark.xfail(strict=True, reason="a CTE body closed with an unbound qualifier")),
+    "postgres",
+])
 def test_random_walks_meet_no_dead_end(tokinfo, dialect):
     report = random_walks(tokinfo, DB, dialect, walks=12, max_tokens=96, seed=11)
     assert report.dead_ends == 0 and report.valid == report.finished, report.summary()
