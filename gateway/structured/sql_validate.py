@@ -3,6 +3,7 @@ functions, an enforced LIMIT, then transpiled to the target dialect."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -26,6 +27,9 @@ _FORBIDDEN_NAMES = (
 # (a function node of the same name is not a statement: sqlglot's Replace is the string function REPLACE(x, a, b))
 _FORBIDDEN = tuple(getattr(exp, n) for n in _FORBIDDEN_NAMES if hasattr(exp, n) and not issubclass(getattr(exp, n), exp.Func))
 _SYNTAX_FUNCS = (exp.Cast, exp.TryCast, exp.Case, exp.If, exp.Paren, exp.Connector, exp.Binary, exp.Unary, exp.Predicate)
+# A call's argument that sqlglot writes bare but cannot read back bare in every call: SQLite's SUBSTR(a OR b)
+# is written SUBSTRING(a OR b), which SUBSTRING's own FROM/FOR parser refuses.
+_BOOLEAN_ARGS = (exp.Connector, exp.Predicate, exp.Not)
 
 
 @dataclass
@@ -43,15 +47,24 @@ def _allowed_nodes(dialect: str, functions: tuple[str, ...]) -> frozenset[str]:
 
 
 def check_sql(sql: str, schema: DatabaseSchema, policy: SQLPolicy | None = None) -> SQLCheckResult:
-    """Validate one generated statement; raise SQLPolicyViolation(rule, detail) on any breach."""
+    """Validate one generated statement; raise SQLPolicyViolation(rule, detail) on any breach.
+
+    The result's `sql` (rewritten and transpiled, what the gateway returns) is checked again, in the target dialect:
+    a statement whose rewrite this check would refuse is refused itself (rule `transpile`)."""
+    policy = policy or SQLPolicy()
     try:
-        return _check_sql(sql, schema, policy)
+        result = _check_sql(sql, schema, policy)
+        again = dataclasses.replace(policy, dialect=policy.target_dialect or policy.dialect, target_dialect=None)
+        try:
+            _check_sql(result.sql, schema, again)
+        except SQLPolicyViolation as e:
+            raise SQLPolicyViolation("transpile", f"the rewritten query fails the check: {e.detail}") from None
+        return result
     except RecursionError:  # sqlglot's parser and walks recurse once per nesting level
         raise SQLPolicyViolation("parse", "nested too deeply to parse") from None
 
 
-def _check_sql(sql: str, schema: DatabaseSchema, policy: SQLPolicy | None) -> SQLCheckResult:
-    policy = policy or SQLPolicy()
+def _check_sql(sql: str, schema: DatabaseSchema, policy: SQLPolicy) -> SQLCheckResult:
     dialect = policy.dialect
     try:
         statements = [s for s in sqlglot.parse(sql, read=dialect) if s is not None]
@@ -108,6 +121,10 @@ def _check_sql(sql: str, schema: DatabaseSchema, policy: SQLPolicy | None) -> SQ
 
     if policy.max_limit is not None:
         tree = _enforce_limit(tree, policy.max_limit, rewrites)
+    for fn in list(tree.find_all(exp.Func)):
+        if not isinstance(fn, _SYNTAX_FUNCS):
+            for arg in [a for a in fn.iter_expressions() if isinstance(a, _BOOLEAN_ARGS)]:
+                arg.replace(exp.Paren(this=arg.copy()))
     target = policy.target_dialect or dialect
     return SQLCheckResult(tree.sql(dialect=target), tables, columns, rewrites)
 
