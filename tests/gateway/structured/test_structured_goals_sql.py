@@ -92,7 +92,7 @@ def test_dialect_limit_forms(tokinfo, dialect, sql):
 
 
 @pytest.mark.parametrize("dialect", [
-    # main 80b95a4: a walk ends `WITH x AS (SELECT ... accounts.[NaMe] ...)), SELECT0 AS (SELECT 0) SELECT 0`:
+    # main 80b95a4, 28fcbf8: a walk ends `WITH x AS (SELECT ... accounts.[NaMe] ...)), SELECT0 AS (SELECT 0) SELECT 0`:
     # the CTE body's qualifier `accounts` is never declared (no FROM), yet grammar + guard accept the end
     pytest.param("sqlite", marks=pytest.mark.xfail(strict=True, reason="a CTE body closed with an unbound qualifier")),
     "postgres",
