@@ -166,6 +166,7 @@ def grammar_schema(schema: dict | bool, close_open_objects: bool = True) -> Gram
         for key, value in sub.items():
             if key == "$ref" and isinstance(value, str) and not value.startswith("#"):
                 raise UnsupportedSchemaError("$ref", "#", f"remote reference {value!r} cannot be resolved", "llguidance")
+    written = {key for _, sub in walk(schema) for key in sub}  # reported: the caller's keywords, not a rewrite's
     out = copy.deepcopy(schema)
     if out.pop("x-guidance", None) is not None:  # an llguidance extension key, not JSON Schema
         report.note("the schema's x-guidance block is not applied: the gateway sets llguidance's options "
@@ -196,7 +197,7 @@ def grammar_schema(schema: dict | bool, close_open_objects: bool = True) -> Gram
                 report.set(f"format:{name}", method)
                 if method != GRAMMAR:
                     sub.pop(key)
-            elif key in LLGUIDANCE_KEYWORDS:
+            elif key in LLGUIDANCE_KEYWORDS and key in written:
                 report.set(key, GRAMMAR)
     report.note("numbers are finite doubles (a decoding guard bounds digits and exponents)")
     return GrammarSchema(normalise(out), report)

@@ -34,7 +34,8 @@ _DIALECT = {
     # https://www.postgresql.org/docs/current/functions.html (string, math, date/time, conditional, aggregate)
     "postgres": _COMMON_SCALAR + (
         "greatest", "least", "concat", "concat_ws", "left", "right", "lpad", "rpad", "reverse", "strpos",
-        "split_part", "char_length", "character_length", "octet_length", "initcap", "repeat", "md5",
+        "split_part", "char_length", "character_length", "octet_length", "initcap", "repeat", "md5", "ascii",
+        "translate", "regexp_replace", "starts_with",
         "to_char", "to_date", "to_timestamp", "to_number", "date_trunc", "date_part", "age",
         "make_date", "make_timestamp", "now", "log", "log10", "pi", "trunc", "div", "cbrt", "degrees",
         "radians", "string_agg", "array_agg", "bool_and", "bool_or", "every", "stddev", "stddev_pop",
