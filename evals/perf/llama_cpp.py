@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -90,11 +91,12 @@ def simd_flags(cache: Path = CACHE) -> dict:
 
 
 def run_bench(gguf: Path | str, prompt: int = 128, decode: int = 64, threads: int = 2, reps: int = 3,
-              cache: Path = CACHE) -> list[dict]:
+              cache: Path = CACHE, repack: bool = True) -> list[dict]:
     """`llama-bench -o json` on one file: one record per test (pp<prompt>, tg<decode>; tg starts at an empty
-    context, llama-bench's default depth 0)."""
+    context, llama-bench's default depth 0). `repack=False`: `--repack 0`, no extra weight buffers (llama.cpp's
+    AMX and repacked CPU layouts)."""
     cmd = [str(binary("llama-bench", cache)), "-m", str(gguf), "-p", str(prompt), "-n", str(decode),
-           "-t", str(threads), "-r", str(reps), "-o", "json", "--progress"]
+           "-t", str(threads), "-r", str(reps), "-o", "json", "--progress", *([] if repack else ["--repack", "0"])]
     _log(" ".join(["llama-bench", *cmd[1:]]))
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True).stdout  # progress on stderr
     return parse_bench_json(out)
@@ -176,12 +178,26 @@ def tensor_types(gguf: Path) -> dict[str, str]:
 
 def bench_peer(gguf: str, prompt: int, decode: int, threads: int, reps: int = 3, cache: Path = CACHE) -> dict:
     """One peer file through `llama-bench`: best and mean tok/s of prefill (pp<prompt>) and decode (tg<decode>).
-    "best" (the fastest repetition) pairs with moegate's best-of-3 timing."""
-    rows = {r["kind"]: r for r in run_bench(gguf, prompt, decode, threads, reps, cache)}
+    "best" (the fastest repetition) pairs with moegate's best-of-3 timing.
+
+    Where llama.cpp's default run dies of an illegal instruction (its AMX matmul, on CPUs and VMs where that
+    path faults: ggml-org/llama.cpp#20824, #28756), the file runs again with `--repack 0` (llama.cpp's plain
+    CPU path, its fastest working configuration there) and the record says so (`repack`, `default_failed`)."""
+    repack, failed = True, None
+    try:
+        found = run_bench(gguf, prompt, decode, threads, reps, cache)
+    except subprocess.CalledProcessError as exc:
+        if exc.returncode != -signal.SIGILL:
+            raise
+        failed = "SIGILL in llama.cpp's default run (extra weight buffers: AMX / repack)"
+        _log(f"{failed}; running {Path(gguf).name} again with --repack 0")
+        repack, found = False, run_bench(gguf, prompt, decode, threads, reps, cache, repack=False)
+    rows = {r["kind"]: r for r in found}
     pre, dec = rows["prefill"], rows["decode"]
     return {"prefill_tok_s": pre["best_tok_s"], "decode_tok_s": dec["best_tok_s"],
             "prefill_mean_tok_s": pre["tok_s"], "decode_mean_tok_s": dec["tok_s"], "llama_bench": [pre, dec],
-            "tensor_types": tensor_types(Path(gguf)), "file_bytes": Path(gguf).stat().st_size}
+            "tensor_types": tensor_types(Path(gguf)), "file_bytes": Path(gguf).stat().st_size,
+            "repack": repack, "default_failed": failed}
 
 
 # --- the rows: moegate precision profiles beside the peer file of the nearest precision ---

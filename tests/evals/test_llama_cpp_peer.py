@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import stat
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +114,27 @@ def test_bench_peer_runs_llama_bench_and_pairs_best_runs(tmp_path):
     assert matched[0]["peer_types"] == peer["tensor_types"]
     table = format_matched(matched)
     assert table.count("not measured") == 2 * sum(r.peer in ("Q8_0", "Q4_0-pure") for r in MATCHED)
+
+
+def test_bench_peer_runs_again_without_repack_where_the_default_dies_of_sigill(tmp_path):
+    """llama.cpp's AMX matmul faults on some CPUs / VMs: the default run killed by SIGILL, the file runs again
+    with --repack 0 and the record says so; any other failure still raises."""
+    cache = _fake_build(tmp_path)
+    script = cache / "build" / "bin" / "llama-bench"
+    script.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'argv'}\n"
+                      f"case \"$*\" in *'--repack 0'*) cat {SAMPLE};; *) kill -ILL $$;; esac\n")
+    gguf = _tiny_gguf(tmp_path / "m.gguf")
+    peer = llama_cpp.bench_peer(str(gguf), 128, 64, 2, reps=1, cache=cache)
+    argv = (tmp_path / "argv").read_text().split()
+    assert argv[argv.index("--repack") + 1] == "0"
+    assert peer["repack"] is False and "SIGILL" in peer["default_failed"]
+    rows = {r["kind"]: r for r in parse_bench_json(SAMPLE.read_text())}
+    assert peer["prefill_tok_s"] == rows["prefill"]["best_tok_s"]
+    script.write_text("#!/bin/sh\nexit 3\n")
+    with pytest.raises(subprocess.CalledProcessError):
+        llama_cpp.bench_peer(str(gguf), 128, 64, 2, reps=1, cache=cache)
+    fine = _fake_build(tmp_path / "fine")
+    assert llama_cpp.bench_peer(str(gguf), 128, 64, 2, reps=1, cache=fine)["repack"] is True
 
 
 def test_matched_rows_are_distinct_runs_on_known_peers():
