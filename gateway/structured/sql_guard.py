@@ -353,7 +353,7 @@ class SQLScopeGuard:
             if state.mode:
                 continue  # inside a string or a quoted name
             new: frozenset[str] | None = frozenset()
-            if any(f.scope and f.phase in ("start", "select") for f in state.stack):
+            if state._host() is not None:
                 # (the budget's tier where the word starts: here, or where the word being written did)
                 if (new := state.new_qualifiers(state.tier() if after_space else state.word_tier)) is None:
                     continue  # any name may be bound later (its columns are checked as they are written)

@@ -5,7 +5,8 @@ A CFG cannot tie `T1.name` in a SELECT list to the `FROM singer AS T1` that come
 grammar admits any alias and this guard binds them while decoding:
 
 - a qualifier (`q.`) must name an alias/table declared by the current or an enclosing scope, or
-  else is recorded as *pending* in the innermost scope whose FROM has not started yet (none: veto);
+  else is recorded as *pending* in the innermost scope still in its SELECT list (none: veto; never a
+  WITH clause's statement, whose FROM a CTE body cannot see);
 - the column after `q.` must be a column of q's table, checked on every character (a pending
   qualifier that is not a table's name: a column of some table, CTE or derived table known so far);
 - an unqualified name in a SELECT list before its FROM must be a column of some table, CTE or
@@ -391,12 +392,11 @@ class SQLScope:
         """An unqualified column (or, in GROUP BY/HAVING/ORDER BY, a SELECT-list alias) as an operand."""
         if f.phase == "from" and f.expect == "using":
             return  # USING (c): a column of both sides
-        if f.phase in ("start", "select"):
+        if f.phase == "select":
             f.bare.add(w)
         elif self._resolves(f, w) or (f.clause in ("group", "having", "order") and w in f.aliases):
             return
-        elif not self._matches(f, w) and (host := next((g for g in reversed(self.stack) if g.scope
-                                                         and g.phase in ("start", "select")), None)):
+        elif not self._matches(f, w) and (host := self._host()) is not None:
             host.bare.add(w)  # a column of an enclosing scope whose FROM is still to come
         else:
             raise _Veto(f"{w} is not one column of the tables in scope")
@@ -420,7 +420,7 @@ class SQLScope:
             f.expect, f.source_name = "aliased", None  # nothing but a join, ON/USING or an end may follow
 
     def _column(self, q: str, col: str, final: bool, quoted: bool = False) -> None:
-        host = next((f for f in reversed(self.stack) if f.scope and f.phase in ("start", "select")), None)
+        host = self._host()
         src = self._lookup(q)
         if src is None and host is None:
             raise _Veto(f"qualifier {q} is not bound")
@@ -475,7 +475,7 @@ class SQLScope:
         if not (f.phase in ("select", "after") or (f.phase == "from" and f.expect == "on")):
             return None  # (not an operand: a CTE's name, a query's first keyword, a FROM source or alias)
         # a scope before its FROM may bind new names: checked only where the token budget narrows them
-        budgeted = any(g.phase in ("start", "select") for g in scopes)
+        budgeted = self._host() is not None
         if budgeted and (tier := self.tier()) == ANY:
             return None
         # names that can be written unquoted (the others are not checked)
@@ -503,7 +503,7 @@ class SQLScope:
     def _qualifier(self, q: str) -> None:
         self.dot_limit = None
         if self._lookup(q) is None:
-            if not any(f.scope and f.phase in ("start", "select") for f in self.stack):
+            if self._host() is None:
                 raise _Veto(f"qualifier {q} is not bound")
             if (names := self.new_qualifiers(self.word_tier)) is not None:  # (the tier where the word started)
                 if q not in names:
@@ -515,8 +515,10 @@ class SQLScope:
         self.dot_q = q
 
     def _host(self) -> _Frame | None:
-        """The innermost scope whose FROM is still to come (it binds new qualifiers and bare names)."""
-        return next((f for f in reversed(self.stack) if f.scope and f.phase in ("start", "select")), None)
+        """The innermost scope whose FROM is still to come (it binds new qualifiers and bare names): one in its
+        SELECT list. Not a WITH clause's statement (phase start): its query's FROM cannot bind a CTE body's names,
+        and its SELECT starts a new scope."""
+        return next((f for f in reversed(self.stack) if f.scope and f.phase == "select"), None)
 
     def tier(self) -> int:
         """What the token budget admits as a new name here (sql_budget.py): ANY where no scope before its FROM
@@ -651,7 +653,7 @@ class SQLScope:
         if self.dot_q is not None and ch == "*":  # q.*: q must be bound like a qualified column
             q, self.dot_q = self.dot_q, None
             if self._lookup(q) is None:
-                host = next(g for g in reversed(self.stack) if g.scope and g.phase in ("start", "select"))
+                host = self._host()
                 host.pending.setdefault(q, set())
             self._item(f, "p", ch)
         elif ch == ".":

@@ -16,7 +16,7 @@ from gateway.structured.sql_closing import closing_text
 from gateway.structured.sql_grammar import sql_grammar, sql_spec
 from gateway.structured.sql_guard import SQLScopeGuard
 from gateway.structured.sql_schema import DatabaseSchema, SQLPolicy
-from gateway.structured.sql_scope import WORDS_COMMENT, SQLScope, SQLWords
+from gateway.structured.sql_scope import WORDS_COMMENT, SQLScope, SQLWords, _Veto
 from gateway.structured.sql_validate import check_sql
 
 DB = DatabaseSchema.from_mapping({"trades": ["id", "account_id", "symbol", "qty"], "accounts": ["id", "name"]})
@@ -52,6 +52,40 @@ def test_closing_text_closes_calls_strings_and_ctes(dialect, prefix):
     assert text is not None, prefix
     _scope(dialect, prefix + text).end()
     check_sql(prefix + text, DB, SQLPolicy(dialect=dialect))
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
+@pytest.mark.parametrize("prefix", [
+    "WITH c AS (SELECT accounts.name",  # before the body's FROM: the body binds it
+    "WITH c AS (SELECT t1.qty, name",
+    "WITH c AS (SELECT 1), d AS (SELECT symbol",
+])
+def test_a_cte_body_closes_with_its_own_from(dialect, prefix):
+    """A name a CTE body used before its FROM is bound by that body's FROM in the closing text, not left to the
+    statement's query (the word written last is ended first, as SQLScopeGuard.closing_moves does)."""
+    text = closing_text(_scope(dialect, prefix + " "))
+    assert text is not None and text.index(" FROM ") < text.index(")"), (prefix, text)
+    _scope(dialect, prefix + " " + text).end()
+    check_sql(prefix + " " + text, DB, SQLPolicy(dialect=dialect))
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
+@pytest.mark.parametrize("prefix", [
+    "WITH c AS (SELECT 1 WHERE accounts.",  # the walk's form: no FROM can follow WHERE
+    "WITH c AS (SELECT 1 WHERE name",
+    "WITH c AS (SELECT 1 FROM trades WHERE accounts.",
+    "WITH c AS (SELECT 1), d AS (SELECT 1 GROUP BY accounts.",
+    "WITH c AS (SELECT 1 WHERE EXISTS (SELECT 1 FROM trades WHERE accounts.",
+])
+def test_a_cte_body_past_its_from_binds_no_new_qualifier(dialect, prefix):
+    """Past a CTE body's FROM (or where it has none) an undeclared qualifier or column is refused: the statement's
+    query cannot bind it (its FROM is not in the body's scope). The scope guard recorded it as pending in the WITH
+    clause's scope, and the query's SELECT dropped it: the walk of test_structured_goals_sql.py finished
+    `WITH x AS (SELECT 1 WHERE accounts.[NaMe] ...), c1 AS (SELECT 0) SELECT 0`, which the validator refuses."""
+    with pytest.raises(_Veto):
+        _scope(dialect, prefix + " ")
+    inner = closing_text(_scope(dialect, "WITH c AS (SELECT 1 WHERE 1 IN (SELECT accounts.id "))
+    assert inner == " FROM accounts)) SELECT 0"  # (a subquery in the body still binds its own)
 
 
 def test_a_search_from_inside_a_string_takes_the_closing_text_first(tokinfo):
