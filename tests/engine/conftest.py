@@ -128,3 +128,32 @@ def drift(rows: torch.Tensor, base: torch.Tensor) -> tuple[float, float]:
     kl = torch.nn.functional.kl_div(rows.log_softmax(-1), base.log_softmax(-1), log_target=True,
                                     reduction="none").sum(-1)
     return kl.mean().item(), (rows.argmax(-1) == base.argmax(-1)).float().mean().item()
+
+
+def random_prompts(n: int, seed: int) -> list[list[int]]:
+    """`n` prompts of 4-29 ids in [1, 500), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 500, (int(torch.randint(4, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def format_drift(path, prompts, runs: dict[str, dict], steps: int = 8):
+    """Teacher-forced logits rows of each run (`fmt`: the routed experts' format, the rest LLM keyword arguments)
+    along the fp32 engine's greedy continuations, and each run's (KL, top-1) drift against the fp32 rows."""
+    from engine.experts import PlacementConfig
+    from engine.llm_engine import LLM
+    from engine.sampling_params import SamplingParams
+
+    args = dict(num_kv_blocks=128, block_size=8, progress=False)
+    exact = LLM(path, **args)
+    reference = [o.token_ids for o in exact.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))]
+    base = teacher_forced_rows(exact, prompts, reference)
+    rows, kl, top1 = {}, {}, {}
+    for name, run in runs.items():
+        cfg = dict(run)
+        fmt = cfg.pop("fmt")
+        llm = LLM(path, placement=PlacementConfig(fast_format=fmt, exact_format=fmt), **cfg, **args)
+        rows[name] = teacher_forced_rows(llm, prompts, reference)
+        kl[name], top1[name] = drift(rows[name], base)
+    print({name: (f"KL {kl[name]:.2e}", f"top-1 {top1[name]:.3f}") for name in runs})
+    return rows, kl, top1

@@ -8,37 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from engine.experts import PlacementConfig
-from engine.llm_engine import LLM
 from engine.models.causal_lm import QuantizedLMHead
-from engine.sampling_params import SamplingParams
-from tests.engine.conftest import drift, teacher_forced_rows
-
-STEPS = 8
-
-
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 500, (int(torch.randint(4, 30, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+from tests.engine.conftest import format_drift, random_prompts
 
 
 def test_w8a8_drift_against_fp32(hf_checkpoint):
     path = hf_checkpoint("qwen3_moe", num_experts_per_tok=4, num_hidden_layers=3)
-    prompts = _prompts(6, 61)
-    args = dict(num_kv_blocks=128, block_size=8, progress=False)
-    exact = LLM(path, **args)
-    reference = [o.token_ids for o in exact.generate(prompts, SamplingParams(max_tokens=STEPS, ignore_eos=True))]
-    base = teacher_forced_rows(exact, prompts, reference)
     runs = {"int8": dict(fmt="int8"), "int8_a8": dict(fmt="int8_a8"), "int4": dict(fmt="int4"),
             "int8_a8 + attention + lm_head": dict(fmt="int8_a8", fast_dense="int8_a8", fast_lm_head="int8_a8")}
-    rows, kl, top1 = {}, {}, {}
-    for name, cfg in runs.items():
-        fmt = cfg.pop("fmt")
-        llm = LLM(path, placement=PlacementConfig(fast_format=fmt, exact_format=fmt), **cfg, **args)
-        rows[name] = teacher_forced_rows(llm, prompts, reference)
-        kl[name], top1[name] = drift(rows[name], base)
-    print({name: (f"KL {kl[name]:.2e}", f"top-1 {top1[name]:.3f}") for name in runs})
+    rows, kl, top1 = format_drift(path, random_prompts(6, 61), runs)
     assert not torch.equal(rows["int8_a8"], rows["int8"])  # the activations really were quantized
     for name in ("int8", "int8_a8", "int8_a8 + attention + lm_head"):
         assert 0 < kl[name] <= 0.01 and top1[name] >= 0.9, name
