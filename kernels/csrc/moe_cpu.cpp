@@ -39,6 +39,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -1030,22 +1031,22 @@ int moegate_amx_min_rows(int fmt, int rows) {
 // The SIMD path of this build, for logs and benchmark reports.
 const char* moegate_simd_path() {
 #if defined(MOEGATE_ZMM)
-  if (moegate::amx_int8_here() && amx_bf16_used())
-    return "avx512: W4A8 / W8A8 AMX int8 tiles (tdpbssd, 16 tokens x 16 rows) where an expert or batch has >= "
-           "moegate_amx_min_rows(fmt) rows (int8_a8: 32), else zmm vpdpbusd (16 rows x up to 8 tokens per weight "
-           "block), bf16_a16 AMX tdpbf16ps, fp32/bf16/int8 zmm fma (16 rows x up to 15 tokens per weight vector)";
-  if (moegate::amx_int8_here() && cpu_has_bf16_dot())
-    return "avx512: W4A8 / W8A8 AMX int8 tiles (tdpbssd, 16 tokens x 16 rows) where an expert or batch has >= "
-           "moegate_amx_min_rows(fmt) rows (int8_a8: 32), else zmm vpdpbusd (16 rows x up to 8 tokens per weight "
-           "block), bf16_a16 zmm vdpbf16ps, fp32/bf16/int8 zmm fma (16 rows x up to 15 tokens per weight vector)";
-  if (amx_bf16_used())
-    return "avx512: W4A8 / W8A8 zmm vpdpbusd (16 rows x up to 8 tokens per weight block), bf16_a16 AMX tdpbf16ps, "
-           "fp32/bf16/int8 zmm fma (16 rows x up to 15 tokens per weight vector)";
-  if (cpu_has_bf16_dot())
-    return "avx512: W4A8 / W8A8 zmm vpdpbusd (16 rows x up to 8 tokens per weight block), bf16_a16 zmm vdpbf16ps, "
-           "fp32/bf16/int8 zmm fma (16 rows x up to 15 tokens per weight vector)";
-  return "avx512: W4A8 / W8A8 zmm vpdpbusd (16 rows x up to 8 tokens per weight block), fp32/bf16/int8/bf16_a16 zmm fma "
-         "(16 rows x up to 15 tokens per weight vector)";
+  // One sentence per state (AMX int8 on or off) x (bf16_a16 on AMX, on vdpbf16ps, on FMA), composed once.
+  static const std::vector<std::string> paths = [] {
+    std::vector<std::string> out;
+    for (const bool amx8 : {false, true})
+      for (const char* bf16 : {"fp32/bf16/int8/bf16_a16 zmm fma", "bf16_a16 zmm vdpbf16ps, fp32/bf16/int8 zmm fma",
+                               "bf16_a16 AMX tdpbf16ps, fp32/bf16/int8 zmm fma"})
+        out.push_back(std::string("avx512: W4A8 / W8A8 ") +
+                      (amx8 ? "AMX int8 tiles (tdpbssd, 16 tokens x 16 rows) where an expert or batch has >= "
+                              "moegate_amx_min_rows(fmt) rows (int8_a8: 32), else "
+                            : "") +
+                      "zmm vpdpbusd (16 rows x up to 8 tokens per weight block), " + bf16 +
+                      " (16 rows x up to 15 tokens per weight vector)");
+    return out;
+  }();
+  const int bf16 = amx_bf16_used() ? 2 : cpu_has_bf16_dot() ? 1 : 0;
+  return paths[(moegate::amx_int8_here() ? 3 : 0) + bf16].c_str();
 #elif defined(MOEGATE_VNNI)
   return "avx512: W4A8 ymm vpdpbusd";
 #elif defined(MOEGATE_AVX2)
